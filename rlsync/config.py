@@ -1,0 +1,115 @@
+"""The typed config tree.
+
+Hydra composes YAML from conf/ on top of the `Config` schema registered here, so a wrong type or an
+unknown key is rejected while composing. `to_config` turns the composed DictConfig into plain
+dataclasses once, at the entry point; the rest of the code only reads attributes of that tree
+(no `cfg.update` surprises: on a DictConfig that is the `update` method, not the node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+MIB = 2**20
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"  # label used in tables and run names
+    hidden_size: int = 256
+    intermediate_size: int = 512  # MLP width
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2  # grouped-query attention
+    head_dim: int = 64
+    vocab_size: int = 512  # >= 259 for the byte tokenizer; Qwen3 uses 151936
+    tie_word_embeddings: bool = True  # lm_head shares the embedding (sent once in the update)
+    max_position_embeddings: int = 40960
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    pretrained: Optional[str] = None  # local dir or hub id: load real weights + tokenizer instead
+
+
+@dataclass
+class UpdateConfig:
+    enabled: bool = True  # false: skip the update (baseline step; stale engine for the log-prob check)
+    bucket_mb: float = 512.0  # bucket size in MiB (512 = --update-weight-buffer-size 536870912)
+    strategy: str = "bucketed"  # bucketed: flat buffer per bucket | per_tensor: one copy per tensor
+    transport: str = "direct"  # direct: engine in the trainer's process
+    source: str = "device"  # device: from live trainer weights | host: from the offloaded copy
+    inflight_buckets: int = 1  # staging buffers in flight (2 overlaps pack and load)
+    verify: bool = False  # checksum every engine tensor against the trainer after each update
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"  # hf: transformers model with a KV cache
+    max_response_len: int = 32  # answers are cut here (tokens)
+    prompts_per_step: int = 4
+    samples_per_prompt: int = 4  # the GRPO group size (>= 2)
+    temperature: float = 1.0
+    dtype: str = "bfloat16"  # engine weights dtype
+    release_weights: bool = False  # engine frees its weights after generation; the update refills them
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 1e-5  # AdamW learning rate
+    dtype: str = "float32"  # parameter (master weight) dtype
+    micro_batch_size: int = 8  # sequences per forward/backward
+    clip_eps: float = 0.2  # PPO clip range of the ratio
+    kl_coef: float = 0.0  # > 0 keeps a frozen reference model and times its log-probs
+    offload: str = "full"  # full: params, grads, optimizer state to host after the step | none
+    grad_clip: float = 1.0  # max grad norm
+
+
+@dataclass
+class RunConfig:
+    steps: int = 6
+    warmup_steps: int = 2  # left out of every summary
+    seed: int = 0
+    device: str = "auto"  # auto: cuda when available, else cpu
+    verdict_threshold: float = 0.03  # update share of the step above which it is worth tuning
+    progress: bool = True  # progress bar over the steps
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline (sync later) | online | disabled
+    project: str = "rlsync"
+    entity: Optional[str] = None
+    group: Optional[str] = None  # default: the sweep (or run) directory name
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="rlsync_schema", node=Config)
+
+
+def to_config(dcfg: DictConfig) -> Config:
+    """Resolve the composed config and turn it into the typed dataclass tree."""
+    plain = OmegaConf.masked_copy(dcfg, [k for k in dcfg.keys() if k != "hydra"]) if "hydra" in dcfg else dcfg
+    typed = OmegaConf.merge(OmegaConf.structured(Config), plain)
+    return OmegaConf.to_object(typed)
+
+
+def to_dict(cfg: Config) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def bucket_bytes(cfg: UpdateConfig) -> int:
+    return int(cfg.bucket_mb * MIB)

@@ -1,0 +1,221 @@
+"""The step loop. Each step, as in a colocated GRPO run on one device:
+
+1. the rollout engine generates `samples_per_prompt` answers per prompt;
+2. the trainer is loaded back onto the device (onload, "wake up");
+3. the trainer computes log-probs of the sampled tokens, then trains one step;
+4. the trainer copies its new weights into the rollout engine (the weight update);
+5. the trainer moves its state to host memory (offload, "sleep").
+
+Every phase is timed with the device synchronized at its boundaries.
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from rlsync import summary as summaries
+from rlsync.config import Config, to_dict
+from rlsync.limits import Limits
+from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
+from rlsync.offload import Offloader
+from rlsync.rollout import HFEngine
+from rlsync.sinks import Console, MetricsFile, wandb_run, write_json
+from rlsync.sync import open_engine, plan_for, update_weights
+from rlsync.tasks import make_prompts, reward
+from rlsync.timing import Stopwatch
+from rlsync.trainer import Trainer, group_advantages
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def run_experiment(cfg: Config, run_dir: Path, *, name: str, group: str) -> dict:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with wandb_run(cfg.wandb, run_dir=run_dir, name=name, group=group, config=to_dict(cfg), job_type="run") as wb:
+        result = Experiment(cfg, run_dir).run(wb)
+    return result
+
+
+class Experiment:
+    def __init__(self, cfg: Config, run_dir: Path):
+        self.cfg, self.run_dir = cfg, run_dir
+        self.rows: list[dict] = []
+        self.status, self.error = "running", None
+        self.device = resolve_device(cfg.run.device)
+        self.setup_info: dict = {}
+
+    def run(self, wb) -> dict:
+        cfg = self.cfg
+        metrics_file = MetricsFile(self.run_dir)
+        console = Console(cfg.run.steps, enabled=cfg.run.progress, warmup_steps=cfg.run.warmup_steps)
+        engine = None
+        try:
+            engine = self.setup()
+            for step in range(cfg.run.steps):
+                row = {"step": step, **self.step(step, engine)}
+                self.rows.append(row)
+                metrics_file.write(row)
+                wb.log(row)
+                console.step(row)
+            self.status = "finished"
+        except BaseException as err:
+            self.status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+            self.error = f"{type(err).__name__}: {err}".splitlines()[0]
+            raise
+        finally:
+            console.close()
+            metrics_file.close()
+            if engine is not None:
+                engine.close()
+            result = self.write_summary()
+            wb.summarize(result)
+        print_closing(result)
+        return result
+
+    def setup(self):
+        """Build trainer and engine, measure the copy limits, do the first update, put the trainer to sleep."""
+        cfg, device = self.cfg, self.device
+        torch.manual_seed(cfg.run.seed)
+        self.rng = random.Random(cfg.run.seed)
+        self.sampler = torch.Generator().manual_seed(cfg.run.seed)
+        self.tokenizer = build_tokenizer(cfg.model)
+        allowed = self.tokenizer.allowed_ids(cfg.model.vocab_size)
+
+        t0 = time.perf_counter()
+        model = build_model(cfg.model, dtype=torch_dtype(cfg.trainer.dtype), device=device, seed=cfg.run.seed)
+        self.trainer = Trainer(model, cfg.trainer, allowed_ids=allowed, temperature=cfg.rollout.temperature)
+        self.offloader = Offloader(model, self.trainer.optimizer, mode=cfg.trainer.offload, device=device)
+        self.weights = named_weights(model)
+        engine_dtype = torch_dtype(cfg.rollout.dtype)
+        self.buckets = plan_for(self.weights, cfg.update, engine_dtype)
+        engine = open_engine(cfg.update, buckets=self.buckets, engine=HFEngine(
+            cfg.model, dtype=engine_dtype, device=device, allowed_ids=allowed,
+            eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id))
+        build_time = time.perf_counter() - t0
+
+        update_bytes = sum(b.nbytes for b in self.buckets)
+        read_bytes = sum(t.numel() * t.element_size() for t in self.weights.values())
+        self.limits = Limits(device, update_bytes=update_bytes, state_bytes=2 * read_bytes)
+        self.update_limit = self.limits.update_time(read_bytes, update_bytes)
+        engine.update_weights(self.weights)  # the engine starts from the trainer's weights
+        self.setup_info = {
+            "build_time": build_time, "update_bytes": update_bytes, "tensors": len(self.weights),
+            "params": sum(t.numel() for t in self.weights.values()), "buckets": len(self.buckets),
+            "limits": self.limits.as_dict(), "update_limit_time": self.update_limit,
+        }
+        # Training has not run yet, so there are no grads or optimizer state: the first sleep is cheap.
+        self.offloader.sleep()
+        return engine
+
+    def step(self, step: int, engine) -> dict:
+        cfg, watch = self.cfg, Stopwatch(self.device)
+        metrics: dict[str, float] = {}
+        with watch("step"):
+            prompts = make_prompts(cfg.rollout.prompts_per_step, rng=self.rng)
+            prompt_ids = [self.tokenizer.encode(p.text) for p in prompts for _ in range(cfg.rollout.samples_per_prompt)]
+            with watch("rollout"):
+                gen = engine.generate(prompt_ids, max_new_tokens=cfg.rollout.max_response_len,
+                                      temperature=cfg.rollout.temperature, generator=self.sampler).to(self.device)
+            answers = [self.tokenizer.decode(row[gen.response_mask[i].bool()].tolist())
+                       for i, row in enumerate(gen.sequences[:, gen.prompt_len:].cpu())]
+            targets = [p.target for p in prompts for _ in range(cfg.rollout.samples_per_prompt)]
+            rewards = torch.tensor([reward(a, t) for a, t in zip(answers, targets)])  # [batch]
+            advantages = group_advantages(rewards, cfg.rollout.samples_per_prompt).to(self.device)  # [batch]
+
+            with watch("wake_up"):
+                metrics["perf/wake_up_bytes"] = self.offloader.wake_up()
+            with watch("log_probs"):
+                old_logp = self.trainer.log_probs(gen)  # [batch, resp_len]
+            ref_logp = None
+            if self.trainer.reference is not None:
+                with watch("ref_log_probs"):
+                    ref_logp = self.trainer.log_probs(gen, reference=True)
+            with watch("train"):
+                metrics.update(self.trainer.train_step(gen, old_logp=old_logp, advantages=advantages, ref_logp=ref_logp))
+            if cfg.update.enabled:
+                with watch("update_weights"):
+                    metrics.update(update_weights(engine, self.weights, buckets=self.buckets, cfg=cfg.update,
+                                                  device=self.device, limit_time=self.update_limit))
+            with watch("sleep"):
+                metrics["perf/sleep_bytes"] = self.offloader.sleep()
+
+        mask = gen.response_mask.float()
+        # The update's own clock wins over the phase clock: the phase also holds the optional verification.
+        metrics = {**watch.totals("perf/{}_time"), **metrics}
+        metrics.update(self.offload_metrics(metrics))
+        metrics.update({
+            "rollout/reward_mean": rewards.mean().item(),
+            "rollout/response_len_mean": mask.sum(1).mean().item(),
+            "rollout/truncated_ratio": gen.truncated.float().mean().item(),
+            # engine vs trainer log-prob of the same sampled tokens: ~0 iff the last update landed
+            "train/logprob_abs_diff": ((gen.logprobs - old_logp).abs() * mask).sum().item() / mask.sum().item(),
+        })
+        return metrics
+
+    def offload_metrics(self, m: dict) -> dict:
+        out = {}
+        for phase, bandwidth in (("sleep", self.limits.to_host), ("wake_up", self.limits.to_device)):
+            nbytes, seconds = m.get(f"perf/{phase}_bytes", 0), m[f"perf/{phase}_time"]
+            if nbytes:
+                limit = nbytes / bandwidth
+                out.update({f"perf/{phase}_gbps": nbytes / seconds / 1e9, f"perf/{phase}_limit_time": limit,
+                            f"perf/{phase}_efficiency": limit / seconds})
+        return out
+
+    def write_summary(self) -> dict:
+        cfg = self.cfg
+        stats = summaries.stats_over(self.rows, cfg.run.warmup_steps)
+        share = summaries.shares(stats)
+        setup = {"transport": cfg.update.transport, "strategy": cfg.update.strategy, "bucket_mb": cfg.update.bucket_mb,
+                 "source": cfg.update.source, "device": str(self.device), "engine": cfg.rollout.engine,
+                 "max_response_len": cfg.rollout.max_response_len, "offload": cfg.trainer.offload}
+        measured = sum(1 for r in self.rows if r["step"] >= cfg.run.warmup_steps)
+        result = {
+            "kind": "run",
+            "status": self.status,
+            "error": self.error,
+            "steps_requested": cfg.run.steps,
+            "steps_finished": len(self.rows),
+            "warmup_steps": cfg.run.warmup_steps,
+            "measured_steps": measured,
+            "model": {"name": cfg.model.name, **{k: self.setup_info.get(k) for k in ("params", "tensors", "update_bytes")}},
+            "setup": setup,
+            "limits": self.setup_info.get("limits"),
+            "build_time": self.setup_info.get("build_time"),
+            "metrics": stats,
+            "share": share,
+            "verdict": summaries.verdict(share, stats, threshold=cfg.run.verdict_threshold, setup=setup),
+            "machine": machine_info(self.device),
+            "config": to_dict(cfg),
+        }
+        if measured < cfg.run.steps - cfg.run.warmup_steps:
+            result["warning"] = (f"only {measured} of {cfg.run.steps - cfg.run.warmup_steps} measured steps finished "
+                                 f"({self.status}): these numbers are partial")
+        write_json(self.run_dir / "summary.json", result)
+        return result
+
+
+def machine_info(device: torch.device) -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": torch.get_num_threads(), "device": str(device)}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def print_closing(result: dict) -> None:
+    out = sys.stdout
+    print(f"\nMeasured steps: {result['measured_steps']} (warm-up steps 0-{result['warmup_steps'] - 1} left out)", file=out)
+    print(summaries.closing_table(result["model"]["name"], result["metrics"], result["share"]), file=out)
+    if "warning" in result:
+        print(f"WARNING: {result['warning']}", file=out)
+    print(result["verdict"], file=out)

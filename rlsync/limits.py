@@ -1,0 +1,75 @@
+"""The physical floor, measured in the same run on the same machine.
+
+A copy cannot beat the memory (or link) bandwidth. We time a plain `dst.copy_(src)` over the
+same path the real transfer takes and report the real transfer as a ratio to it:
+
+- same device:  bandwidth = (bytes read + bytes written) / time, so a copy of N bytes moves 2N;
+- across devices (host <-> GPU): bandwidth = bytes / time, one direction.
+
+On a CPU-only machine the "device" is host memory and both formulas measure memcpy.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rlsync.timing import synchronize
+
+PROBE_CAP_BYTES = 1 << 30  # buffers above this give the same bandwidth; spare the memory
+
+
+def _best_copy_seconds(dst: torch.Tensor, src: torch.Tensor, repeats: int, budget_s: float = 0.5) -> float:
+    """Best of at least `repeats` copies, repeating for up to `budget_s`.
+
+    The first copies after an allocation can be 100x slow (page faults, in a VM also the host's),
+    so one or two tries are not enough to see the bandwidth.
+    """
+    devices = {dst.device, src.device}
+    dst.copy_(src)  # first touch and warm-up
+    best, spent, tries = float("inf"), 0.0, 0
+    while tries < repeats or (spent < budget_s and tries < 50):
+        tries += 1
+        for d in devices:
+            synchronize(d)
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        for d in devices:
+            synchronize(d)
+        elapsed = time.perf_counter() - start
+        best, spent = min(best, elapsed), spent + elapsed
+    return best
+
+
+def copy_bandwidth(nbytes: int, *, src: torch.device, dst: torch.device, repeats: int = 5) -> float:
+    """Bytes per second of a plain copy of about `nbytes` (capped) from `src` to `dst`."""
+    n = max(1 << 20, min(nbytes, PROBE_CAP_BYTES))
+    pin = src.type == "cpu" and dst.type == "cuda" or src.type == "cuda" and dst.type == "cpu"
+    a = torch.empty(n, dtype=torch.uint8, device=src, pin_memory=pin and src.type == "cpu")
+    a.fill_(1)
+    b = torch.empty(n, dtype=torch.uint8, device=dst, pin_memory=pin and dst.type == "cpu")
+    seconds = _best_copy_seconds(b, a, repeats)
+    moved = 2 * n if src == dst else n
+    return moved / seconds
+
+
+class Limits:
+    """Bandwidths measured once per run: the floor every phase is reported against."""
+
+    def __init__(self, device: torch.device, *, update_bytes: int, state_bytes: int):
+        self.device = device
+        self.device_copy = copy_bandwidth(update_bytes, src=device, dst=device)  # read + write
+        if device.type == "cuda":
+            host = torch.device("cpu")
+            self.to_host = copy_bandwidth(state_bytes, src=device, dst=host)  # payload, one direction
+            self.to_device = copy_bandwidth(state_bytes, src=host, dst=device)
+        else:  # host memory both sides: a copy of N payload bytes reads N and writes N
+            self.to_host = self.to_device = self.device_copy / 2
+
+    def update_time(self, read_bytes: int, written_bytes: int) -> float:
+        return (read_bytes + written_bytes) / self.device_copy
+
+    def as_dict(self) -> dict[str, float]:
+        return {"device_copy_gbps": self.device_copy / 1e9, "to_host_gbps": self.to_host / 1e9,
+                "to_device_gbps": self.to_device / 1e9}

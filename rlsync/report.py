@@ -1,0 +1,656 @@
+"""Many runs -> one comparison: a table, plots and a W&B copy of both.
+
+    python -m rlsync.report outputs/sweeps/2026-11-29_08-00-00            # a sweep (Hydra multirun)
+    python -m rlsync.report outputs/runs/A outputs/runs/B --out cmp/      # run directories
+    python -m rlsync.report SWEEP --no-wandb                               # local files only
+    python -m rlsync.report SWEEP --wandb-report                           # also a W&B Report (online)
+
+Everything is read back from the files each job leaves on disk (summary.json, metrics.jsonl,
+.hydra/), so a partly failed sweep still reports: Hydra skips `on_multirun_end` when a job fails.
+A job with metrics.jsonl but no summary.json is reported as "incomplete" (its medians computed here);
+a job with neither is listed under "Failed runs" with the error line of its log.
+
+Written next to the runs (the sweep directory, or the first PATH, or --out):
+report.md (the table, verdicts, fit, plots, failures), report.csv (the table's raw numbers) and the
+PNG plots of `report_plots`. Exit status: 0 when at least one run was reported, 1 when none was,
+3 when `--wandb-report` could not publish (the local report is written anyway).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+MIB = 2**20
+DEFAULT_WARMUP_STEPS = 2
+DEFAULT_VERDICT_THRESHOLD = 0.03  # update share of the step above which tuning it pays (design.md)
+
+# The step's phases in the order they run, as perf/<phase>_time stems (rlsync.summary.PHASES; the
+# engine_* and ref_log_probs phases only appear when the engine releases memory or a reference is kept).
+PHASES = ("rollout", "engine_release", "wake_up", "log_probs", "ref_log_probs", "train",
+          "update_weights", "sleep", "engine_resume")  # fmt: skip
+
+# report.csv columns: raw seconds, bytes and ratios (never formatted strings).
+CSV_FIELDS = (
+    "job", "overrides", "status", "model", "params", "transport", "strategy", "bucket_mb",
+    "device", "measured_steps",
+    "update_time_min", "update_time_median", "update_time_max",
+    "sleep_time_min", "sleep_time_median", "sleep_time_max",
+    "wake_up_time_min", "wake_up_time_median", "wake_up_time_max",
+    "rollout_time_median", "log_probs_time_median", "train_time_median", "step_time_median",
+    "engine_release_time_median", "ref_log_probs_time_median", "engine_resume_time_median",
+    "update_share", "update_efficiency_median", "update_limit_time_median", "update_gbps_median",
+    "update_bytes", "update_buckets_median", "update_peak_bytes_max",
+    "verdict",
+)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# What a run directory holds
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One job that measured at least one step (finished, interrupted or incomplete)."""
+
+    path: Path
+    job: str  # the job directory's name ("0", "1", ... in a sweep)
+    overrides: list[str]
+    status: str  # finished | interrupted | failed | incomplete (no summary.json)
+    error: Optional[str]
+    summary: dict[str, Any]  # summary.json, {} when missing
+    config: dict[str, Any]  # the resolved config (summary.json's, else .hydra/config.yaml)
+    stats: dict[str, dict[str, float]]  # metric -> {"median", "min", "max"} over measured steps
+    measured_steps: int
+    sweep: Optional[Path] = None
+
+    def cfg(self, dotted: str, default: Any = None) -> Any:
+        return dig(self.config, dotted, default)
+
+    def stat(self, metric: str, which: str = "median") -> Optional[float]:
+        return self.stats.get(metric, {}).get(which)
+
+
+@dataclass
+class Failure:
+    """A job that left no measurement, or whose summary says it failed."""
+
+    path: Path
+    job: str
+    overrides: list[str]
+    error: str
+    sweep: Optional[Path] = None
+
+
+@dataclass
+class Fit:
+    """Least squares of update time against bytes: time = fixed + bytes / bandwidth."""
+
+    fixed_s: float
+    seconds_per_byte: float
+    points: int
+    distinct_sizes: int
+
+    @property
+    def bandwidth_gbps(self) -> Optional[float]:
+        """GB/s (1e9 bytes); None when the time does not grow with bytes."""
+        return 1e-9 / self.seconds_per_byte if self.seconds_per_byte > 0 else None
+
+    def describe(self) -> str:
+        bw = self.bandwidth_gbps
+        bandwidth = f"{bw:.3g} GB/s" if bw else "not resolved (time does not grow with bytes)"
+        return (
+            f"update time = {fmt_seconds(self.fixed_s)} fixed + bytes / {bandwidth}"
+            f" (least squares over {self.points} runs, {self.distinct_sizes} update sizes)"
+        )
+
+
+@dataclass
+class ReportResult:
+    """What `write_report` found and wrote; `ok` when at least one run made it into the table."""
+
+    out_dir: Path
+    group: str
+    runs: list[Run] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # skipped plots, unreadable paths
+    fit: Optional[Fit] = None
+    wandb_line: Optional[str] = None  # one line on what happened with W&B logging
+    markdown_table: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.runs)
+
+
+def dig(tree: Any, dotted: str, default: Any = None) -> Any:
+    """tree["a"]["b"] for "a.b", or default when any level is missing."""
+    node = tree
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return default
+        node = node[key]
+    return default if node is None else node
+
+
+def read_json(path: Path) -> Optional[dict]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_yaml(path: Path) -> Any:
+    import yaml  # PyYAML, a dependency of omegaconf
+
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl rows; a torn last line (an interrupted write) is skipped."""
+    rows = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return rows
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def step_stats(rows: list[dict], warmup_steps: int) -> tuple[dict[str, dict[str, float]], int]:
+    """Median, min and max of every numeric metric over the steps >= warmup_steps."""
+    measured = [r for i, r in enumerate(rows) if r.get("step", i) >= warmup_steps]
+    values: dict[str, list[float]] = {}
+    for row in measured:
+        for key, value in row.items():
+            if key != "step" and is_number(value):
+                values.setdefault(key, []).append(float(value))
+    stats = {
+        key: {"median": statistics.median(vs), "min": min(vs), "max": max(vs)}
+        for key, vs in values.items()
+    }
+    return stats, len(measured)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def error_line(run_dir: Path) -> str:
+    """The last log line naming an error, else the last non-empty log line."""
+    for log in sorted(run_dir.glob("*.log"), key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            continue
+        if not lines:
+            continue
+        flagged = [ln for ln in lines if "Error" in ln or "Exception" in ln]
+        return strip_log_prefix((flagged or lines)[-1])
+    return "no summary.json, metrics.jsonl or log: the job did not start"
+
+
+def strip_log_prefix(line: str) -> str:
+    """Drop Hydra's "[time][logger][LEVEL] - " prefix."""
+    head, sep, rest = line.partition("] - ")
+    return rest if sep and head.startswith("[") else line
+
+
+def load_job(run_dir: Path, sweep: Optional[Path] = None) -> Run | Failure:
+    """Read one job directory into a Run (it measured something) or a Failure."""
+    summary = read_json(run_dir / "summary.json") or {}
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    config = summary.get("config") or read_yaml(run_dir / ".hydra" / "config.yaml") or {}
+    overrides = summary.get("overrides") or read_yaml(run_dir / ".hydra" / "overrides.yaml") or []
+    overrides = [str(o) for o in overrides] if isinstance(overrides, list) else []
+    if not summary and not rows:
+        return Failure(run_dir, run_dir.name, overrides, error_line(run_dir), sweep)
+
+    warmup = summary.get("warmup_steps", dig(config, "run.warmup_steps", DEFAULT_WARMUP_STEPS))
+    stats, measured = step_stats(rows, int(warmup))
+    for metric, agg in (summary.get("metrics") or {}).items():  # the runner's numbers win
+        if isinstance(agg, dict) and is_number(agg.get("median")):
+            stats[metric] = {k: float(v) for k, v in agg.items() if is_number(v)}
+    status = summary.get("status", "incomplete") if summary else "incomplete"
+    error = summary.get("error")
+    if status == "failed" and not stats:
+        return Failure(run_dir, run_dir.name, overrides, error or error_line(run_dir), sweep)
+    measured = summary.get("measured_steps", measured)
+    return Run(run_dir, run_dir.name, overrides, status, error, summary, config, stats, measured, sweep)
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding the runs
+# ----------------------------------------------------------------------------------------------
+
+
+def is_job_dir(path: Path) -> bool:
+    return any((path / name).exists() for name in (".hydra", "summary.json", "metrics.jsonl"))
+
+
+def is_sweep_dir(path: Path) -> bool:
+    """A Hydra multirun directory: numbered job subdirectories, no .hydra of its own."""
+    if (path / ".hydra").exists() or not path.is_dir():
+        return False
+    return any(child.name.isdigit() and is_job_dir(child) for child in path.iterdir())
+
+
+def sweep_jobs(sweep: Path) -> list[Path]:
+    """Every numbered subdirectory, even an empty one (a job that died before writing)."""
+    jobs = [child for child in sweep.iterdir() if child.is_dir() and child.name.isdigit()]
+    return sorted(jobs, key=lambda p: int(p.name))
+
+
+def collect(paths: Iterable[Path]) -> tuple[list[Run], list[Failure], list[Path], list[str]]:
+    """Runs, failures, the sweep directories seen, and notes on paths that held nothing."""
+    runs: list[Run] = []
+    failures: list[Failure] = []
+    sweeps: list[Path] = []
+    notes: list[str] = []
+    for path in paths:
+        if is_sweep_dir(path):
+            sweeps.append(path)
+            jobs = [(job, path) for job in sweep_jobs(path)]
+        elif path.is_dir() and is_job_dir(path):
+            jobs = [(path, None)]
+        else:
+            notes.append(f"{path}: not a run or sweep directory, skipped")
+            continue
+        for job_dir, sweep in jobs:
+            loaded = load_job(job_dir, sweep)
+            if isinstance(loaded, Failure):
+                failures.append(loaded)
+                continue
+            runs.append(loaded)
+            if loaded.status == "failed":  # measured some steps, then failed: both lists
+                failures.append(Failure(job_dir, job_dir.name, loaded.overrides, loaded.error or "failed", sweep))
+    return runs, failures, sweeps, notes
+
+
+def job_label(path: Path, sweep: Optional[Path], several_sweeps: bool) -> str:
+    """"3" inside one sweep; "<sweep>/3" when several sweeps are compared."""
+    return f"{sweep.name}/{path.name}" if sweep is not None and several_sweeps else path.name
+
+
+# ----------------------------------------------------------------------------------------------
+# The table
+# ----------------------------------------------------------------------------------------------
+
+
+def table_row(run: Run) -> dict[str, Any]:
+    """One run's numbers, raw (seconds, bytes, ratios), keyed by CSV_FIELDS (and a few extras)."""
+    setup = run.summary.get("setup") or {}
+    model = run.summary.get("model") or {}
+    row: dict[str, Any] = {
+        "job": run.job,
+        "overrides": " ".join(run.overrides),
+        "override_list": list(run.overrides),
+        "status": run.status,
+        "model": model.get("name") or run.cfg("model.name"),
+        "params": model.get("params"),
+        "transport": setup.get("transport") or run.cfg("update.transport"),
+        "strategy": setup.get("strategy") or run.cfg("update.strategy"),
+        "bucket_mb": setup.get("bucket_mb", run.cfg("update.bucket_mb")),
+        "device": setup.get("device") or run.cfg("run.device"),
+        "measured_steps": run.measured_steps,
+    }
+    for stem, name in (("update_weights", "update"), ("sleep", "sleep"), ("wake_up", "wake_up")):
+        for which in ("min", "median", "max"):
+            row[f"{name}_time_{which}"] = run.stat(f"perf/{stem}_time", which)
+    for phase in PHASES:  # medians of every phase, for the step breakdown
+        row[f"{phase}_time_median"] = run.stat(f"perf/{phase}_time")
+    row["step_time_median"] = run.stat("perf/step_time")
+    row["update_share"] = update_share(run)
+    row["update_efficiency_median"] = run.stat("perf/update_weights_efficiency")
+    row["update_limit_time_median"] = run.stat("perf/update_weights_limit_time")
+    row["update_gbps_median"] = run.stat("perf/update_weights_gbps")
+    row["update_bytes"] = run.stat("perf/update_weights_bytes") or model.get("update_bytes")
+    row["update_buckets_median"] = run.stat("perf/update_weights_buckets")
+    row["update_peak_bytes_max"] = run.stat("perf/update_weights_peak_bytes", "max")
+    row["verdict"] = verdict(run, row["update_share"])
+    return row
+
+
+def update_share(run: Run) -> Optional[float]:
+    share = run.summary.get("share") or {}
+    value = share.get("update_weights", run.summary.get("share/update_weights"))
+    if is_number(value):
+        return float(value)
+    update, step = run.stat("perf/update_weights_time"), run.stat("perf/step_time")
+    return update / step if update is not None and step else None
+
+
+def verdict(run: Run, share: Optional[float]) -> str:
+    """The runner's verdict; for a run without one, a line built from the share of the step."""
+    if run.summary.get("verdict"):
+        warning = run.summary.get("warning")
+        return f"{run.summary['verdict']} ({warning})" if warning else str(run.summary["verdict"])
+    prefix = "incomplete (no summary.json)" if run.status == "incomplete" else run.status
+    if share is None:
+        return f"{prefix}: {run.measured_steps} measured steps, no step time to compare with"
+    threshold = run.cfg("run.verdict_threshold", DEFAULT_VERDICT_THRESHOLD)
+    advice = "worth tuning" if share > threshold else "tune rollout and training first"
+    return f"{prefix}: update is {fmt_share(share)} of the step ({advice}; threshold {threshold:.0%})"
+
+
+def fit_update_time(rows: list[dict[str, Any]]) -> Optional[Fit]:
+    """time = fixed + bytes * seconds_per_byte over the runs' medians; needs >= 2 distinct sizes."""
+    points = [
+        (float(r["update_bytes"]), float(r["update_time_median"]))
+        for r in rows
+        if is_number(r.get("update_bytes")) and is_number(r.get("update_time_median"))
+    ]
+    sizes = {b for b, _ in points}
+    if len(sizes) < 2:
+        return None
+    n = len(points)
+    mean_b = sum(b for b, _ in points) / n
+    mean_t = sum(t for _, t in points) / n
+    var_b = sum((b - mean_b) ** 2 for b, _ in points)
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / var_b
+    return Fit(fixed_s=mean_t - slope * mean_b, seconds_per_byte=slope, points=n, distinct_sizes=len(sizes))
+
+
+# ----------------------------------------------------------------------------------------------
+# Formatting
+# ----------------------------------------------------------------------------------------------
+
+
+def time_unit(seconds: float) -> tuple[float, str, int]:
+    """Scale, unit and decimals that show `seconds` with about three significant digits."""
+    x = abs(seconds)
+    if x >= 0.1:
+        return 1.0, "s", 2 if x < 100 else 1  # "0.63 s", "152.6 s", as in the reference tables
+    scale, unit = (1e3, "ms") if x >= 1e-4 else (1e6, "µs")
+    magnitude = math.floor(math.log10(x * scale)) if x > 0 else 0
+    return scale, unit, max(0, 2 - magnitude)
+
+
+def fmt_seconds(x: Optional[float]) -> str:
+    if x is None:
+        return "n/a"
+    scale, unit, decimals = time_unit(x)
+    return f"{x * scale:.{decimals}f} {unit}"
+
+
+def fmt_range(lo: Optional[float], hi: Optional[float]) -> str:
+    """"0.63 to 0.66 s": both ends in the unit and precision of the larger one."""
+    if lo is None or hi is None:
+        return "n/a"
+    if lo == hi:
+        return fmt_seconds(lo)
+    scale, unit, decimals = time_unit(max(abs(lo), abs(hi)))
+    return f"{lo * scale:.{decimals}f} to {hi * scale:.{decimals}f} {unit}"
+
+
+def fmt_share(share: Optional[float]) -> str:
+    if share is None:
+        return "n/a"
+    pct = share * 100
+    return f"{pct:.1f} %" if pct >= 10 else f"{pct:.2f} %" if pct >= 0.01 else f"{pct:.1e} %"
+
+
+def fmt_efficiency(eff: Optional[float]) -> str:
+    """"0.82 (1.22x limit)": limit / time, and how many times the limit the update took."""
+    if eff is None or eff <= 0:
+        return "n/a"
+    return f"{eff:.2f} ({1 / eff:.2f}x limit)"
+
+
+def fmt_mib(nbytes: Optional[float]) -> str:
+    if nbytes is None:
+        return "n/a"
+    mib = nbytes / MIB
+    return f"{mib:.1f}" if mib >= 10 else f"{mib:.3g}"
+
+
+def fmt_bucket(bucket_mb: Any) -> str:
+    return f"{bucket_mb:g}" if is_number(bucket_mb) else "n/a" if bucket_mb is None else str(bucket_mb)
+
+
+TABLE_HEADER = (
+    "run", "model", "transport", "bucket (MiB)", "update", "offload (sleep)", "onload (wake_up)",
+    "step (median)", "update share", "efficiency (limit/time)", "peak update (MiB)",
+)  # fmt: skip
+
+
+def common_overrides(rows: list[dict[str, Any]]) -> list[str]:
+    """Overrides every run shares (with two runs or more): said once above the table."""
+    if len(rows) < 2:
+        return []
+    shared = set(rows[0]["override_list"]).intersection(*(r["override_list"] for r in rows[1:]))
+    return [o for o in rows[0]["override_list"] if o in shared]
+
+
+def run_label(row: dict[str, Any], common: Iterable[str] = ()) -> str:
+    """"3: model=qwen3_1p7b update.bucket_mb=512", leaving out the overrides all runs share."""
+    own = [o for o in row["override_list"] if o not in set(common)]
+    return f"{row['job']}: {' '.join(own)}" if own else row["job"]
+
+
+def table_cells(row: dict[str, Any], common: Iterable[str] = ()) -> list[str]:
+    run = run_label(row, common)
+    if row["status"] != "finished":
+        run += f" ({row['status']})"
+    return [
+        run,
+        str(row["model"] or "n/a"),
+        str(row["transport"] or "n/a"),
+        fmt_bucket(row["bucket_mb"]),
+        fmt_range(row["update_time_min"], row["update_time_max"]),
+        fmt_range(row["sleep_time_min"], row["sleep_time_max"]),
+        fmt_range(row["wake_up_time_min"], row["wake_up_time_max"]),
+        fmt_seconds(row["step_time_median"]),
+        fmt_share(row["update_share"]),
+        fmt_efficiency(row["update_efficiency_median"]),
+        fmt_mib(row["update_peak_bytes_max"]),
+    ]
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    def line(cells: Iterable[str]) -> str:
+        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+    common = common_overrides(rows)
+    out = [f"Overrides of every run: {' '.join(common)}", ""] if common else []
+    out += [line(TABLE_HEADER), line("---" for _ in TABLE_HEADER)]
+    out += [line(table_cells(row, common)) for row in rows]
+    return "\n".join(out)
+
+
+def machine_line(runs: list[Run]) -> str:
+    """Where the runs ran: summary.json's "machine" when the runner wrote it, else this machine."""
+    machines = [m for m in (run.summary.get("machine") for run in runs) if isinstance(m, dict)]
+    devices = sorted({str(table_row_device(r)) for r in runs}) or ["n/a"]
+    if machines:
+        first = machines[0]
+        gpus = sorted({str(m["gpu"]) for m in machines if m.get("gpu")})
+        line = (
+            f"Machine: {first.get('platform', 'n/a')}, {first.get('cpus', 'n/a')} CPU threads,"
+            f" torch {first.get('torch', 'n/a')}, device {', '.join(devices)}"
+        )
+        line += f" ({', '.join(gpus)})" if gpus else ""
+        hosts = {json.dumps(m, sort_keys=True) for m in machines}
+        return line + (" (first run's; the runs report different machines)." if len(hosts) > 1 else ".")
+    try:
+        from importlib.metadata import version
+
+        torch_version = version("torch")  # no `import torch`: the report stays quick
+    except Exception:
+        torch_version = "not installed"
+    return (
+        f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, torch {torch_version},"
+        f" device {', '.join(devices)} (the runs did not record theirs: this is the machine that wrote the report)."
+    )
+
+
+def table_row_device(run: Run) -> Any:
+    return (run.summary.get("setup") or {}).get("device") or run.cfg("run.device") or "n/a"
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+# ----------------------------------------------------------------------------------------------
+
+
+def write_markdown(path: Path, result: ReportResult, plots: list[Path], sources: list[Path]) -> None:
+    out = [f"# rlsync report: {result.group}", ""]
+    out += [machine_line(result.runs), ""]
+    out += [f"Sources: {', '.join(str(s) for s in sources)}. Written {datetime.now():%Y-%m-%d %H:%M:%S}.", ""]
+    out += [f"{len(result.runs)} runs reported, {len(result.failures)} failed.", ""]
+    out += ["## Runs", ""]
+    out += [
+        "Update, offload and onload: range over the measured steps (warm-up steps left out); "
+        "step: median; update share: of the median step; efficiency: median of "
+        "perf/update_weights_efficiency (the copy floor over the update time); "
+        "peak update: max of perf/update_weights_peak_bytes.",
+        "",
+    ]
+    out += [result.markdown_table if result.rows else "No run measured a step.", ""]
+    out += ["## Verdicts", ""]
+    out += [f"- **{run_label(row)}**: {row['verdict']}" for row in result.rows]
+    out += ["", "## Update time against bytes", ""]
+    out += [result.fit.describe() if result.fit else "No fit: it needs runs with at least two distinct update sizes.", ""]
+    out += ["## Plots", ""]
+    out += [f"![{p.stem.replace('_', ' ')}]({p.name})" for p in plots]
+    out += [f"- {note}" for note in result.notes]
+    out += ["", "## Failed runs", ""]
+    out += [f"- **{f.job}** ({' '.join(f.overrides) or 'defaults'}): {f.error}" for f in result.failures] or ["None."]
+    path.write_text("\n".join(out) + "\n")
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "" if row.get(k) is None else row[k] for k in CSV_FIELDS})
+
+
+def choose_out_dir(paths: list[Path], sweeps: list[Path], out_dir: Optional[Path]) -> Path:
+    if out_dir is not None:
+        return out_dir
+    if len(sweeps) == 1 and all(p == sweeps[0] for p in paths):
+        return sweeps[0]
+    return paths[0]
+
+
+def choose_group(runs: list[Run], out_dir: Path) -> str:
+    """The runs' W&B group, named as the runner names it: wandb.group, else the sweep (or run) directory."""
+    groups = {str(run.cfg("wandb.group") or (run.sweep or run.path).name) for run in runs}
+    return groups.pop() if len(groups) == 1 else out_dir.resolve().name
+
+
+def write_report(paths: Iterable[str | Path], out_dir: Optional[str | Path] = None, log_wandb: bool = True) -> ReportResult:
+    """Read every run under `paths`, write report.md, report.csv and the plots, log to W&B.
+
+    Never raises for a bad run or a W&B problem: those end up in `result.failures`, `result.notes`
+    and `result.wandb_line`. Nothing is written when no job directory is found at all.
+    """
+    from rlsync import report_plots
+
+    paths = [Path(p) for p in paths]
+    runs, failures, sweeps, notes = collect(paths)
+    out = choose_out_dir(paths, sweeps, Path(out_dir) if out_dir is not None else None)
+    result = ReportResult(out_dir=out, group=choose_group(runs, out), runs=runs, failures=failures, notes=notes)
+    if not runs and not failures:
+        return result
+
+    several = len(sweeps) > 1
+    for item in [*runs, *failures]:
+        item.job = job_label(item.path, item.sweep, several)
+    result.rows = [table_row(run) for run in runs]
+    result.markdown_table = markdown_table(result.rows)
+    result.fit = fit_update_time(result.rows)
+
+    out.mkdir(parents=True, exist_ok=True)
+    plots, skipped = report_plots.write_plots(result.rows, result.fit, out)
+    result.notes += skipped
+    write_markdown(out / "report.md", result, plots, paths)
+    write_csv(out / "report.csv", result.rows)
+    result.files = [out / "report.md", out / "report.csv", *plots]
+
+    if log_wandb and runs:
+        from rlsync import wandb_report
+
+        result.wandb_line = wandb_report.log_report_run(result)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m rlsync.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="+", type=Path, help="sweep directories and/or run directories")
+    parser.add_argument("--out", type=Path, default=None, help="where to write (default: the sweep, or the first PATH)")
+    parser.add_argument("--no-wandb", action="store_true", help="do not log the comparison to W&B")
+    parser.add_argument("--wandb-report", action="store_true", help="also publish a W&B Report (needs W&B online)")
+    return parser.parse_args(argv)
+
+
+def print_result(result: ReportResult) -> None:
+    print(f"rlsync report: {result.group} ({len(result.runs)} runs, {len(result.failures)} failed)")
+    if result.rows:
+        print(result.markdown_table)
+    if result.fit:
+        print(result.fit.describe())
+    for note in result.notes:
+        print(f"note: {note}")
+    for failure in result.failures:
+        print(f"failed: {failure.job} ({' '.join(failure.overrides) or 'defaults'}): {failure.error}")
+    if result.wandb_line:
+        print(result.wandb_line)
+    for path in result.files:
+        print(f"wrote {path}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    result = write_report(args.paths, out_dir=args.out, log_wandb=not args.no_wandb)
+    if not result.runs and not result.failures:
+        print(f"rlsync.report: no run directories found under {' '.join(map(str, args.paths))}", file=sys.stderr)
+        return 1
+    print_result(result)
+    if not result.ok:
+        print(f"rlsync.report: no run measured a step ({len(result.failures)} failed); see {result.out_dir / 'report.md'}", file=sys.stderr)
+        return 1
+    if args.wandb_report:
+        from rlsync import wandb_report
+
+        try:
+            url = wandb_report.publish_report(result)
+        except wandb_report.ReportUnavailable as exc:
+            print(f"rlsync.report: {exc}; the local report was written to {result.out_dir}", file=sys.stderr)
+            return 3
+        print(f"W&B report: {url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

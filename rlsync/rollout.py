@@ -1,0 +1,134 @@
+"""The rollout engine: its own copy of the weights (in the rollout dtype) and sampling with a KV cache.
+
+The engine never sees the trainer's tensors: the weight update writes into `engine.weights` by
+name (see rlsync/sync). Generation returns the sampled tokens and their log-probs under the
+engine's weights, which the trainer compares against its own (`train/logprob_abs_diff`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rlsync.config import ModelConfig
+
+
+@dataclass
+class Generation:
+    sequences: torch.Tensor  # [batch, prompt_len + response_len] left-padded prompt, then answer
+    attention_mask: torch.Tensor  # [batch, prompt_len + response_len] 1 on real tokens
+    response_mask: torch.Tensor  # [batch, response_len] 1 on sampled tokens (through EOS)
+    logprobs: torch.Tensor  # [batch, response_len] engine log-prob of each sampled token, fp32
+    prompt_len: int
+    truncated: torch.Tensor  # [batch] bool: hit max_response_len without EOS
+
+    def to(self, device: torch.device) -> "Generation":
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        return Generation(**moved)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, allowed: torch.Tensor, temperature: float):
+    """Log-prob of `tokens` under softmax(logits / T) restricted to `allowed` ids.
+
+    The trainer uses this same function, so engine and trainer score tokens identically.
+    """
+    scaled = logits.float() / (temperature if temperature > 0 else 1.0)  # [..., vocab]
+    scaled = scaled.masked_fill(~allowed, float("-inf"))
+    return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    return ids, mask
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """transformers renamed `past_key_values` to `cache`; accept both."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+class HFEngine:
+    """A transformers model in the rollout dtype, generating with a DynamicCache."""
+
+    def __init__(self, model_cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
+                 allowed_ids: torch.Tensor, eos_id: int, pad_id: int):
+        from transformers import Qwen3ForCausalLM
+
+        from rlsync.models import hf_config
+
+        config = hf_config(model_cfg)
+        config.dtype = dtype
+        with torch.device("meta"):
+            model = Qwen3ForCausalLM(config)
+        model.to_empty(device=device)  # storage only: the first weight update fills it
+        model.to(dtype)
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config).to(device)
+        model.tie_weights()
+        self.model = model.eval().requires_grad_(False)
+        self.device, self.dtype = device, dtype
+        self.allowed = allowed_ids.to(device)
+        self.eos_id, self.pad_id = eos_id, pad_id
+        self._cache_kw = cache_kwarg(model)
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Where updates land: the engine's parameters by name (tied ones once)."""
+        return dict(self.model.named_parameters())
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                 generator: torch.Generator) -> Generation:
+        from transformers import DynamicCache
+
+        ids, mask = left_pad(prompts, self.pad_id)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        batch = ids.shape[0]
+        cache = DynamicCache(config=self.model.config)
+        tokens, logps = [], []
+        finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        alive = []  # [batch] per step: 1 if the token at this step was sampled (not padding)
+        step_ids, step_pos, full_mask = ids, position_ids(mask), mask
+        for _ in range(max_new_tokens):
+            out = self.model(input_ids=step_ids, attention_mask=full_mask, position_ids=step_pos,
+                             use_cache=True, **{self._cache_kw: cache})
+            logits = out.logits[:, -1, :].float()  # [batch, vocab]
+            scaled = logits / (temperature if temperature > 0 else 1.0)
+            scaled = scaled.masked_fill(~self.allowed, float("-inf"))
+            logp_all = torch.log_softmax(scaled, dim=-1)
+            if temperature > 0:
+                sampled = torch.multinomial(logp_all.exp().cpu(), 1, generator=generator).squeeze(-1).to(self.device)
+            else:
+                sampled = logp_all.argmax(-1)
+            sampled = torch.where(finished, torch.full_like(sampled, self.pad_id), sampled)
+            alive.append(~finished)
+            tokens.append(sampled)
+            logps.append(logp_all.gather(-1, sampled.unsqueeze(-1)).squeeze(-1).masked_fill(finished, 0.0))
+            finished = finished | (sampled == self.eos_id)
+            if bool(finished.all()):
+                break
+            step_pos = step_pos[:, -1:] + 1
+            step_ids = sampled.unsqueeze(-1)
+            full_mask = torch.cat([full_mask, torch.ones_like(full_mask[:, :1])], dim=-1)
+
+        response = torch.stack(tokens, dim=1)  # [batch, response_len]
+        response_mask = torch.stack(alive, dim=1).long()  # [batch, response_len]
+        return Generation(
+            sequences=torch.cat([ids, response], dim=1),
+            attention_mask=torch.cat([mask, response_mask], dim=1),
+            response_mask=response_mask,
+            logprobs=torch.stack(logps, dim=1),
+            prompt_len=ids.shape[1],
+            truncated=~finished,
+        )

@@ -1,0 +1,65 @@
+"""From per-step metrics to a run's summary: medians after warm-up, shares of the step, the verdict."""
+
+from __future__ import annotations
+
+import statistics
+
+# The step's phases in the order they run; each is timed as perf/<phase>_time.
+PHASES = ("rollout", "engine_release", "wake_up", "log_probs", "ref_log_probs", "train",
+          "update_weights", "sleep", "engine_resume")
+
+
+def stats_over(rows: list[dict], warmup_steps: int) -> dict[str, dict[str, float]]:
+    """Per numeric metric: median, min and max over the steps from `warmup_steps` on."""
+    measured = [r for r in rows if r["step"] >= warmup_steps]
+    keys = sorted({k for r in measured for k, v in r.items() if k != "step" and isinstance(v, (int, float))})
+    out = {}
+    for key in keys:
+        values = [r[key] for r in measured if isinstance(r.get(key), (int, float))]
+        if values:
+            out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return out
+
+
+def shares(stats: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Each phase's median over the median step."""
+    step = stats.get("perf/step_time", {}).get("median")
+    if not step:
+        return {}
+    return {p: stats[f"perf/{p}_time"]["median"] / step for p in PHASES if f"perf/{p}_time" in stats}
+
+
+def verdict(share: dict[str, float], stats: dict, *, threshold: float, setup: dict) -> str:
+    if "update_weights" not in share:
+        return "No measured step timed the weight update: nothing to judge."
+    update = share["update_weights"]
+    others = {p: s for p, s in share.items() if p != "update_weights"}
+    largest = max(others, key=others.get) if others else "update_weights"
+    if update < threshold:
+        return (f"The weight update is {update:.1%} of the step (under {threshold:.0%}): not the step to tune; "
+                f"the largest phase is {largest} ({others.get(largest, 0):.0%} of the step).")
+    efficiency = stats.get("perf/update_weights_efficiency", {}).get("median")
+    at_limit = f", at {efficiency:.2f} of the copy limit" if efficiency else ""
+    return (f"The weight update is {update:.1%} of the step (over {threshold:.0%}): worth tuning. This run used "
+            f"transport={setup['transport']}, strategy={setup['strategy']}, bucket {setup['bucket_mb']:g} MiB "
+            f"({stats['perf/update_weights_buckets']['median']:.0f} buckets){at_limit}.")
+
+
+def seconds_range(stats: dict, key: str) -> str:
+    s = stats.get(key)
+    if not s:
+        return "n/a"
+    return f"{s['min']:.3g} to {s['max']:.3g} s" if s["min"] != s["max"] else f"{s['min']:.3g} s"
+
+
+def closing_table(model: str, stats: dict, share: dict) -> str:
+    header = ["model", "weight update", "trainer offload", "trainer onload", "step", "update share of step"]
+    row = [
+        model,
+        seconds_range(stats, "perf/update_weights_time"),
+        seconds_range(stats, "perf/sleep_time"),
+        seconds_range(stats, "perf/wake_up_time"),
+        seconds_range(stats, "perf/step_time"),
+        f"{share['update_weights']:.1%}" if "update_weights" in share else "n/a",
+    ]
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header), "| " + " | ".join(row) + " |"])

@@ -1,0 +1,363 @@
+"""The sweep report (rlsync.report): table, CSV, plots, W&B run and W&B Report, all offline.
+
+The runs here are fake job directories written the way the runner writes them (summary.json,
+metrics.jsonl, .hydra/), so the tests are fast and do not depend on the runner.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PLOTS = ("update_time_vs_bucket.png", "update_time_vs_bytes.png", "step_breakdown.png", "peak_memory_vs_bucket.png")
+MODELS = {"tiny": 5_000_000, "small": 20_000_000}  # name -> update bytes
+BUCKETS = (1.0, 4.0)  # MiB
+STEPS, WARMUP = 6, 2
+ERROR_LINE = "ValueError: update.strategy must be one of bucketed, per_tensor (got 'banana')"
+
+
+# ----------------------------------------------------------------------------------------------
+# Fake job directories
+# ----------------------------------------------------------------------------------------------
+
+
+def step_metrics(step: int, update_bytes: int, bucket_mb: float) -> dict:
+    """One metrics.jsonl row; the warm-up steps are slower, as in the reference runs."""
+    slow = 3.0 if step < WARMUP else 1.0
+    jitter = 1 + 0.01 * step
+    update = (0.002 + update_bytes / 5e9) * jitter * slow
+    phases = {
+        "rollout": 0.8 * jitter,
+        "wake_up": 0.05 * slow * jitter,
+        "log_probs": 0.1 * jitter,
+        "train": 0.3 * jitter,
+        "update_weights": update,
+        "sleep": 0.06 * slow * jitter,
+    }
+    row = {"step": step, "perf/step_time": sum(phases.values()) + 0.01}
+    row.update({f"perf/{name}_time": t for name, t in phases.items()})
+    limit = update_bytes * 2 / 20e9
+    row.update(
+        {
+            "perf/update_weights_bytes": update_bytes,
+            "perf/update_weights_buckets": max(1, int(update_bytes / (bucket_mb * 2**20)) + 1),
+            "perf/update_weights_gbps": update_bytes / update / 1e9,
+            "perf/update_weights_limit_time": limit,
+            "perf/update_weights_efficiency": limit / update,
+            "perf/update_weights_peak_bytes": int(bucket_mb * 2**20 * 2),
+            "rollout/reward_mean": 0.0,
+            "train/loss": 0.1,
+            "train/logprob_abs_diff": 0.001,
+        }
+    )
+    return row
+
+
+def config_for(model: str, bucket_mb: float) -> dict:
+    return {
+        "model": {"name": model},
+        "update": {"bucket_mb": bucket_mb, "strategy": "bucketed", "transport": "direct", "source": "device"},
+        "rollout": {"engine": "hf", "max_response_len": 32},
+        "run": {"steps": STEPS, "warmup_steps": WARMUP, "device": "cpu"},
+        "wandb": {"mode": "offline", "project": "rlsync-test", "entity": None, "group": None, "tags": []},
+    }
+
+
+def write_hydra(job: Path, overrides: list[str], config: dict) -> None:
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+def write_job(job: Path, model: str, bucket_mb: float, with_summary: bool = True) -> None:
+    """A finished job: .hydra/, metrics.jsonl and (unless told) summary.json."""
+    overrides = [f"model={model}", f"update.bucket_mb={bucket_mb:g}"]
+    config = config_for(model, bucket_mb)
+    write_hydra(job, overrides, config)
+    rows = [step_metrics(step, MODELS[model], bucket_mb) for step in range(STEPS)]
+    (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (job / "rlsync.log").write_text("[2026-11-29 08:00:00,000][rlsync][INFO] - done\n")
+    if not with_summary:
+        return
+    measured = [r for r in rows if r["step"] >= WARMUP]
+    metrics = {
+        key: {
+            "median": statistics.median(r[key] for r in measured),
+            "min": min(r[key] for r in measured),
+            "max": max(r[key] for r in measured),
+        }
+        for key in measured[0]
+        if key != "step"
+    }
+    step = metrics["perf/step_time"]["median"]
+    summary = {
+        "status": "finished",
+        "error": None,
+        "steps_requested": STEPS,
+        "steps_finished": STEPS,
+        "warmup_steps": WARMUP,
+        "measured_steps": len(measured),
+        "kind": "run",
+        "model": {"name": model, "params": MODELS[model] // 2, "update_bytes": MODELS[model], "tensors": 24},
+        "setup": {"transport": "direct", "strategy": "bucketed", "bucket_mb": bucket_mb, "source": "device", "device": "cpu", "engine": "hf", "max_response_len": 32},
+        "metrics": metrics,
+        "share": {p: metrics[f"perf/{p}_time"]["median"] / step for p in ("update_weights", "sleep", "wake_up", "rollout", "log_probs", "train")},
+        "verdict": f"update is {metrics['perf/update_weights_time']['median'] / step:.2%} of the step: tune rollout and training first",
+        "overrides": overrides,
+        "config": config,
+    }
+    (job / "summary.json").write_text(json.dumps(summary))
+
+
+def write_failed_job(job: Path) -> None:
+    """A job that died in config validation: only .hydra/ and a log ending in an error."""
+    write_hydra(job, ["model=tiny", "update.strategy=banana"], config_for("tiny", 512.0))
+    (job / "rlsync.log").write_text(
+        "[2026-11-29 08:00:00,000][rlsync][INFO] - composing config\n"
+        f"[2026-11-29 08:00:00,001][rlsync][ERROR] - {ERROR_LINE}\n"
+        "[2026-11-29 08:00:00,002][rlsync][INFO] - exiting\n"
+    )
+
+
+@pytest.fixture
+def sweep(tmp_path: Path) -> Path:
+    """A 2 x 2 sweep (two models x two bucket sizes, jobs 0-3) plus a failed job 4."""
+    root = tmp_path / "sweeps" / "2026-11-29_08-00-00"
+    jobs = [(m, b) for m in MODELS for b in BUCKETS]
+    for num, (model, bucket) in enumerate(jobs):
+        write_job(root / str(num), model, bucket)
+    write_failed_job(root / str(len(jobs)))
+    return root
+
+
+def run_report(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    full_env.update({"PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"})
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "rlsync.report", *args],
+        capture_output=True, text=True, env=full_env, cwd=cwd or REPO, timeout=180,
+    )  # fmt: skip
+
+
+def offline_env(tmp_path: Path) -> dict:
+    """W&B offline, with no key and no home config to find one in."""
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    return {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb_dir"), "HOME": str(home), "WANDB_CONFIG_DIR": str(home / ".config" / "wandb")}
+
+
+# ----------------------------------------------------------------------------------------------
+# The local report
+# ----------------------------------------------------------------------------------------------
+
+
+def test_cli_writes_table_csv_plots_and_failures(sweep: Path) -> None:
+    proc = run_report(str(sweep), "--no-wandb")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+    md = (sweep / "report.md").read_text()
+    table_rows = [line for line in md.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(table_rows) == 4
+    for num, (model, bucket) in enumerate((m, b) for m in MODELS for b in BUCKETS):
+        row = next(r for r in table_rows if r.startswith(f"| {num}: "))
+        assert f"model={model}" in row and f"update.bucket_mb={bucket:g}" in row
+        assert f"| {model} | direct | {bucket:g} |" in row
+        summary = json.loads((sweep / str(num) / "summary.json").read_text())
+        assert summary["verdict"] in md
+        eff = summary["metrics"]["perf/update_weights_efficiency"]["median"]
+        assert f"{eff:.2f} ({1 / eff:.2f}x limit)" in row
+    assert "Machine:" in md and "device cpu" in md
+    assert "## Failed runs" in md and ERROR_LINE in md
+    assert "fixed + bytes /" in md and "GB/s" in md
+
+    for name in PLOTS:
+        assert (sweep / name).read_bytes()[:8] == PNG_SIGNATURE, name
+        assert f"]({name})" in md
+
+    # the CLI prints the table and the paths it wrote
+    assert "| run | model |" in proc.stdout
+    assert str(sweep / "report.csv") in proc.stdout
+    assert ERROR_LINE in proc.stdout
+
+
+def test_csv_numbers_are_the_summary_medians(sweep: Path) -> None:
+    assert run_report(str(sweep), "--no-wandb").returncode == 0
+    with (sweep / "report.csv").open() as f:
+        rows = {row["job"]: row for row in csv.DictReader(f)}
+    assert sorted(rows) == ["0", "1", "2", "3"]  # the failed job has no numbers
+    pairs = {
+        "update_time_median": ("perf/update_weights_time", "median"),
+        "update_time_min": ("perf/update_weights_time", "min"),
+        "update_time_max": ("perf/update_weights_time", "max"),
+        "sleep_time_median": ("perf/sleep_time", "median"),
+        "wake_up_time_max": ("perf/wake_up_time", "max"),
+        "step_time_median": ("perf/step_time", "median"),
+        "update_efficiency_median": ("perf/update_weights_efficiency", "median"),
+        "update_peak_bytes_max": ("perf/update_weights_peak_bytes", "max"),
+    }
+    for job, row in rows.items():
+        summary = json.loads((sweep / job / "summary.json").read_text())
+        for column, (metric, which) in pairs.items():
+            assert float(row[column]) == summary["metrics"][metric][which], (job, column)
+        assert float(row["update_share"]) == summary["share"]["update_weights"]
+        assert float(row["bucket_mb"]) == summary["setup"]["bucket_mb"]
+        assert row["model"] == summary["model"]["name"]
+
+
+def test_incomplete_run_is_computed_from_metrics(tmp_path: Path) -> None:
+    from rlsync.report import load_job, table_row
+
+    job = tmp_path / "runs" / "A"
+    write_job(job, "tiny", 4.0, with_summary=False)
+    run = load_job(job)
+    assert run.status == "incomplete"
+    rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    update = [r["perf/update_weights_time"] for r in rows if r["step"] >= WARMUP]
+    row = table_row(run)
+    assert row["update_time_median"] == statistics.median(update)
+    assert row["update_time_min"] == min(update) and row["update_time_max"] == max(update)
+    assert row["verdict"].startswith("incomplete")
+
+
+def test_single_run_dir_skips_plots_it_cannot_draw(tmp_path: Path) -> None:
+    """One run: no fit, no bucket sweep; the step breakdown is still drawn, the rest noted."""
+    job = tmp_path / "runs" / "2026-11-29_09-00-00"
+    write_job(job, "tiny", 4.0)
+    proc = run_report(str(job), "--no-wandb")
+    assert proc.returncode == 0, proc.stderr
+    md = (job / "report.md").read_text()
+    assert (job / "step_breakdown.png").read_bytes()[:8] == PNG_SIGNATURE
+    for name in ("update_time_vs_bytes.png", "update_time_vs_bucket.png", "peak_memory_vs_bucket.png"):
+        assert not (job / name).exists()
+        assert f"{name} skipped" in md
+    assert "No fit" in md
+
+
+def test_nothing_found_exits_1_with_one_line(tmp_path: Path) -> None:
+    proc = run_report(str(tmp_path), "--no-wandb")
+    assert proc.returncode == 1
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_write_report_api_without_wandb(sweep: Path, tmp_path: Path) -> None:
+    from rlsync.report import write_report
+
+    out = tmp_path / "elsewhere"
+    result = write_report([sweep], out_dir=out, log_wandb=False)
+    assert result.ok and len(result.runs) == 4 and len(result.failures) == 1
+    assert result.group == sweep.name
+    assert {p.name for p in result.files} == {"report.md", "report.csv", *PLOTS}
+    assert all(p.parent == out for p in result.files)
+    assert result.fit is not None and result.fit.bandwidth_gbps and result.fit.bandwidth_gbps > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# W&B
+# ----------------------------------------------------------------------------------------------
+
+
+def leet(*args: str) -> str:
+    proc = subprocess.run(["wandb", "leet", "inspect", *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_report_run_logged_offline(sweep: Path, tmp_path: Path) -> None:
+    proc = run_report(str(sweep), env=offline_env(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "W&B: report run logged offline" in proc.stdout
+    (run_dir,) = sorted((sweep / "wandb").glob("offline-run-*"))
+
+    state = json.loads(leet("--summary", "--json", str(run_dir)))
+    assert state["state"] == "finished" and state["project"] == "rlsync-test"
+    assert state["summary"]["report/runs"] == 4 and state["summary"]["report/failed"] == 1
+    assert state["summary"]["report/table"]["_type"] == "table-file"
+    assert state["summary"]["report/table"]["nrows"] == 4
+    for name in PLOTS:
+        assert state["summary"][f"report/{Path(name).stem}"]["_type"] == "image-file"
+
+    # --summary leaves out group and job_type: they are in the "run" record of the log
+    records = [json.loads(line) for line in leet("--json", str(run_dir)).splitlines() if line.strip()]
+    (run_record,) = [r["run"] for r in records if r.get("type") == "run"]
+    assert run_record["job_type"] == "report"
+    assert run_record["run_group"] == sweep.name
+
+
+def test_wandb_disabled_in_runs_logs_nothing(sweep: Path, tmp_path: Path) -> None:
+    for job in sweep.iterdir():
+        path = job / "summary.json"
+        if path.exists():
+            summary = json.loads(path.read_text())
+            summary["config"]["wandb"]["mode"] = "disabled"
+            path.write_text(json.dumps(summary))
+    proc = run_report(str(sweep), env=offline_env(tmp_path) | {"WANDB_MODE": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert "W&B: not logged" in proc.stdout
+    assert not (sweep / "wandb").exists()
+
+
+@pytest.mark.parametrize("mode", ["offline", ""])
+def test_wandb_report_without_login_fails_in_one_line(sweep: Path, tmp_path: Path, mode: str) -> None:
+    proc = run_report(str(sweep), "--no-wandb", "--wandb-report", env=offline_env(tmp_path) | {"WANDB_MODE": mode})
+    assert proc.returncode == 3
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "--wandb-report needs W&B online" in lines[0] and "wandb login" in lines[0]
+    assert (sweep / "report.md").exists()  # the local report is written anyway
+
+
+def test_build_report_blocks_offline(sweep: Path) -> None:
+    import wandb_workspaces.reports.v2 as wr
+    from wandb_workspaces import expr
+
+    from rlsync.report import write_report
+    from rlsync.wandb_report import PHASE_METRICS, build_report_blocks
+
+    result = write_report([sweep], log_wandb=False)
+    report = build_report_blocks("sweep-7", "rlsync-test", "someone", result.rows, table_markdown=result.markdown_table)
+    assert isinstance(report, wr.Report)
+    assert (report.entity, report.project) == ("someone", "rlsync-test")
+    assert report.id == ""  # never saved
+
+    grids = [b for b in report.blocks if isinstance(b, wr.PanelGrid)]
+    assert len(grids) == 3
+    for grid in grids:
+        (runset,) = grid.runsets
+        assert (runset.entity, runset.project) == ("someone", "rlsync-test")
+        tree = expr.expr_to_filters(runset.filters)
+        leaves = {(f.key.name, f.op, f.value) for f in tree.filters}
+        assert ("group", "=", "sweep-7") in leaves
+        assert ("jobType", "!=", "report") in leaves
+    panels = [p for grid in grids for p in grid.panels]
+
+    bars = [p for p in panels if isinstance(p, wr.BarPlot)]
+    assert any(p.metrics == ["perf/update_weights_time"] for p in bars)
+    lines = [p for p in panels if isinstance(p, wr.LinePlot)]
+    assert any(set(PHASE_METRICS) <= set(p.metrics) for p in bars)
+    assert any(set(PHASE_METRICS) <= set(p.y) for p in lines)
+    assert {"perf/rollout_time", "perf/train_time", "perf/sleep_time", "perf/wake_up_time"} <= set(PHASE_METRICS)
+
+    (scatter,) = [p for p in panels if isinstance(p, wr.ScatterPlot)]
+    assert scatter.x == wr.Config("update.bucket_mb")
+    assert scatter.y == wr.SummaryMetric("perf/update_weights_time")
+    (parallel,) = [p for p in panels if isinstance(p, wr.ParallelCoordinatesPlot)]
+    assert wr.Config("update.bucket_mb") in [c.metric for c in parallel.columns]
+
+    markdown = "\n".join(b.text for b in report.blocks if isinstance(b, wr.MarkdownBlock))
+    assert "sweep-7" in markdown and "| run | model |" in markdown
+    # The panels serialize without the network (only runsets and Report.save() reach the server).
+    for panel in panels:
+        panel._to_model()
