@@ -24,7 +24,7 @@ from rlsync.config import Config, to_dict
 from rlsync.limits import Limits
 from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.offload import Offloader
-from rlsync.rollout import HFEngine
+from rlsync.rollout import EngineSpec
 from rlsync.sinks import Console, MetricsFile, wandb_run, write_json
 from rlsync.sync import open_engine, plan_for, update_weights
 from rlsync.tasks import make_prompts, reward
@@ -97,9 +97,9 @@ class Experiment:
         self.weights = named_weights(model)
         engine_dtype = torch_dtype(cfg.rollout.dtype)
         self.buckets = plan_for(self.weights, cfg.update, engine_dtype)
-        engine = open_engine(cfg.update, buckets=self.buckets, engine=HFEngine(
-            cfg.model, dtype=engine_dtype, device=device, allowed_ids=allowed,
-            eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id))
+        spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device=str(device), allowed_ids=allowed,
+                          eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
+        engine = open_engine(cfg.update, spec=spec, buckets=self.buckets)
         build_time = time.perf_counter() - t0
 
         update_bytes = sum(b.nbytes for b in self.buckets)
@@ -122,9 +122,13 @@ class Experiment:
         with watch("step"):
             prompts = make_prompts(cfg.rollout.prompts_per_step, rng=self.rng)
             prompt_ids = [self.tokenizer.encode(p.text) for p in prompts for _ in range(cfg.rollout.samples_per_prompt)]
+            with watch("engine_resume"):
+                engine.resume()  # the engine gets its memory (KV cache, released weights) back
             with watch("rollout"):
                 gen = engine.generate(prompt_ids, max_new_tokens=cfg.rollout.max_response_len,
                                       temperature=cfg.rollout.temperature, generator=self.sampler).to(self.device)
+            with watch("engine_release"):
+                engine.release()  # ... and hands it to the trainer until the next rollout
             answers = [self.tokenizer.decode(row[gen.response_mask[i].bool()].tolist())
                        for i, row in enumerate(gen.sequences[:, gen.prompt_len:].cpu())]
             targets = [p.target for p in prompts for _ in range(cfg.rollout.samples_per_prompt)]
@@ -141,12 +145,16 @@ class Experiment:
                     ref_logp = self.trainer.log_probs(gen, reference=True)
             with watch("train"):
                 metrics.update(self.trainer.train_step(gen, old_logp=old_logp, advantages=advantages, ref_logp=ref_logp))
+            if cfg.update.source == "host":  # the reference system's colocated order: offload, then update
+                with watch("sleep"):
+                    metrics["perf/sleep_bytes"] = self.offloader.sleep()
             if cfg.update.enabled:
                 with watch("update_weights"):
-                    metrics.update(update_weights(engine, self.weights, buckets=self.buckets, cfg=cfg.update,
+                    metrics.update(update_weights(engine, self.update_source(), buckets=self.buckets, cfg=cfg.update,
                                                   device=self.device, limit_time=self.update_limit))
-            with watch("sleep"):
-                metrics["perf/sleep_bytes"] = self.offloader.sleep()
+            if cfg.update.source == "device":
+                with watch("sleep"):
+                    metrics["perf/sleep_bytes"] = self.offloader.sleep()
 
         mask = gen.response_mask.float()
         # The update's own clock wins over the phase clock: the phase also holds the optional verification.
@@ -160,6 +168,12 @@ class Experiment:
             "train/logprob_abs_diff": ((gen.logprobs - old_logp).abs() * mask).sum().item() / mask.sum().item(),
         })
         return metrics
+
+    def update_source(self) -> dict[str, torch.Tensor]:
+        """The trainer's weights by name: live on the device, or their offloaded host copies."""
+        if self.cfg.update.source == "host":
+            return self.offloader.host_weights(self.weights)
+        return self.weights
 
     def offload_metrics(self, m: dict) -> dict:
         out = {}

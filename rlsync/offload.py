@@ -58,6 +58,12 @@ class Offloader:
         self.asleep = True
         return moved
 
+    def host_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The host copies of `weights` (valid while asleep): what `update.source=host` sends from."""
+        if not self.asleep:
+            raise RuntimeError("update.source=host needs the trainer offloaded first (trainer.offload=full)")
+        return {name: self.host[id(t)] for name, t in weights.items()}
+
     @torch.no_grad()
     def wake_up(self) -> int:
         """Bring the state back onto the device, into the same tensor objects. Returns bytes moved."""

@@ -531,7 +531,8 @@ def write_markdown(path: Path, result: ReportResult, plots: list[Path], sources:
     ]
     out += [result.markdown_table if result.rows else "No run measured a step.", ""]
     out += ["## Verdicts", ""]
-    out += [f"- **{run_label(row)}**: {row['verdict']}" for row in result.rows]
+    common = common_overrides(result.rows)
+    out += [f"- **{run_label(row, common)}**: {row['verdict']}" for row in result.rows]
     out += ["", "## Update time against bytes", ""]
     out += [result.fit.describe() if result.fit else "No fit: it needs runs with at least two distinct update sizes.", ""]
     out += ["## Plots", ""]

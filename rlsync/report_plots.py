@@ -19,12 +19,15 @@ Row = dict[str, Any]
 # Stacked in the order the step runs them (design.md, "The problem"); "other" is the rest of the step.
 PHASE_COLORS = {
     "rollout": "#4c72b0",
+    "engine_release": "#64b5cd",
     "wake_up": "#dd8452",
     "log_probs": "#55a868",
+    "ref_log_probs": "#8c8c8c",
     "train": "#c44e52",
     "update_weights": "#8172b3",
     "sleep": "#937860",
-    "other": "#bbbbbb",
+    "engine_resume": "#da8bc3",
+    "other": "#dddddd",
 }
 
 
@@ -39,11 +42,21 @@ def time_unit(seconds: list[float]) -> tuple[float, str]:
 
 
 def by_model(rows: list[Row], x_key: str, y_key: str) -> dict[str, list[Row]]:
-    """Rows with both values, per model, sorted along x."""
+    """Rows with both values, one series per model, sorted along x.
+
+    A model name that comes with several update sizes (say `model.num_hidden_layers` swept under
+    one name) is split by size, so that each line is one model.
+    """
+    rows = [r for r in rows if number(r.get(x_key)) is not None and number(r.get(y_key)) is not None]
+    sizes: dict[str, set] = {}
+    for row in rows:
+        sizes.setdefault(str(row.get("model") or "n/a"), set()).add(row.get("update_bytes"))
     series: dict[str, list[Row]] = {}
     for row in rows:
-        if number(row.get(x_key)) is not None and number(row.get(y_key)) is not None:
-            series.setdefault(str(row.get("model") or "n/a"), []).append(row)
+        model = str(row.get("model") or "n/a")
+        size = number(row.get("update_bytes"))
+        label = f"{model} ({size / MIB:.3g} MiB)" if len(sizes[model]) > 1 and size is not None else model
+        series.setdefault(label, []).append(row)
     return {m: sorted(rs, key=lambda r: r[x_key]) for m, rs in sorted(series.items())}
 
 
@@ -69,13 +82,13 @@ def save(fig, path: Path) -> None:
 
 def bucket_axis(ax, buckets: list[float]) -> None:
     """Log2 when the sizes spread (128, 512, 2048), ticks at the sizes swept, plain numbers."""
-    from matplotlib.ticker import NullLocator, ScalarFormatter
+    from matplotlib.ticker import FuncFormatter, NullLocator
 
     if min(buckets) > 0 and max(buckets) / min(buckets) >= 4:
         ax.set_xscale("log", base=2)
         ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xticks(buckets)
-    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
     ax.set_xlabel("bucket size (MiB)")
 
 

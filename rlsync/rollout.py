@@ -13,7 +13,25 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rlsync.config import ModelConfig
+from rlsync.config import ModelConfig, RolloutConfig
+
+
+@dataclass
+class EngineSpec:
+    """Everything needed to build an engine, wherever it runs (this process or its own)."""
+
+    model: ModelConfig
+    rollout: RolloutConfig
+    device: str
+    allowed_ids: torch.Tensor  # [vocab] bool: ids generation may sample
+    eos_id: int
+    pad_id: int
+
+    def build(self) -> "HFEngine":
+        from rlsync.models import torch_dtype
+
+        return HFEngine(self.model, dtype=torch_dtype(self.rollout.dtype), device=torch.device(self.device),
+                        allowed_ids=self.allowed_ids, eos_id=self.eos_id, pad_id=self.pad_id)
 
 
 @dataclass
@@ -81,6 +99,12 @@ class HFEngine:
         self.allowed = allowed_ids.to(device)
         self.eos_id, self.pad_id = eos_id, pad_id
         self._cache_kw = cache_kwarg(model)
+
+    def release(self) -> None:
+        """Give the device memory back after generation (the KV cache lives only inside `generate`)."""
+
+    def resume(self) -> None:
+        """Take the memory back before the next rollout."""
 
     @property
     def weights(self) -> dict[str, torch.Tensor]:

@@ -29,14 +29,18 @@ if TYPE_CHECKING:
 
 REPORT_JOB_TYPE = "report"
 UPDATE_METRIC = "perf/update_weights_time"
-PHASE_METRICS = [  # the step's phases, in the order they run
+PHASE_METRICS = [  # the step's phases, in the order they run (engine_* only when the engine releases memory)
     "perf/rollout_time",
+    "perf/engine_release_time",
     "perf/wake_up_time",
     "perf/log_probs_time",
+    "perf/ref_log_probs_time",
     "perf/train_time",
     "perf/update_weights_time",
     "perf/sleep_time",
+    "perf/engine_resume_time",
 ]
+STEP_AXIS = "step"  # the runner's explicit step metric (define_metric("*", step_metric="step"))
 BUCKET_CONFIG = "update.bucket_mb"
 OFFLINE_MODES = {"offline", "dryrun", "disabled"}
 
@@ -127,10 +131,11 @@ def report_config(result: ReportResult) -> dict[str, Any]:
 
 def report_payload(result: ReportResult, wandb: Any) -> dict[str, Any]:
     """The table twice (as in report.md, and raw numbers as in report.csv) and every plot."""
-    from rlsync.report import CSV_FIELDS, TABLE_HEADER, table_cells
+    from rlsync.report import CSV_FIELDS, TABLE_HEADER, common_overrides, table_cells
 
+    common = common_overrides(result.rows)
     payload: dict[str, Any] = {
-        "report/table": wandb.Table(columns=list(TABLE_HEADER), data=[table_cells(r) for r in result.rows]),
+        "report/table": wandb.Table(columns=list(TABLE_HEADER), data=[table_cells(r, common) for r in result.rows]),
         "report/numbers": wandb.Table(columns=list(CSV_FIELDS), data=[[r.get(c) for c in CSV_FIELDS] for r in result.rows]),
     }
     for path in result.files:
@@ -189,12 +194,12 @@ def build_report_blocks(
 
     update_grid = grid(
         wr.BarPlot(title="Weight update time per run (s)", metrics=[UPDATE_METRIC], layout=layout(0, 0)),
-        wr.LinePlot(title="Weight update time per step (s)", x="Step", y=[UPDATE_METRIC], layout=layout(12, 0)),
+        wr.LinePlot(title="Weight update time per step (s)", x=STEP_AXIS, y=[UPDATE_METRIC], layout=layout(12, 0)),
     )
     phase_grid = grid(
         wr.BarPlot(title="Step by phase per run (s)", metrics=list(PHASE_METRICS), layout=layout(0, 0)),
         wr.LinePlot(
-            title="Phases per step (s)", x="Step", y=list(PHASE_METRICS), plot_type="stacked-area", layout=layout(12, 0)
+            title="Phases per step (s)", x=STEP_AXIS, y=list(PHASE_METRICS), plot_type="stacked-area", layout=layout(12, 0)
         ),
     )
     bucket_grid = grid(

@@ -361,3 +361,45 @@ def test_build_report_blocks_offline(sweep: Path) -> None:
     # The panels serialize without the network (only runsets and Report.save() reach the server).
     for panel in panels:
         panel._to_model()
+
+
+def test_group_comes_from_wandb_group(sweep: Path) -> None:
+    from rlsync.report import write_report
+
+    for job in sweep.iterdir():
+        path = job / "summary.json"
+        if path.exists():
+            summary = json.loads(path.read_text())
+            summary["config"]["wandb"]["group"] = "bucket-study"
+            path.write_text(json.dumps(summary))
+    assert write_report([sweep], log_wandb=False).group == "bucket-study"
+
+
+# ----------------------------------------------------------------------------------------------
+# A real sweep, when the runner is there
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not (REPO / "rlsync" / "experiment.py").exists(), reason="the runner is not written yet")
+def test_real_two_by_two_sweep(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {"PYTHONPATH": str(REPO)}
+    cmd = [
+        sys.executable, "-m", "rlsync", "-m", "run.steps=3", "run.progress=false", "wandb.mode=disabled",
+        "model.num_hidden_layers=1,2", "update.bucket_mb=0.25,2", f"hydra.sweep.dir={sweep}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    report = run_report(str(sweep))
+    assert report.returncode == 0, report.stderr
+    assert "W&B: not logged" in report.stdout  # the runs said wandb.mode=disabled
+    with (sweep / "report.csv").open() as f:
+        rows = {row["job"]: row for row in csv.DictReader(f)}
+    assert sorted(rows) == ["0", "1", "2", "3"]
+    for job, row in rows.items():
+        metrics = json.loads((sweep / job / "summary.json").read_text())["metrics"]
+        assert float(row["update_time_median"]) == metrics["perf/update_weights_time"]["median"]
+        assert float(row["step_time_median"]) == metrics["perf/step_time"]["median"]
+    for name in PLOTS:
+        assert (sweep / name).read_bytes()[:8] == PNG_SIGNATURE, name

@@ -1,7 +1,8 @@
 """The weight update: the trainer's new weights into the rollout engine.
 
 `open_engine` starts the engine behind the configured transport and returns a handle with one
-interface whatever the transport: `generate`, `update_weights`, `weights` (or checksums), `close`.
+interface whatever the transport: `generate`, `release`, `resume`, `update_weights`, `weights` (or
+`checksums` across a process boundary), `close`.
 `update_weights` here wraps a transport's update with what every transport reports: bytes,
 buckets, bandwidth, the limit and the efficiency against it, and the optional verification.
 """
@@ -27,12 +28,12 @@ def plan_for(weights: dict[str, torch.Tensor], cfg: UpdateConfig, engine_dtype: 
     return plan_buckets(metas_of(weights, engine_dtype), bucket_bytes(cfg))
 
 
-def open_engine(cfg: UpdateConfig, *, engine, buckets: list[Bucket]):
-    """Put `engine` behind the configured transport."""
+def open_engine(cfg: UpdateConfig, *, spec, buckets: list[Bucket]):
+    """Start the engine described by `spec` behind the configured transport; returns its handle."""
     if cfg.transport == "direct":
         from rlsync.sync.direct import LocalEngine
 
-        return LocalEngine(engine, buckets, strategy=cfg.strategy)
+        return LocalEngine(spec.build(), buckets, strategy=cfg.strategy)
     raise ValueError(f"update.transport={cfg.transport!r}: expected one of {TRANSPORTS}")
 
 

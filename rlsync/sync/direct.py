@@ -25,6 +25,12 @@ class LocalEngine:
     def generate(self, prompts: list[list[int]], **kwargs) -> Generation:
         return self.engine.generate(prompts, **kwargs)
 
+    def release(self) -> None:
+        self.engine.release()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
     @torch.no_grad()
     def update_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, float]:
         target = self.engine.weights
