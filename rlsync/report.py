@@ -236,8 +236,9 @@ def load_job(run_dir: Path, sweep: Optional[Path] = None) -> Run | Failure:
             stats[metric] = {k: float(v) for k, v in agg.items() if is_number(v)}
     status = summary.get("status", "incomplete") if summary else "incomplete"
     error = summary.get("error")
-    if status == "failed" and not stats:
-        return Failure(run_dir, run_dir.name, overrides, error or error_line(run_dir), sweep)
+    if not stats:  # nothing to put in the table: it failed, or stopped within the warm-up
+        reason = error or (error_line(run_dir) if status == "failed" else f"{status} before any measured step")
+        return Failure(run_dir, run_dir.name, overrides, reason, sweep)
     measured = summary.get("measured_steps", measured)
     return Run(run_dir, run_dir.name, overrides, status, error, summary, config, stats, measured, sweep)
 

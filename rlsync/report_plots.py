@@ -7,6 +7,7 @@ other plots. `write_plots` runs them all.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -214,6 +215,8 @@ PLOTS: dict[str, Callable[[list[Row], Optional["Fit"], Path], Optional[str]]] = 
 
 def write_plots(rows: list[Row], fit: Optional[Fit], out_dir: Path) -> tuple[list[Path], list[str]]:
     """Draw every plot it can; returns (files written, one note per plot skipped or failed)."""
+    if importlib.util.find_spec("matplotlib") is None:  # an optional dependency (pip install rlsync[report])
+        return [], ["plots skipped: matplotlib is not installed (pip install 'rlsync[report]')"]
     written, notes = [], []
     for name, plot in PLOTS.items():
         path = out_dir / name

@@ -8,6 +8,7 @@ engine's weights, which the trainer compares against its own (`train/logprob_abs
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -108,8 +109,15 @@ class HFEngine:
 
     @property
     def weights(self) -> dict[str, torch.Tensor]:
-        """Where updates land: the engine's parameters by name (tied ones once)."""
+        """The engine's parameters by name (tied ones once)."""
         return dict(self.model.named_parameters())
+
+    @torch.no_grad()
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Where updates land: copy each (name, tensor) into the parameter of that name."""
+        params = self.weights
+        for name, tensor in named:
+            params[name].copy_(tensor, non_blocking=True)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,

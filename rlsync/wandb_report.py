@@ -22,7 +22,7 @@ import contextlib
 import io
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rlsync.report import ReportResult

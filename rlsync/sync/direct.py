@@ -33,19 +33,18 @@ class LocalEngine:
 
     @torch.no_grad()
     def update_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, float]:
-        target = self.engine.weights
         watch = Stopwatch(self.engine.device)
         if self.strategy == "per_tensor":
             for name, tensor in weights.items():
                 with watch("load"):
-                    target[name].copy_(tensor, non_blocking=True)
+                    self.engine.load_weights([(name, tensor)])
             return {**watch.totals("perf/update_weights_{}_time"), "perf/update_weights_staging_bytes": 0}
         for bucket in self.buckets:
             buffer = self.staging[: bucket.numel]
             with watch("pack"):
                 flat.pack(bucket, weights, buffer)
             with watch("load"):
-                flat.unpack(bucket, buffer, target)
+                self.engine.load_weights(flat.views(bucket, buffer))
         return {**watch.totals("perf/update_weights_{}_time"),
                 "perf/update_weights_staging_bytes": self.staging.numel() * self.staging.element_size()}
 

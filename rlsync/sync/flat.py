@@ -20,10 +20,3 @@ def pack(bucket: Bucket, weights: dict[str, torch.Tensor], flat: torch.Tensor) -
     """Copy each tensor of `bucket` from `weights` into `flat`, casting to the wire dtype in the copy."""
     for name, view in views(bucket, flat):
         view.copy_(weights[name], non_blocking=True)
-
-
-@torch.no_grad()
-def unpack(bucket: Bucket, flat: torch.Tensor, weights: dict[str, torch.Tensor]) -> None:
-    """Copy each tensor of `bucket` out of `flat` into the engine's `weights` by name."""
-    for name, view in views(bucket, flat):
-        weights[name].copy_(view, non_blocking=True)
