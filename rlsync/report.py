@@ -24,21 +24,17 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from rlsync.summary import PHASES, stats_over
+
 MIB = 2**20
 DEFAULT_WARMUP_STEPS = 2
 DEFAULT_VERDICT_THRESHOLD = 0.03  # update share of the step above which tuning it pays (design.md)
-
-# The step's phases in the order they run, as perf/<phase>_time stems (rlsync.summary.PHASES; the
-# engine_* and ref_log_probs phases only appear when the engine releases memory or a reference is kept).
-PHASES = ("rollout", "engine_release", "wake_up", "log_probs", "ref_log_probs", "train",
-          "update_weights", "sleep", "engine_resume")  # fmt: skip
 
 # report.csv columns: raw seconds, bytes and ratios (never formatted strings).
 CSV_FIELDS = (
@@ -181,18 +177,9 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def step_stats(rows: list[dict], warmup_steps: int) -> tuple[dict[str, dict[str, float]], int]:
-    """Median, min and max of every numeric metric over the steps >= warmup_steps."""
-    measured = [r for i, r in enumerate(rows) if r.get("step", i) >= warmup_steps]
-    values: dict[str, list[float]] = {}
-    for row in measured:
-        for key, value in row.items():
-            if key != "step" and is_number(value):
-                values.setdefault(key, []).append(float(value))
-    stats = {
-        key: {"median": statistics.median(vs), "min": min(vs), "max": max(vs)}
-        for key, vs in values.items()
-    }
-    return stats, len(measured)
+    """Median, min and max of every numeric metric over the steps >= warmup_steps (as the runner does)."""
+    rows = [{"step": i, **r} for i, r in enumerate(rows)]  # tolerate rows without a step
+    return stats_over(rows, warmup_steps), sum(1 for r in rows if r["step"] >= warmup_steps)
 
 
 def is_number(value: Any) -> bool:

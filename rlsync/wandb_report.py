@@ -109,6 +109,7 @@ def log_report_run(result: ReportResult) -> str:
             dir=str(result.out_dir),
             config=report_config(result),
             settings=wandb.Settings(silent=True),
+            reinit="finish_previous",  # from a Hydra callback: never log into a job's run
         ) as run:
             run.log(report_payload(result, wandb))
             run.summary.update(report_summary(result))

@@ -1,0 +1,55 @@
+"""After an update every engine tensor equals the trainer's cast to the engine dtype, bit for bit."""
+
+import pytest
+import torch
+
+from rlsync.config import Config, UpdateConfig
+from rlsync.models import build_model, build_tokenizer, named_weights
+from rlsync.rollout import EngineSpec
+from rlsync.sync import checksum, open_engine, plan_for, update_weights, verify, WeightMismatch
+
+CPU = torch.device("cpu")
+LARGEST_MIB = 512 * 256 * 4 / 2**20 / 2  # tiny's embedding in bf16: 0.125 MiB
+
+
+def engine_and_weights(update: UpdateConfig, seed=3):
+    cfg = Config()
+    tok = build_tokenizer(cfg.model)
+    weights = named_weights(build_model(cfg.model, dtype=torch.float32, device=CPU, seed=seed))
+    buckets = plan_for(weights, update, torch.bfloat16)
+    spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device="cpu", allowed_ids=tok.allowed_ids(512),
+                      eos_id=tok.eos_id, pad_id=tok.pad_id)
+    return open_engine(update, spec=spec, buckets=buckets), weights, buckets
+
+
+@pytest.mark.parametrize("strategy", ["bucketed", "per_tensor"])
+@pytest.mark.parametrize("bucket_mb", [LARGEST_MIB / 3, LARGEST_MIB, LARGEST_MIB * 1.5, 512.0])
+def test_engine_equals_trainer_bit_for_bit(strategy, bucket_mb):
+    update = UpdateConfig(strategy=strategy, bucket_mb=bucket_mb, verify=True)
+    engine, weights, buckets = engine_and_weights(update)
+    with torch.no_grad():
+        for t in weights.values():
+            t.add_(torch.randn_like(t))  # trained weights differ from anything the engine could hold
+    metrics = update_weights(engine, weights, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
+    got = engine.weights()
+    assert set(got) == set(weights)
+    for name, t in weights.items():
+        assert torch.equal(got[name], t.to(torch.bfloat16)), name
+    assert metrics["perf/update_weights_bytes"] == sum(t.numel() * 2 for t in weights.values())
+    if strategy == "bucketed":
+        assert metrics["perf/update_weights_buckets"] == len(buckets)
+        assert metrics["perf/update_weights_peak_bytes"] == max(b.nbytes for b in buckets)
+        if bucket_mb < LARGEST_MIB:
+            assert len(buckets) > len(weights) / 2  # most tensors travel alone
+    engine.close()
+
+
+def test_verify_names_the_mismatching_tensor():
+    update = UpdateConfig()
+    engine, weights, buckets = engine_and_weights(update)
+    update_weights(engine, weights, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
+    sums = {n: checksum(t) for n, t in engine.weights().items()}
+    verify(weights, sums, torch.bfloat16)  # equal: passes
+    sums["model.norm.weight"] += 1
+    with pytest.raises(WeightMismatch, match="model.norm.weight"):
+        verify(weights, sums, torch.bfloat16)
