@@ -1,4 +1,9 @@
-"""`python -m rlsync [overrides]`: one run, or a sweep with `-m`. Hydra composes conf/ over the schema."""
+"""`python -m rlsync [overrides]`: one run, or a sweep with `-m`. Hydra composes conf/ over the schema.
+
+Every error ends as one line on stderr (rlsync.errors): a bad value exits 2 before any model is
+built, a failed run 1, an interrupted run 130 (SIGINT) or 143 (SIGTERM). In a sweep a failed job
+fails alone: the others run, and the sweep exits non-zero at the end.
+"""
 
 from __future__ import annotations
 
@@ -9,21 +14,29 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from rlsync.config import register_configs, to_config
+from rlsync.config import register_configs
+from rlsync.errors import cli, job_errors
+from rlsync.validate import checked_config
 
 register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(dcfg: DictConfig) -> None:
-    from rlsync.experiment import run_experiment
-
+def hydra_main(dcfg: DictConfig) -> None:
     hc = HydraConfig.get()
-    cfg = to_config(dcfg)
     run_dir = Path(hc.runtime.output_dir)
     sweep_dir = Path(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else run_dir
     name = ",".join(hc.overrides.task) or "defaults"
-    run_experiment(cfg, run_dir, name=name, group=cfg.wandb.group or sweep_dir.name)
+    with job_errors(run_dir, sweep_job=f"{hc.job.num} ({run_dir})" if hc.mode == RunMode.MULTIRUN else None):
+        cfg = checked_config(dcfg)  # every key and value, before any model is built
+        from rlsync.experiment import run_experiment
+
+        run_experiment(cfg, run_dir, name=name, group=cfg.wandb.group or sweep_dir.name, overrides=list(hc.overrides.task))
+
+
+def main() -> None:
+    """The entry point (`python -m rlsync`, the `rlsync` script): Hydra, with one-line errors."""
+    cli(hydra_main)
 
 
 if __name__ == "__main__":

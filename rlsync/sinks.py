@@ -66,49 +66,95 @@ class Console:
         self.bar.close()
 
 
+WANDB_MODES = ("offline", "online", "disabled")
+
+
 class WandbRun:
-    """Thin wrapper so the step loop logs the same way whether W&B is on or off."""
+    """Thin wrapper so the step loop logs the same way whether W&B is on or off.
+
+    A W&B call that fails mid-run (its service died) costs W&B alone: one line, then local files only.
+    """
 
     def __init__(self, run=None):
         self.run = run
 
     def log(self, row: dict) -> None:
         if self.run is not None:
-            self.run.log(row)
+            self._call(self.run.log, row)
 
     def summarize(self, summary: dict) -> None:
-        if self.run is None:
-            return
+        if self.run is not None:
+            self._call(self._summarize, summary)
+
+    def _summarize(self, summary: dict) -> None:
         for key, s in summary.get("metrics", {}).items():
             self.run.summary[key] = s["median"]
             self.run.summary[f"{key}.min"], self.run.summary[f"{key}.max"] = s["min"], s["max"]
         for phase, share in summary.get("share", {}).items():
             self.run.summary[f"share/{phase}"] = share
-        for key in ("verdict", "status", "measured_steps"):
-            self.run.summary[key] = summary.get(key)
+        for key in ("verdict", "status", "measured_steps", "verification", "warning"):
+            if key in summary:
+                self.run.summary[key] = summary[key]
+
+    def _call(self, fn, arg) -> None:
+        try:
+            fn(arg)
+        except Exception as err:  # noqa: BLE001 - W&B must never cost the run or its files
+            print(f"rlsync: W&B failed mid-run ({first_line(err)}); logging to local files only", file=sys.stderr)
+            self.run = None
+
+    def finish(self, exit_code: int) -> None:
+        """Close the run; a non-zero exit code marks it failed in W&B."""
+        if self.run is not None:
+            self._call(lambda code: self.run.finish(exit_code=code), exit_code)
+
+
+def define_step_metric(run) -> None:
+    run.define_metric("step")
+    run.define_metric("*", step_metric="step")
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def start_wandb(cfg: WandbConfig, *, run_dir: Path, **kwargs):
+    """wandb.init in the configured mode; online falls back to offline, offline to no W&B: one line each."""
+    try:
+        import wandb
+    except ImportError:
+        print(f"rlsync: wandb is not installed; wandb.mode={cfg.mode} ignored, logging to local files only",
+              file=sys.stderr)
+        return None
+    settings = wandb.Settings(init_timeout=cfg.init_timeout)
+    for mode in [cfg.mode] + (["offline"] if cfg.mode == "online" else []):
+        try:
+            return wandb.init(mode=mode, settings=settings, dir=str(run_dir), **kwargs)
+        except Exception as err:  # noqa: BLE001 - no login, no network, no service: the run goes on
+            then = f"logging offline under {run_dir}/wandb" if mode == "online" else "logging to local files only"
+            print(f"rlsync: W&B {mode} failed ({first_line(err)}); {then}", file=sys.stderr)
+    return None
 
 
 @contextmanager
 def wandb_run(cfg: WandbConfig, *, run_dir: Path, name: str, group: str, config: dict, job_type: str):
     """Open one W&B run for this job (or none when disabled), finished however the job ends.
 
-    `with wandb.init(...)` marks the run failed when the block raises. If W&B cannot start in
-    online mode (no login, no network) we say so in one line and fall back to offline.
+    A job that raises finishes its run with a non-zero exit code (failed in W&B; 130/143 when
+    interrupted). We finish explicitly rather than `with run:`, whose exit prints the traceback.
     """
     if cfg.mode == "disabled":
         yield WandbRun(None)
         return
-    import wandb
-
-    kwargs = dict(project=cfg.project, entity=cfg.entity, group=group, name=name, job_type=job_type,
-                  tags=list(cfg.tags), config=config, dir=str(run_dir), reinit="finish_previous")
+    run = start_wandb(cfg, run_dir=run_dir, project=cfg.project, entity=cfg.entity, group=group, name=name,
+                      job_type=job_type, tags=list(cfg.tags), config=config, reinit="finish_previous")
+    wb = WandbRun(run)
+    if run is not None:
+        wb._call(define_step_metric, run)
     try:
-        run = wandb.init(mode=cfg.mode, **kwargs)
-    except Exception as err:  # noqa: BLE001 - any W&B failure must not cost the run
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"rlsync: W&B {cfg.mode} failed ({first_line}); logging offline under {run_dir}/wandb", file=sys.stderr)
-        run = wandb.init(mode="offline", **kwargs)
-    with run:
-        run.define_metric("step")
-        run.define_metric("*", step_metric="step")
-        yield WandbRun(run)
+        yield wb
+    except BaseException as err:
+        wb.finish(getattr(err, "exit_code", 1) or 1)
+        raise
+    wb.finish(0)

@@ -1,0 +1,324 @@
+"""How a run ends when it does not finish: errors a user can act on, and interruptions.
+
+The entry points print an error as one line on stderr and exit with its `exit_code`, never a
+traceback (RLSYNC_DEBUG=1 shows it): a bad value exits 2, a run that failed exits 1, a run
+stopped by SIGINT or SIGTERM exits 128 + the signal (130, 143), as shells report it.
+Hydra's own composition errors (unknown key, wrong type, unknown group choice) are translated
+here into the same one-line `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+DEBUG_ENV = "RLSYNC_DEBUG"  # =1: print the full traceback as well
+
+
+def debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+class RlsyncError(Exception):
+    """An error whose message says what to do: printed as one line, no traceback."""
+
+    exit_code = 1
+
+
+class BadInput(RlsyncError):
+    """Input that cannot run (exit 2): a bad config value, or an override Hydra cannot apply."""
+
+    exit_code = 2
+
+
+class ConfigError(BadInput, ValueError):
+    """A config value that cannot run: names the key, the value and what is allowed."""
+
+    def __init__(self, key: str, value: Any, allowed: str, problem: str = "not allowed"):
+        self.key, self.value, self.allowed, self.problem = key, value, allowed, problem
+        super().__init__(f"{key}={show(value)}: {problem} (allowed: {allowed})")
+
+    def __reduce__(self):
+        return type(self), (self.key, self.value, self.allowed, self.problem)
+
+
+def show(value: Any) -> str:
+    """A value as it is written on the command line."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str) and not value.strip():
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(show(v) for v in value) + "]"
+    return str(value)
+
+
+class UpdateOutOfMemory(RlsyncError):
+    """The device ran out of memory inside the weight update: the bucket size is the knob."""
+
+    def __init__(self, *, bucket_mb: float, largest_bucket_mb: float, largest_tensor_mb: float, inflight: int,
+                 phase: str = "during the weight update"):
+        smaller = bucket_mb / 2
+        advice = f"try a smaller update.bucket_mb (e.g. update.bucket_mb={smaller:g})"
+        if largest_tensor_mb >= smaller:
+            advice += (f"; the largest tensor ({largest_tensor_mb:.0f} MiB) always travels whole, so also "
+                       f"free memory elsewhere (update.source=host, trainer.offload)")
+        if inflight > 1:
+            advice += f", or update.inflight_buckets=1 (now {inflight} staging buffers)"
+        super().__init__(f"out of device memory {phase} with update.bucket_mb={bucket_mb:g} "
+                         f"(largest bucket {largest_bucket_mb:.0f} MiB): {advice}")
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM: the run stops, keeps its finished steps, and exits 128 + signal."""
+
+    def __init__(self, signum: int):
+        self.signum, self.exit_code = signum, 128 + signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+class StopOnSignals:
+    """Within `with StopOnSignals() as stop:`, SIGINT and SIGTERM raise `Interrupted` in the main thread.
+
+    Python runs the handler between bytecodes, so the step in progress stops after its current
+    operation and is dropped; the caller's `finally` keeps what finished. Inside `stop.deferred()`
+    (recording a finished step) the signal waits for the block to end, so a step is recorded whole
+    or not at all. A second signal while the first is being handled exits at once: the finished
+    steps are on disk already, only the summary is lost.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __enter__(self) -> "StopOnSignals":
+        self.pending: Optional[int] = None
+        self.raised = False
+        self.deferring = False
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.raised or self.pending is not None:
+            print(f"rlsync: {signal.Signals(signum).name} again: exiting now without the summary "
+                  f"(metrics.jsonl keeps the finished steps)", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        if self.deferring:
+            self.pending = signum
+            return
+        self.raised = True
+        raise Interrupted(signum)
+
+    @contextmanager
+    def deferred(self):
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
+        if self.pending is not None and not self.raised:
+            self.raised = True
+            raise Interrupted(self.pending)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hydra's composition errors -> ConfigError
+# ----------------------------------------------------------------------------------------------
+
+
+def from_hydra(err: BaseException) -> Optional[BadInput]:
+    """The ConfigError (or BadInput) a Hydra/OmegaConf composition error stands for; None for anything else."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
+        group, _, choice = err.missing_cfg_file.rpartition("/")
+        return ConfigError(group.replace("/", "."), choice, ", ".join(err.options or []) or "no options",
+                           "unknown choice")
+    if isinstance(err, OverrideParseException):
+        key, _, value = (err.override or "override=").partition("=")
+        return ConfigError(key, value, "key=value in Hydra's override grammar", f"cannot parse ({first_line(err.message)})")
+    cause = err if isinstance(err, OmegaConfBaseException) else err.__cause__
+    if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+        key, value = cause.full_key, override_value(err, cause.full_key, cause.value)
+        if isinstance(cause, ConfigKeyError) or "not in" in first_line(cause.msg):
+            return ConfigError(key, value, sibling_keys(cause), "unknown key")
+        if isinstance(cause, ValidationError):
+            return ConfigError(key, value, type_phrase(cause), "wrong type")
+    message = first_line(str(err))
+    if "No match in the defaults list" in str(err):  # `update=x` where conf/ has no such group
+        group = message.split("'")[1] if "'" in message else message
+        return ConfigError(group, override_value(err, group, ""), "a config group in conf/, or key.subkey=value",
+                           "unknown config group")
+    from hydra.errors import HydraException
+
+    if isinstance(err, HydraException) or isinstance(cause, OmegaConfBaseException):
+        return BadInput(f"bad config: {message}" + (f": {first_line(cause)}" if cause is not None else ""))
+    return None
+
+
+def first_line(text: Any) -> str:
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    return lines[0] if lines else ""
+
+
+def override_value(err: BaseException, key: str, fallback: Any) -> Any:
+    """The value the user typed for `key` (the override in Hydra's message), else `fallback`."""
+    for text in (str(err), str(err.__cause__ or "")):
+        for token in text.replace("'", " ").split():
+            name, sep, value = token.lstrip("+~").partition("=")
+            if sep and name == key:
+                return value
+    return fallback
+
+
+def sibling_keys(cause) -> str:
+    """The keys that do exist next to the unknown one."""
+    node = getattr(cause, "parent_node", None)
+    if node is None and getattr(cause, "object_type", None) is not None:
+        from dataclasses import fields, is_dataclass
+
+        if is_dataclass(cause.object_type):
+            return ", ".join(f.name for f in fields(cause.object_type))
+    try:
+        keys = [k for k in node.keys() if k != "hydra"]
+    except Exception:  # noqa: BLE001 - the message still names key and value
+        return "a key of the schema in rlsync/config.py"
+    return ", ".join(str(k) for k in keys)
+
+
+def type_phrase(cause) -> str:
+    msg = first_line(cause.msg)
+    for marker, phrase in (("Integer", "an integer"), ("Float", "a number"), ("bool", "true or false"),
+                           ("ListConfig", "a list such as [a,b]"), ("String", "a string")):
+        if marker in msg:
+            return phrase
+    return msg
+
+
+# ----------------------------------------------------------------------------------------------
+# The entry points: one line per error, one exit code per kind
+# ----------------------------------------------------------------------------------------------
+
+
+class JobFailed(Exception):
+    """A sweep job's error, reported by the job: Hydra marks the job failed and runs the next one.
+
+    Picklable (its args are its fields), so a launcher that runs jobs in other processes can return it.
+    """
+
+    def __init__(self, exit_code: int, line: str):
+        super().__init__(exit_code, line)
+        self.exit_code, self.line = exit_code, line
+
+    def __str__(self) -> str:
+        return self.line
+
+
+REPORTED: list[str] = []  # the lines job_errors printed in this process (a remote job's went to its own log)
+
+
+def describe(err: BaseException) -> str:
+    if isinstance(err, ConfigError):
+        return f"config error: {err}"
+    if isinstance(err, KeyboardInterrupt):
+        return f"interrupted: {err if isinstance(err, Interrupted) else 'stopped by SIGINT'}"
+    if isinstance(err, RlsyncError):
+        return str(err)
+    return f"failed: {type(err).__name__}: {first_line(err)}"
+
+
+def exit_code(err: BaseException) -> int:
+    if isinstance(err, (RlsyncError, Interrupted)):
+        return err.exit_code
+    if isinstance(err, KeyboardInterrupt):
+        return 128 + signal.SIGINT
+    return 1
+
+
+def kept(run_dir: Path, *, since: float) -> str:
+    """What a stopped run left on disk (a summary.json written since `since`), for the end of its error line."""
+    import json
+
+    path = run_dir / "summary.json"
+    try:
+        if path.stat().st_mtime < since:
+            return ""
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return ""
+    return (f"; {summary.get('steps_finished', 0)} finished step(s) kept in {run_dir} "
+            f"(summary.json status {summary.get('status')})")
+
+
+@contextmanager
+def job_errors(run_dir: Path, *, sweep_job: Optional[str] = None):
+    """Around one job: any error becomes one line on stderr (the traceback goes to run_dir/error.log).
+
+    A single run exits with the error's code. A sweep's job raises `JobFailed`, so Hydra marks it
+    failed and goes on with the next job; an interruption stops the whole sweep.
+    """
+    started = time.time()
+    try:
+        yield
+    except SystemExit:
+        raise
+    except BaseException as err:  # noqa: BLE001 - every way a job ends gets its line
+        shown = from_hydra(err) or err
+        line = describe(shown) + ("" if isinstance(shown, BadInput) else kept(run_dir, since=started))
+        write_error_log(run_dir, line)
+        if debug_enabled():
+            traceback.print_exc()
+        prefix = f"job {sweep_job}: " if sweep_job is not None else ""
+        print(f"rlsync: {prefix}{line}", file=sys.stderr, flush=True)
+        REPORTED.append(line)
+        if sweep_job is None or isinstance(err, KeyboardInterrupt):
+            raise SystemExit(exit_code(shown)) from None
+        raise JobFailed(exit_code(shown), line) from err
+
+
+def write_error_log(run_dir: Path, line: str) -> None:
+    """The traceback and the line, where a report over the sweep finds them (`*.log`)."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "error.log").write_text(traceback.format_exc() + f"Error: {line}\n", encoding="utf-8")
+    except OSError:
+        pass  # the line on stderr is what matters
+
+
+def cli(app: Callable[[], Any]) -> None:
+    """Run a `@hydra.main` app with Hydra's error printing replaced by one line and an exit code.
+
+    HYDRA_FULL_ERROR=1 makes Hydra re-raise what it would print (several lines, exit 1); we print
+    the one line. RLSYNC_DEBUG=1 (or HYDRA_FULL_ERROR=1 set by the user) prints the traceback too.
+    """
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        os.environ[DEBUG_ENV] = "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        app()
+    except SystemExit:
+        raise
+    except JobFailed as err:  # a sweep with failed jobs: each one printed its line, here or in its own log
+        if err.line not in REPORTED:
+            print(f"rlsync: a sweep job failed: {err.line}", file=sys.stderr, flush=True)
+        sys.exit(err.exit_code)
+    except BaseException as err:  # noqa: BLE001 - composition errors, Ctrl-C before the run
+        shown = from_hydra(err) or err
+        if debug_enabled():
+            traceback.print_exc()
+        print(f"rlsync: {describe(shown)}", file=sys.stderr, flush=True)
+        sys.exit(exit_code(shown))

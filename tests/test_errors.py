@@ -1,0 +1,425 @@
+"""Bad input gets one line on stderr and exit 2, before any model is built; faults cost one line, never files.
+
+The CLI cases run as real subprocesses, all at once (each stops before building a model, so they are
+cheap), then each parametrized test reads its own result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, cli_env, read_jsonl
+from rlsync.config import BenchAppConfig, Config, UpdateConfig
+from rlsync.errors import ConfigError, Interrupted, JobFailed, StopOnSignals, UpdateOutOfMemory, job_errors
+from rlsync.validate import leaves, validate, value_rules
+
+CUDA = torch.cuda.is_available()
+
+# (overrides, what the line must name): every kind of bad input the runner rejects, one case each.
+BAD_INPUTS = [
+    (["model=qwen9"], "model=qwen9"),  # unknown group choice (Hydra)
+    (["run.stepz=3"], "run.stepz=3"),  # unknown key (Hydra)
+    (["+foo=1"], "foo=1"),  # unknown key added with + (the schema check)
+    (["run.steps=abc"], "run.steps=abc"),  # wrong type (Hydra)
+    (["update.bucket_mb=0"], "update.bucket_mb=0"),
+    (["run.steps=0"], "run.steps=0"),
+    (["rollout.samples_per_prompt=1"], "rollout.samples_per_prompt=1"),
+    (["rollout.max_response_len=0"], "rollout.max_response_len=0"),
+    (["rollout.temperature=-0.5"], "rollout.temperature=-0.5"),
+    (["run.steps=3", "run.warmup_steps=3"], "run.warmup_steps=3"),
+    (["update.transport=pigeon"], "update.transport=pigeon"),
+    (["update.strategy=zip"], "update.strategy=zip"),
+    (["update.source=disk"], "update.source=disk"),
+    (["update.inflight_buckets=3"], "update.inflight_buckets=3"),
+    (["trainer.offload=sometimes"], "trainer.offload=sometimes"),
+    (["rollout.engine=sglang"], "rollout.engine=sglang"),
+    (["rollout.dtype=int8"], "rollout.dtype=int8"),
+    (["wandb.mode=loud"], "wandb.mode=loud"),
+    (["model.pretrained=/no/such/checkpoint"], "model.pretrained=/no/such/checkpoint"),
+    (["run.device=cuda:99"], "run.device=cuda:99"),
+    pytest.param(["run.device=cuda"], "run.device=cuda",
+                 marks=pytest.mark.skipif(CUDA, reason="this machine has CUDA: run.device=cuda is valid")),
+]
+# The benchmark calls the same checks (rlsync.validate.checked_config): one case per layer, plus its own keys.
+BENCH_BAD_INPUTS = [
+    (["model=qwen9"], "model=qwen9"),
+    (["update.bucket_mb=0"], "update.bucket_mb=0"),
+    (["bench.repeats=0"], "bench.repeats=0"),
+]
+# More Hydra-side errors, translated in-process (the same `from_hydra` the CLI calls): override -> line start.
+HYDRA_ERRORS = [
+    ("update.verify=maybe", "update.verify=maybe: wrong type (allowed: true or false)"),
+    ("wandb.tags=x", "wandb.tags=x: wrong type (allowed: a list such as [a,b])"),
+    ("model.hidden_size=1.5", "model.hidden_size=1.5: wrong type (allowed: an integer)"),
+    ("run.steps=[1", "run.steps=[1: cannot parse"),
+    ("update=fast", "update=fast: unknown"),
+    ("rollout=huge", "rollout=huge: unknown choice (allowed: reference, short"),
+    ("run.seeds=1", "run.seeds=1: unknown key (allowed: steps, warmup_steps, seed"),
+]
+
+
+def case_id(case) -> str:
+    values = case.values if hasattr(case, "values") else case
+    return " ".join(values[0])
+
+
+# Runs `python -m <module> <args>` once per case in a child forked from one interpreter that has
+# imported torch and Hydra already: the child executes the entry module exactly as `-m` does
+# (runpy, as __main__), with its own stdout/stderr files and exit code, for a fraction of the start-up.
+FORKING_DRIVER = """
+import json, os, runpy, sys
+import hydra, torch, rlsync.sync, rlsync.bench, rlsync.experiment  # warm the imports once
+cases = json.load(sys.stdin)
+results = []
+for module, args, out_dir in cases:
+    out, err = os.path.join(out_dir, "stdout"), os.path.join(out_dir, "stderr")
+    os.makedirs(out_dir, exist_ok=True)
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            fd_out, fd_err = os.open(out, os.O_WRONLY | os.O_CREAT), os.open(err, os.O_WRONLY | os.O_CREAT)
+            os.dup2(fd_out, 1), os.dup2(fd_err, 2)
+            sys.argv = [module, *args]
+            sys.modules.pop(module, None)  # as in a fresh `-m`: the entry module is not imported yet
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            code = 99
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    results.append([os.waitstatus_to_exitcode(status), open(out).read(), open(err).read()])
+json.dump(results, sys.stdout)
+"""
+
+
+@pytest.fixture(scope="module")
+def cli_results(tmp_path_factory):
+    """Every bad-input case of both entry points: (module, overrides) -> CompletedProcess."""
+    cases = [("rlsync", c) for c in BAD_INPUTS] + [("rlsync.bench", c) for c in BENCH_BAD_INPUTS]
+    cases = [(m, list((c.values if hasattr(c, "values") else c)[0])) for m, c in cases]
+    root = tmp_path_factory.mktemp("bad_inputs")
+    jobs = [(m, ["wandb.mode=disabled", f"hydra.run.dir={root / str(i)}", *o], str(root / f"io{i}"))
+            for i, (m, o) in enumerate(cases)]
+    driver = subprocess.run([sys.executable, "-c", FORKING_DRIVER], input=json.dumps(jobs), cwd=ROOT, env=cli_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert driver.returncode == 0, driver.stderr
+    return {(m, tuple(o)): subprocess.CompletedProcess(args=[m, *o], returncode=code, stdout=out, stderr=err)
+            for (m, o), (code, out, err) in zip(cases, json.loads(driver.stdout))}
+
+
+@pytest.mark.parametrize("module,overrides,names", [
+    ("rlsync", ["model=qwen9"], "model=qwen9"),
+    ("rlsync", ["update.bucket_mb=0"], "update.bucket_mb=0"),
+    ("rlsync.bench", ["rollout.samples_per_prompt=1"], "rollout.samples_per_prompt=1"),
+])
+def test_bad_input_from_a_fresh_interpreter(tmp_path, module, overrides, names):
+    """The same as the forked cases below, from a plain `python -m` (no warmed-up parent)."""
+    args = [sys.executable, "-m", module, "wandb.mode=disabled", f"hydra.run.dir={tmp_path}", *overrides]
+    check_one_line(subprocess.run(args, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=180), names)
+
+
+def check_one_line(result: subprocess.CompletedProcess, names: str) -> None:
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr and "HYDRA_FULL_ERROR" not in result.stderr
+    assert lines[0].startswith("rlsync: config error: ") and names in lines[0], lines[0]
+    assert "allowed: " in lines[0]
+    assert "Measured steps" not in result.stdout  # nothing ran
+
+
+@pytest.mark.parametrize("overrides,names", BAD_INPUTS, ids=[case_id(c) for c in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_2(cli_results, overrides, names):
+    check_one_line(cli_results[("rlsync", tuple(overrides))], names)
+
+
+@pytest.mark.parametrize("overrides,names", BENCH_BAD_INPUTS, ids=[case_id(c) for c in BENCH_BAD_INPUTS])
+def test_bench_bad_input_is_one_line_and_exit_2(cli_results, overrides, names):
+    check_one_line(cli_results[("rlsync.bench", tuple(overrides))], names)
+
+
+def test_the_lines_say_what_is_allowed(cli_results):
+    line = cli_results[("rlsync", ("model=qwen9",))].stderr
+    assert "qwen3_0p6b" in line and "tiny" in line
+    assert "steps, warmup_steps" in cli_results[("rlsync", ("run.stepz=3",))].stderr
+    assert "an integer" in cli_results[("rlsync", ("run.steps=abc",))].stderr
+    assert "direct" in cli_results[("rlsync", ("update.transport=pigeon",))].stderr
+    assert "0 to run.steps - 1 = 2" in cli_results[("rlsync", ("run.steps=3", "run.warmup_steps=3"))].stderr
+
+
+def test_debug_switch_shows_the_traceback(tmp_path):
+    args = [sys.executable, "-m", "rlsync", "wandb.mode=disabled", f"hydra.run.dir={tmp_path}", "update.bucket_mb=0"]
+    result = subprocess.run(args, cwd=ROOT, env=cli_env(RLSYNC_DEBUG="1"), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 2
+    assert "Traceback" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("rlsync: config error: update.bucket_mb=0")
+
+
+# ----------------------------------------------------------------------------------------------
+# The rules themselves, without a subprocess
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override,line", HYDRA_ERRORS, ids=[o for o, _ in HYDRA_ERRORS])
+def test_hydra_errors_become_one_config_error(override, line):
+    from hydra import compose, initialize_config_dir
+
+    from rlsync.config import register_configs
+    from rlsync.errors import from_hydra
+
+    register_configs()
+
+    with pytest.raises(Exception) as caught, initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        compose(config_name="config", overrides=[override])
+    error = from_hydra(caught.value)
+    assert isinstance(error, ConfigError) and error.exit_code == 2
+    assert str(error).startswith(line), str(error)
+    assert "\n" not in str(error)
+
+
+@pytest.mark.parametrize("overrides,line", [
+    (["+update.speed=2"], "update.speed=2: unknown key"),
+    (["update.bucket_mb=-1"], "update.bucket_mb=-1.0: out of range (allowed: a number > 0 (MiB))"),
+    (["update.bucket_mb=nan"], "update.bucket_mb=nan: not allowed"),
+    (["update.bucket_mb=inf"], "update.bucket_mb=inf: not allowed"),
+    (["model.num_key_value_heads=3"], "model.num_key_value_heads=3: not allowed (allowed: a divisor of"),
+    (["model.vocab_size=100"], "model.vocab_size=100: out of range"),
+    (["update.source=host", "trainer.offload=none"], "update.source=host: not allowed with trainer.offload=none"),
+    (["rollout.max_response_len=50000"], "rollout.max_response_len=50000: out of range"),
+    (["run.verdict_threshold=1.5"], "run.verdict_threshold=1.5: out of range"),
+    (["wandb.project=''"], "wandb.project='': not allowed"),
+    (["wandb.init_timeout=0"], "wandb.init_timeout=0.0: out of range"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_more_value_rules(overrides, line):
+    from hydra import compose, initialize_config_dir
+
+    from rlsync.config import register_configs
+    from rlsync.validate import checked_config
+
+    register_configs()
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        dcfg = compose(config_name="config", overrides=overrides)
+    with pytest.raises(ConfigError) as caught:
+        checked_config(dcfg)
+    assert str(caught.value).startswith(line), str(caught.value)
+
+
+def test_every_key_a_user_can_set_has_a_rule():
+    keys = {key for key, _, _ in leaves(BenchAppConfig())}
+    rules = set(value_rules())
+    assert keys - rules == set(), "config keys without a value rule in rlsync/validate.py"
+    assert rules - keys == set(), "rules for keys the schema no longer has"
+
+
+PRESETS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("overrides", [[], ["model=qwen3_0p6b"], ["model=qwen3_8b"], ["rollout=reference"],
+                                       ["run.steps=2", "run.warmup_steps=1"]]
+                         + [[f"experiment={name}"] for name in PRESETS], ids=lambda o: " ".join(o) or "defaults")
+def test_the_shipped_configs_pass(compose, overrides):
+    validate(compose(*overrides))
+
+
+def test_a_tree_built_in_code_is_type_checked_too():
+    cfg = Config()
+    cfg.run.steps = "3"
+    with pytest.raises(ConfigError, match=r"run.steps=3: wrong type \(allowed: an integer\)"):
+        validate(cfg)
+    cfg = Config()
+    cfg.update.verify = 1
+    with pytest.raises(ConfigError, match="update.verify=1: wrong type"):
+        validate(cfg)
+
+
+def test_an_existing_checkpoint_directory_passes(tmp_path):
+    cfg = Config()
+    cfg.model.pretrained = str(tmp_path)
+    with pytest.raises(ConfigError, match="no config.json"):
+        validate(cfg)
+    (tmp_path / "config.json").write_text("{}")
+    validate(cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# Faults: out of memory in the update, errors inside a job, signals, W&B
+# ----------------------------------------------------------------------------------------------
+
+
+def test_out_of_memory_in_the_update_names_the_bucket_size(monkeypatch, capsys, tmp_path):
+    from rlsync.models import build_model, build_tokenizer, named_weights
+    from rlsync.rollout import EngineSpec
+    from rlsync.sync import flat, open_engine, plan_for, update_weights
+
+    cfg, update = Config(), UpdateConfig(bucket_mb=0.05)
+    tok = build_tokenizer(cfg.model)
+    weights = named_weights(build_model(cfg.model, dtype=torch.float32, device=torch.device("cpu"), seed=0))
+    buckets = plan_for(weights, update, torch.bfloat16)
+    spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device="cpu", allowed_ids=tok.allowed_ids(512),
+                      eos_id=tok.eos_id, pad_id=tok.pad_id)
+    engine = open_engine(update, spec=spec, buckets=buckets)
+    update_weights(engine, weights, buckets=buckets, cfg=update, device=torch.device("cpu"), limit_time=1.0)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    monkeypatch.setattr(flat, "pack", out_of_memory)
+    with pytest.raises(UpdateOutOfMemory) as caught:
+        update_weights(engine, weights, buckets=buckets, cfg=update, device=torch.device("cpu"), limit_time=1.0)
+    engine.close()
+    message = str(caught.value)
+    assert "update.bucket_mb=0.05" in message and "smaller update.bucket_mb" in message
+    assert isinstance(caught.value.__cause__, torch.OutOfMemoryError)
+
+    with pytest.raises(SystemExit) as exited, job_errors(tmp_path):
+        raise caught.value
+    assert exited.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rlsync: out of device memory during the weight update")
+
+
+def test_a_failed_job_is_one_line_and_keeps_its_traceback_in_the_run_dir(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exited, job_errors(tmp_path):
+        raise RuntimeError("the engine exploded\nsecond line of detail")
+    assert exited.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["rlsync: failed: RuntimeError: the engine exploded"]
+    log = (tmp_path / "error.log").read_text()
+    assert "Traceback" in log and log.strip().endswith("Error: failed: RuntimeError: the engine exploded")
+
+
+def test_a_failed_sweep_job_lets_hydra_go_on(capsys, tmp_path):
+    with pytest.raises(JobFailed) as failed, job_errors(tmp_path, sweep_job="3"):
+        raise ValueError("bad")
+    assert failed.value.exit_code == 1
+    assert capsys.readouterr().err.strip() == "rlsync: job 3: failed: ValueError: bad"
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_the_step_but_never_a_record_in_progress(sig, code):
+    before = signal.getsignal(sig)
+    recorded = []
+    with pytest.raises(Interrupted) as caught, StopOnSignals() as stop:
+        with stop.deferred():
+            os.kill(os.getpid(), sig)
+            recorded.append("the whole row")
+        recorded.append("the next step")  # never reached
+    assert recorded == ["the whole row"]
+    assert caught.value.exit_code == code and str(caught.value) == f"stopped by {sig.name}"
+    assert signal.getsignal(sig) is before  # handlers restored
+
+    with pytest.raises(Interrupted), StopOnSignals():  # outside a record: at once
+        os.kill(os.getpid(), sig)
+        recorded.append("the rest of the step")
+    assert recorded == ["the whole row"]
+
+
+def test_an_interrupted_job_exits_128_plus_the_signal(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exited, job_errors(tmp_path, sweep_job="0"):  # a sweep stops as a whole
+        raise Interrupted(signal.SIGINT)
+    assert exited.value.code == 130
+    with pytest.raises(SystemExit) as exited, job_errors(tmp_path):
+        raise KeyboardInterrupt  # Ctrl-C before the run installed its handlers
+    assert exited.value.code == 130
+    assert capsys.readouterr().err.splitlines() == ["rlsync: job 0: interrupted: stopped by SIGINT",
+                                                     "rlsync: interrupted: stopped by SIGINT"]
+
+
+WANDB_SNIPPET = """
+import sys
+from pathlib import Path
+from rlsync.config import WandbConfig
+from rlsync.sinks import MetricsFile, wandb_run
+
+run_dir = Path(sys.argv[1])
+with wandb_run(WandbConfig(mode=sys.argv[2], init_timeout=10), run_dir=run_dir, name="t", group="g",
+               config={"a": 1}, job_type="run") as wb:
+    metrics = MetricsFile(run_dir)
+    row = {"step": 0, "perf/step_time": 1.5}
+    metrics.write(row)
+    wb.log(row)
+    metrics.close()
+    wb.summarize({"metrics": {"perf/step_time": {"median": 1.5, "min": 1.5, "max": 1.5}}, "status": "finished"})
+    print("wandb mode:", wb.run.settings.mode if wb.run is not None else "none")
+"""
+
+
+@pytest.mark.parametrize("mode,env,expect_mode,failures", [
+    ("online", {"WANDB_MODE": "online"}, "offline", 1),  # no API key: online falls back to offline
+    ("offline", {"WANDB_SERVICE": "3-99999-unix-/nonexistent/wandb.sock"}, "none", 1),  # the service is unreachable
+    ("online", {"WANDB_SERVICE": "3-99999-unix-/nonexistent/wandb.sock"}, "none", 2),
+], ids=["online-without-login", "offline-without-service", "online-without-login-or-service"])
+def test_wandb_failing_falls_back_and_keeps_the_files(tmp_path, mode, env, expect_mode, failures):
+    full_env = {k: v for k, v in cli_env(**env).items() if k not in ("WANDB_API_KEY", "WANDB_SILENT")}
+    full_env["WANDB_CONFIG_DIR"] = str(tmp_path / "wandb_config")  # no stored login
+    result = subprocess.run([sys.executable, "-c", WANDB_SNIPPET, str(tmp_path), mode], cwd=ROOT, env=full_env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    ours = [ln for ln in result.stderr.splitlines() if ln.startswith("rlsync:")]
+    assert len(ours) == failures and all("W&B" in ln and "failed" in ln for ln in ours), result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"wandb mode: {expect_mode}" in result.stdout
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 0, "perf/step_time": 1.5}]
+    offline_runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    if expect_mode == "offline":
+        assert offline_runs and "logging offline" in ours[0]
+        state = json.loads(subprocess.run(["wandb", "leet", "inspect", "--summary", "--json", str(offline_runs[0])],
+                                          capture_output=True, text=True, timeout=60).stdout)
+        assert state["summary"]["perf/step_time"] == 1.5
+    else:
+        assert "local files only" in ours[-1]
+
+
+def test_a_failed_verification_is_said_in_the_summary_and_the_closing_table(tmp_path, capsys):
+    from rlsync.experiment import Experiment, print_closing
+    from rlsync.sync import WeightMismatch
+
+    cfg = Config()
+    cfg.run.steps, cfg.run.warmup_steps, cfg.update.verify = 4, 1, True
+    experiment = Experiment(cfg, tmp_path)
+    experiment.rows = [{"step": s, "perf/step_time": 1.0 + s, "perf/update_weights_time": 0.1,
+                        "perf/update_weights_buckets": 2} for s in range(3)]
+    experiment.status, experiment.failure = "failed", WeightMismatch("engine tensor 'lm_head.weight' differs")
+    summary = experiment.write_summary()
+    assert summary["verification"] == "failed"
+    assert "verification failed at step 3" in summary["warning"] and "only 2 of 3" in summary["warning"]
+    assert json.loads((tmp_path / "summary.json").read_text())["verification"] == "failed"
+    print_closing(summary)
+    out = capsys.readouterr().out
+    assert "Measured steps: 2 of 3, failed" in out and "WARNING: " in out and "verification failed" in out
+
+    experiment.status, experiment.failure = "finished", None
+    assert experiment.write_summary()["verification"] == "passed"
+    cfg.update.verify = False
+    assert experiment.write_summary()["verification"] == "off"
+
+
+def test_out_of_memory_while_opening_the_engine_names_the_bucket_size_too(monkeypatch):
+    import rlsync.experiment as experiment
+    from rlsync.sync import is_out_of_memory
+
+    def out_of_memory(*args, **kwargs):  # the staging buffers are allocated when the engine opens
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB")
+
+    monkeypatch.setattr(experiment, "open_engine", out_of_memory)
+    with pytest.raises(UpdateOutOfMemory, match=r"opening the engine and its update buffers with update.bucket_mb=512"):
+        experiment.Experiment(Config(), Path("unused")).setup()
+    # an engine process's OOM arrives as its own error type, named in the first line
+    assert is_out_of_memory(RuntimeError("the engine process failed during 'update': torch.OutOfMemoryError: CUDA "
+                                         "out of memory\nTraceback ..."))
+    assert not is_out_of_memory(RuntimeError("the engine process failed during 'update': KeyError\nOutOfMemoryError"))

@@ -1,0 +1,181 @@
+"""A run never loses a finished step: SIGTERM, a dead engine process, a bad job in a sweep.
+
+Real `python -m rlsync` processes on the tiny model, all started at once. (SIGKILL is tested in
+test_cli.py; SIGINT takes SIGTERM's path and is checked in-process in test_errors.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, cli_env, read_jsonl
+from rlsync.sync import TRANSPORTS
+
+# Cheap steps, and many of them: the test stops the run long before the end.
+LONG = ["run.steps=1000", "run.warmup_steps=1", "rollout.prompts_per_step=1", "rollout.samples_per_prompt=2",
+        "rollout.max_response_len=4", "run.progress=false"]
+WAIT_S = 300  # generous: other jobs load this 2-core machine
+
+
+def start(run_dir: Path, *args: str) -> subprocess.Popen:
+    out = (run_dir.parent / f"{run_dir.name}.out").open("w")
+    err = (run_dir.parent / f"{run_dir.name}.err").open("w")
+    return subprocess.Popen([sys.executable, "-m", "rlsync", *args], cwd=ROOT, env=cli_env(), stdout=out, stderr=err)
+
+
+def steps_done(run_dir: Path) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+@dataclass
+class Outcome:
+    run_dir: Path
+    code: int
+    stopped_at: float | None  # when the test sent the signal / killed the engine
+    exited_at: float
+
+
+def kill_engine(proc: subprocess.Popen) -> None:
+    engines = engine_processes(proc.pid)
+    assert len(engines) == 1, [cmdline(c) for c in engines]
+    os.kill(engines[0], signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, Outcome]:
+    """Every run of this file at once (the machine is shared: waiting in parallel is what saves time).
+
+    Each run is stopped as soon as it has 2 finished steps: by a signal, or by killing its engine process.
+    """
+    root = tmp_path_factory.mktemp("interrupt")
+    plans = {  # name -> (args, how to stop it once 2 steps are done; None: let it end)
+        "SIGTERM": ([*LONG, "wandb.mode=offline"], lambda p: p.send_signal(signal.SIGTERM)),
+        "sweep": (["-m", *LONG, "run.steps=2", "wandb.mode=disabled", f"hydra.sweep.dir={root / 'sweep'}",
+                   "update.bucket_mb=-1,1"], None),
+        **({"ipc": ([*LONG, "update.transport=ipc", "wandb.mode=disabled"], kill_engine)} if "ipc" in TRANSPORTS else {}),
+    }
+    procs = {name: start(root / name, *args, f"hydra.run.dir={root / name}") for name, (args, _) in plans.items()}
+    stopped, exited = {}, {}
+    deadline = time.time() + WAIT_S
+    while len(exited) < len(procs) and time.time() < deadline:
+        for name, proc in procs.items():
+            if name in exited:
+                continue
+            if proc.poll() is not None:
+                exited[name] = time.time()
+            elif name not in stopped and plans[name][1] is not None and steps_done(root / name) >= 2:
+                plans[name][1](proc)
+                stopped[name] = time.time()
+        time.sleep(0.1)
+    for name, proc in procs.items():
+        if name not in exited:
+            proc.kill()
+            proc.wait()
+            exited[name] = time.time()
+    return {name: Outcome(root / name, proc.returncode, stopped.get(name), exited[name]) for name, proc in procs.items()}
+
+
+def stderr_lines(run_dir: Path) -> list[str]:
+    return [ln for ln in (run_dir.parent / f"{run_dir.name}.err").read_text().splitlines() if ln.strip()]
+
+
+def check_kept(run_dir: Path, status: str) -> dict:
+    """metrics.jsonl holds whole steps 0..n-1; summary.json is computed from exactly those."""
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(len(rows)))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == status
+    assert summary["steps_finished"] == len(rows) and summary["measured_steps"] == len(rows) - 1
+    measured = [r["perf/step_time"] for r in rows if r["step"] >= 1]
+    assert summary["metrics"]["perf/step_time"]["median"] == pytest.approx(statistics.median(measured))
+    assert "partial" in summary["warning"]
+    return summary
+
+
+def test_sigterm_stops_the_run_and_keeps_the_finished_steps(outcomes):
+    sig, code, wandb_mode = signal.SIGTERM, 143, "offline"  # SIGINT takes the same path (test_errors.py: 130)
+    run = outcomes[sig.name]
+    assert run.stopped_at is not None, stderr_lines(run.run_dir)
+    assert run.code == code, stderr_lines(run.run_dir)
+
+    summary = check_kept(run.run_dir, "interrupted")
+    assert summary["error"] == f"Interrupted: stopped by {sig.name}"
+    lines = stderr_lines(run.run_dir)
+    assert not any("Traceback" in ln for ln in lines)
+    ours = [ln for ln in lines if ln.startswith("rlsync:")]
+    assert ours == [f"rlsync: interrupted: stopped by {sig.name}; {summary['steps_finished']} finished step(s) kept in "
+                    f"{run.run_dir} (summary.json status interrupted)"]
+    closing = (run.run_dir.parent / f"{sig.name}.out").read_text()
+    assert "interrupted" in closing and "WARNING: only" in closing  # the closing table says the numbers are partial
+    if wandb_mode == "offline":  # the W&B run is finished as failed, with the signal's exit code
+        wandb_dir = next((run.run_dir / "wandb").glob("offline-run-*"))
+        state = json.loads(subprocess.run(["wandb", "leet", "inspect", "--summary", "--json", str(wandb_dir)],
+                                          capture_output=True, text=True, timeout=60).stdout)
+        assert (state["state"], state["exit_code"]) == ("failed", code)
+        assert state["summary"]["status"] == "interrupted"
+
+
+def test_a_bad_job_in_a_sweep_fails_alone(outcomes):
+    run = outcomes["sweep"]
+    sweep, stderr = run.run_dir.parent / "sweep", (run.run_dir.parent / "sweep.err").read_text()
+    assert run.code == 2, stderr
+    assert "Traceback" not in stderr
+    ours = [ln for ln in stderr.splitlines() if ln.startswith("rlsync:")]
+    assert len(ours) == 1 and "job 0" in ours[0] and "update.bucket_mb=-1.0: out of range" in ours[0]
+    assert not (sweep / "0" / "summary.json").exists()
+    assert "update.bucket_mb=-1.0" in (sweep / "0" / "error.log").read_text()
+    good = json.loads((sweep / "1" / "summary.json").read_text())  # the other job ran to the end
+    assert good["status"] == "finished" and good["measured_steps"] == 1
+    assert len(read_jsonl(sweep / "1" / "metrics.jsonl")) == 2
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def engine_processes(pid: int) -> list[int]:
+    """Leaf descendants but multiprocessing's resource tracker: the engine (a child with `spawn`, a
+    grandchild under the forkserver)."""
+    leaves, todo = [], children(pid)
+    while todo:
+        p = todo.pop()
+        below = children(p)
+        todo += below
+        if not below and "resource_tracker" not in cmdline(p):
+            leaves.append(p)
+    return leaves
+
+
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def test_a_dead_engine_is_one_line_within_seconds(outcomes):
+    """The error line of any engine process (test_transports.py kills ipc and broadcast engines at the API)."""
+    transport = "ipc"
+    if transport not in outcomes:
+        pytest.skip(f"update.transport={transport} does not exist yet (rlsync.sync.TRANSPORTS={TRANSPORTS})")
+    run = outcomes[transport]
+    assert run.stopped_at is not None, stderr_lines(run.run_dir)
+    assert run.code == 1, stderr_lines(run.run_dir)
+    assert run.exited_at - run.stopped_at < 30  # seconds, not the engine timeout (update.engine_timeout_s=600)
+
+    check_kept(run.run_dir, "failed")
+    lines = stderr_lines(run.run_dir)
+    ours = [ln for ln in lines if ln.startswith("rlsync:")]
+    assert len(ours) == 1 and "EngineDied" in ours[0] and "SIGKILL" in ours[0], lines
+    assert not any("Traceback" in ln for ln in lines)
