@@ -1,24 +1,31 @@
 """The `direct` transport: the engine lives in the trainer's process.
 
 `bucketed` packs each bucket into one staging buffer (allocated once, the largest bucket's size,
-reused) and the engine loads named views of it; `per_tensor` copies tensor by tensor, the baseline.
+reused) and the engine loads named views of it: two copies. With `flat_weights` the engine's weights
+are themselves views into one flat buffer per bucket, so packing writes them: one copy, no staging.
+`per_tensor` hands the engine tensor by tensor, the baseline.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rlsync.rollout import Generation, HFEngine
+from rlsync.rollout import Generation
 from rlsync.sync import flat
 from rlsync.sync.buckets import Bucket, largest_bucket_bytes
 from rlsync.timing import Stopwatch
 
 
 class LocalEngine:
-    def __init__(self, engine: HFEngine, buckets: list[Bucket], *, strategy: str):
+    def __init__(self, engine, buckets: list[Bucket], *, strategy: str, flat_weights: bool = False):
         self.engine, self.buckets, self.strategy = engine, buckets, strategy
         self.staging = None
-        if strategy == "bucketed":
+        self.flat = None  # the engine's weights, one flat buffer per bucket (flat_weights)
+        self.last_update_buckets: list[dict] = []  # per bucket (or tensor): bytes and pack/transfer/load seconds
+        if flat_weights:
+            self.flat = flat.allocate(buckets, engine.device)
+            flat.bind(engine.weights, buckets, self.flat)
+        elif strategy == "bucketed":
             numel = largest_bucket_bytes(buckets) // engine.dtype.itemsize
             self.staging = torch.empty(numel, dtype=engine.dtype, device=engine.device)
 
@@ -34,22 +41,36 @@ class LocalEngine:
     @torch.no_grad()
     def update_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, float]:
         watch = Stopwatch(self.engine.device)
+        rows = self.last_update_buckets = []
+        staging_bytes = self.staging.numel() * self.staging.element_size() if self.staging is not None else 0
+        if self.strategy == "vllm_ipc":  # the engine's own transfer path (rlsync/vllm_engine.py)
+            return self.engine.native_update(weights, bucket_bytes=largest_bucket_bytes(self.buckets))
         if self.strategy == "per_tensor":
             for name, tensor in weights.items():
                 with watch("load"):
                     self.engine.load_weights([(name, tensor)])
-            return {**watch.totals("perf/update_weights_{}_time"), "perf/update_weights_staging_bytes": 0}
-        for bucket in self.buckets:
-            buffer = self.staging[: bucket.numel]
-            with watch("pack"):
-                flat.pack(bucket, weights, buffer)
-            with watch("load"):
-                self.engine.load_weights(flat.views(bucket, buffer))
-        return {**watch.totals("perf/update_weights_{}_time"),
-                "perf/update_weights_staging_bytes": self.staging.numel() * self.staging.element_size()}
+                rows.append({"bytes": tensor.numel() * self.engine.dtype.itemsize, "load_time": watch.last})
+        elif self.flat is not None:
+            for bucket, buffer in zip(self.buckets, self.flat):
+                with watch("pack"):
+                    flat.pack(bucket, weights, buffer)  # writes the engine's weights: the whole update
+                rows.append({"bytes": bucket.nbytes, "pack_time": watch.last})
+        else:
+            for bucket in self.buckets:
+                buffer = self.staging[: bucket.numel]
+                with watch("pack"):
+                    flat.pack(bucket, weights, buffer)
+                pack_time = watch.last
+                with watch("load"):
+                    self.engine.load_weights(flat.views(bucket, buffer))
+                rows.append({"bytes": bucket.nbytes, "pack_time": pack_time, "load_time": watch.last})
+        return {**watch.totals("perf/update_weights_{}_time"), "perf/update_weights_staging_bytes": staging_bytes}
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self.engine.weights
 
     def close(self) -> None:
-        self.staging = None
+        self.staging = self.flat = None
+        close_engine = getattr(self.engine, "close", None)  # an engine with resources of its own (vLLM)
+        if close_engine is not None:
+            close_engine()

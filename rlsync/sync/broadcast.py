@@ -1,0 +1,210 @@
+"""The `broadcast` transport: the engine in its own process, joined to the trainer in a process group.
+
+As in the reference system's non-colocated mode: the trainer (rank 0) and the engine process
+(rank 1) form a torch.distributed group (gloo; see `resolve_backend` for NCCL) over a TCP store on
+127.0.0.1 that the trainer hosts on a free port. The bucket plan is deterministic and both sides
+hold it (it travels to the engine process when it starts), so no names, shapes or dtypes go over the
+wire per update: one message says "update", then one broadcast per bucket (or per tensor for
+`per_tensor`). The engine receives into a staging buffer and loads it by name; with
+`flat_engine_weights` it receives straight into its weights (views into bucket-laid-out buffers).
+With `inflight_buckets=2` each side keeps two buffers: the trainer packs bucket k+1 while bucket k
+is on the wire, the engine receives bucket k+1 while loading bucket k.
+
+Split metrics: `pack` (trainer), `transfer` (the time the trainer waits for the wire; with two in
+flight only the part packing did not hide), `load` (the engine's copy, timed in the engine process).
+NCCL would need the engine on another GPU than the trainer's; rlsync colocates them on one.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from rlsync.sync import flat
+from rlsync.sync.buckets import Bucket, Slot, largest_bucket_bytes
+from rlsync.sync.engine_process import EngineProcess
+from rlsync.sync.threads import cpu_threads
+from rlsync.timing import DeviceMemory, Stopwatch, synchronize
+
+HOST = "127.0.0.1"
+TRAINER, ENGINE = 0, 1  # ranks
+
+
+def resolve_backend(name: str) -> str:
+    """gloo, whatever the device: the engine shares the trainer's device, and NCCL refuses two ranks
+    on one GPU ("Duplicate GPU detected", NCCL >= 2.5), so it is not offered. gloo broadcasts CUDA
+    tensors through the host."""
+    from rlsync.sync import BACKENDS
+
+    if name not in BACKENDS:
+        from rlsync.errors import ConfigError
+
+        raise ConfigError("update.backend", name, ", ".join(BACKENDS))
+    return "gloo"
+
+
+def units_of(buckets: list[Bucket], strategy: str) -> list[tuple[Bucket, int]]:
+    """What one broadcast carries, in order: each bucket, or (per_tensor) each tensor as its own bucket."""
+    if strategy == "bucketed":
+        return [(b, b.numel) for b in buckets]
+    return [(Bucket((Slot(s.meta, 0),), s.meta.numel, b.dtype), s.meta.numel) for b in buckets for s in b.slots]
+
+
+def slot_numel(buckets: list[Bucket], strategy: str) -> int:
+    if strategy == "bucketed":
+        return largest_bucket_bytes(buckets) // buckets[0].dtype.itemsize
+    return max(s.meta.numel for b in buckets for s in b.slots)
+
+
+class BroadcastReceiver:
+    """The engine-side half: joins the group, receives each broadcast and loads it (pickled to the engine)."""
+
+    def __init__(self, buckets: list[Bucket], *, strategy: str, inflight: int, flat_weights: bool, port: int,
+                 backend: str, timeout_s: float, copy_threads: int):
+        self.buckets, self.strategy, self.inflight, self.flat_weights = buckets, strategy, inflight, flat_weights
+        self.copy_threads = copy_threads
+        self.port, self.backend, self.timeout_s = port, backend, timeout_s
+        self.slots: list[torch.Tensor] = []
+        self.flat: list[torch.Tensor] | None = None
+
+    def open(self, engine) -> dict:
+        timeout = timedelta(seconds=self.timeout_s)
+        store = dist.TCPStore(HOST, self.port, world_size=2, is_master=False, timeout=timeout)
+        dist.init_process_group(self.backend, store=store, rank=ENGINE, world_size=2, timeout=timeout)
+        device, dtype = engine.device, self.buckets[0].dtype
+        if self.flat_weights:
+            self.flat = flat.allocate(self.buckets, device)
+            flat.bind(engine.weights, self.buckets, self.flat)
+        if not (self.flat_weights and self.strategy == "bucketed"):
+            self.slots = [flat.empty(slot_numel(self.buckets, self.strategy), dtype, device)
+                          for _ in range(self.inflight)]
+        return {"staging_bytes": sum(s.numel() * s.element_size() for s in self.slots)}
+
+    def target(self, k: int, unit: Bucket, numel: int) -> torch.Tensor:
+        """Where broadcast k lands: the engine's own flat weights, or a staging slot."""
+        if not self.slots:
+            return self.flat[k]
+        return self.slots[k % len(self.slots)][:numel]
+
+    @torch.no_grad()
+    def handle(self, engine, request: tuple) -> dict:
+        device = engine.device
+        watch, memory = Stopwatch(device), DeviceMemory(device)
+        units = units_of(self.buckets, self.strategy)
+        loads: list[float] = []
+        with cpu_threads(self.copy_threads, device), memory.track():
+            posted: deque = deque()
+            for k in range(min(self.inflight, len(units))):
+                posted.append(dist.broadcast(self.target(k, *units[k]), src=TRAINER, async_op=True))
+            for k, (unit, numel) in enumerate(units):
+                posted.popleft().wait()
+                buffer = self.target(k, unit, numel)
+                if self.slots:
+                    with watch("load"):
+                        engine.load_weights(flat.views(unit, buffer))
+                    loads.append(watch.last)
+                else:
+                    loads.append(0.0)  # received into the weights themselves
+                nxt = k + self.inflight
+                if nxt < len(units):  # its slot is free again only now that bucket k is loaded
+                    posted.append(dist.broadcast(self.target(nxt, *units[nxt]), src=TRAINER, async_op=True))
+        return {"load_times": loads, "peak_extra": memory.peak_extra}
+
+    def close(self) -> None:
+        self.slots, self.flat = [], None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class BroadcastEngine:
+    def __init__(self, spec, buckets: list[Bucket], cfg):
+        if dist.is_initialized():
+            raise RuntimeError("update.transport=broadcast: this process already has a torch.distributed group; "
+                               "close the other broadcast engine first")
+        self.device = torch.device(spec.device)
+        self.buckets, self.strategy, self.inflight = buckets, cfg.strategy, cfg.inflight_buckets
+        self.units = units_of(buckets, cfg.strategy)
+        backend = resolve_backend(cfg.backend)
+        timeout = timedelta(seconds=cfg.engine_timeout_s)
+        self.store = dist.TCPStore(HOST, 0, world_size=2, is_master=True, wait_for_workers=False, timeout=timeout)
+        self.slots = [flat.empty(slot_numel(buckets, cfg.strategy), buckets[0].dtype, self.device)
+                      for _ in range(cfg.inflight_buckets)]
+        self.engine_staging = 0
+        self.last_update_buckets: list[dict] = []
+        receiver = BroadcastReceiver(buckets, strategy=cfg.strategy, inflight=cfg.inflight_buckets,
+                                     flat_weights=cfg.flat_engine_weights, port=self.store.port, backend=backend,
+                                     timeout_s=cfg.engine_timeout_s, copy_threads=cfg.copy_threads)
+        self.process = EngineProcess(spec, receiver, strategy=cfg.strategy, timeout_s=cfg.engine_timeout_s)
+        try:
+            self.process.send("open")
+            self.process.join_thread(lambda: dist.init_process_group(backend, store=self.store, rank=TRAINER,
+                                                                     world_size=2, timeout=timeout),
+                                     f"the {backend} process group")
+            self.engine_staging = self.process.reply("open").result["staging_bytes"]
+        except BaseException:
+            self.close()
+            raise
+
+    @torch.no_grad()
+    def update_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, float]:
+        watch = Stopwatch(self.device)
+        rows = self.last_update_buckets = []
+        self.process.send("update", ("update",))
+        in_flight: deque = deque()  # (row, work)
+        for k, (unit, numel) in enumerate(self.units):
+            if len(in_flight) == len(self.slots):
+                self._wait(*in_flight.popleft(), watch)
+            buffer = self.slots[k % len(self.slots)][:numel]
+            with watch("pack"):
+                flat.pack(unit, weights, buffer)
+            rows.append({"bytes": numel * unit.dtype.itemsize, "pack_time": watch.last})
+            in_flight.append((rows[-1], dist.broadcast(buffer, src=TRAINER, async_op=True)))
+        while in_flight:
+            self._wait(*in_flight.popleft(), watch)
+        reply = self.process.reply("update")
+        for row, load in zip(rows, reply.result["load_times"], strict=True):
+            row["load_time"] = load
+        trainer_staging = sum(s.numel() * s.element_size() for s in self.slots)
+        return {"perf/update_weights_pack_time": watch.seconds["pack"],
+                "perf/update_weights_transfer_time": watch.seconds["transfer"],
+                "perf/update_weights_load_time": sum(reply.result["load_times"]),
+                "perf/update_weights_staging_bytes": trainer_staging + self.engine_staging,
+                "perf/update_weights_engine_peak_bytes": reply.result["peak_extra"]}
+
+    def _wait(self, row: dict, work, watch: Stopwatch) -> None:
+        with watch("transfer"):
+            self.process.wait_for(work.is_completed, "a weight broadcast")
+            work.wait()  # raises the backend's error, if the broadcast failed
+            synchronize(self.device)
+        row["transfer_time"] = watch.last
+
+    # -- the rest of the engine interface, forwarded to the engine process -------------------------
+
+    def generate(self, prompts, **kwargs):
+        return self.process.generate(prompts, **kwargs)
+
+    def release(self) -> None:
+        self.process.release()
+
+    def resume(self) -> None:
+        self.process.resume()
+
+    def checksums(self) -> dict[str, int]:
+        return self.process.checksums()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.process.weights()
+
+    def close(self) -> None:
+        """The engine process first (it leaves the group on its way out), then our side of the group."""
+        try:
+            if getattr(self, "process", None) is not None:
+                self.process.close()
+        finally:
+            self.slots = []
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.store = None

@@ -1,0 +1,332 @@
+"""The rollout engine in its own process, and the trainer's handle on it (shared by `ipc` and `broadcast`).
+
+The engine process is started by torch.multiprocessing (spawn on a GPU, forkserver on a CPU: see
+`start_context`), so tensors sent through its pipe travel as shared memory (CPU) or CUDA IPC handles
+(GPU) instead of pickled bytes. It builds the engine from its `EngineSpec`, then serves requests
+one at a time, in order:
+
+    (op, args)  ->  ("ok", op, result, t_recv, t_send, t_prev_send)  |  ("error", op, traceback)
+
+`t_*` are CLOCK_MONOTONIC stamps (`time.monotonic`), one system-wide clock on Linux, so the trainer
+can tell a request's handoff latency from the engine's work on it. A transport plugs its engine-side
+half in as a `receiver` (`open(engine)`, `handle(engine, request)`, `close()`): `ipc` loads from
+shared staging buffers, `broadcast` receives from a process group.
+
+A dead engine never hangs the trainer: every wait polls in slices of `POLL_S` and checks the
+process between them, raising `EngineDied` with its exit code.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+
+import torch
+import torch.multiprocessing as mp
+
+POLL_S = 0.05  # liveness check interval while waiting on the engine
+CLOSE_S = 5.0  # how long close() lets the engine exit by itself before terminating it
+# What a forked engine process should find imported already (the engine's model code above all).
+PRELOAD = ("rlsync.sync.engine_process", "rlsync.sync.ipc", "rlsync.sync.broadcast", "rlsync.rollout",
+           "transformers.models.qwen3.modeling_qwen3")
+
+
+class EngineDied(RuntimeError):
+    """The engine process exited while the trainer waited on it."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine raised while serving a request; the message ends with its traceback."""
+
+
+def exit_description(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"exit code {code} (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Engine side
+# ----------------------------------------------------------------------------------------------
+
+
+class _Server:
+    """The requests an engine process answers; `op` names a method."""
+
+    def __init__(self, engine, receiver):
+        self.engine, self.receiver = engine, receiver
+
+    def open(self):
+        return self.receiver.open(self.engine)
+
+    def update(self, request):
+        return self.receiver.handle(self.engine, request)
+
+    def generate(self, prompts, max_new_tokens, temperature, generator_state, generator_device):
+        generator = torch.Generator(device=generator_device)
+        generator.set_state(generator_state)
+        gen = self.engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   generator=generator)
+        return gen.to(torch.device("cpu")), generator.get_state()  # never CUDA IPC handles back: CPU, small
+
+    def release(self):
+        self.engine.release()
+
+    def resume(self):
+        self.engine.resume()
+
+    def checksums(self):
+        from rlsync.sync import checksum
+
+        return {name: checksum(t) for name, t in self.engine.weights.items()}
+
+    def weights(self):
+        return {name: t.detach().to("cpu", copy=True) for name, t in self.engine.weights.items()}
+
+    def close(self):
+        return None
+
+
+def serve(conn, spec, receiver, strategy: str) -> None:
+    """Entry point of the engine process: build, answer "start", then serve until "close" or EOF.
+
+    The trainer owns the engine's lifetime: a Ctrl-C or SIGTERM sent to the whole process group must
+    stop the run (which then closes the engine), not kill the engine first and turn an interruption
+    into an engine failure. A trainer that dies closes the pipe, which ends the engine too.
+    """
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    server = None
+    try:
+        try:
+            server = _Server(spec.build(strategy=strategy), receiver)
+        except BaseException:
+            conn.send(("error", "start", traceback.format_exc()))
+            raise
+        t_prev_send = time.monotonic()
+        conn.send(("ok", "start", None, t_prev_send, t_prev_send, t_prev_send))
+        while True:
+            op, args = conn.recv()
+            t_recv = time.monotonic()
+            try:
+                result = getattr(server, op)(*args)
+            except Exception:  # noqa: BLE001 - reported to the trainer, which raises it
+                conn.send(("error", op, traceback.format_exc()))
+                t_prev_send = time.monotonic()
+                continue
+            t_send = time.monotonic()
+            conn.send(("ok", op, result, t_recv, t_send, t_prev_send))
+            t_prev_send = t_send
+            if op == "close":
+                return
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the trainer is gone: nothing left to serve
+        return
+    finally:
+        receiver.close()
+        close_engine = getattr(server.engine, "close", None) if server is not None else None
+        if close_engine is not None:
+            close_engine()
+
+
+# ----------------------------------------------------------------------------------------------
+# Trainer side
+# ----------------------------------------------------------------------------------------------
+
+
+def start_context(device: torch.device):
+    """How engine processes start: never a plain fork of the trainer (its threads, its CUDA state).
+
+    On a GPU, spawn: a fresh interpreter, as CUDA requires. On a CPU, forkserver: a server process
+    that imported torch and the engine's model code once forks each engine, which then starts in
+    about a second instead of paying those imports (about 7 s on two busy cores) every time: what a
+    sweep or the tests open many of. Both pickle the same way, so tensors travel as shared memory.
+    """
+    if device.type == "cuda":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts: the first engine
+    return ctx
+
+
+class Reply:
+    """One answered request: the result and the handoff latency around the engine's work."""
+
+    def __init__(self, result, *, sent: float, waited: float, received: float, t_recv: float, t_send: float,
+                 t_prev_send: float):
+        self.result = result
+        # in: from our send (or the engine finishing its previous request, if later) to the engine reading it;
+        # out: from the engine's send (or us starting to wait, if later) to us reading it.
+        self.handoff = max(0.0, t_recv - max(sent, t_prev_send)) + max(0.0, received - max(t_send, waited))
+
+
+class EngineProcess:
+    """Start the engine process and talk to it; `close()` always leaves no process behind."""
+
+    def __init__(self, spec, receiver, *, strategy: str, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.closed = False
+        self._sent: deque[tuple[str, float]] = deque()  # requests not answered yet, in order
+        self._early: deque[tuple] = deque()  # replies read while waiting on something else
+        ctx = start_context(torch.device(spec.device))
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=serve, args=(child, spec, receiver, strategy), name="rlsync-engine", daemon=True)
+        self.process.start()
+        child.close()
+        self._sent.append(("start", time.monotonic()))
+        try:
+            self.reply("start")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def send(self, op: str, *args) -> float:
+        """Send a request without waiting; returns its send stamp."""
+        self.check_alive(op)
+        sent = time.monotonic()
+        try:
+            self.conn.send((op, args))
+        except (BrokenPipeError, ConnectionResetError):
+            self._raise_died(op)
+        self._sent.append((op, sent))
+        return sent
+
+    def reply(self, op: str) -> Reply:
+        """The answer to the oldest outstanding request, which must be `op`."""
+        expected, sent = self._sent[0]
+        assert expected == op, f"engine protocol: waiting for {op!r}, but {expected!r} is answered first"
+        waited = time.monotonic()
+        if not self._early:
+            self.wait_for(lambda: self.conn.poll(POLL_S), f"its answer to {op!r}", watch_pipe=False)
+        message = self._early.popleft() if self._early else self._recv(op)
+        self._sent.popleft()
+        return self._unpack(message, sent=sent, waited=waited)
+
+    def call(self, op: str, *args):
+        self.send(op, *args)
+        return self.reply(op).result
+
+    def wait_for(self, done: Callable[[], bool], what: str, *, watch_pipe: bool = True) -> None:
+        """Wait until `done()`, checking between polls that the engine lives and has not reported an error.
+
+        `done` should block for at most about POLL_S (a pipe poll) or return at once (a work's
+        is_completed); returning at once, the wait backs off from 50 us to 1 ms between checks.
+        """
+        start, pause = time.monotonic(), 5e-5
+        while not done():
+            if watch_pipe and not self._early and self.conn.poll(0):
+                message = self._recv(what)
+                if message[0] == "error":
+                    raise EngineFailed(f"the engine process failed while the trainer waited for {what}:\n{message[2]}")
+                self._early.append(message)
+            self.check_alive(what)
+            if time.monotonic() - start > self.timeout_s:
+                raise TimeoutError(f"the engine process (pid {self.pid}) is alive but gave no answer for {what} "
+                                   f"within update.engine_timeout_s={self.timeout_s:g} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def join_thread(self, target: Callable[[], None], what: str) -> None:
+        """Run a blocking call (a process-group rendezvous) in a thread, watching the engine meanwhile."""
+        errors: list[BaseException] = []
+
+        def run():
+            try:
+                target()
+            except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(err)
+
+        thread = threading.Thread(target=run, name=f"rlsync-{what}", daemon=True)
+        thread.start()
+        self.wait_for(lambda: (thread.join(POLL_S), not thread.is_alive())[1], what)
+        if errors:
+            raise errors[0]
+
+    def check_alive(self, what: str) -> None:
+        if not self.process.is_alive():
+            self._raise_died(what)
+
+    # -- the engine's interface ------------------------------------------------------------------
+
+    def generate(self, prompts, *, max_new_tokens: int, temperature: float, generator: torch.Generator):
+        """Generation in the engine process; the sampler's state goes there and comes back advanced,
+        so the random stream is the same as with the engine in this process."""
+        gen, state = self.call("generate", prompts, max_new_tokens, temperature, generator.get_state(),
+                               str(generator.device))
+        generator.set_state(state)
+        return gen
+
+    def release(self) -> None:
+        self.call("release")
+
+    def resume(self) -> None:
+        self.call("resume")
+
+    def checksums(self) -> dict[str, int]:
+        return self.call("checksums")
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """CPU copies of the engine's weights (tests and debugging: it moves the whole model)."""
+        return self.call("weights")
+
+    def close(self) -> None:
+        """Ask the engine to exit; kill it if it does not answer within CLOSE_S. Safe to call twice.
+
+        An engine busy with a request that cannot finish (a receive whose sender stopped) never
+        answers; SIGTERM is ignored there (see `serve`), so it is killed.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        answered = False
+        try:
+            if self.process.is_alive():
+                self.conn.send(("close", ()))
+                deadline = time.monotonic() + CLOSE_S
+                while not answered and time.monotonic() < deadline and self.process.is_alive():
+                    if self.conn.poll(POLL_S):
+                        answered = self.conn.recv()[1] == "close"  # drain answers to requests still outstanding
+        except (OSError, EOFError):
+            pass
+        finally:
+            self.process.join(CLOSE_S if answered else 0.1)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
+            self.conn.close()
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _recv(self, what: str) -> tuple:
+        try:
+            return self.conn.recv()
+        except (EOFError, ConnectionResetError):
+            self.process.join(CLOSE_S)  # the pipe closed: the process is exiting, get its code
+            self._raise_died(what)
+
+    def _unpack(self, message: tuple, *, sent: float, waited: float) -> Reply:
+        received = time.monotonic()
+        if message[0] == "error":
+            _, op, tb = message
+            last = tb.strip().splitlines()[-1]
+            raise EngineFailed(f"the engine process failed during {op!r}: {last}\n{tb}")
+        _, op, result, t_recv, t_send, t_prev_send = message
+        return Reply(result, sent=sent, waited=waited, received=received, t_recv=t_recv, t_send=t_send,
+                     t_prev_send=t_prev_send)
+
+    def _raise_died(self, what: str):
+        self.process.join(0.5)
+        raise EngineDied(f"the engine process (pid {self.pid}) died with {exit_description(self.process.exitcode)} "
+                         f"while the trainer waited for {what}") from None

@@ -1,0 +1,156 @@
+"""The `ipc` transport: the engine in its own process, buckets handed over in shared buffers.
+
+As in the reference system's colocated mode: the trainer packs a bucket into a staging buffer the
+engine process maps too (CPU shared memory; CUDA IPC on a GPU), sends a short message naming the
+bucket and the buffer, and the engine copies from the buffer into its weights by name. The staging
+buffers are allocated once, as large as the largest bucket (or tensor, for `per_tensor`), and reused.
+With `inflight_buckets=2` there are two: the trainer packs bucket k+1 while the engine loads bucket k.
+
+With `flat_engine_weights` the engine's weights are themselves views into shared flat buffers laid
+out like the buckets, so packing writes the engine's weights and the process boundary costs no copy:
+one message at the end tells the engine the update has landed.
+
+Split metrics: `pack` (trainer), `transfer` (the messages' handoff latency, both ways, without the
+time a message waits for a busy peer), `load` (the engine's copy, timed in the engine process).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from rlsync.sync import flat
+from rlsync.sync.buckets import Bucket, largest_bucket_bytes
+from rlsync.sync.engine_process import EngineProcess
+from rlsync.sync.threads import cpu_threads
+from rlsync.timing import DeviceMemory, Stopwatch
+
+
+class IpcReceiver:
+    """The engine-side half: loads named views of a shared staging buffer (pickled to the engine process)."""
+
+    def __init__(self, buckets: list[Bucket], *, slots: list[torch.Tensor], flat_weights: list[torch.Tensor] | None,
+                 copy_threads: int):
+        self.buckets, self.slots, self.flat, self.copy_threads = buckets, slots, flat_weights, copy_threads
+
+    def open(self, engine) -> dict:
+        self.metas = {s.meta.name: s.meta for b in self.buckets for s in b.slots}
+        if self.flat is not None:
+            flat.bind(engine.weights, self.buckets, self.flat)
+        return {}
+
+    @torch.no_grad()
+    def handle(self, engine, request: tuple) -> dict:
+        kind, key, slot = request
+        device = engine.device
+        watch, memory = Stopwatch(device), DeviceMemory(device)
+        with cpu_threads(self.copy_threads, device), memory.track(), watch("load"):
+            if kind == "bucket":
+                bucket = self.buckets[key]
+                engine.load_weights(flat.views(bucket, self.slots[slot][: bucket.numel]))
+            elif kind == "tensor":
+                meta = self.metas[key]
+                engine.load_weights([(key, self.slots[slot][: meta.numel].view(meta.shape))])
+            elif kind != "landed":  # "landed": the trainer wrote the flat weights themselves
+                raise ValueError(f"ipc: unknown request {kind!r}")
+        return {"load_time": watch.last, "peak_extra": memory.peak_extra}
+
+    def close(self) -> None:
+        self.slots = self.flat = None
+
+
+class IpcEngine:
+    def __init__(self, spec, buckets: list[Bucket], cfg):
+        self.device = torch.device(spec.device)
+        self.buckets, self.strategy = buckets, cfg.strategy
+        self.dtype = buckets[0].dtype
+        self.flat = flat.allocate(buckets, self.device, shared=True) if cfg.flat_engine_weights else None
+        if self.flat is not None and self.strategy == "bucketed":
+            slot_numel = 0  # packing writes the engine's weights: no staging
+        elif self.strategy == "bucketed":
+            slot_numel = largest_bucket_bytes(buckets) // self.dtype.itemsize
+        else:
+            slot_numel = max(s.meta.numel for b in buckets for s in b.slots)
+        count = cfg.inflight_buckets if slot_numel else 0
+        self.slots = [flat.empty(slot_numel, self.dtype, self.device, shared=True) for _ in range(count)]
+        self.last_update_buckets: list[dict] = []
+        receiver = IpcReceiver(buckets, slots=self.slots, flat_weights=self.flat, copy_threads=cfg.copy_threads)
+        self.process = EngineProcess(spec, receiver, strategy=cfg.strategy, timeout_s=cfg.engine_timeout_s)
+        try:
+            self.process.call("open")
+        except BaseException:
+            self.close()
+            raise
+
+    def units(self, weights: dict[str, torch.Tensor]) -> list[tuple[tuple, int, object]]:
+        """(request key, elements, what to pack) per message: a bucket, or one tensor."""
+        if self.strategy == "bucketed":
+            return [(("bucket", i), b.numel, b) for i, b in enumerate(self.buckets)]
+        return [(("tensor", name), t.numel(), name) for name, t in weights.items()]
+
+    @torch.no_grad()
+    def update_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, float]:
+        watch = Stopwatch(self.device)
+        rows = self.last_update_buckets = []
+        engine_peak = 0
+        if not self.slots:  # flat engine weights: pack into them, then one message
+            for bucket, buffer in zip(self.buckets, self.flat):
+                with watch("pack"):
+                    flat.pack(bucket, weights, buffer)
+                rows.append({"bytes": bucket.nbytes, "pack_time": watch.last})
+            self.process.send("update", ("landed", None, None))
+            reply = self.process.reply("update")
+            rows[-1]["transfer_time"] = reply.handoff
+            transfer, load, engine_peak = reply.handoff, reply.result["load_time"], reply.result["peak_extra"]
+        else:
+            pending: deque[int] = deque()  # rows whose message is not answered yet
+            for k, (key, numel, item) in enumerate(self.units(weights)):
+                if len(pending) == len(self.slots):
+                    engine_peak = max(engine_peak, self._finish(rows[pending.popleft()]))
+                buffer = self.slots[k % len(self.slots)][:numel]
+                with watch("pack"):  # synchronized: the bytes are in the buffer before the engine is told
+                    if key[0] == "bucket":
+                        flat.pack(item, weights, buffer)
+                    else:
+                        buffer.copy_(weights[item].reshape(-1))
+                rows.append({"bytes": numel * self.dtype.itemsize, "pack_time": watch.last})
+                self.process.send("update", (*key, k % len(self.slots)))
+                pending.append(len(rows) - 1)
+            while pending:
+                engine_peak = max(engine_peak, self._finish(rows[pending.popleft()]))
+            transfer = sum(r["transfer_time"] for r in rows)
+            load = sum(r["load_time"] for r in rows)
+        staging = sum(s.numel() * s.element_size() for s in self.slots)  # shared: the same pages on both sides
+        return {"perf/update_weights_pack_time": watch.seconds["pack"], "perf/update_weights_transfer_time": transfer,
+                "perf/update_weights_load_time": load, "perf/update_weights_staging_bytes": staging,
+                "perf/update_weights_engine_peak_bytes": engine_peak}
+
+    def _finish(self, row: dict) -> int:
+        reply = self.process.reply("update")
+        row["transfer_time"], row["load_time"] = reply.handoff, reply.result["load_time"]
+        return reply.result["peak_extra"]
+
+    # -- the rest of the engine interface, forwarded to the engine process -------------------------
+
+    def generate(self, prompts, **kwargs):
+        return self.process.generate(prompts, **kwargs)
+
+    def release(self) -> None:
+        self.process.release()
+
+    def resume(self) -> None:
+        self.process.resume()
+
+    def checksums(self) -> dict[str, int]:
+        return self.process.checksums()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.process.weights()
+
+    def close(self) -> None:
+        try:
+            if getattr(self, "process", None) is not None:
+                self.process.close()
+        finally:
+            self.slots, self.flat = [], None

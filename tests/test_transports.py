@@ -1,0 +1,341 @@
+"""The `ipc` and `broadcast` transports (engine in its own process) next to `direct`.
+
+Bit-exact engine weights after updates for every transport x strategy x source, with buckets
+smaller than the largest tensor; generation through the engine process equal to in-process
+generation; the staging accounting; a dead engine raising a clear error within seconds; the whole
+step through the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import FAST, ROOT, cli_env, read_jsonl
+from rlsync.config import Config, UpdateConfig
+from rlsync.models import build_model, build_tokenizer, named_weights
+from rlsync.offload import Offloader
+from rlsync.rollout import EngineSpec
+from rlsync.sync import WeightMismatch, checksum, open_engine, plan_for, update_weights
+from rlsync.sync.engine_process import EngineDied
+
+CPU = torch.device("cpu")
+BF16 = torch.bfloat16
+SMALL_BUCKET_MB = 0.05  # tiny's largest tensor (the embedding, 512 x 256 in bf16) is 0.25 MiB
+
+
+class Trainer:
+    """The trainer side of a test: fp32 weights, their offloaded host copies, and an engine spec."""
+
+    def __init__(self, seed: int = 3):
+        cfg = Config()
+        tok = build_tokenizer(cfg.model)
+        self.model = build_model(cfg.model, dtype=torch.float32, device=CPU, seed=seed)
+        self.offloader = Offloader(self.model, None, mode="full", device=CPU)
+        self.weights = named_weights(self.model)
+        self.spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device="cpu", allowed_ids=tok.allowed_ids(512),
+                               eos_id=tok.eos_id, pad_id=tok.pad_id)
+
+    def source(self, name: str) -> dict[str, torch.Tensor]:
+        """The weights to send, freshly changed (a trained step), live or from the host copy."""
+        if name == "device":
+            self.offloader.wake_up()
+            with torch.no_grad():
+                for t in self.weights.values():
+                    t.add_(torch.randn_like(t))
+            return self.weights
+        self.offloader.wake_up()
+        self.offloader.sleep()
+        host = self.offloader.host_weights(self.weights)
+        with torch.no_grad():
+            for t in host.values():
+                t.add_(torch.randn_like(t))
+        return host
+
+
+def assert_engine_holds(engine, weights: dict[str, torch.Tensor]) -> None:
+    got = engine.weights()
+    assert set(got) == set(weights)
+    for name, t in weights.items():
+        assert torch.equal(got[name], t.to(BF16)), f"engine tensor {name} differs from the trainer's"
+
+
+# Process engines cost a start each (the first about 7 s of imports, then about 1 s from the
+# forkserver), so each configuration is opened once per module and serves both sources.
+PROCESS_CASES = [
+    pytest.param("ipc", "bucketed", 2, False, id="ipc-bucketed-inflight2"),
+    pytest.param("ipc", "per_tensor", 1, False, id="ipc-per_tensor"),
+    pytest.param("ipc", "bucketed", 1, True, id="ipc-bucketed-flat"),
+    pytest.param("broadcast", "bucketed", 1, False, id="broadcast-bucketed"),
+    pytest.param("broadcast", "per_tensor", 2, False, id="broadcast-per_tensor-inflight2"),
+    pytest.param("broadcast", "bucketed", 2, True, id="broadcast-bucketed-flat-inflight2"),
+]
+
+
+@pytest.mark.parametrize("transport,strategy,inflight,flat", PROCESS_CASES)
+def test_process_engine_is_bit_exact_for_both_sources(transport, strategy, inflight, flat):
+    trainer = Trainer()
+    update = UpdateConfig(transport=transport, strategy=strategy, inflight_buckets=inflight, flat_engine_weights=flat,
+                          bucket_mb=SMALL_BUCKET_MB, verify=True, engine_timeout_s=120)
+    buckets = plan_for(trainer.weights, update, BF16)
+    largest_tensor = max(t.numel() * 2 for t in trainer.weights.values())
+    assert max(b.nbytes for b in buckets) == largest_tensor > SMALL_BUCKET_MB * 2**20  # one tensor alone, oversized
+    engine = open_engine(update, spec=trainer.spec, buckets=buckets)
+    try:
+        for source in ("device", "host", "device"):
+            sent = trainer.source(source)
+            metrics = update_weights(engine, sent, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
+            assert_engine_holds(engine, sent)
+            for key in ("pack", "transfer", "load"):
+                assert metrics[f"perf/update_weights_{key}_time"] >= 0
+            rows = engine.last_update_buckets
+            assert len(rows) == (len(buckets) if strategy == "bucketed" else len(trainer.weights))
+            assert sum(r["bytes"] for r in rows) == metrics["perf/update_weights_bytes"]
+
+        # The staging memory the bucket size costs, counted once per buffer on either side.
+        slot = max(b.nbytes for b in buckets)  # == the largest tensor here, so per_tensor's slot too
+        expected = {("ipc", False): inflight * slot, ("ipc", True): 0,
+                    ("broadcast", False): 2 * inflight * slot, ("broadcast", True): inflight * slot}
+        assert metrics["perf/update_weights_peak_bytes"] == expected[transport, flat and strategy == "bucketed"]
+    finally:
+        engine.close()
+    assert not engine.process.process.is_alive()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("strategy", ["bucketed", "per_tensor"])
+@pytest.mark.parametrize("source", ["device", "host"])
+@pytest.mark.parametrize("flat", [False, True])
+def test_direct_is_bit_exact(strategy, source, flat):
+    trainer = Trainer()
+    update = UpdateConfig(strategy=strategy, bucket_mb=SMALL_BUCKET_MB, flat_engine_weights=flat, verify=True)
+    buckets = plan_for(trainer.weights, update, BF16)
+    engine = open_engine(update, spec=trainer.spec, buckets=buckets)
+    for _ in range(2):
+        sent = trainer.source(source)
+        metrics = update_weights(engine, sent, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
+        assert_engine_holds(engine, sent)
+    if flat and strategy == "bucketed":
+        assert metrics["perf/update_weights_peak_bytes"] == 0  # packing wrote the engine's weights: no staging
+        assert "perf/update_weights_load_time" not in metrics
+    engine.close()
+
+
+def test_ipc_generates_what_the_in_process_engine_generates():
+    """Same weights, same sampler state: same tokens and log-probs, and the sampler advances the same."""
+    trainer = Trainer()
+    weights = trainer.source("device")
+    engines = {}
+    try:
+        for transport in ("direct", "ipc"):
+            update = UpdateConfig(transport=transport)
+            buckets = plan_for(weights, update, BF16)
+            engines[transport] = open_engine(update, spec=trainer.spec, buckets=buckets)
+            update_weights(engines[transport], weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
+        prompts = [[256, *b"12+7="], [256, *b"3*4=?"], [256, 65]]
+        outs, states = {}, {}
+        for transport, engine in engines.items():
+            engine.resume()
+            sampler = torch.Generator().manual_seed(11)
+            outs[transport] = engine.generate(prompts, max_new_tokens=6, temperature=1.0, generator=sampler)
+            engine.release()
+            states[transport] = sampler.get_state()
+        for field in ("sequences", "attention_mask", "response_mask", "logprobs", "truncated"):
+            assert torch.equal(getattr(outs["direct"], field), getattr(outs["ipc"], field)), field
+        assert torch.equal(states["direct"], states["ipc"])
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def test_verify_in_the_engine_process_names_the_tensor():
+    trainer = Trainer()
+    update = UpdateConfig(transport="ipc", verify=True)
+    buckets = plan_for(trainer.weights, update, BF16)
+    engine = open_engine(update, spec=trainer.spec, buckets=buckets)
+    try:
+        update_weights(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
+        sums = engine.checksums()  # computed in the engine process
+        assert sums == {n: checksum(t.to(BF16)) for n, t in trainer.weights.items()}
+        with torch.no_grad():
+            trainer.weights["model.norm.weight"].add_(1.0)  # the trainer moves on, the engine does not hear of it
+        from rlsync.sync import verify
+
+        with pytest.raises(WeightMismatch, match="model.norm.weight"):
+            verify(trainer.weights, engine.checksums(), BF16)
+    finally:
+        engine.close()
+
+
+def kill_after(pid: int, seconds: float) -> threading.Timer:
+    timer = threading.Timer(seconds, os.kill, args=(pid, signal.SIGKILL))
+    timer.start()
+    return timer
+
+
+@pytest.mark.parametrize("transport", ["ipc", "broadcast"])
+def test_a_dead_engine_is_a_clear_error_within_seconds(transport):
+    """Killed while the trainer waits on it (a long generation): EngineDied naming the exit code, fast;
+    then close() still leaves no process and no process group behind."""
+    trainer = Trainer()
+    update = UpdateConfig(transport=transport, bucket_mb=SMALL_BUCKET_MB)
+    buckets = plan_for(trainer.weights, update, BF16)
+    engine = open_engine(update, spec=trainer.spec, buckets=buckets)
+    try:
+        update_weights(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
+        kill_after(engine.process.pid, 0.5)
+        start = time.monotonic()
+        with pytest.raises(EngineDied, match=r"exit code -9 \(killed by SIGKILL\)"):
+            engine.generate([[256, 65]] * 8, max_new_tokens=100_000, temperature=1.0, generator=torch.Generator())
+        assert time.monotonic() - start < 5.0
+        with pytest.raises(EngineDied, match="exit code -9"):  # and every later call says the same at once
+            update_weights(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
+    finally:
+        engine.close()
+    assert not engine.process.process.is_alive()
+    assert not dist.is_initialized()
+
+
+def test_a_broadcast_engine_killed_mid_update_does_not_hang_the_trainer():
+    """The hardest wait: the trainer inside a collective whose peer is gone."""
+    trainer = Trainer()
+    update = UpdateConfig(transport="broadcast", bucket_mb=SMALL_BUCKET_MB, engine_timeout_s=120)
+    buckets = plan_for(trainer.weights, update, BF16)
+    engine = open_engine(update, spec=trainer.spec, buckets=buckets)
+    os.kill(engine.process.pid, signal.SIGSTOP)  # frozen: the trainer's broadcasts cannot complete
+    kill_after(engine.process.pid, 0.5)
+    start = time.monotonic()
+    try:
+        with pytest.raises((EngineDied, RuntimeError)) as err:
+            update_weights(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
+        assert time.monotonic() - start < 5.0
+        assert "exit code -9" in str(err.value) or "engine" in str(err.value).lower()
+    finally:
+        engine.close()
+    assert not dist.is_initialized()
+
+
+def test_flat_ipc_weights_cannot_be_released():
+    from rlsync.errors import ConfigError
+
+    cfg = Config()
+    cfg.rollout.release_weights = True
+    tok = build_tokenizer(cfg.model)
+    spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device="cpu", allowed_ids=tok.allowed_ids(512),
+                      eos_id=tok.eos_id, pad_id=tok.pad_id)
+    with pytest.raises(ConfigError, match="update.flat_engine_weights"):
+        open_engine(UpdateConfig(transport="ipc", flat_engine_weights=True), spec=spec, buckets=[])
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole step through the CLI
+# ----------------------------------------------------------------------------------------------
+
+
+def test_whole_step_runs_with_broadcast(tmp_path):
+    run_dir = tmp_path / "run"
+    fast = [o for o in FAST if not o.startswith(("run.steps=", "run.warmup_steps="))] + ["run.steps=1", "run.warmup_steps=0"]
+    proc = subprocess.run([sys.executable, "-m", "rlsync", *fast, "update.transport=broadcast", "update.verify=true",
+                           f"update.bucket_mb={SMALL_BUCKET_MB}", "wandb.mode=disabled", f"hydra.run.dir={run_dir}"],
+                          cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["setup"]["transport"] == "broadcast"
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(rows) == 1
+    for row in rows:  # the engine scored its samples with the weights the trainer just sent (bf16 vs fp32)
+        assert 0 <= row["train/logprob_abs_diff"] < 0.01
+        assert row["perf/update_weights_peak_bytes"] > 0 and row["perf/update_weights_transfer_time"] > 0
+
+
+def engine_pid(parent: int, timeout: float = 60.0) -> int:
+    """The engine process among `parent`'s descendants (forked by the forkserver, itself a child)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in descendants(parent):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "forkserver" in cmd and descendants(pid) == [] and is_forked_child(pid):
+                return pid
+        time.sleep(0.2)
+    raise AssertionError("no engine process appeared")
+
+
+def descendants(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for child in children:
+            out += [child, *descendants(child)]
+    return out
+
+
+def is_forked_child(pid: int) -> bool:
+    """A process the forkserver forked (its parent is the forkserver, not the trainer)."""
+    try:
+        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        parent_cmd = Path(f"/proc/{ppid}/cmdline").read_bytes()
+    except (OSError, ValueError, IndexError):
+        return False
+    return b"forkserver" in parent_cmd
+
+
+def test_whole_step_runs_with_ipc_and_a_killed_engine_ends_it_clearly(tmp_path):
+    """Steps run through the ipc engine; killing it mid-run fails the run within seconds with the engine's
+    exit code, and metrics.jsonl and summary.json keep the steps that finished."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "rlsync", *[o for o in FAST if not o.startswith("run.steps=")],
+                             "run.steps=50", "update.transport=ipc",
+                             f"update.bucket_mb={SMALL_BUCKET_MB}", "update.inflight_buckets=2",
+                             "wandb.mode=disabled", f"hydra.run.dir={run_dir}"],
+                            cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pid = engine_pid(proc.pid)
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and (not metrics.exists() or len(read_jsonl(metrics)) < 1):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = proc.communicate(timeout=60)
+        assert time.monotonic() - killed < 15  # the error itself comes within POLL_S; the rest is the summary
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "exit code -9 (killed by SIGKILL)" in stderr
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(rows) >= 1
+    for row in rows:
+        assert 0 <= row["train/logprob_abs_diff"] < 0.01
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps_finished"] == len(rows)
+    assert "EngineDied" in summary["error"]
+
+
+def test_validation_rejects_released_flat_ipc_weights_before_building_anything():
+    from rlsync.errors import ConfigError
+    from rlsync.validate import validate
+
+    cfg = Config()
+    cfg.update.transport, cfg.update.flat_engine_weights, cfg.rollout.release_weights = "ipc", True, True
+    with pytest.raises(ConfigError, match="update.flat_engine_weights"):
+        validate(cfg)
+    cfg.update.transport = "direct"  # there the engine's own buffers can be freed and refilled
+    validate(cfg)
