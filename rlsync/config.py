@@ -39,21 +39,25 @@ class UpdateConfig:
     enabled: bool = True  # false: skip the update (baseline step; stale engine for the log-prob check)
     bucket_mb: float = 512.0  # bucket size in MiB (512 = --update-weight-buffer-size 536870912)
     strategy: str = "bucketed"  # bucketed: flat buffer per bucket | per_tensor: one copy per tensor
-    transport: str = "direct"  # direct: engine in the trainer's process
+    transport: str = "direct"  # direct: engine in the trainer's process | ipc: own process, shared buffers | broadcast: own process, torch.distributed
     source: str = "device"  # device: from live trainer weights | host: from the offloaded copy
     inflight_buckets: int = 1  # staging buffers in flight (2 overlaps pack and load)
     verify: bool = False  # checksum every engine tensor against the trainer after each update
+    flat_engine_weights: bool = False  # engine weights are views into bucket-laid-out flat buffers: packing writes them (one copy)
+    backend: str = "auto"  # broadcast's torch.distributed backend: auto = gloo (NCCL refuses two ranks on one GPU)
+    engine_timeout_s: float = 3600.0  # longest wait for one engine reply (start, generate, load); a dead engine fails at once
+    copy_threads: int = 1  # torch CPU threads for the update's copies, per process (0: torch's default); 1 reaches memcpy speed
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = "hf"  # hf: transformers model with a KV cache
+    engine: str = "hf"  # hf: transformers model with a KV cache | vllm: vLLM in this process (the vllm extra)
     max_response_len: int = 32  # answers are cut here (tokens)
     prompts_per_step: int = 4
     samples_per_prompt: int = 4  # the GRPO group size (>= 2)
     temperature: float = 1.0
     dtype: str = "bfloat16"  # engine weights dtype
-    release_weights: bool = False  # engine frees its weights after generation; the update refills them
+    release_weights: bool = False  # engine frees its weights after generation (KV cache always); re-allocated before the update, which refills them
 
 
 @dataclass
@@ -63,7 +67,8 @@ class TrainerConfig:
     micro_batch_size: int = 8  # sequences per forward/backward
     clip_eps: float = 0.2  # PPO clip range of the ratio
     kl_coef: float = 0.0  # > 0 keeps a frozen reference model and times its log-probs
-    offload: str = "full"  # full: params, grads, optimizer state to host after the step | none
+    offload: str = "full"  # full: params, grads, optimizer state to host after the step | drop_grads: not the grads (zeroed on wake-up) | none
+    offload_free_device: Optional[bool] = None  # free the device copy while asleep; null: on CUDA only (a CPU keeps it: re-faulting pages costs more than the copy)
     grad_clip: float = 1.0  # max grad norm
 
 
@@ -84,6 +89,7 @@ class WandbConfig:
     entity: Optional[str] = None
     group: Optional[str] = None  # default: the sweep (or run) directory name
     tags: list[str] = field(default_factory=list)
+    init_timeout: float = 60.0  # seconds W&B may take to start; then the run logs offline (online) or locally only
 
 
 @dataclass
@@ -96,14 +102,30 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
+@dataclass
+class BenchConfig:
+    target: str = "update"  # what is timed: update (the weight update alone) | offload (trainer sleep + wake-up, trainer.offload)
+    offload_state: str = "trainer"  # offload target: trainer (params, grads, AdamW state) | params (weights alone: 1.7B on 24 GiB)
+    warmup: int = 2  # untimed repeats first (page faults, allocator, thread pools)
+    repeats: int = 10  # timed repeats; the summary gives median, min and max over them
+
+
+@dataclass
+class BenchAppConfig(Config):
+    """`python -m rlsync.bench`: the runner's tree plus the benchmark's own keys."""
+
+    bench: BenchConfig = field(default_factory=BenchConfig)
+
+
 def register_configs() -> None:
     ConfigStore.instance().store(name="rlsync_schema", node=Config)
+    ConfigStore.instance().store(name="rlsync_bench_schema", node=BenchAppConfig)
 
 
-def to_config(dcfg: DictConfig) -> Config:
-    """Resolve the composed config and turn it into the typed dataclass tree."""
+def to_config(dcfg: DictConfig, schema: type = Config):
+    """Resolve the composed config and turn it into the typed dataclass tree (`schema`'s)."""
     plain = OmegaConf.masked_copy(dcfg, [k for k in dcfg.keys() if k != "hydra"]) if "hydra" in dcfg else dcfg
-    typed = OmegaConf.merge(OmegaConf.structured(Config), plain)
+    typed = OmegaConf.merge(OmegaConf.structured(schema), plain)
     return OmegaConf.to_object(typed)
 
 

@@ -21,12 +21,13 @@ import torch
 
 from rlsync import summary as summaries
 from rlsync.config import Config, to_dict
+from rlsync.errors import StopOnSignals
 from rlsync.limits import Limits
 from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
-from rlsync.offload import Offloader
+from rlsync.offload import Offloader, device_memory_gb, link_metrics
 from rlsync.rollout import EngineSpec
 from rlsync.sinks import Console, MetricsFile, wandb_run, write_json
-from rlsync.sync import open_engine, plan_for, update_weights
+from rlsync.sync import WeightMismatch, is_out_of_memory, open_engine, out_of_memory, plan_for, update_weights
 from rlsync.tasks import make_prompts, reward
 from rlsync.timing import Stopwatch
 from rlsync.trainer import Trainer, group_advantages
@@ -38,18 +39,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def run_experiment(cfg: Config, run_dir: Path, *, name: str, group: str) -> dict:
+def run_experiment(cfg: Config, run_dir: Path, *, name: str, group: str, overrides: list[str] = ()) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     with wandb_run(cfg.wandb, run_dir=run_dir, name=name, group=group, config=to_dict(cfg), job_type="run") as wb:
-        result = Experiment(cfg, run_dir).run(wb)
+        result = Experiment(cfg, run_dir, overrides=list(overrides)).run(wb)
     return result
 
 
 class Experiment:
-    def __init__(self, cfg: Config, run_dir: Path):
-        self.cfg, self.run_dir = cfg, run_dir
+    def __init__(self, cfg: Config, run_dir: Path, *, overrides: list[str] = ()):
+        self.cfg, self.run_dir, self.overrides = cfg, run_dir, list(overrides)
         self.rows: list[dict] = []
-        self.status, self.error = "running", None
+        self.status, self.error, self.failure = "running", None, None
+        self.engine = None  # set by setup() as soon as the engine is open
         self.device = resolve_device(cfg.run.device)
         self.setup_info: dict = {}
 
@@ -57,28 +59,32 @@ class Experiment:
         cfg = self.cfg
         metrics_file = MetricsFile(self.run_dir)
         console = Console(cfg.run.steps, enabled=cfg.run.progress, warmup_steps=cfg.run.warmup_steps)
-        engine = None
-        try:
-            engine = self.setup()
-            for step in range(cfg.run.steps):
-                row = {"step": step, **self.step(step, engine)}
-                self.rows.append(row)
-                metrics_file.write(row)
-                wb.log(row)
-                console.step(row)
-            self.status = "finished"
-        except BaseException as err:
-            self.status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
-            self.error = f"{type(err).__name__}: {err}".splitlines()[0]
-            raise
-        finally:
-            console.close()
-            metrics_file.close()
-            if engine is not None:
-                engine.close()
-            result = self.write_summary()
-            wb.summarize(result)
-        print_closing(result)
+        # SIGINT / SIGTERM raise Interrupted here: the step in progress is dropped, the finished ones kept.
+        with StopOnSignals() as stop:
+            try:
+                engine = self.setup()
+                for step in range(cfg.run.steps):
+                    row = {"step": step, **self.step(step, engine)}
+                    with stop.deferred():  # a finished step is recorded whole (file, W&B, console) or not at all
+                        self.rows.append(row)
+                        metrics_file.write(row)
+                        wb.log(row)
+                        console.step(row)
+                self.status = "finished"
+            except BaseException as err:
+                self.status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+                self.error, self.failure = f"{type(err).__name__}: {err}".splitlines()[0], err
+                raise
+            finally:
+                console.close()
+                metrics_file.close()
+                close_error = close_engine(self.engine)
+                result = self.write_summary()
+                wb.summarize(result)
+                if self.rows:
+                    print_closing(result)
+            if close_error is not None:
+                raise close_error
         return result
 
     def setup(self):
@@ -93,27 +99,38 @@ class Experiment:
         t0 = time.perf_counter()
         model = build_model(cfg.model, dtype=torch_dtype(cfg.trainer.dtype), device=device, seed=cfg.run.seed)
         self.trainer = Trainer(model, cfg.trainer, allowed_ids=allowed, temperature=cfg.rollout.temperature)
-        self.offloader = Offloader(model, self.trainer.optimizer, mode=cfg.trainer.offload, device=device)
+        self.offloader = Offloader(model, self.trainer.optimizer, mode=cfg.trainer.offload, device=device,
+                                   free_device=cfg.trainer.offload_free_device)
         self.weights = named_weights(model)
         engine_dtype = torch_dtype(cfg.rollout.dtype)
         self.buckets = plan_for(self.weights, cfg.update, engine_dtype)
         spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device=str(device), allowed_ids=allowed,
                           eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
-        engine = open_engine(cfg.update, spec=spec, buckets=self.buckets)
+        try:
+            engine = open_engine(cfg.update, spec=spec, buckets=self.buckets)
+        except Exception as err:  # the staging buffers are allocated here: name the bucket size
+            if is_out_of_memory(err):
+                raise out_of_memory(self.buckets, cfg.update, "opening the engine and its update buffers") from err
+            raise
+        self.engine = engine  # run() closes it, even if the rest of the setup fails
         build_time = time.perf_counter() - t0
 
         update_bytes = sum(b.nbytes for b in self.buckets)
         read_bytes = sum(t.numel() * t.element_size() for t in self.weights.values())
-        self.limits = Limits(device, update_bytes=update_bytes, state_bytes=2 * read_bytes)
-        self.update_limit = self.limits.update_time(read_bytes, update_bytes)
+        self.limits = Limits(device, update_bytes=update_bytes, state_bytes=self.offloader.state_bytes or 2 * read_bytes)
+        self.update_limit = self.limits.update_time(read_bytes, update_bytes, source=cfg.update.source)
         engine.update_weights(self.weights)  # the engine starts from the trainer's weights
         self.setup_info = {
             "build_time": build_time, "update_bytes": update_bytes, "tensors": len(self.weights),
             "params": sum(t.numel() for t in self.weights.values()), "buckets": len(self.buckets),
             "limits": self.limits.as_dict(), "update_limit_time": self.update_limit,
         }
-        # Training has not run yet, so there are no grads or optimizer state: the first sleep is cheap.
-        self.offloader.sleep()
+        # The first sleep moves the whole laid-out state (grads and optimizer state exist, as zeros), so
+        # it warms every page of both sides: steps 0 and 1 then cost what later steps cost.
+        watch = Stopwatch(device)
+        with watch("first_sleep"):
+            self.offloader.sleep()
+        self.setup_info["offload"] = {**self.offloader.info, "first_sleep_time": watch.seconds["first_sleep"]}
         return engine
 
     def step(self, step: int, engine) -> dict:
@@ -137,6 +154,7 @@ class Experiment:
 
             with watch("wake_up"):
                 metrics["perf/wake_up_bytes"] = self.offloader.wake_up()
+            metrics.update(self.device_memory("wake_up"))
             with watch("log_probs"):
                 old_logp = self.trainer.log_probs(gen)  # [batch, resp_len]
             ref_logp = None
@@ -148,13 +166,18 @@ class Experiment:
             if cfg.update.source == "host":  # the reference system's colocated order: offload, then update
                 with watch("sleep"):
                     metrics["perf/sleep_bytes"] = self.offloader.sleep()
+                metrics.update(self.device_memory("sleep"))
             if cfg.update.enabled:
+                if cfg.rollout.release_weights:  # the update writes into the engine's weights: allocate them first
+                    with watch("engine_resume"):
+                        engine.resume()
                 with watch("update_weights"):
                     metrics.update(update_weights(engine, self.update_source(), buckets=self.buckets, cfg=cfg.update,
                                                   device=self.device, limit_time=self.update_limit))
             if cfg.update.source == "device":
                 with watch("sleep"):
                     metrics["perf/sleep_bytes"] = self.offloader.sleep()
+                metrics.update(self.device_memory("sleep"))
 
         mask = gen.response_mask.float()
         # The update's own clock wins over the phase clock: the phase also holds the optional verification.
@@ -175,15 +198,23 @@ class Experiment:
             return self.offloader.host_weights(self.weights)
         return self.weights
 
+    def device_memory(self, phase: str) -> dict[str, float]:
+        """perf/device_mem_after_<phase>_gb on CUDA: what the trainer's sleep hands the engine, and takes back."""
+        gb = device_memory_gb(self.device)
+        return {} if gb is None else {f"perf/device_mem_after_{phase}_gb": gb}
+
     def offload_metrics(self, m: dict) -> dict:
-        out = {}
-        for phase, bandwidth in (("sleep", self.limits.to_host), ("wake_up", self.limits.to_device)):
-            nbytes, seconds = m.get(f"perf/{phase}_bytes", 0), m[f"perf/{phase}_time"]
-            if nbytes:
-                limit = nbytes / bandwidth
-                out.update({f"perf/{phase}_gbps": nbytes / seconds / 1e9, f"perf/{phase}_limit_time": limit,
-                            f"perf/{phase}_efficiency": limit / seconds})
-        return out
+        """Beside perf/sleep_time and perf/wake_up_time: GB/s, the limit (bytes over the host-link copy
+        bandwidth measured in this run; memcpy on a CPU) and the efficiency (limit / time)."""
+        return link_metrics(m, self.limits)
+
+    def verification(self) -> str:
+        """off | passed | failed: whether every update was checked to land the trainer's weights."""
+        if isinstance(self.failure, WeightMismatch):
+            return "failed"
+        if not (self.cfg.update.verify and self.cfg.update.enabled):
+            return "off"
+        return "passed" if self.rows else "not run"
 
     def write_summary(self) -> dict:
         cfg = self.cfg
@@ -205,17 +236,37 @@ class Experiment:
             "setup": setup,
             "limits": self.setup_info.get("limits"),
             "build_time": self.setup_info.get("build_time"),
+            "offload": self.setup_info.get("offload"),  # layout, bytes, the buffers' first-touch cost
             "metrics": stats,
             "share": share,
             "verdict": summaries.verdict(share, stats, threshold=cfg.run.verdict_threshold, setup=setup),
             "machine": machine_info(self.device),
+            "overrides": self.overrides,
             "config": to_dict(cfg),
         }
+        result["verification"] = self.verification()
+        warnings = []
         if measured < cfg.run.steps - cfg.run.warmup_steps:
-            result["warning"] = (f"only {measured} of {cfg.run.steps - cfg.run.warmup_steps} measured steps finished "
-                                 f"({self.status}): these numbers are partial")
+            warnings.append(f"only {measured} of {cfg.run.steps - cfg.run.warmup_steps} measured steps finished "
+                            f"({self.status}): these numbers are partial")
+        if result["verification"] == "failed":
+            warnings.append(f"the weight update's verification failed at step {len(self.rows)} ({self.failure}): "
+                            f"the engine did not get the trainer's weights, so do not trust this run's update numbers")
+        if warnings:
+            result["warning"] = "; ".join(warnings)
         write_json(self.run_dir / "summary.json", result)
         return result
+
+
+def close_engine(engine) -> BaseException | None:
+    """Close the engine (its process too); return the error instead of raising, so the summary is still written."""
+    if engine is None:
+        return None
+    try:
+        engine.close()
+    except Exception as err:  # noqa: BLE001 - a dead engine's close must not cost the finished steps
+        return err
+    return None
 
 
 def machine_info(device: torch.device) -> dict:
@@ -228,7 +279,10 @@ def machine_info(device: torch.device) -> dict:
 
 def print_closing(result: dict) -> None:
     out = sys.stdout
-    print(f"\nMeasured steps: {result['measured_steps']} (warm-up steps 0-{result['warmup_steps'] - 1} left out)", file=out)
+    warmup = f"warm-up steps 0-{result['warmup_steps'] - 1} left out" if result["warmup_steps"] else "no warm-up"
+    planned = result["steps_requested"] - result["warmup_steps"]
+    partial = f" of {planned}, {result['status']}" if result["measured_steps"] < planned else ""
+    print(f"\nMeasured steps: {result['measured_steps']}{partial} ({warmup})", file=out)
     print(summaries.closing_table(result["model"]["name"], result["metrics"], result["share"]), file=out)
     if "warning" in result:
         print(f"WARNING: {result['warning']}", file=out)

@@ -50,6 +50,15 @@ def copy_bandwidth(nbytes: int, *, src: torch.device, dst: torch.device, repeats
     a.fill_(1)
     b = torch.empty(n, dtype=torch.uint8, device=dst, pin_memory=pin and dst.type == "cpu")
     seconds = _best_copy_seconds(b, a, repeats)
+    if src.type == dst.type == "cpu" and torch.get_num_threads() != 1:
+        # memcpy needs one thread; with more, a busy core stalls every copy at its barrier. Keep the
+        # faster, so the floor is the machine's, not the thread pool's.
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            seconds = min(seconds, _best_copy_seconds(b, a, repeats))
+        finally:
+            torch.set_num_threads(before)
     moved = 2 * n if src == dst else n
     return moved / seconds
 
@@ -65,9 +74,16 @@ class Limits:
             self.to_host = copy_bandwidth(state_bytes, src=device, dst=host)  # payload, one direction
             self.to_device = copy_bandwidth(state_bytes, src=host, dst=device)
         else:  # host memory both sides: a copy of N payload bytes reads N and writes N
-            self.to_host = self.to_device = self.device_copy / 2
+            # probed at the state's size when it differs: small copies run at cache (or thread wake-up) speed
+            same_size = min(state_bytes, PROBE_CAP_BYTES) == min(update_bytes, PROBE_CAP_BYTES)
+            copy = self.device_copy if same_size else copy_bandwidth(state_bytes, src=device, dst=device)
+            self.to_host = self.to_device = copy / 2
 
-    def update_time(self, read_bytes: int, written_bytes: int) -> float:
+    def update_time(self, read_bytes: int, written_bytes: int, *, source: str = "device") -> float:
+        """Floor of a weight update. From a host copy on a GPU the engine's bytes must cross the
+        host->device link at least once; everywhere else it is a same-memory copy (read + write)."""
+        if source == "host" and self.device.type == "cuda":
+            return written_bytes / self.to_device
         return (read_bytes + written_bytes) / self.device_copy
 
     def as_dict(self) -> dict[str, float]:

@@ -38,7 +38,7 @@ DEFAULT_VERDICT_THRESHOLD = 0.03  # update share of the step above which tuning 
 
 # report.csv columns: raw seconds, bytes and ratios (never formatted strings).
 CSV_FIELDS = (
-    "job", "overrides", "status", "model", "params", "transport", "strategy", "bucket_mb",
+    "job", "overrides", "status", "model", "params", "engine", "transport", "strategy", "bucket_mb",
     "device", "measured_steps",
     "update_time_min", "update_time_median", "update_time_max",
     "sleep_time_min", "sleep_time_median", "sleep_time_max",
@@ -299,6 +299,7 @@ def table_row(run: Run) -> dict[str, Any]:
         "status": run.status,
         "model": model.get("name") or run.cfg("model.name"),
         "params": model.get("params"),
+        "engine": setup.get("engine") or run.cfg("rollout.engine", "hf"),
         "transport": setup.get("transport") or run.cfg("update.transport"),
         "strategy": setup.get("strategy") or run.cfg("update.strategy"),
         "bucket_mb": setup.get("bucket_mb", run.cfg("update.bucket_mb")),
@@ -446,7 +447,7 @@ def table_cells(row: dict[str, Any], common: Iterable[str] = ()) -> list[str]:
     return [
         run,
         str(row["model"] or "n/a"),
-        str(row["transport"] or "n/a"),
+        str(row["transport"] or "n/a") + ("" if row["engine"] in (None, "hf") else f" ({row['engine']})"),  # engine if not hf
         fmt_bucket(row["bucket_mb"]),
         fmt_range(row["update_time_min"], row["update_time_max"]),
         fmt_range(row["sleep_time_min"], row["sleep_time_max"]),

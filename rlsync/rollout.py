@@ -16,6 +16,8 @@ from torch import nn
 
 from rlsync.config import ModelConfig, RolloutConfig
 
+ENGINES = ("hf", "vllm")  # rollout.engine: transformers (embedded) | vLLM (the extra: pip install -e '.[vllm]')
+
 
 @dataclass
 class EngineSpec:
@@ -28,11 +30,21 @@ class EngineSpec:
     eos_id: int
     pad_id: int
 
-    def build(self) -> "HFEngine":
+    def build(self, *, strategy: str = "bucketed"):
+        """The engine named by rollout.engine; `strategy` (update.strategy) picks vLLM's own transfer path."""
         from rlsync.models import torch_dtype
 
-        return HFEngine(self.model, dtype=torch_dtype(self.rollout.dtype), device=torch.device(self.device),
-                        allowed_ids=self.allowed_ids, eos_id=self.eos_id, pad_id=self.pad_id)
+        dtype, device = torch_dtype(self.rollout.dtype), torch.device(self.device)
+        if self.rollout.engine == "vllm":
+            from rlsync.vllm_engine import VLLMEngine
+
+            return VLLMEngine(self.model, self.rollout, dtype=dtype, device=device, allowed_ids=self.allowed_ids,
+                              eos_id=self.eos_id, pad_id=self.pad_id, strategy=strategy)
+        if self.rollout.engine != "hf":
+            raise ValueError(f"rollout.engine={self.rollout.engine!r}: expected one of {ENGINES}")
+        return HFEngine(self.model, dtype=dtype, device=device,
+                        allowed_ids=self.allowed_ids, eos_id=self.eos_id, pad_id=self.pad_id,
+                        release_weights=self.rollout.release_weights)
 
 
 @dataclass
@@ -82,7 +94,7 @@ class HFEngine:
     """A transformers model in the rollout dtype, generating with a DynamicCache."""
 
     def __init__(self, model_cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
-                 allowed_ids: torch.Tensor, eos_id: int, pad_id: int):
+                 allowed_ids: torch.Tensor, eos_id: int, pad_id: int, release_weights: bool = False):
         from transformers import Qwen3ForCausalLM
 
         from rlsync.models import hf_config
@@ -100,12 +112,41 @@ class HFEngine:
         self.allowed = allowed_ids.to(device)
         self.eos_id, self.pad_id = eos_id, pad_id
         self._cache_kw = cache_kwarg(model)
+        self.release_weights = release_weights
+        self.released: list[tuple[torch.UntypedStorage, int]] = []  # weight storages freed by release(), their sizes
 
     def release(self) -> None:
-        """Give the device memory back after generation (the KV cache lives only inside `generate`)."""
+        """Give the memory back after generation, wherever the engine runs (this process or its own).
+
+        The KV cache lives only inside `generate`, so it is already free: emptying the allocator's
+        cache hands it to the driver. With `release_weights` the weights' storage is freed too (each
+        parameter keeps its shape and identity, holding no memory); `resume` re-allocates it and the
+        next weight update refills it, so in between the engine must not generate.
+        """
+        if self.release_weights and not self.released:
+            storages = {}
+            for param in self.model.parameters():
+                storage = param.untyped_storage()
+                storages.setdefault(storage.data_ptr(), storage)  # views of one flat buffer: freed once
+            for storage in storages.values():
+                # shared memory (CPU) or memory opened from a CUDA IPC handle belongs to the trainer's side
+                if not storage.resizable() or (storage.device.type == "cpu" and storage.is_shared()):
+                    raise RuntimeError("rollout.release_weights=true: the engine's weights live in memory shared with "
+                                       "the trainer and cannot be freed by the engine; set rollout.release_weights=false")
+            for storage in storages.values():
+                self.released.append((storage, storage.nbytes()))
+                storage.resize_(0)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def resume(self) -> None:
-        """Take the memory back before the next rollout."""
+        """Take the memory back: re-allocate released weights (contents undefined until the next update).
+
+        Idempotent: the loop calls it before the weight update and again before the rollout.
+        """
+        for storage, nbytes in self.released:
+            storage.resize_(nbytes)
+        self.released = []
 
     @property
     def weights(self) -> dict[str, torch.Tensor]:
@@ -115,7 +156,9 @@ class HFEngine:
     @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Where updates land: copy each (name, tensor) into the parameter of that name."""
-        params = self.weights
+        if getattr(self, "_params", None) is None:  # walking the module tree costs ~1 ms: once, not per call
+            self._params = self.weights  # parameters keep their identity (release, flat views swap storage only)
+        params = self._params
         for name, tensor in named:
             params[name].copy_(tensor, non_blocking=True)
 

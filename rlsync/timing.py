@@ -24,6 +24,7 @@ class Stopwatch:
     def __init__(self, device: torch.device):
         self.device = device
         self.seconds: dict[str, float] = defaultdict(float)
+        self.last = 0.0  # seconds of the most recent block (per-bucket breakdowns)
 
     @contextmanager
     def __call__(self, label: str):
@@ -33,7 +34,8 @@ class Stopwatch:
             yield
         finally:
             synchronize(self.device)
-            self.seconds[label] += time.perf_counter() - start
+            self.last = time.perf_counter() - start
+            self.seconds[label] += self.last
 
     def totals(self, pattern: str = "{}") -> dict[str, float]:
         return {pattern.format(label): s for label, s in self.seconds.items()}

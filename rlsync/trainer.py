@@ -69,7 +69,11 @@ class Trainer:
         self.model, self.cfg = model, cfg
         self.allowed = allowed_ids.to(next(model.parameters()).device)
         self.temperature = temperature
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), weight_decay=0.0)
+        on_cuda = self.allowed.device.type == "cuda"
+        # foreach (multi-tensor) AdamW is faster on CUDA but holds whole-model temporaries: on a CPU
+        # run of Qwen3-0.6B those gigabytes are the difference between fitting 24 GiB and not.
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), weight_decay=0.0,
+                                           foreach=on_cuda)
         self.reference = None
         if cfg.kl_coef > 0:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
