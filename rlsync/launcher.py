@@ -1,0 +1,50 @@
+"""What `torchrun` or `accelerate launch` tells this process, read without importing torch.
+
+Both launchers start N copies of `python -m rlsync ...` with RANK, WORLD_SIZE and LOCAL_RANK set.
+Rank 0 is the run a user sees (its Hydra run dir, files, W&B, console); the other ranks get Hydra
+overrides that keep them from writing anything. The collectives live in rlsync/distributed.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Hydra overrides of ranks > 0: no .hydra/ dir, no log file, no dated run dir of their own
+QUIET_HYDRA = ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
+               "hydra.run.dir=."]
+SUPPORTED = {"update.transport": "direct", "rollout.engine": "hf"}  # what a data-parallel run is built and tested with
+
+
+def launched() -> tuple[int, int, int]:
+    """(rank, world size, local rank) as torchrun and accelerate launch set them; (0, 1, 0) otherwise."""
+    env = os.environ
+    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+
+
+def rank_argv(argv: list[str]) -> list[str]:
+    """The command line Hydra parses in this rank: ranks > 0 get overrides that keep their output away."""
+    from rlsync.errors import BadInput
+
+    rank, world, _ = launched()
+    if world > 1 and any(a in ("-m", "--multirun") for a in argv[1:]):
+        raise BadInput(f"a sweep (-m) cannot run under a data-parallel launch ({world} ranks): "
+                       f"launch one data-parallel run per configuration")
+    return argv + QUIET_HYDRA if rank > 0 else argv
+
+
+def check_data_parallel(cfg) -> None:
+    """What a data-parallel launch needs from the config; nothing to check in a single process."""
+    from rlsync.errors import ConfigError
+
+    _, world, _ = launched()
+    if world <= 1:
+        return
+    if cfg.rollout.prompts_per_step < world:
+        raise ConfigError("rollout.prompts_per_step", cfg.rollout.prompts_per_step,
+                          f">= the {world} data-parallel ranks (each rank trains whole prompt groups)", "out of range")
+    for key, needed in SUPPORTED.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value != needed:
+            raise ConfigError(key, value, f"{needed} (with {world} data-parallel ranks, rank 0 holds the engine "
+                              f"in its own process)", f"not supported with {world} data-parallel ranks")
