@@ -1,8 +1,9 @@
 """The `broadcast` transport: the engine in its own process, joined to the trainer in a process group.
 
 As in the reference system's non-colocated mode: the trainer (rank 0) and the engine process
-(rank 1) form a torch.distributed group (gloo; see `resolve_backend` for NCCL) over a TCP store on
-127.0.0.1 that the trainer hosts on a free port. The bucket plan is deterministic and both sides
+(rank 1) form a two-rank gloo group (see `resolve_backend` for NCCL) over a TCP store on 127.0.0.1
+that the trainer hosts on a free port. The group is a standalone object, not torch.distributed's
+default group: a data-parallel trainer keeps its own, and several engines can come and go. The bucket plan is deterministic and both sides
 hold it (it travels to the engine process when it starts), so no names, shapes or dtypes go over the
 wire per update: one message says "update", then one broadcast per bucket (or per tensor for
 `per_tensor`). The engine receives into a staging buffer and loads it by name; with
@@ -31,6 +32,12 @@ from rlsync.timing import DeviceMemory, Stopwatch, synchronize
 
 HOST = "127.0.0.1"
 TRAINER, ENGINE = 0, 1  # ranks
+STORE_PREFIX = "rlsync/update"  # the group's keys in the store
+
+
+def join_group(store: dist.Store, rank: int, timeout: timedelta) -> dist.ProcessGroupGloo:
+    """This side of the trainer-engine group; blocks until the other side joins too."""
+    return dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), rank, 2, timeout)
 
 
 def resolve_backend(name: str) -> str:
@@ -63,17 +70,18 @@ class BroadcastReceiver:
     """The engine-side half: joins the group, receives each broadcast and loads it (pickled to the engine)."""
 
     def __init__(self, buckets: list[Bucket], *, strategy: str, inflight: int, flat_weights: bool, port: int,
-                 backend: str, timeout_s: float, copy_threads: int):
+                 timeout_s: float, copy_threads: int):
         self.buckets, self.strategy, self.inflight, self.flat_weights = buckets, strategy, inflight, flat_weights
         self.copy_threads = copy_threads
-        self.port, self.backend, self.timeout_s = port, backend, timeout_s
+        self.port, self.timeout_s = port, timeout_s
         self.slots: list[torch.Tensor] = []
         self.flat: list[torch.Tensor] | None = None
+        self.group = None
 
     def open(self, engine) -> dict:
         timeout = timedelta(seconds=self.timeout_s)
         store = dist.TCPStore(HOST, self.port, world_size=2, is_master=False, timeout=timeout)
-        dist.init_process_group(self.backend, store=store, rank=ENGINE, world_size=2, timeout=timeout)
+        self.group = join_group(store, ENGINE, timeout)
         device, dtype = engine.device, self.buckets[0].dtype
         if self.flat_weights:
             self.flat = flat.allocate(self.buckets, device)
@@ -98,7 +106,7 @@ class BroadcastReceiver:
         with cpu_threads(self.copy_threads, device), memory.track():
             posted: deque = deque()
             for k in range(min(self.inflight, len(units))):
-                posted.append(dist.broadcast(self.target(k, *units[k]), src=TRAINER, async_op=True))
+                posted.append(self.group.broadcast(self.target(k, *units[k]), root=TRAINER))
             for k, (unit, numel) in enumerate(units):
                 posted.popleft().wait()
                 buffer = self.target(k, unit, numel)
@@ -110,20 +118,16 @@ class BroadcastReceiver:
                     loads.append(0.0)  # received into the weights themselves
                 nxt = k + self.inflight
                 if nxt < len(units):  # its slot is free again only now that bucket k is loaded
-                    posted.append(dist.broadcast(self.target(nxt, *units[nxt]), src=TRAINER, async_op=True))
+                    posted.append(self.group.broadcast(self.target(nxt, *units[nxt]), root=TRAINER))
         return {"load_times": loads, "peak_extra": memory.peak_extra}
 
     def close(self) -> None:
-        self.slots, self.flat = [], None
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.slots, self.flat, self.group = [], None, None
 
 
 class BroadcastEngine:
     def __init__(self, spec, buckets: list[Bucket], cfg):
-        if dist.is_initialized():
-            raise RuntimeError("update.transport=broadcast: this process already has a torch.distributed group; "
-                               "close the other broadcast engine first")
+        self.group = None
         self.device = torch.device(spec.device)
         self.buckets, self.strategy, self.inflight = buckets, cfg.strategy, cfg.inflight_buckets
         self.units = units_of(buckets, cfg.strategy)
@@ -135,13 +139,12 @@ class BroadcastEngine:
         self.engine_staging = 0
         self.last_update_buckets: list[dict] = []
         receiver = BroadcastReceiver(buckets, strategy=cfg.strategy, inflight=cfg.inflight_buckets,
-                                     flat_weights=cfg.flat_engine_weights, port=self.store.port, backend=backend,
+                                     flat_weights=cfg.flat_engine_weights, port=self.store.port,
                                      timeout_s=cfg.engine_timeout_s, copy_threads=cfg.copy_threads)
         self.process = EngineProcess(spec, receiver, strategy=cfg.strategy, timeout_s=cfg.engine_timeout_s)
         try:
             self.process.send("open")
-            self.process.join_thread(lambda: dist.init_process_group(backend, store=self.store, rank=TRAINER,
-                                                                     world_size=2, timeout=timeout),
+            self.process.join_thread(lambda: setattr(self, "group", join_group(self.store, TRAINER, timeout)),
                                      f"the {backend} process group")
             self.engine_staging = self.process.reply("open").result["staging_bytes"]
         except BaseException:
@@ -161,7 +164,7 @@ class BroadcastEngine:
             with watch("pack"):
                 flat.pack(unit, weights, buffer)
             rows.append({"bytes": numel * unit.dtype.itemsize, "pack_time": watch.last})
-            in_flight.append((rows[-1], dist.broadcast(buffer, src=TRAINER, async_op=True)))
+            in_flight.append((rows[-1], self.group.broadcast(buffer, root=TRAINER)))
         while in_flight:
             self._wait(*in_flight.popleft(), watch)
         reply = self.process.reply("update")
@@ -177,7 +180,11 @@ class BroadcastEngine:
     def _wait(self, row: dict, work, watch: Stopwatch) -> None:
         with watch("transfer"):
             self.process.wait_for(work.is_completed, "a weight broadcast")
-            work.wait()  # raises the backend's error, if the broadcast failed
+            try:
+                work.wait()  # raises the backend's error, if the broadcast failed
+            except RuntimeError as err:
+                self.process.blame(err, "a weight broadcast")
+                raise
             synchronize(self.device)
         row["transfer_time"] = watch.last
 
@@ -204,7 +211,4 @@ class BroadcastEngine:
             if getattr(self, "process", None) is not None:
                 self.process.close()
         finally:
-            self.slots = []
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            self.store = None
+            self.slots, self.group, self.store = [], None, None

@@ -254,6 +254,13 @@ class EngineProcess:
         if errors:
             raise errors[0]
 
+    def blame(self, err: BaseException, what: str) -> None:
+        """A transfer failed (a collective's "connection reset", say): if the engine died, say that instead."""
+        self.process.join(CLOSE_S / 2)  # a peer that reset the connection is usually exiting: let it
+        if not self.process.is_alive():
+            raise EngineDied(f"the engine process (pid {self.pid}) died with {exit_description(self.process.exitcode)} "
+                             f"while the trainer waited for {what}") from err
+
     def check_alive(self, what: str) -> None:
         if not self.process.is_alive():
             self._raise_died(what)
