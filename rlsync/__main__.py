@@ -7,6 +7,7 @@ fails alone: the others run, and the sweep exits non-zero at the end.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
@@ -16,6 +17,7 @@ from omegaconf import DictConfig
 
 from rlsync.config import register_configs
 from rlsync.errors import cli, job_errors
+from rlsync.launcher import launched, rank_argv
 from rlsync.validate import checked_config
 
 register_configs()
@@ -27,7 +29,8 @@ def hydra_main(dcfg: DictConfig) -> None:
     run_dir = Path(hc.runtime.output_dir)
     sweep_dir = Path(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else run_dir
     name = ",".join(hc.overrides.task) or "defaults"
-    with job_errors(run_dir, sweep_job=f"{hc.job.num} ({run_dir})" if hc.mode == RunMode.MULTIRUN else None):
+    log_dir = run_dir if launched()[0] == 0 else None  # data-parallel ranks > 0 write no error.log: stderr only
+    with job_errors(log_dir, sweep_job=f"{hc.job.num} ({run_dir})" if hc.mode == RunMode.MULTIRUN else None):
         cfg = checked_config(dcfg)  # every key and value, before any model is built
         from rlsync.experiment import run_experiment
 
@@ -36,7 +39,13 @@ def hydra_main(dcfg: DictConfig) -> None:
 
 def main() -> None:
     """The entry point (`python -m rlsync`, the `rlsync` script): Hydra, with one-line errors."""
-    cli(hydra_main)
+    cli(rank_main)
+
+
+def rank_main() -> None:
+    """Hydra in this process; under `accelerate launch` or `torchrun`, ranks > 0 keep Hydra's output away."""
+    sys.argv = rank_argv(sys.argv)
+    hydra_main()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python -m rlsync.bench bench.target=offload model=qwen3_0p6b
     python -m rlsync.bench bench.target=offload model=qwen3_0p6b trainer.offload=drop_grads
+    python -m rlsync.bench bench.target=offload model=qwen3_0p6b trainer.offload_memory=twin  # CUDA's layout on a CPU
     python -m rlsync.bench bench.target=offload model=qwen3_1p7b bench.offload_state=params  # fits 24 GiB
 
 Only the state is built: the model in the trainer dtype, AdamW, and the offloader's layout (grads
@@ -25,7 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
-from rlsync.config import ModelConfig
+from rlsync.config import MIB, ModelConfig
 from rlsync.offload import Offloader, device_memory_gb, link_metrics
 from rlsync.timing import Stopwatch, synchronize
 
@@ -69,7 +70,8 @@ class OffloadState:
     """A trainer's state on `device`, laid out by an Offloader, with the limits measured beside it."""
 
     def __init__(self, model_cfg: ModelConfig, *, device: torch.device, trainer_dtype: str = "float32",
-                 mode: str = "full", state: str = "trainer", free_device: bool | None = None, seed: int = 0):
+                 mode: str = "full", state: str = "trainer", memory: str = "auto", segment_bytes: int = 128 * MIB,
+                 free_device: bool | None = None, seed: int = 0):
         from rlsync.errors import ConfigError
         from rlsync.limits import Limits
         from rlsync.models import build_model, torch_dtype
@@ -86,7 +88,8 @@ class OffloadState:
         # Probed before the state exists, so the probe's buffers never sit beside two copies of it.
         self.limits = Limits(device, update_bytes=weight_bytes, state_bytes=weight_bytes * (4 if state == "trainer" else 1))
         self.optimizer = torch.optim.AdamW(weights, lr=1e-5) if state == "trainer" else None
-        self.offloader = Offloader(self.model, self.optimizer, mode=mode, device=device, free_device=free_device)
+        self.offloader = Offloader(self.model, self.optimizer, mode=mode, device=device, memory=memory,
+                                   segment_bytes=segment_bytes, free_device=free_device)
         fill_state_(self.model, self.optimizer)
         self.probe = LinkProbe(device)
         self.setup = {
@@ -136,7 +139,7 @@ def bench_offload(model_cfg: ModelConfig, *, repeats: int = 5, warmup: int = 1, 
                   **state_kwargs) -> dict:
     """Time `warmup` + `repeats` offload/onload cycles of a model's state; returns {"rows", "summary"}.
 
-    `state_kwargs` go to OffloadState (trainer_dtype, mode, state, free_device, seed).
+    `state_kwargs` go to OffloadState (trainer_dtype, mode, state, memory, segment_bytes, free_device, seed).
     """
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bench = OffloadState(model_cfg, device=device, **state_kwargs)
@@ -165,7 +168,7 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
 
 def table(summaries: list[dict]) -> str:
     """Markdown: one row per (model, direction) of `bench_offload` summaries."""
-    head = ["model", "state", "mode", "direction", "GiB", "time (median, min to max)", "limit", "time / limit",
+    head = ["model", "state", "mode", "memory", "direction", "GiB", "time (median, min to max)", "limit", "time / limit",
             "GB/s", "first touch"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
@@ -174,7 +177,7 @@ def table(summaries: list[dict]) -> str:
         for phase, label in PHASES:
             d = s[phase]
             lines.append("| " + " | ".join([
-                s["model"], o.get("state", "?"), o.get("mode", "?"), label, f"{d['bytes'] / 2**30:.2f}",
+                s["model"], o.get("state", "?"), o.get("mode", "?"), o.get("memory", "?"), label, f"{d['bytes'] / 2**30:.2f}",
                 f"{d['time']:.3f} s ({d['min']:.3f} to {d['max']:.3f})", f"{d['limit_time']:.3f} s",
                 f"{d['time_over_limit']:.2f}x", f"{d['gbps']:.1f}", f"{touch:.2f} s" if touch is not None else "n/a"]) + " |")
     return "\n".join(lines)
@@ -187,15 +190,16 @@ class OffloadTarget:
 
     def __init__(self, cfg, device: torch.device):
         self.state = OffloadState(cfg.model, device=device, trainer_dtype=cfg.trainer.dtype, mode=cfg.trainer.offload,
-                                  state=cfg.bench.offload_state, free_device=cfg.trainer.offload_free_device,
-                                  seed=cfg.run.seed)
+                                  state=cfg.bench.offload_state, memory=cfg.trainer.offload_memory,
+                                  segment_bytes=int(cfg.trainer.offload_segment_mb * MIB),
+                                  free_device=cfg.trainer.offload_free_device, seed=cfg.run.seed)
         self.setup = self.state.setup
 
     def repeat(self) -> dict[str, float]:
         return self.state.cycle()
 
     def breakdown(self) -> list[dict]:
-        return []  # one copy per dtype each way: nothing finer to show
+        return []  # whole-segment copies each way: nothing finer to show
 
     def close(self) -> None:
         self.state.close()

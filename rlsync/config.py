@@ -68,7 +68,9 @@ class TrainerConfig:
     clip_eps: float = 0.2  # PPO clip range of the ratio
     kl_coef: float = 0.0  # > 0 keeps a frozen reference model and times its log-probs
     offload: str = "full"  # full: params, grads, optimizer state to host after the step | drop_grads: not the grads (zeroed on wake-up) | none
-    offload_free_device: Optional[bool] = None  # free the device copy while asleep; null: on CUDA only (a CPU keeps it: re-faulting pages costs more than the copy)
+    offload_memory: str = "auto"  # twin: persistent (pinned) host copy, on a CPU the state twice | move: segment by segment, the state once | auto: move on a CPU, twin on CUDA
+    offload_segment_mb: float = 128.0  # move: largest segment in MiB (a bigger tensor is its own); one spare buffer per segment size
+    offload_free_device: Optional[bool] = None  # free what stays on the device while asleep (twin: its copy; move: dropped grads); null: on CUDA only (re-faulting CPU pages costs more than the copy)
     grad_clip: float = 1.0  # max grad norm
 
 
@@ -80,6 +82,7 @@ class RunConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     verdict_threshold: float = 0.03  # update share of the step above which it is worth tuning
     progress: bool = True  # progress bar over the steps
+    rank_timeout_s: float = 3600.0  # data-parallel launches: longest a rank waits for the others (rank 0's rollout included)
 
 
 @dataclass

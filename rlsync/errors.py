@@ -265,8 +265,9 @@ def kept(run_dir: Path, *, since: float) -> str:
 
 
 @contextmanager
-def job_errors(run_dir: Path, *, sweep_job: Optional[str] = None):
-    """Around one job: any error becomes one line on stderr (the traceback goes to run_dir/error.log).
+def job_errors(run_dir: Optional[Path], *, sweep_job: Optional[str] = None):
+    """Around one job: any error becomes one line on stderr (the traceback goes to run_dir/error.log;
+    `run_dir=None`, as in data-parallel ranks > 0, which write nothing: stderr only).
 
     A single run exits with the error's code. A sweep's job raises `JobFailed`, so Hydra marks it
     failed and goes on with the next job; an interruption stops the whole sweep.
@@ -278,8 +279,10 @@ def job_errors(run_dir: Path, *, sweep_job: Optional[str] = None):
         raise
     except BaseException as err:  # noqa: BLE001 - every way a job ends gets its line
         shown = from_hydra(err) or err
-        line = describe(shown) + ("" if isinstance(shown, BadInput) else kept(run_dir, since=started))
-        write_error_log(run_dir, line)
+        ran = run_dir is not None and not isinstance(shown, BadInput)  # a run that may have kept finished steps
+        line = describe(shown) + (kept(run_dir, since=started) if ran else "")
+        if run_dir is not None:
+            write_error_log(run_dir, line)
         if debug_enabled():
             traceback.print_exc()
         prefix = f"job {sweep_job}: " if sweep_job is not None else ""

@@ -20,13 +20,14 @@ from pathlib import Path
 import torch
 
 from rlsync import summary as summaries
-from rlsync.config import Config, to_dict
+from rlsync.config import MIB, Config, to_dict
+from rlsync.distributed import DataParallel, Silent
 from rlsync.errors import StopOnSignals
 from rlsync.limits import Limits
 from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.offload import Offloader, device_memory_gb, link_metrics
 from rlsync.rollout import EngineSpec
-from rlsync.sinks import Console, MetricsFile, wandb_run, write_json
+from rlsync.sinks import Console, MetricsFile, WandbRun, wandb_run, write_json
 from rlsync.sync import WeightMismatch, is_out_of_memory, open_engine, out_of_memory, plan_for, update_weights
 from rlsync.tasks import make_prompts, reward
 from rlsync.timing import Stopwatch
@@ -40,25 +41,31 @@ def resolve_device(name: str) -> torch.device:
 
 
 def run_experiment(cfg: Config, run_dir: Path, *, name: str, group: str, overrides: list[str] = ()) -> dict:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with wandb_run(cfg.wandb, run_dir=run_dir, name=name, group=group, config=to_dict(cfg), job_type="run") as wb:
-        result = Experiment(cfg, run_dir, overrides=list(overrides)).run(wb)
+    with DataParallel.from_env() as dp:  # a single process, or one rank of a data-parallel launch
+        if not dp.is_main:  # ranks > 0 train their share and write nothing: rank 0 records every step
+            return Experiment(cfg, run_dir, overrides=list(overrides), dp=dp).run(WandbRun(None))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with wandb_run(cfg.wandb, run_dir=run_dir, name=name, group=group, config=to_dict(cfg), job_type="run") as wb:
+            result = Experiment(cfg, run_dir, overrides=list(overrides), dp=dp).run(wb)
     return result
 
 
 class Experiment:
-    def __init__(self, cfg: Config, run_dir: Path, *, overrides: list[str] = ()):
+    def __init__(self, cfg: Config, run_dir: Path, *, overrides: list[str] = (), dp: DataParallel | None = None):
         self.cfg, self.run_dir, self.overrides = cfg, run_dir, list(overrides)
+        self.dp = dp or DataParallel()
         self.rows: list[dict] = []
         self.status, self.error, self.failure = "running", None, None
         self.engine = None  # set by setup() as soon as the engine is open
-        self.device = resolve_device(cfg.run.device)
+        self.device = self.dp.device(resolve_device(cfg.run.device))
         self.setup_info: dict = {}
 
     def run(self, wb) -> dict:
         cfg = self.cfg
-        metrics_file = MetricsFile(self.run_dir)
-        console = Console(cfg.run.steps, enabled=cfg.run.progress, warmup_steps=cfg.run.warmup_steps)
+        recording = self.dp.is_main  # ranks > 0 write nothing
+        metrics_file = MetricsFile(self.run_dir) if recording else Silent()
+        console = (Console(cfg.run.steps, enabled=cfg.run.progress, warmup_steps=cfg.run.warmup_steps)
+                   if recording else Silent())
         # SIGINT / SIGTERM raise Interrupted here: the step in progress is dropped, the finished ones kept.
         with StopOnSignals() as stop:
             try:
@@ -81,15 +88,21 @@ class Experiment:
                 close_error = close_engine(self.engine)
                 result = self.write_summary()
                 wb.summarize(result)
-                if self.rows:
+                if self.rows and recording:
                     print_closing(result)
             if close_error is not None:
                 raise close_error
         return result
 
     def setup(self):
-        """Build trainer and engine, measure the copy limits, do the first update, put the trainer to sleep."""
+        """Build trainer and engine, measure the copy limits, do the first update, put the trainer to sleep.
+
+        Data parallel: every rank builds a trainer and takes rank 0's weights; rank 0 alone opens the
+        engine, measures the limits (the other ranks wait, so the probe has the memory to itself)
+        and does the first update.
+        """
         cfg, device = self.cfg, self.device
+        self.dp.start(device, timeout_s=cfg.run.rank_timeout_s)  # a single process: nothing to join
         torch.manual_seed(cfg.run.seed)
         self.rng = random.Random(cfg.run.seed)
         self.sampler = torch.Generator().manual_seed(cfg.run.seed)
@@ -98,33 +111,27 @@ class Experiment:
 
         t0 = time.perf_counter()
         model = build_model(cfg.model, dtype=torch_dtype(cfg.trainer.dtype), device=device, seed=cfg.run.seed)
-        self.trainer = Trainer(model, cfg.trainer, allowed_ids=allowed, temperature=cfg.rollout.temperature)
+        self.trainer = Trainer(model, cfg.trainer, allowed_ids=allowed, temperature=cfg.rollout.temperature,
+                               grad_sync=self.dp.all_reduce_grads if self.dp.enabled else None)
         self.offloader = Offloader(model, self.trainer.optimizer, mode=cfg.trainer.offload, device=device,
+                                   memory=cfg.trainer.offload_memory, segment_bytes=int(cfg.trainer.offload_segment_mb * MIB),
                                    free_device=cfg.trainer.offload_free_device)
         self.weights = named_weights(model)
-        engine_dtype = torch_dtype(cfg.rollout.dtype)
-        self.buckets = plan_for(self.weights, cfg.update, engine_dtype)
-        spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device=str(device), allowed_ids=allowed,
-                          eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
-        try:
-            engine = open_engine(cfg.update, spec=spec, buckets=self.buckets)
-        except Exception as err:  # the staging buffers are allocated here: name the bucket size
-            if is_out_of_memory(err):
-                raise out_of_memory(self.buckets, cfg.update, "opening the engine and its update buffers") from err
-            raise
-        self.engine = engine  # run() closes it, even if the rest of the setup fails
+        engine = self.open_engine(allowed) if self.dp.is_main else None  # rank 0 owns the engine and the update
         build_time = time.perf_counter() - t0
 
-        update_bytes = sum(b.nbytes for b in self.buckets)
         read_bytes = sum(t.numel() * t.element_size() for t in self.weights.values())
-        self.limits = Limits(device, update_bytes=update_bytes, state_bytes=self.offloader.state_bytes or 2 * read_bytes)
-        self.update_limit = self.limits.update_time(read_bytes, update_bytes, source=cfg.update.source)
-        engine.update_weights(self.weights)  # the engine starts from the trainer's weights
-        self.setup_info = {
-            "build_time": build_time, "update_bytes": update_bytes, "tensors": len(self.weights),
-            "params": sum(t.numel() for t in self.weights.values()), "buckets": len(self.buckets),
-            "limits": self.limits.as_dict(), "update_limit_time": self.update_limit,
-        }
+        self.setup_info = {"build_time": build_time, "tensors": len(self.weights),
+                           "params": sum(t.numel() for t in self.weights.values())}
+        if engine is not None:
+            update_bytes = sum(b.nbytes for b in self.buckets)
+            self.limits = Limits(device, update_bytes=update_bytes,
+                                 state_bytes=self.offloader.state_bytes or 2 * read_bytes)
+            self.update_limit = self.limits.update_time(read_bytes, update_bytes, source=cfg.update.source)
+            engine.update_weights(self.weights)  # the engine starts from the trainer's weights
+            self.setup_info.update({"update_bytes": update_bytes, "buckets": len(self.buckets),
+                                    "limits": self.limits.as_dict(), "update_limit_time": self.update_limit})
+        self.dp.broadcast_weights(model)  # data parallel: every rank starts from rank 0's weights
         # The first sleep moves the whole laid-out state (grads and optimizer state exist, as zeros), so
         # it warms every page of both sides: steps 0 and 1 then cost what later steps cost.
         watch = Stopwatch(device)
@@ -133,24 +140,32 @@ class Experiment:
         self.setup_info["offload"] = {**self.offloader.info, "first_sleep_time": watch.seconds["first_sleep"]}
         return engine
 
+    def open_engine(self, allowed: torch.Tensor):
+        """The rollout engine behind the configured transport, and the bucket plan of the update."""
+        cfg = self.cfg
+        self.buckets = plan_for(self.weights, cfg.update, torch_dtype(cfg.rollout.dtype))
+        spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device=str(self.device), allowed_ids=allowed,
+                          eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
+        try:
+            self.engine = open_engine(cfg.update, spec=spec, buckets=self.buckets)
+        except Exception as err:  # the staging buffers are allocated here: name the bucket size
+            if is_out_of_memory(err):
+                raise out_of_memory(self.buckets, cfg.update, "opening the engine and its update buffers") from err
+            raise
+        return self.engine  # run() closes it, even if the rest of the setup fails
+
     def step(self, step: int, engine) -> dict:
-        cfg, watch = self.cfg, Stopwatch(self.device)
+        cfg, watch, dp = self.cfg, Stopwatch(self.device), self.dp
         metrics: dict[str, float] = {}
+        gen = advantages = None
         with watch("step"):
-            prompts = make_prompts(cfg.rollout.prompts_per_step, rng=self.rng)
-            prompt_ids = [self.tokenizer.encode(p.text) for p in prompts for _ in range(cfg.rollout.samples_per_prompt)]
-            with watch("engine_resume"):
-                engine.resume()  # the engine gets its memory (KV cache, released weights) back
-            with watch("rollout"):
-                gen = engine.generate(prompt_ids, max_new_tokens=cfg.rollout.max_response_len,
-                                      temperature=cfg.rollout.temperature, generator=self.sampler).to(self.device)
-            with watch("engine_release"):
-                engine.release()  # ... and hands it to the trainer until the next rollout
-            answers = [self.tokenizer.decode(row[gen.response_mask[i].bool()].tolist())
-                       for i, row in enumerate(gen.sequences[:, gen.prompt_len:].cpu())]
-            targets = [p.target for p in prompts for _ in range(cfg.rollout.samples_per_prompt)]
-            rewards = torch.tensor([reward(a, t) for a, t in zip(answers, targets)])  # [batch]
-            advantages = group_advantages(rewards, cfg.rollout.samples_per_prompt).to(self.device)  # [batch]
+            if dp.is_main:  # rank 0 owns the engine: it generates the whole batch
+                gen, advantages, rollout_metrics = self.rollout(engine, watch)
+            batch_tokens = None  # the loss's token-mean denominator; None: this process's whole batch
+            if dp.enabled:  # data parallel: each rank trains whole prompt groups (advantages are per group)
+                with watch("batch_scatter"):
+                    gen, advantages, batch_tokens = dp.scatter_groups(
+                        gen, advantages, group_size=cfg.rollout.samples_per_prompt, device=self.device)
 
             with watch("wake_up"):
                 metrics["perf/wake_up_bytes"] = self.offloader.wake_up()
@@ -162,12 +177,15 @@ class Experiment:
                 with watch("ref_log_probs"):
                     ref_logp = self.trainer.log_probs(gen, reference=True)
             with watch("train"):
-                metrics.update(self.trainer.train_step(gen, old_logp=old_logp, advantages=advantages, ref_logp=ref_logp))
+                metrics.update(self.trainer.train_step(gen, old_logp=old_logp, advantages=advantages, ref_logp=ref_logp,
+                                                       batch_tokens=batch_tokens))
+            if dp.enabled and cfg.update.verify:  # rank 0's update speaks for every rank only if they agree
+                dp.check_same_weights(self.weights)
             if cfg.update.source == "host":  # the reference system's colocated order: offload, then update
                 with watch("sleep"):
                     metrics["perf/sleep_bytes"] = self.offloader.sleep()
                 metrics.update(self.device_memory("sleep"))
-            if cfg.update.enabled:
+            if cfg.update.enabled and dp.is_main:
                 if cfg.rollout.release_weights:  # the update writes into the engine's weights: allocate them first
                     with watch("engine_resume"):
                         engine.resume()
@@ -182,15 +200,37 @@ class Experiment:
         mask = gen.response_mask.float()
         # The update's own clock wins over the phase clock: the phase also holds the optional verification.
         metrics = {**watch.totals("perf/{}_time"), **metrics}
-        metrics.update(self.offload_metrics(metrics))
-        metrics.update({
-            "rollout/reward_mean": rewards.mean().item(),
-            "rollout/response_len_mean": mask.sum(1).mean().item(),
-            "rollout/truncated_ratio": gen.truncated.float().mean().item(),
-            # engine vs trainer log-prob of the same sampled tokens: ~0 iff the last update landed
-            "train/logprob_abs_diff": ((gen.logprobs - old_logp).abs() * mask).sum().item() / mask.sum().item(),
-        })
+        # engine vs trainer log-prob of the same sampled tokens: ~0 iff the last update landed
+        metrics["train/logprob_abs_diff"] = ((gen.logprobs - old_logp).abs() * mask).sum().item() / mask.sum().item()
+        metrics = dp.gather_metrics(metrics, tokens=mask.sum().item())  # data parallel: each phase the slowest rank's
+        if dp.is_main:
+            metrics.update(self.offload_metrics(metrics))
+            metrics.update(rollout_metrics)
         return metrics
+
+    def rollout(self, engine, watch: Stopwatch):
+        """Generate `samples_per_prompt` answers per prompt and score them: (batch, advantages, rollout metrics)."""
+        cfg = self.cfg
+        prompts = make_prompts(cfg.rollout.prompts_per_step, rng=self.rng)
+        prompt_ids = [self.tokenizer.encode(p.text) for p in prompts for _ in range(cfg.rollout.samples_per_prompt)]
+        with watch("engine_resume"):
+            engine.resume()  # the engine gets its memory (KV cache, released weights) back
+        with watch("rollout"):
+            gen = engine.generate(prompt_ids, max_new_tokens=cfg.rollout.max_response_len,
+                                  temperature=cfg.rollout.temperature, generator=self.sampler).to(self.device)
+        with watch("engine_release"):
+            engine.release()  # ... and hands it to the trainer until the next rollout
+        answers = [self.tokenizer.decode(row[gen.response_mask[i].bool()].tolist())
+                   for i, row in enumerate(gen.sequences[:, gen.prompt_len:].cpu())]
+        targets = [p.target for p in prompts for _ in range(cfg.rollout.samples_per_prompt)]
+        rewards = torch.tensor([reward(a, t) for a, t in zip(answers, targets)])  # [batch]
+        advantages = group_advantages(rewards, cfg.rollout.samples_per_prompt).to(self.device)  # [batch]
+        rollout_metrics = {
+            "rollout/reward_mean": rewards.mean().item(),
+            "rollout/response_len_mean": gen.response_mask.float().sum(1).mean().item(),
+            "rollout/truncated_ratio": gen.truncated.float().mean().item(),
+        }
+        return gen, advantages, rollout_metrics
 
     def update_source(self) -> dict[str, torch.Tensor]:
         """The trainer's weights by name: live on the device, or their offloaded host copies."""
@@ -222,7 +262,8 @@ class Experiment:
         share = summaries.shares(stats)
         setup = {"transport": cfg.update.transport, "strategy": cfg.update.strategy, "bucket_mb": cfg.update.bucket_mb,
                  "source": cfg.update.source, "device": str(self.device), "engine": cfg.rollout.engine,
-                 "max_response_len": cfg.rollout.max_response_len, "offload": cfg.trainer.offload}
+                 "max_response_len": cfg.rollout.max_response_len, "offload": cfg.trainer.offload,
+                 "ranks": self.dp.world}  # data-parallel trainer ranks (rank 0 holds the engine)
         measured = sum(1 for r in self.rows if r["step"] >= cfg.run.warmup_steps)
         result = {
             "kind": "run",
@@ -254,7 +295,8 @@ class Experiment:
                             f"the engine did not get the trainer's weights, so do not trust this run's update numbers")
         if warnings:
             result["warning"] = "; ".join(warnings)
-        write_json(self.run_dir / "summary.json", result)
+        if self.dp.is_main:  # ranks > 0 write nothing
+            write_json(self.run_dir / "summary.json", result)
         return result
 
 

@@ -1,39 +1,48 @@
 """Trainer offload ("sleep") and onload ("wake up") in a few large copies.
 
-The trainer's parameters, gradients and optimizer state are gathered, per dtype, into one flat
-"device" buffer that the tensors are views of (laid out once, at start-up), and each flat buffer
-has a twin on the host, allocated and touched once (pinned when CUDA is present) and reused every
-step. Sleep is then one asynchronous copy per dtype into the host twin and a single synchronize;
-wake-up is the copy back. The tensors never change identity (nor their storage object), so the
-model, the optimizer and autograd never notice.
+The trainer's parameters, gradients and optimizer state are laid out once, at start-up, in a few
+flat buffers ("segments": consecutive tensors of one dtype) that the tensors are views of. Sleep and
+wake-up then copy whole segments, never tensor by tensor, and the model, the optimizer and autograd
+keep their tensor objects throughout (twin keeps their storage too; move re-points them with
+`.data`). Order within a dtype: parameters, optimizer state, gradients.
+`drop_grads` leaves the gradients out of the copies and zeroes them on wake-up: the trainer zeroes
+them before every backward anyway, so they carry nothing across steps (a quarter of an fp32 AdamW
+state).
 
-Layout per dtype: parameters | optimizer state | gradients. `drop_grads` copies the prefix without
-the gradients and zeroes them on wake-up: the trainer zeroes them before every backward anyway,
-so they carry nothing across steps, and they are a quarter of an fp32 AdamW state.
+Two ways to hold the state (`memory`, the config's trainer.offload_memory; `auto` picks per device):
 
-Freeing the device side: on CUDA the flat buffers' storage is resized to 0 while asleep (every
-view stays valid metadata) and the allocator's cache emptied, so the engine really gets the
-memory; on wake-up the same storage is re-allocated and filled. On a CPU the "device" is host RAM:
-freeing it returns nothing to anyone (the host twins are resident anyway, so the peak is two
-copies of the state either way) while re-faulting fresh pages on every wake-up costs several times
-the copy (measured in rlsync.bench_offload); so by default a CPU keeps both sides resident and
-sleep/wake are pure memcpys, the CPU's analogue of the GPU's link copy. `free_device=True` frees
-the device side on a CPU too (less resident memory while asleep, a slower wake-up: measured 7x
-the copy limit for Qwen3-0.6B). Either way a CPU run holds the state twice: Qwen3-0.6B's fp32
-AdamW state is 9.5 GB, so 19 GB (16.6 GB with drop_grads) before the engine and activations,
-too much for a 24 GiB machine; there, run it with trainer.offload=none, or time the offload
-alone with `python -m rlsync.bench bench.target=offload` (rlsync/bench_offload.py).
+- `twin` (auto on CUDA): one segment per dtype, and a persistent host twin of it, allocated and
+  touched once (pinned on CUDA) and reused every step. Sleep is one asynchronous copy per dtype and
+  a single synchronize; on CUDA the device storage is then resized to 0 (every view stays valid
+  metadata) and the allocator's cache emptied, so the engine really gets the memory; wake-up
+  re-allocates the same storage and copies back. Cost: host memory = the whole travelling state, all
+  the time, beside the device copy. On a CPU, where the "device" is host RAM too, that is the state
+  twice: Qwen3-0.6B's fp32 AdamW state is 9.5 GB, so 19 GB before the engine and activations, which
+  a 24 GiB machine does not survive. There the device side is kept resident (freeing it returns
+  nothing, and re-faulting fresh pages costs about 6x the copy: `free_device=True` measures that).
+- `move` (auto on a CPU): segments of at most `segment_bytes` (128 MiB by default; a tensor larger
+  than that is a segment of its own), moved one by one: copy the segment into a destination buffer,
+  point its tensors there, release the source. Packed segments share one buffer size (the largest
+  of them), so the state exists once, plus one spare buffer per segment size, plus the slack that
+  sharing leaves in the smaller ones: Qwen3-0.6B in fp32 holds 0.7 GB beside its 9.5 GB state
+  (spares of 120 and 594 MiB, the tied embedding being the one tensor over the cap), where twin
+  holds another 9.5 GB. On a CPU the released source is the next segment's destination, so the
+  spares are allocated and touched once and every step's copies hit resident pages: memcpy speed,
+  as fast as twin's one copy per dtype (rlsync.bench_offload measures both). On CUDA nothing is
+  kept: each sleep allocates pageable host buffers and frees the device ones (empty_cache), each
+  wake-up the reverse: host memory only while asleep, for pageable, synchronous copies.
 
 AdamW creates its state lazily in its first step; we create it up front, exactly as that first
-step would (zeros, step 0), so the layout and the host buffers exist before step 0 and the first
-steps cost no more than later ones.
+step would (zeros, step 0), so the layout and the buffers exist before step 0 and the first steps
+cost no more than later ones.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -42,6 +51,8 @@ from torch import nn
 from rlsync.timing import synchronize
 
 OFFLOAD_MODES = ("none", "full", "drop_grads")
+OFFLOAD_MEMORY = ("auto", "twin", "move")
+MIB = 2**20
 
 
 def validate_mode(mode: str) -> str:
@@ -52,32 +63,76 @@ def validate_mode(mode: str) -> str:
     return mode
 
 
+def resolve_memory(memory: str, device: torch.device) -> str:
+    """twin or move: `auto` is move where the device is host memory (a CPU run), twin on CUDA."""
+    if memory not in OFFLOAD_MEMORY:
+        from rlsync.errors import ConfigError
+
+        raise ConfigError("trainer.offload_memory", memory, ", ".join(OFFLOAD_MEMORY))
+    if memory == "auto":
+        return "move" if device.type == "cpu" else "twin"
+    return memory
+
+
+def plan_segments(sizes: Sequence[int], cap: int | None) -> list[list[int]]:
+    """Indices of `sizes` (bytes, in order) packed into consecutive segments of at most `cap` bytes.
+
+    A size over the cap is a segment of its own (a view cannot span two buffers); `cap=None`: one segment.
+    """
+    segments: list[list[int]] = []
+    current, filled = [], 0
+    for i, size in enumerate(sizes):
+        if current and cap is not None and filled + size > cap:
+            segments.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += size
+    if current:
+        segments.append(current)
+    return segments
+
+
 @dataclass
-class FlatGroup:
-    """One dtype's state: a flat device buffer the tensors view, and its host twin."""
+class Slot:
+    """Where one tensor lives in its segment."""
+
+    tensor: torch.Tensor
+    offset: int  # elements from the segment's start
+    shape: torch.Size
+
+
+@dataclass
+class Segment:
+    """Consecutive tensors of one dtype viewing one byte buffer: the unit that moves."""
 
     dtype: torch.dtype
-    device_flat: torch.Tensor  # [numel] the tensors' storage
-    copied: int  # elements at the front that travel (all, or all but the gradients)
-    host: torch.Tensor | None = None  # [copied] pinned on CUDA, allocated once
-    slots: dict[int, tuple[int, torch.Size]] = field(default_factory=dict)  # id(tensor) -> (offset, shape)
+    travels: bool  # copied by sleep/wake (False: gradients under drop_grads)
+    slots: list[Slot]
+    numel: int
+    capacity: int  # bytes of its buffer (>= nbytes: move mode rounds segments up to shared sizes)
+    buffer: torch.Tensor | None = None  # uint8 [capacity]: where the tensors live now
+    twin: torch.Tensor | None = None  # uint8 [nbytes]: twin mode's persistent host copy
 
     @property
-    def numel(self) -> int:
-        return self.device_flat.numel()
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
 
-    @property
-    def copied_bytes(self) -> int:
-        return self.copied * self.dtype.itemsize
+    def typed(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer[: self.nbytes].view(self.dtype)  # [numel]
 
-    def host_view(self, tensor: torch.Tensor) -> torch.Tensor:
-        offset, shape = self.slots[id(tensor)]
-        return self.host[offset : offset + shape.numel()].view(shape)
+    def view(self, buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
+        return self.typed(buffer)[slot.offset : slot.offset + slot.shape.numel()].view(slot.shape)
+
+    def point_at(self, buffer: torch.Tensor) -> None:
+        """Make `buffer` the segment's home: every tensor (same object) now views it."""
+        for slot in self.slots:
+            slot.tensor.data = self.view(buffer, slot)
+        self.buffer = buffer
 
 
 @dataclass
 class Placement:
-    """A tensor to be: its shape and dtype, and how a view of the flat buffer takes its place."""
+    """A tensor to be: its shape and dtype, and how a view of a segment takes its place."""
 
     shape: torch.Size
     dtype: torch.dtype
@@ -86,6 +141,10 @@ class Placement:
     @property
     def numel(self) -> int:
         return self.shape.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
 
     @staticmethod
     def move(t: torch.Tensor) -> "Placement":
@@ -123,12 +182,24 @@ class Offloader:
     """Moves the trainer's state to host memory (`sleep`) and back (`wake_up`); see the module doc."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, mode: str,
-                 device: torch.device, free_device: bool | None = None):
+                 device: torch.device, memory: str = "auto", segment_bytes: int = 128 * MIB,
+                 free_device: bool | None = None):
         self.model, self.optimizer, self.device = model, optimizer, device
         self.mode = validate_mode(mode)
+        self.memory = resolve_memory(memory, device)
+        if segment_bytes <= 0:
+            from rlsync.errors import ConfigError
+
+            raise ConfigError("trainer.offload_segment_mb", segment_bytes / MIB, "a number > 0 (MiB)", "out of range")
+        self.segment_bytes = segment_bytes
+        # what does not travel (twin: the whole device side; move: dropped gradients) is freed while asleep
         self.free_device = device.type == "cuda" if free_device is None else free_device
-        self.pinned = device.type == "cuda"
-        self.groups: dict[torch.dtype, FlatGroup] = {}
+        self.pinned = device.type == "cuda" and self.memory == "twin"
+        self.host = torch.device("cpu")
+        self.reuse = self.memory == "move" and device.type == "cpu"  # a released source is the next destination
+        self.segments: list[Segment] = []
+        self.slots: dict[int, tuple[Segment, Slot]] = {}  # id(tensor) -> where it lives
+        self.spares: dict[int, list[torch.Tensor]] = defaultdict(list)  # capacity -> free uint8 buffers
         self.asleep = False
         self.info: dict = {"mode": mode}
         if mode == "none":
@@ -137,24 +208,29 @@ class Offloader:
         self._lay_out()
         synchronize(device)
         laid_out = time.perf_counter()
-        for g in self.groups.values():  # first touch, once: later copies hit resident (pinned) pages
-            g.host = torch.empty(g.copied, dtype=g.dtype, pin_memory=self.pinned)
-            g.host.zero_()
+        self._first_touch()
         touched = time.perf_counter()
-        host_bytes = sum(g.copied_bytes for g in self.groups.values())
+        spare_bytes = sum(b.numel() for bufs in self.spares.values() for b in bufs)
+        twin_bytes = sum(s.nbytes for s in self.segments if s.twin is not None)
+        touched_bytes = spare_bytes + twin_bytes
         self.info.update({
-            "free_device": self.free_device, "pinned": self.pinned,
-            "dtypes": [str(d).removeprefix("torch.") for d in self.groups],
-            "device_bytes": sum(g.numel * g.dtype.itemsize for g in self.groups.values()),
-            "host_bytes": host_bytes,
-            "layout_time": laid_out - start,  # flat device buffers, tensors moved in, state created
-            "host_first_touch_time": touched - laid_out,  # allocate + touch (pin) the host buffers
-            "host_first_touch_gbps": host_bytes / max(touched - laid_out, 1e-9) / 1e9,
+            "memory": self.memory, "free_device": self.free_device, "pinned": self.pinned,
+            "dtypes": list(dict.fromkeys(str(s.dtype).removeprefix("torch.") for s in self.segments)),
+            "segments": len(self.segments), "largest_segment_bytes": max(s.nbytes for s in self.segments),
+            "segment_cap_bytes": self.segment_bytes if self.memory == "move" else None,
+            "device_bytes": self.state_bytes,
+            "host_bytes": sum(s.nbytes for s in self.segments if s.travels),  # on the host while asleep
+            # memory beyond the state itself: the host twins, or move's spares and segment slack
+            "extra_bytes": twin_bytes if self.memory == "twin" else
+            spare_bytes + sum(s.capacity - s.nbytes for s in self.segments),
+            "layout_time": laid_out - start,  # segments, tensors moved in, state created
+            "host_first_touch_time": touched - laid_out,  # allocate + touch (pin) the twins or spares
+            "host_first_touch_gbps": touched_bytes / max(touched - laid_out, 1e-9) / 1e9,
         })
 
     @torch.no_grad()
     def _lay_out(self) -> None:
-        """Give every tensor its place in its dtype's flat buffer, gradients last."""
+        """Give every tensor its place in a segment of its dtype, gradients last."""
         travelling, grads = [], []
         travelling += [Placement.move(p) for p in dict.fromkeys(self.model.parameters())]  # tied weights once
         for group in self.optimizer.param_groups if self.optimizer is not None else []:
@@ -165,62 +241,126 @@ class Offloader:
                 travelling += [Placement.move(state[k]) if k in state else Placement.create(p, state.__setitem__, k)
                                for k in keys]
                 grads.append(Placement.move(p.grad) if p.grad is not None else Placement.create(p, partial(setattr, p), "grad"))
+        if self.mode == "full":  # grads travel with the rest: one run of segments per dtype
+            travelling, grads = travelling + grads, []
+        cap = self.segment_bytes if self.memory == "move" else None
         for dtype in dict.fromkeys(pl.dtype for pl in travelling + grads):
-            kept = [pl for pl in travelling if pl.dtype == dtype]
-            own_grads = [pl for pl in grads if pl.dtype == dtype]
-            copied = sum(pl.numel for pl in kept + (own_grads if self.mode == "full" else []))
-            numel = sum(pl.numel for pl in kept + own_grads)
-            group = FlatGroup(dtype, torch.empty(numel, dtype=dtype, device=self.device), copied)
-            offset = 0
-            for pl in kept + own_grads:
-                tensor = pl.install(group.device_flat[offset : offset + pl.numel].view(pl.shape))
-                group.slots[id(tensor)] = (offset, pl.shape)
-                offset += pl.numel
-            self.groups[dtype] = group
+            for travels, placements in ((True, travelling), (False, grads)):
+                own = [pl for pl in placements if pl.dtype == dtype]
+                plan = plan_segments([pl.nbytes for pl in own], cap)
+                shared = None  # move mode: travelling segments of one size share a spare, so the packed ones
+                if cap is not None and travels:  # get the largest one's size (one over the cap is one tensor)
+                    packed = [sum(own[i].nbytes for i in indices) for indices in plan]
+                    shared = max((b for b in packed if b <= cap), default=None)
+                for indices in plan:
+                    self._add_segment(dtype, travels, [own[i] for i in indices], shared)
+
+    def _add_segment(self, dtype: torch.dtype, travels: bool, placements: list[Placement], shared: int | None) -> None:
+        numel = sum(pl.numel for pl in placements)
+        nbytes = numel * dtype.itemsize
+        capacity = shared if shared is not None and nbytes <= shared else nbytes
+        segment = Segment(dtype, travels, [], numel, capacity,
+                          buffer=torch.empty(capacity, dtype=torch.uint8, device=self.device))
+        segment.buffer[nbytes:].zero_()  # slack touched now, not in some later step's copy
+        offset = 0
+        for pl in placements:
+            tensor = pl.install(segment.typed(segment.buffer)[offset : offset + pl.numel].view(pl.shape))
+            slot = Slot(tensor, offset, pl.shape)
+            segment.slots.append(slot)
+            self.slots[id(slot.tensor)] = (segment, slot)
+            offset += pl.numel
+        self.segments.append(segment)
+
+    def _first_touch(self) -> None:
+        """Allocate and touch, once, what every step's copies write into: twins, or move's spares."""
+        if self.memory == "twin":
+            for s in self.segments:
+                if s.travels:
+                    s.twin = torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+                    s.twin.zero_()
+        elif self.reuse:
+            for capacity in dict.fromkeys(s.capacity for s in self.segments if s.travels):
+                self.spares[capacity].append(torch.zeros(capacity, dtype=torch.uint8))
+
+    def _take(self, capacity: int, device: torch.device) -> torch.Tensor:
+        """A destination buffer: a spare of that size (CPU), else a new one."""
+        if self.spares[capacity]:
+            return self.spares[capacity].pop()
+        return torch.empty(capacity, dtype=torch.uint8, device=device)
+
+    def _release(self, buffer: torch.Tensor) -> None:
+        """A source that was just copied: the next destination (CPU), else freed once unreferenced."""
+        if self.reuse:
+            self.spares[buffer.numel()].append(buffer)
 
     @property
     def state_bytes(self) -> int:
         """Bytes of the laid-out state (parameters, optimizer state and gradients)."""
-        return sum(g.numel * g.dtype.itemsize for g in self.groups.values())
+        return sum(s.nbytes for s in self.segments)
+
+    @property
+    def travelling_bytes(self) -> int:
+        return sum(s.nbytes for s in self.segments if s.travels)
 
     @torch.no_grad()
     def sleep(self) -> int:
-        """Copy the state to the host twins (one copy per dtype, one sync), free the device side. Returns bytes moved."""
+        """Move the state to the host and free the device side. Returns bytes moved."""
         if self.mode == "none" or self.asleep:
             return 0
-        for g in self.groups.values():
-            g.host.copy_(g.device_flat[: g.copied], non_blocking=self.pinned)
-        synchronize(self.device)
-        if self.free_device:
-            for g in self.groups.values():
-                g.device_flat.untyped_storage().resize_(0)  # every view of it now holds no memory
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+        if self.memory == "twin":
+            for s in self.segments:
+                if s.travels:
+                    s.twin.copy_(s.buffer[: s.nbytes], non_blocking=self.pinned)
+            synchronize(self.device)
+        else:
+            for s in (s for s in self.segments if s.travels):
+                destination = self._take(s.capacity, self.host)
+                destination[: s.nbytes].copy_(s.buffer[: s.nbytes])
+                source = s.buffer
+                s.point_at(destination)
+                self._release(source)
+                del source  # on CUDA the last reference: empty_cache below returns it
+        for s in self.segments:
+            if self.free_device and (self.memory == "twin" or not s.travels):
+                s.buffer.untyped_storage().resize_(0)  # every view of it now holds no memory
+        if self.device.type == "cuda":
+            synchronize(self.device)
+            torch.cuda.empty_cache()
         self.asleep = True
-        return sum(g.copied_bytes for g in self.groups.values())
+        return self.travelling_bytes
 
     @torch.no_grad()
     def wake_up(self) -> int:
-        """Refill the same device storage from the host twins; zero dropped gradients. Returns bytes moved."""
+        """Bring the state back to the device; zero dropped gradients. Returns bytes moved."""
         if self.mode == "none" or not self.asleep:
             return 0
-        for g in self.groups.values():
-            if self.free_device:
-                g.device_flat.untyped_storage().resize_(g.numel * g.dtype.itemsize)
-            g.device_flat[: g.copied].copy_(g.host, non_blocking=self.pinned)
-            if g.copied < g.numel:
-                g.device_flat[g.copied :].zero_()  # dropped gradients: the next backward rebuilds them
+        for s in self.segments:
+            if self.free_device and (self.memory == "twin" or not s.travels):
+                s.buffer.untyped_storage().resize_(s.capacity)
+            if not s.travels:
+                s.typed(s.buffer).zero_()  # dropped gradients: the next backward rebuilds them
+            elif self.memory == "twin":
+                s.buffer[: s.nbytes].copy_(s.twin, non_blocking=self.pinned)
+            else:
+                destination = self._take(s.capacity, self.device)
+                destination[: s.nbytes].copy_(s.buffer[: s.nbytes])
+                source = s.buffer
+                s.point_at(destination)
+                self._release(source)
+                del source  # on CUDA: the pageable host buffer is freed here
         synchronize(self.device)
         self.asleep = False
-        return sum(g.copied_bytes for g in self.groups.values())
+        return self.travelling_bytes
 
     def host_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The host copies of `weights` (valid while asleep): what `update.source=host` sends from."""
         if not self.asleep:
             raise RuntimeError("update.source=host needs the trainer offloaded first (trainer.offload=full or drop_grads)")
-        return {name: self.groups[t.dtype].host_view(t) for name, t in weights.items()}
-
-
+        out = {}
+        for name, t in weights.items():
+            segment, slot = self.slots[id(t)]
+            out[name] = segment.view(segment.twin if segment.twin is not None else segment.buffer, slot)
+        return out
 def device_memory_gb(device: torch.device) -> float | None:
     """Device memory this process holds from the driver (tensors + allocator cache), in GB; None off CUDA.
 

@@ -8,6 +8,7 @@ all answer tokens of the batch, plus an optional KL penalty to a frozen referenc
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -65,8 +66,10 @@ def _answer_logprobs(model, gen: Generation, rows: slice, *, allowed, temperatur
 
 
 class Trainer:
-    def __init__(self, model: nn.Module, cfg: TrainerConfig, *, allowed_ids: torch.Tensor, temperature: float):
+    def __init__(self, model: nn.Module, cfg: TrainerConfig, *, allowed_ids: torch.Tensor, temperature: float,
+                 grad_sync: Callable[[list[nn.Parameter]], dict[str, float]] | None = None):
         self.model, self.cfg = model, cfg
+        self.grad_sync = grad_sync  # data parallel: sums the ranks' gradients before clipping (rlsync.distributed)
         self.allowed = allowed_ids.to(next(model.parameters()).device)
         self.temperature = temperature
         on_cuda = self.allowed.device.type == "cuda"
@@ -85,11 +88,16 @@ class Trainer:
                                  micro_batch_size=self.cfg.micro_batch_size)
 
     def train_step(self, gen: Generation, *, old_logp: torch.Tensor, advantages: torch.Tensor,
-                   ref_logp: torch.Tensor | None = None) -> dict[str, float]:
-        """One optimizer step over the whole batch (gradients accumulated over micro-batches)."""
+                   ref_logp: torch.Tensor | None = None, batch_tokens: int | None = None) -> dict[str, float]:
+        """One optimizer step over the whole batch (gradients accumulated over micro-batches).
+
+        `batch_tokens`: answer tokens of the whole batch when `gen` is one data-parallel rank's share
+        of it, so each rank's loss is its part of the batch's token mean; default: `gen`'s own.
+        """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
-        total_tokens = gen.response_mask.sum().clamp(min=1)
+        total_tokens = gen.response_mask.sum() if batch_tokens is None else torch.tensor(batch_tokens)
+        total_tokens = total_tokens.to(gen.response_mask.device).clamp(min=1)
         loss_sum, metrics = 0.0, {}
         for start in range(0, gen.sequences.shape[0], self.cfg.micro_batch_size):
             rows = slice(start, start + self.cfg.micro_batch_size)
@@ -101,6 +109,8 @@ class Trainer:
             weight = mask.sum() / total_tokens  # token-level mean over the whole batch
             (loss * weight).backward()
             loss_sum += (loss * weight).item()
+        if self.grad_sync is not None:
+            metrics.update(self.grad_sync(list(self.model.parameters())))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.model.eval()

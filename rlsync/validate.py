@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlsync.config import Config, to_config
 from rlsync.errors import ConfigError
+from rlsync.launcher import check_data_parallel
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def value_rules() -> dict[str, Rule]:
     from rlsync.bench import TARGETS
     from rlsync.bench_offload import STATES as OFFLOAD_STATES
     from rlsync.models import DTYPES
-    from rlsync.offload import OFFLOAD_MODES
+    from rlsync.offload import OFFLOAD_MEMORY, OFFLOAD_MODES
     from rlsync.rollout import ENGINES
     from rlsync.sinks import WANDB_MODES
     from rlsync.sync import BACKENDS, SOURCES, STRATEGIES, TRANSPORTS
@@ -107,6 +108,8 @@ def value_rules() -> dict[str, Rule]:
         "trainer.clip_eps": above(0),
         "trainer.kl_coef": at_least(0),
         "trainer.offload": one_of(OFFLOAD_MODES),
+        "trainer.offload_memory": one_of(OFFLOAD_MEMORY),
+        "trainer.offload_segment_mb": above(0, "MiB"),
         "trainer.offload_free_device": ANY,
         "trainer.grad_clip": above(0),
         "run.steps": at_least(1),
@@ -116,6 +119,7 @@ def value_rules() -> dict[str, Rule]:
                            "auto, cpu, cuda, cuda:N"),  # and present: see check_device
         "run.verdict_threshold": Rule(lambda v: number(v) and 0 < v < 1, "a share of the step between 0 and 1"),
         "run.progress": ANY,
+        "run.rank_timeout_s": above(0, "seconds"),
         "wandb.mode": one_of(WANDB_MODES),
         "wandb.project": NAME,
         "wandb.entity": OPTIONAL_NAME,
@@ -163,6 +167,7 @@ def validate(cfg) -> None:
     check_across(cfg)
     check_pretrained(cfg.model.pretrained)
     check_device(cfg.run.device)
+    check_data_parallel(cfg)
 
 
 def check_across(cfg) -> None:

@@ -12,7 +12,7 @@ from conftest import FAST, ROOT, read_jsonl, run_cli
 from rlsync.config import ModelConfig, TrainerConfig
 from rlsync.errors import ConfigError
 from rlsync.models import build_model
-from rlsync.offload import Offloader
+from rlsync.offload import Offloader, plan_segments, resolve_memory
 from rlsync.rollout import Generation
 from rlsync.trainer import Trainer
 
@@ -21,6 +21,16 @@ TINY = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, n
                    num_key_value_heads=2, head_dim=16, vocab_size=300)
 SMALL_MODEL = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2", "model.head_dim=16",
                "model.vocab_size=300"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models on a shared 2-core machine: one thread is 2-3x faster than two stalling at every op's
+    barrier when other processes hold a core. Bits do not depend on it (both sides of a comparison share it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def run_in_process(run_dir, *overrides: str) -> tuple[list[dict], dict]:
@@ -84,10 +94,21 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8) if b.dim() else b)
 
 
-@pytest.mark.parametrize("mode,free_device", [("full", False), ("full", True), ("drop_grads", False), ("drop_grads", True)])
-def test_round_trip_is_bit_exact_and_keeps_tensor_objects(mode, free_device):
+SEGMENT = 40 * 1024  # bytes: TINY's embedding (75 KiB) is over it, so move mode has oversized and packed segments
+# (memory, mode, free_device): twin as on CUDA and as on a CPU; move, the CPU default, with and without dropped grads
+LAYOUTS = [("twin", "full", False), ("twin", "full", True), ("twin", "drop_grads", False), ("twin", "drop_grads", True),
+           ("move", "full", None), ("move", "drop_grads", None), ("move", "drop_grads", True)]
+
+
+def offloader_for(trainer: Trainer, memory: str, mode: str, free_device: bool | None = None) -> Offloader:
+    return Offloader(trainer.model, trainer.optimizer, mode=mode, device=CPU, memory=memory, segment_bytes=SEGMENT,
+                     free_device=free_device)
+
+
+@pytest.mark.parametrize("memory,mode,free_device", LAYOUTS)
+def test_round_trip_is_bit_exact_and_keeps_tensor_objects(memory, mode, free_device):
     trainer = make_trainer()
-    offloader = Offloader(trainer.model, trainer.optimizer, mode=mode, device=CPU, free_device=free_device)
+    offloader = offloader_for(trainer, memory, mode, free_device)
     train(trainer, 2, offloader)  # real sleep/wake cycles, then a step: real grads and AdamW moments
     gen, advantages = make_batch(9)
     trainer.train_step(gen, old_logp=trainer.log_probs(gen), advantages=advantages)
@@ -101,8 +122,9 @@ def test_round_trip_is_bit_exact_and_keeps_tensor_objects(mode, free_device):
     state = sum(v.numel() * v.element_size() for v in before.values() if v.dim() > 0)
     assert moved == (state if mode == "full" else state - grads)
     assert offloader.sleep() == 0  # already asleep: nothing moves twice
-    flat = offloader.groups[torch.float32].device_flat
-    assert flat.untyped_storage().nbytes() == (0 if free_device else flat.numel() * 4)
+    for s in offloader.segments:  # what is freed while asleep: twin's device side, move's dropped grads if asked
+        freed = bool(free_device) and (memory == "twin" or not s.travels)
+        assert s.buffer.untyped_storage().nbytes() == (0 if freed else s.capacity)
     host = offloader.host_weights(dict(trainer.model.named_parameters()))
     assert all(same_bits(host[name], before[name]) for name in host)  # update.source=host reads these
 
@@ -116,18 +138,96 @@ def test_round_trip_is_bit_exact_and_keeps_tensor_objects(mode, free_device):
             assert same_bits(after[key], value), key
 
 
-@pytest.mark.parametrize("mode,free_device", [("full", False), ("full", True), ("drop_grads", True)])
-def test_training_through_sleep_wake_cycles_equals_training_without(mode, free_device):
+@pytest.mark.parametrize("memory,mode,free_device", [("twin", "full", False), ("twin", "full", True),
+                                                     ("twin", "drop_grads", True), ("move", "full", None),
+                                                     ("move", "drop_grads", None)])
+def test_training_through_sleep_wake_cycles_equals_training_without(memory, mode, free_device):
     reference = make_trainer()
     train(reference, 4)
     cycled = make_trainer()
-    train(cycled, 4, Offloader(cycled.model, cycled.optimizer, mode=mode, device=CPU, free_device=free_device))
+    train(cycled, 4, offloader_for(cycled, memory, mode, free_device))
     ref, got = state_of(reference), state_of(cycled)
     params = [name for name, _ in reference.model.named_parameters()]
     assert params and all(same_bits(got[name], ref[name]) for name in params)
     for name in params:  # the optimizer's moments and step counters too
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert same_bits(got[f"{name}.{key}"], ref[f"{name}.{key}"]), f"{name}.{key}"
+
+
+@pytest.mark.parametrize("sizes,cap,expected", [
+    ([10, 10, 10], 25, [[0, 1], [2]]),
+    ([10, 15, 10], 25, [[0, 1], [2]]),  # exactly the cap fits
+    ([10, 40, 10], 25, [[0], [1], [2]]),  # over the cap: alone, between its neighbours' segments
+    ([40, 40], 25, [[0], [1]]),
+    ([5, 5, 5], None, [[0, 1, 2]]),  # twin: one segment
+    ([], 25, []),
+])
+def test_plan_segments(sizes, cap, expected):
+    assert plan_segments(sizes, cap) == expected
+
+
+def test_move_segments_respect_the_cap_and_the_state_exists_once():
+    trainer = make_trainer()
+    offloader = offloader_for(trainer, "move", "full")
+    train(trainer, 1, offloader)
+    segments = offloader.segments
+    state = {k: v for k, v in state_of(trainer).items() if v.dim() > 0}
+    assert sum(s.nbytes for s in segments) == sum(v.numel() * v.element_size() for v in state.values())
+    assert len(segments) > 3 and any(len(s.slots) > 1 for s in segments)
+    for s in segments:  # at most the cap, unless one tensor is larger on its own (the embedding)
+        assert s.nbytes <= SEGMENT or (len(s.slots) == 1 and s.nbytes > SEGMENT), (s.nbytes, len(s.slots))
+    packed = max(s.nbytes for s in segments if s.nbytes <= SEGMENT)  # packed segments share one buffer size
+    assert all(s.capacity == (packed if s.nbytes <= SEGMENT else s.nbytes) for s in segments)
+    assert any(s.nbytes > SEGMENT for s in segments)
+    for t in state.values():  # every tensor of the state is a view of its segment's buffer
+        segment, slot = offloader.slots[id(t)]
+        start = segment.buffer.data_ptr() + slot.offset * t.element_size()
+        assert t.data_ptr() == start and t.untyped_storage().data_ptr() == segment.buffer.data_ptr()
+
+    def buffers() -> set[int]:
+        return {s.buffer.data_ptr() for s in segments} | {b.data_ptr() for bs in offloader.spares.values() for b in bs}
+
+    spare_sizes = sorted(b.numel() for bs in offloader.spares.values() for b in bs)
+    assert spare_sizes == sorted({s.capacity for s in segments})  # one spare per segment size
+    assert offloader.info["extra_bytes"] == sum(spare_sizes) + sum(s.capacity - s.nbytes for s in segments)
+    owned, homes = buffers(), [s.buffer.data_ptr() for s in segments]
+    for _ in range(2):  # every segment moves, into a buffer that already exists: no allocation, no page faults
+        for phase in (offloader.sleep, offloader.wake_up):
+            phase()
+            moved_to = [s.buffer.data_ptr() for s in segments]
+            assert buffers() == owned and all(a != b for a, b in zip(homes, moved_to))
+            homes = moved_to
+
+
+def test_move_host_weights_are_the_params_while_asleep():
+    """update.source=host in move mode: the host copies are where the weights live while asleep."""
+    trainer = make_trainer()
+    offloader = offloader_for(trainer, "move", "drop_grads")
+    weights = dict(trainer.model.named_parameters())
+    train(trainer, 1, offloader)
+    expected = {name: t.clone() for name, t in weights.items()}
+    offloader.sleep()
+    host = offloader.host_weights(weights)
+    assert all(same_bits(host[name], expected[name]) for name in weights)
+    assert all(host[name].data_ptr() == t.data_ptr() for name, t in weights.items())
+
+
+@pytest.mark.parametrize("override,line", [("trainer.offload_memory=halfway", "trainer.offload_memory=halfway"),
+                                           ("trainer.offload_segment_mb=0", "trainer.offload_segment_mb=0")])
+def test_bad_offload_memory_keys_are_named(compose, override, line):
+    from rlsync.validate import validate
+
+    with pytest.raises(ConfigError, match=line):
+        validate(compose(override))
+
+
+def test_memory_auto_is_move_on_a_cpu_and_twin_on_cuda():
+    assert resolve_memory("auto", CPU) == "move" and resolve_memory("auto", torch.device("cuda")) == "twin"
+    assert resolve_memory("twin", CPU) == "twin"
+    trainer = make_trainer()
+    assert Offloader(trainer.model, trainer.optimizer, mode="full", device=CPU).info["memory"] == "move"
+    with pytest.raises(ConfigError, match=r"trainer.offload_memory=halfway.*auto, twin, move"):
+        Offloader(trainer.model, trainer.optimizer, mode="full", device=CPU, memory="halfway")
 
 
 def test_offload_none_copies_nothing_and_touches_nothing():
@@ -171,13 +271,21 @@ def test_bench_offload_reports_bytes_time_and_limit():
 @pytest.fixture(scope="module")
 def runner_runs(tmp_path_factory):
     """The real runner, in this process, with offload full and none: (rows, summary) by mode."""
-    return {mode: run_in_process(tmp_path_factory.mktemp(mode), f"trainer.offload={mode}") for mode in ("full", "none")}
+    # full: memory=auto (move on a CPU), in 0.1 MiB segments (the state is 1.5 MB); none: nothing laid out
+    runs = {"full": ("trainer.offload=full", "trainer.offload_segment_mb=0.1"), "none": ("trainer.offload=none",)}
+    runs.update({f"host_{memory}": ("update.source=host", f"trainer.offload_memory={memory}") for memory in ("move", "twin")})
+    return {name: run_in_process(tmp_path_factory.mktemp(name), *overrides) for name, overrides in runs.items()}
 
 
 def test_runner_logs_offload_metrics_and_first_touch(runner_runs):
     rows, summary = runner_runs["full"]
     offload = summary["offload"]
     assert offload["mode"] == "full" and offload["host_bytes"] == offload["device_bytes"] > 0
+    assert offload["memory"] == "move" and offload["segment_cap_bytes"] == int(0.1 * 2**20)
+    assert offload["segments"] > 10 and offload["largest_segment_bytes"] <= offload["segment_cap_bytes"]
+    assert offload["extra_bytes"] < offload["device_bytes"] / 2  # the state once, plus a spare and some slack
+    twin = runner_runs["host_twin"][1]["offload"]
+    assert twin["memory"] == "twin" and twin["extra_bytes"] == twin["host_bytes"]  # a CPU run holds it twice
     assert offload["host_first_touch_time"] > 0 and offload["first_sleep_time"] > 0
     for row in rows:
         for phase in ("sleep", "wake_up"):
@@ -205,3 +313,12 @@ def test_bench_cli_offload_target(tmp_path):
     assert summary["target"] == "offload" and summary["offload"]["mode"] == "drop_grads"
     assert summary["metrics"]["perf/sleep_bytes"]["median"] == 3 * summary["offload"]["weight_bytes"]
     assert "Trainer offload alone" in proc.stdout and "| onload |" in proc.stdout
+
+
+def test_runner_update_from_host_copies_in_move_mode(runner_runs):
+    """update.source=host sends from the offloaded copy: move's segments (the weights themselves while asleep)
+    and twin's host twin carry the same bits, so the two runs are the same run, and the engine gets the weights."""
+    move, twin = runner_runs["host_move"][0], runner_runs["host_twin"][0]
+    for key in ("train/loss", "train/grad_norm", "train/logprob_abs_diff", "rollout/reward_mean"):
+        assert [r[key] for r in move] == [r[key] for r in twin], key
+    assert all(r["train/logprob_abs_diff"] < 0.05 and r["perf/sleep_bytes"] > 0 for r in move)
