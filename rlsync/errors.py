@@ -156,6 +156,9 @@ def from_hydra(err: BaseException) -> Optional[BadInput]:
         key, value = cause.full_key, override_value(err, cause.full_key, cause.value)
         if isinstance(cause, ConfigKeyError) or "not in" in first_line(cause.msg):
             return ConfigError(key, value, sibling_keys(cause), "unknown key")
+        if isinstance(cause, ValidationError) and "is not a subclass of" in first_line(cause.msg):
+            # `update=fast`: a node of the schema with no config group in conf/ to choose from
+            return ConfigError(key, value, "a config group in conf/, or key.subkey=value", "unknown config group")
         if isinstance(cause, ValidationError):
             return ConfigError(key, value, type_phrase(cause), "wrong type")
     message = first_line(str(err))

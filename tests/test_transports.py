@@ -322,12 +322,12 @@ def test_whole_step_runs_with_ipc_and_a_killed_engine_ends_it_clearly(tmp_path):
                              "wandb.mode=disabled", f"hydra.run.dir={run_dir}"],
                             cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        pid = engine_pid(proc.pid)
         metrics = run_dir / "metrics.jsonl"
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and (not metrics.exists() or len(read_jsonl(metrics)) < 1):
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             time.sleep(0.2)
+        pid = engine_pid(proc.pid)  # looked up once steps run: the engine is certainly up by then
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         _, stderr = proc.communicate(timeout=60)
