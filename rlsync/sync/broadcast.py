@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from rlsync.sync import flat
 from rlsync.sync.buckets import Bucket, Slot, largest_bucket_bytes
-from rlsync.sync.engine_process import EngineProcess
+from rlsync.sync.engine_process import EngineProcess, ForwardsToEngineProcess
 from rlsync.sync.threads import cpu_threads
 from rlsync.timing import DeviceMemory, Stopwatch, synchronize
 
@@ -125,7 +125,7 @@ class BroadcastReceiver:
         self.slots, self.flat, self.group = [], None, None
 
 
-class BroadcastEngine:
+class BroadcastEngine(ForwardsToEngineProcess):
     def __init__(self, spec, buckets: list[Bucket], cfg):
         self.group = None
         self.device = torch.device(spec.device)
@@ -187,23 +187,6 @@ class BroadcastEngine:
                 raise
             synchronize(self.device)
         row["transfer_time"] = watch.last
-
-    # -- the rest of the engine interface, forwarded to the engine process -------------------------
-
-    def generate(self, prompts, **kwargs):
-        return self.process.generate(prompts, **kwargs)
-
-    def release(self) -> None:
-        self.process.release()
-
-    def resume(self) -> None:
-        self.process.resume()
-
-    def checksums(self) -> dict[str, int]:
-        return self.process.checksums()
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        return self.process.weights()
 
     def close(self) -> None:
         """The engine process first (it leaves the group on its way out), then our side of the group."""

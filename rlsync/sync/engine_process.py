@@ -337,3 +337,25 @@ class EngineProcess:
         self.process.join(0.5)
         raise EngineDied(f"the engine process (pid {self.pid}) died with {exit_description(self.process.exitcode)} "
                          f"while the trainer waited for {what}") from None
+
+
+class ForwardsToEngineProcess:
+    """The engine-handle calls that only forward to the engine process (`self.process`); the ipc and
+    broadcast handles differ in how weights travel, not in these."""
+
+    process: EngineProcess
+
+    def generate(self, prompts, **kwargs):
+        return self.process.generate(prompts, **kwargs)
+
+    def release(self) -> None:
+        self.process.release()
+
+    def resume(self) -> None:
+        self.process.resume()
+
+    def checksums(self) -> dict[str, int]:
+        return self.process.checksums()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.process.weights()

@@ -22,7 +22,7 @@ import torch
 
 from rlsync.sync import flat
 from rlsync.sync.buckets import Bucket, largest_bucket_bytes
-from rlsync.sync.engine_process import EngineProcess
+from rlsync.sync.engine_process import EngineProcess, ForwardsToEngineProcess
 from rlsync.sync.threads import cpu_threads
 from rlsync.timing import DeviceMemory, Stopwatch
 
@@ -60,7 +60,7 @@ class IpcReceiver:
         self.slots = self.flat = None
 
 
-class IpcEngine:
+class IpcEngine(ForwardsToEngineProcess):
     def __init__(self, spec, buckets: list[Bucket], cfg):
         self.device = torch.device(spec.device)
         self.buckets, self.strategy = buckets, cfg.strategy
@@ -130,23 +130,6 @@ class IpcEngine:
         reply = self.process.reply("update")
         row["transfer_time"], row["load_time"] = reply.handoff, reply.result["load_time"]
         return reply.result["peak_extra"]
-
-    # -- the rest of the engine interface, forwarded to the engine process -------------------------
-
-    def generate(self, prompts, **kwargs):
-        return self.process.generate(prompts, **kwargs)
-
-    def release(self) -> None:
-        self.process.release()
-
-    def resume(self) -> None:
-        self.process.resume()
-
-    def checksums(self) -> dict[str, int]:
-        return self.process.checksums()
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        return self.process.weights()
 
     def close(self) -> None:
         try:
