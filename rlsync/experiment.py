@@ -182,9 +182,7 @@ class Experiment:
             if dp.enabled and cfg.update.verify:  # rank 0's update speaks for every rank only if they agree
                 dp.check_same_weights(self.weights)
             if cfg.update.source == "host":  # the reference system's colocated order: offload, then update
-                with watch("sleep"):
-                    metrics["perf/sleep_bytes"] = self.offloader.sleep()
-                metrics.update(self.device_memory("sleep"))
+                self.trainer_sleep(watch, metrics)
             if cfg.update.enabled and dp.is_main:
                 if cfg.rollout.release_weights:  # the update writes into the engine's weights: allocate them first
                     with watch("engine_resume"):
@@ -193,9 +191,7 @@ class Experiment:
                     metrics.update(update_weights(engine, self.update_source(), buckets=self.buckets, cfg=cfg.update,
                                                   device=self.device, limit_time=self.update_limit))
             if cfg.update.source == "device":
-                with watch("sleep"):
-                    metrics["perf/sleep_bytes"] = self.offloader.sleep()
-                metrics.update(self.device_memory("sleep"))
+                self.trainer_sleep(watch, metrics)
 
         mask = gen.response_mask.float()
         # The update's own clock wins over the phase clock: the phase also holds the optional verification.
@@ -207,6 +203,11 @@ class Experiment:
             metrics.update(self.offload_metrics(metrics))
             metrics.update(rollout_metrics)
         return metrics
+
+    def trainer_sleep(self, watch: Stopwatch, metrics: dict) -> None:
+        with watch("sleep"):
+            metrics["perf/sleep_bytes"] = self.offloader.sleep()
+        metrics.update(self.device_memory("sleep"))
 
     def rollout(self, engine, watch: Stopwatch):
         """Generate `samples_per_prompt` answers per prompt and score them: (batch, advantages, rollout metrics)."""
