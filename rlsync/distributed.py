@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from rlsync.launcher import launched
 from rlsync.rollout import Generation
+from rlsync.sync.buckets import greedy_groups
 from rlsync.timing import Stopwatch
 
 GRAD_BUCKET_BYTES = 64 << 20  # gradients all-reduced in flat buckets: one call per bucket, bounded extra memory
@@ -77,17 +78,9 @@ def is_phase_time(key: str) -> bool:
 
 def grad_buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
     """Consecutive gradients of one dtype, up to `bucket_bytes` per bucket (a larger one alone)."""
-    buckets, current, size = [], [], 0
-    for g in grads:
-        nbytes = g.numel() * g.element_size()
-        if current and (g.dtype != current[0].dtype or size + nbytes > bucket_bytes):
-            buckets.append(current)
-            current, size = [], 0
-        current.append(g)
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
+    sizes = [g.numel() * g.element_size() for g in grads]
+    groups = greedy_groups(sizes, bucket_bytes, breaks=lambda i: grads[i].dtype != grads[i - 1].dtype)
+    return [[grads[i] for i in group] for group in groups]
 
 
 class DataParallel:

@@ -48,6 +48,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from rlsync.sync.buckets import greedy_groups
 from rlsync.timing import synchronize
 
 OFFLOAD_MODES = ("none", "full", "drop_grads")
@@ -79,17 +80,7 @@ def plan_segments(sizes: Sequence[int], cap: int | None) -> list[list[int]]:
 
     A size over the cap is a segment of its own (a view cannot span two buffers); `cap=None`: one segment.
     """
-    segments: list[list[int]] = []
-    current, filled = [], 0
-    for i, size in enumerate(sizes):
-        if current and cap is not None and filled + size > cap:
-            segments.append(current)
-            current, filled = [], 0
-        current.append(i)
-        filled += size
-    if current:
-        segments.append(current)
-    return segments
+    return greedy_groups(list(sizes), cap)
 
 
 @dataclass

@@ -76,5 +76,24 @@ def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
     return buckets
 
 
+def greedy_groups(sizes: list[int], cap: int | None, *, breaks=lambda i: False) -> list[list[int]]:
+    """Indices of `sizes` (in order) packed greedily into consecutive groups of at most `cap`.
+
+    A new group starts when the next size would overflow the cap or `breaks(i)` says so (a dtype
+    change, say); a size over the cap is a group of its own; `cap=None` never overflows.
+    """
+    groups: list[list[int]] = []
+    current, filled = [], 0
+    for i, size in enumerate(sizes):
+        if current and ((cap is not None and filled + size > cap) or breaks(i)):
+            groups.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += size
+    if current:
+        groups.append(current)
+    return groups
+
+
 def largest_bucket_bytes(buckets: list[Bucket]) -> int:
     return max((b.nbytes for b in buckets), default=0)
