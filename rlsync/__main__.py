@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from rlsync.config import register_configs
 from rlsync.errors import cli, job_errors
-from rlsync.launcher import launched, rank_argv
+from rlsync.launcher import hydra_job, launched, rank_argv
 from rlsync.validate import checked_config
 
 register_configs()
@@ -26,9 +26,7 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def hydra_main(dcfg: DictConfig) -> None:
     hc = HydraConfig.get()
-    run_dir = Path(hc.runtime.output_dir)
-    sweep_dir = Path(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else run_dir
-    name = ",".join(hc.overrides.task) or "defaults"
+    run_dir, sweep_dir, name = hydra_job(hc)
     log_dir = run_dir if launched()[0] == 0 else None  # data-parallel ranks > 0 write no error.log: stderr only
     with job_errors(log_dir, sweep_job=f"{hc.job.num} ({run_dir})" if hc.mode == RunMode.MULTIRUN else None):
         cfg = checked_config(dcfg)  # every key and value, before any model is built

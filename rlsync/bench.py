@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 
 from rlsync.config import BenchAppConfig, register_configs, to_dict
 from rlsync.errors import cli, job_errors
+from rlsync.launcher import hydra_job
 
 register_configs()
 
@@ -338,9 +339,7 @@ def hydra_main(dcfg: DictConfig) -> None:
     from rlsync.validate import checked_config
 
     hc = HydraConfig.get()
-    run_dir = Path(hc.runtime.output_dir)
-    sweep_dir = Path(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else run_dir
-    name = ",".join(hc.overrides.task) or "defaults"
+    run_dir, sweep_dir, name = hydra_job(hc)
     with job_errors(run_dir, sweep_job=f"{hc.job.num} ({name})" if hc.mode == RunMode.MULTIRUN else None):
         cfg = checked_config(dcfg, BenchAppConfig)
         run_bench(cfg, run_dir, name=name, group=cfg.wandb.group or sweep_dir.name, overrides=list(hc.overrides.task))

@@ -48,3 +48,15 @@ def check_data_parallel(cfg) -> None:
         if value != needed:
             raise ConfigError(key, value, f"{needed} (with {world} data-parallel ranks, rank 0 holds the engine "
                               f"in its own process)", f"not supported with {world} data-parallel ranks")
+
+
+def hydra_job(hc):
+    """(run dir, sweep dir, run name) of the Hydra job `hc` (HydraConfig.get()): the sweep dir is the
+    run dir outside a multirun; the name is the job's overrides, as W&B and the report show it."""
+    from pathlib import Path
+
+    from hydra.types import RunMode
+
+    run_dir = Path(hc.runtime.output_dir)
+    sweep_dir = Path(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else run_dir
+    return run_dir, sweep_dir, ",".join(hc.overrides.task) or "defaults"
