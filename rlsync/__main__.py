@@ -8,7 +8,6 @@ fails alone: the others run, and the sweep exits non-zero at the end.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
