@@ -46,6 +46,8 @@ class UpdateConfig:
     flat_engine_weights: bool = False  # engine weights are views into bucket-laid-out flat buffers: packing writes them (one copy)
     backend: str = "auto"  # broadcast's torch.distributed backend: auto = gloo (NCCL refuses two ranks on one GPU)
     engine_timeout_s: float = 3600.0  # longest wait for one engine reply (start, generate, load); a dead engine fails at once
+    engine_address: Optional[str] = None  # broadcast: HOST:PORT of an engine started on its own (python -m rlsync.engine listens there); null: start it here
+    engine_connect_timeout_s: float = 120.0  # with engine_address: how long to retry while that engine is not listening yet
     copy_threads: int = 1  # torch CPU threads for the update's copies, per process (0: torch's default); 1 reaches memcpy speed
 
 
@@ -114,6 +116,18 @@ class BenchConfig:
 
 
 @dataclass
+class ServeConfig:
+    sessions: int = 0  # trainer sessions to serve, one after another, before exiting (0: until Ctrl-C or SIGTERM)
+
+
+@dataclass
+class EngineAppConfig(Config):
+    """`python -m rlsync.engine`: the runner's tree (model, rollout, update.engine_address, run.device) plus `serve.*`."""
+
+    serve: ServeConfig = field(default_factory=ServeConfig)
+
+
+@dataclass
 class BenchAppConfig(Config):
     """`python -m rlsync.bench`: the runner's tree plus the benchmark's own keys."""
 
@@ -123,6 +137,7 @@ class BenchAppConfig(Config):
 def register_configs() -> None:
     ConfigStore.instance().store(name="rlsync_schema", node=Config)
     ConfigStore.instance().store(name="rlsync_bench_schema", node=BenchAppConfig)
+    ConfigStore.instance().store(name="rlsync_engine_schema", node=EngineAppConfig)
 
 
 def to_config(dcfg: DictConfig, schema: type = Config):

@@ -263,6 +263,7 @@ class Experiment:
         share = summaries.shares(stats)
         setup = {"transport": cfg.update.transport, "strategy": cfg.update.strategy, "bucket_mb": cfg.update.bucket_mb,
                  "source": cfg.update.source, "device": str(self.device), "engine": cfg.rollout.engine,
+                 "engine_address": cfg.update.engine_address,  # null: the engine ran on this machine, started by the run
                  "max_response_len": cfg.rollout.max_response_len, "offload": cfg.trainer.offload,
                  "ranks": self.dp.world}  # data-parallel trainer ranks (rank 0 holds the engine)
         measured = sum(1 for r in self.rows if r["step"] >= cfg.run.warmup_steps)

@@ -59,6 +59,16 @@ NAME = Rule(lambda v: isinstance(v, str) and bool(v.strip()), "a non-empty strin
 OPTIONAL_NAME = Rule(lambda v: v is None or bool(v.strip()), "null or a non-empty string")
 
 
+def address_ok(text: str) -> bool:
+    from rlsync.sync.remote import parse_address
+
+    try:
+        parse_address(text)
+    except ValueError:
+        return False
+    return True
+
+
 def value_rules() -> dict[str, Rule]:
     """One rule per config key a user can set (dotted key -> rule)."""
     from rlsync.bench import TARGETS
@@ -94,6 +104,9 @@ def value_rules() -> dict[str, Rule]:
         "update.flat_engine_weights": ANY,
         "update.backend": one_of(BACKENDS),
         "update.engine_timeout_s": above(0, "seconds"),
+        "update.engine_address": Rule(lambda v: v is None or address_ok(v), "null or HOST:PORT (port 1 to 65535; "
+                                      "0 lets python -m rlsync.engine pick a free one)"),
+        "update.engine_connect_timeout_s": above(0, "seconds"),
         "update.copy_threads": at_least(0, "0 keeps torch's default"),
         "rollout.engine": one_of(ENGINES),
         "rollout.max_response_len": at_least(1, "tokens"),
@@ -130,6 +143,7 @@ def value_rules() -> dict[str, Rule]:
         "bench.warmup": at_least(0),
         "bench.repeats": at_least(1),
         "bench.offload_state": one_of(OFFLOAD_STATES),
+        "serve.sessions": at_least(0, "0 serves until stopped"),
     }
 
 
@@ -196,6 +210,10 @@ def check_across(cfg) -> None:
         raise ConfigError("update.flat_engine_weights", True, "false with rollout.release_weights=true (with ipc the "
                           "engine's weights are then shared memory, which the engine cannot free)",
                           "not allowed with rollout.release_weights=true")
+    if cfg.update.engine_address and cfg.update.transport != "broadcast":
+        raise ConfigError("update.transport", cfg.update.transport, "broadcast (an engine started on its own, at "
+                          "update.engine_address, is joined through the broadcast transport)",
+                          "not allowed with update.engine_address")
     if rollout.release_weights and not cfg.update.enabled:
         raise ConfigError("rollout.release_weights", True, "false (released weights are refilled only by the weight "
                           "update, which update.enabled=false skips)", "not allowed with update.enabled=false")

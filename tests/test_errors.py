@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import ROOT, cli_env, read_jsonl
-from rlsync.config import BenchAppConfig, Config, UpdateConfig
+from rlsync.config import BenchAppConfig, Config, EngineAppConfig, UpdateConfig
 from rlsync.errors import ConfigError, Interrupted, JobFailed, StopOnSignals, UpdateOutOfMemory, job_errors
 from rlsync.validate import leaves, validate, value_rules
 
@@ -45,6 +45,8 @@ BAD_INPUTS = [
     (["wandb.mode=loud"], "wandb.mode=loud"),
     (["model.pretrained=/no/such/checkpoint"], "model.pretrained=/no/such/checkpoint"),
     (["run.device=cuda:99"], "run.device=cuda:99"),
+    (["update.engine_address=enginehost"], "update.engine_address=enginehost"),  # no port
+    (["update.engine_address=127.0.0.1:29610"], "update.transport=direct"),  # a standalone engine needs broadcast
     pytest.param(["run.device=cuda"], "run.device=cuda",
                  marks=pytest.mark.skipif(CUDA, reason="this machine has CUDA: run.device=cuda is valid")),
 ]
@@ -53,6 +55,12 @@ BENCH_BAD_INPUTS = [
     (["model=qwen9"], "model=qwen9"),
     (["update.bucket_mb=0"], "update.bucket_mb=0"),
     (["bench.repeats=0"], "bench.repeats=0"),
+]
+# The standalone engine (python -m rlsync.engine) too, with its own key.
+ENGINE_BAD_INPUTS = [
+    (["model=qwen9"], "model=qwen9"),
+    (["serve.sessions=-1"], "serve.sessions=-1"),
+    (["update.engine_address=host:99999"], "update.engine_address=host:99999"),
 ]
 # More Hydra-side errors, translated in-process (the same `from_hydra` the CLI calls): override -> line start.
 HYDRA_ERRORS = [
@@ -108,8 +116,9 @@ json.dump(results, sys.stdout)
 
 @pytest.fixture(scope="module")
 def cli_results(tmp_path_factory):
-    """Every bad-input case of both entry points: (module, overrides) -> CompletedProcess."""
-    cases = [("rlsync", c) for c in BAD_INPUTS] + [("rlsync.bench", c) for c in BENCH_BAD_INPUTS]
+    """Every bad-input case of the three entry points: (module, overrides) -> CompletedProcess."""
+    cases = ([("rlsync", c) for c in BAD_INPUTS] + [("rlsync.bench", c) for c in BENCH_BAD_INPUTS]
+             + [("rlsync.engine", c) for c in ENGINE_BAD_INPUTS])
     cases = [(m, list((c.values if hasattr(c, "values") else c)[0])) for m, c in cases]
     root = tmp_path_factory.mktemp("bad_inputs")
     jobs = [(m, ["wandb.mode=disabled", f"hydra.run.dir={root / str(i)}", *o], str(root / f"io{i}"))
@@ -150,6 +159,11 @@ def test_bad_input_is_one_line_and_exit_2(cli_results, overrides, names):
 @pytest.mark.parametrize("overrides,names", BENCH_BAD_INPUTS, ids=[case_id(c) for c in BENCH_BAD_INPUTS])
 def test_bench_bad_input_is_one_line_and_exit_2(cli_results, overrides, names):
     check_one_line(cli_results[("rlsync.bench", tuple(overrides))], names)
+
+
+@pytest.mark.parametrize("overrides,names", ENGINE_BAD_INPUTS, ids=[case_id(c) for c in ENGINE_BAD_INPUTS])
+def test_engine_bad_input_is_one_line_and_exit_2(cli_results, overrides, names):
+    check_one_line(cli_results[("rlsync.engine", tuple(overrides))], names)
 
 
 def test_the_lines_say_what_is_allowed(cli_results):
@@ -220,7 +234,7 @@ def test_more_value_rules(overrides, line):
 
 
 def test_every_key_a_user_can_set_has_a_rule():
-    keys = {key for key, _, _ in leaves(BenchAppConfig())}
+    keys = {key for schema in (BenchAppConfig, EngineAppConfig) for key, _, _ in leaves(schema())}
     rules = set(value_rules())
     assert keys - rules == set(), "config keys without a value rule in rlsync/validate.py"
     assert rules - keys == set(), "rules for keys the schema no longer has"

@@ -1,8 +1,10 @@
 """The `broadcast` transport: the engine in its own process, joined to the trainer in a process group.
 
 As in the reference system's non-colocated mode: the trainer (rank 0) and the engine process
-(rank 1) form a two-rank gloo group (see `resolve_backend` for NCCL) over a TCP store on 127.0.0.1
-that the trainer hosts on a free port. The group is a standalone object, not torch.distributed's
+(rank 1) form a two-rank gloo group (see `resolve_backend` for NCCL) over a TCP store that the
+trainer hosts on a free port. The engine process is started here, or (`update.engine_address`) is
+an engine started on its own, on this machine or another (`python -m rlsync.engine`, sync/remote.py),
+which reaches the trainer's store at the address the trainer connected from. The group is a standalone object, not torch.distributed's
 default group: a data-parallel trainer keeps its own, and several engines can come and go. The bucket plan is deterministic and both sides
 hold it (it travels to the engine process when it starts), so no names, shapes or dtypes go over the
 wire per update: one message says "update", then one broadcast per bucket (or per tensor for
@@ -30,7 +32,7 @@ from rlsync.sync.engine_process import EngineProcess, ForwardsToEngineProcess
 from rlsync.sync.threads import cpu_threads
 from rlsync.timing import DeviceMemory, Stopwatch, synchronize
 
-HOST = "127.0.0.1"
+HOST = "127.0.0.1"  # where an engine process started here finds the trainer's store
 TRAINER, ENGINE = 0, 1  # ranks
 STORE_PREFIX = "rlsync/update"  # the group's keys in the store
 
@@ -73,14 +75,14 @@ class BroadcastReceiver:
                  timeout_s: float, copy_threads: int):
         self.buckets, self.strategy, self.inflight, self.flat_weights = buckets, strategy, inflight, flat_weights
         self.copy_threads = copy_threads
-        self.port, self.timeout_s = port, timeout_s
+        self.host, self.port, self.timeout_s = HOST, port, timeout_s  # a standalone engine sets `host`
         self.slots: list[torch.Tensor] = []
         self.flat: list[torch.Tensor] | None = None
         self.group = None
 
     def open(self, engine) -> dict:
         timeout = timedelta(seconds=self.timeout_s)
-        store = dist.TCPStore(HOST, self.port, world_size=2, is_master=False, timeout=timeout)
+        store = dist.TCPStore(self.host, self.port, world_size=2, is_master=False, timeout=timeout)
         self.group = join_group(store, ENGINE, timeout)
         device, dtype = engine.device, self.buckets[0].dtype
         if self.flat_weights:
@@ -141,7 +143,11 @@ class BroadcastEngine(ForwardsToEngineProcess):
         receiver = BroadcastReceiver(buckets, strategy=cfg.strategy, inflight=cfg.inflight_buckets,
                                      flat_weights=cfg.flat_engine_weights, port=self.store.port,
                                      timeout_s=cfg.engine_timeout_s, copy_threads=cfg.copy_threads)
-        self.process = EngineProcess(spec, receiver, strategy=cfg.strategy, timeout_s=cfg.engine_timeout_s)
+        if cfg.engine_address:  # an engine started on its own: it checks the plan against its model
+            self.process = EngineProcess.remote(cfg.engine_address, receiver, timeout_s=cfg.engine_timeout_s,
+                                                connect_timeout_s=cfg.engine_connect_timeout_s)
+        else:
+            self.process = EngineProcess(spec, receiver, strategy=cfg.strategy, timeout_s=cfg.engine_timeout_s)
         try:
             self.process.send("open")
             self.process.join_thread(lambda: setattr(self, "group", join_group(self.store, TRAINER, timeout)),

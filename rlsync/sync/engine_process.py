@@ -57,7 +57,7 @@ def exit_description(code: int | None) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-class _Server:
+class EngineServer:
     """The requests an engine process answers; `op` names a method."""
 
     def __init__(self, engine, receiver):
@@ -103,13 +103,28 @@ def serve(conn, spec, receiver, strategy: str) -> None:
     """
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    server = None
+    engine = None
     try:
         try:
-            server = _Server(spec.build(strategy=strategy), receiver)
+            engine = spec.build(strategy=strategy)
         except BaseException:
             conn.send(("error", "start", traceback.format_exc()))
             raise
+        serve_requests(conn, EngineServer(engine, receiver))
+    finally:
+        receiver.close()
+        close_engine = getattr(engine, "close", None)
+        if close_engine is not None:
+            close_engine()
+
+
+def serve_requests(conn, server: EngineServer) -> None:
+    """Answer "start", then each request in order until "close" or the trainer's side of `conn` closes.
+
+    Shared by the engine process (a pipe) and the standalone engine (`python -m rlsync.engine`, a TCP
+    connection per trainer session). Returns; never raises for a trainer that went away.
+    """
+    try:
         t_prev_send = time.monotonic()
         conn.send(("ok", "start", None, t_prev_send, t_prev_send, t_prev_send))
         while True:
@@ -126,13 +141,8 @@ def serve(conn, spec, receiver, strategy: str) -> None:
             t_prev_send = t_send
             if op == "close":
                 return
-    except (EOFError, BrokenPipeError, ConnectionResetError):  # the trainer is gone: nothing left to serve
+    except (EOFError, OSError):  # the trainer is gone (pipe or socket closed, reset): nothing left to serve
         return
-    finally:
-        receiver.close()
-        close_engine = getattr(server.engine, "close", None) if server is not None else None
-        if close_engine is not None:
-            close_engine()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,28 +176,67 @@ class Reply:
         self.handoff = max(0.0, t_recv - max(sent, t_prev_send)) + max(0.0, received - max(t_send, waited))
 
 
+class RemotePeer:
+    """Stands in for the engine's process when the engine runs on its own (`python -m rlsync.engine`):
+    alive until its control connection closes; no exit code, and nothing here can kill it."""
+
+    pid = exitcode = None
+
+    def __init__(self, address: str):
+        self.address, self.lost = address, False
+
+    def is_alive(self) -> bool:
+        return not self.lost
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def kill(self) -> None:
+        self.lost = True  # closing our end of the connection ends the engine's session, not the engine
+
+
 class EngineProcess:
-    """Start the engine process and talk to it; `close()` always leaves no process behind."""
+    """Start the engine process and talk to it; `close()` always leaves no process behind.
+
+    `EngineProcess.remote(address, ...)` talks the same way to an engine started on its own.
+    """
 
     def __init__(self, spec, receiver, *, strategy: str, timeout_s: float):
-        self.timeout_s = timeout_s
+        ctx = start_context(torch.device(spec.device))
+        conn, child = ctx.Pipe(duplex=True)
+        process = ctx.Process(target=serve, args=(child, spec, receiver, strategy), name="rlsync-engine", daemon=True)
+        process.start()
+        child.close()
+        self._attach(conn, process, timeout_s, who=f"the engine process (pid {process.pid})")
+
+    @classmethod
+    def remote(cls, address: str, receiver, *, timeout_s: float, connect_timeout_s: float) -> "EngineProcess":
+        """The engine listening at `address`: connect, hand it this trainer's receiver (the update's
+        plan and settings), and wait until it has checked that plan against its model."""
+        from rlsync.sync.remote import connect
+
+        self = cls.__new__(cls)
+        conn = connect(address, timeout_s=connect_timeout_s)
+        self._attach(conn, RemotePeer(address), timeout_s, who=f"the engine at {address}", request=("start", (receiver,)))
+        return self
+
+    def _attach(self, conn, process, timeout_s: float, *, who: str, request: tuple | None = None) -> None:
+        """Wait for the engine's "start" answer (after sending `request`, for a remote engine)."""
+        self.conn, self.process, self.timeout_s, self.who = conn, process, timeout_s, who
         self.closed = False
         self._sent: deque[tuple[str, float]] = deque()  # requests not answered yet, in order
         self._early: deque[tuple] = deque()  # replies read while waiting on something else
-        ctx = start_context(torch.device(spec.device))
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=serve, args=(child, spec, receiver, strategy), name="rlsync-engine", daemon=True)
-        self.process.start()
-        child.close()
-        self._sent.append(("start", time.monotonic()))
         try:
+            if request is not None:
+                self.conn.send(request)
+            self._sent.append(("start", time.monotonic()))
             self.reply("start")
         except BaseException:
             self.close()
             raise
 
     @property
-    def pid(self) -> int:
+    def pid(self) -> int | None:
         return self.process.pid
 
     # -- requests ------------------------------------------------------------------------------
@@ -229,11 +278,11 @@ class EngineProcess:
             if watch_pipe and not self._early and self.conn.poll(0):
                 message = self._recv(what)
                 if message[0] == "error":
-                    raise EngineFailed(f"the engine process failed while the trainer waited for {what}:\n{message[2]}")
+                    raise EngineFailed(f"{self.who} failed while the trainer waited for {what}:\n{message[2]}")
                 self._early.append(message)
             self.check_alive(what)
             if time.monotonic() - start > self.timeout_s:
-                raise TimeoutError(f"the engine process (pid {self.pid}) is alive but gave no answer for {what} "
+                raise TimeoutError(f"{self.who} is alive but gave no answer for {what} "
                                    f"within update.engine_timeout_s={self.timeout_s:g} s")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
@@ -256,10 +305,9 @@ class EngineProcess:
 
     def blame(self, err: BaseException, what: str) -> None:
         """A transfer failed (a collective's "connection reset", say): if the engine died, say that instead."""
-        self.process.join(CLOSE_S / 2)  # a peer that reset the connection is usually exiting: let it
+        self._settle(CLOSE_S / 2)  # a peer that reset the connection is usually exiting: let it
         if not self.process.is_alive():
-            raise EngineDied(f"the engine process (pid {self.pid}) died with {exit_description(self.process.exitcode)} "
-                             f"while the trainer waited for {what}") from err
+            raise EngineDied(self._death(what)) from err
 
     def check_alive(self, what: str) -> None:
         if not self.process.is_alive():
@@ -320,23 +368,40 @@ class EngineProcess:
         try:
             return self.conn.recv()
         except (EOFError, ConnectionResetError):
+            if isinstance(self.process, RemotePeer):
+                self.process.lost = True
             self.process.join(CLOSE_S)  # the pipe closed: the process is exiting, get its code
             self._raise_died(what)
+
+    def _settle(self, timeout: float) -> None:
+        """Give an engine that may be going away `timeout` seconds to be seen gone."""
+        if not isinstance(self.process, RemotePeer):
+            self.process.join(timeout)
+        elif not self.process.lost and not self._early and self.conn.poll(timeout):
+            try:
+                self._early.append(self.conn.recv())  # it answered after all: keep the answer
+            except (EOFError, OSError):
+                self.process.lost = True
+
+    def _death(self, what: str) -> str:
+        if isinstance(self.process, RemotePeer):
+            return (f"{self.who} closed the connection (it stopped, or the network failed) while the trainer "
+                    f"waited for {what}")
+        return f"{self.who} died with {exit_description(self.process.exitcode)} while the trainer waited for {what}"
 
     def _unpack(self, message: tuple, *, sent: float, waited: float) -> Reply:
         received = time.monotonic()
         if message[0] == "error":
             _, op, tb = message
             last = tb.strip().splitlines()[-1]
-            raise EngineFailed(f"the engine process failed during {op!r}: {last}\n{tb}")
+            raise EngineFailed(f"{self.who} failed during {op!r}: {last}\n{tb}")
         _, op, result, t_recv, t_send, t_prev_send = message
         return Reply(result, sent=sent, waited=waited, received=received, t_recv=t_recv, t_send=t_send,
                      t_prev_send=t_prev_send)
 
     def _raise_died(self, what: str):
         self.process.join(0.5)
-        raise EngineDied(f"the engine process (pid {self.pid}) died with {exit_description(self.process.exitcode)} "
-                         f"while the trainer waited for {what}") from None
+        raise EngineDied(self._death(what)) from None
 
 
 class ForwardsToEngineProcess:
