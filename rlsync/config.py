@@ -85,6 +85,7 @@ class RunConfig:
     verdict_threshold: float = 0.03  # update share of the step above which it is worth tuning
     progress: bool = True  # progress bar over the steps
     rank_timeout_s: float = 3600.0  # data-parallel launches: longest a rank waits for the others (rank 0's rollout included)
+    limit_probe: str = "every_step"  # every_step: re-measure the copy floors before each step, outside its timing (they drift with the load) | start: once, before step 0
 
 
 @dataclass

@@ -71,6 +71,7 @@ class Experiment:
             try:
                 engine = self.setup()
                 for step in range(cfg.run.steps):
+                    self.measure_limits(step)
                     row = {"step": step, **self.step(step, engine)}
                     with stop.deferred():  # a finished step is recorded whole (file, W&B, console) or not at all
                         self.rows.append(row)
@@ -128,6 +129,7 @@ class Experiment:
             self.limits = Limits(device, update_bytes=update_bytes,
                                  state_bytes=self.offloader.state_bytes or 2 * read_bytes)
             self.update_limit = self.limits.update_time(read_bytes, update_bytes, source=cfg.update.source)
+            self.read_bytes = read_bytes
             engine.update_weights(self.weights)  # the engine starts from the trainer's weights
             self.setup_info.update({"update_bytes": update_bytes, "buckets": len(self.buckets),
                                     "limits": self.limits.as_dict(), "update_limit_time": self.update_limit})
@@ -153,6 +155,15 @@ class Experiment:
                 raise out_of_memory(self.buckets, cfg.update, "opening the engine and its update buffers") from err
             raise
         return self.engine  # run() closes it, even if the rest of the setup fails
+
+    def measure_limits(self, step: int) -> None:
+        """Before a step, outside its timing: probe the copy floors again (run.limit_probe=every_step),
+        so each step's efficiencies compare it with the machine as it is now. Step 0 uses set-up's."""
+        if step == 0 or self.cfg.run.limit_probe != "every_step" or not hasattr(self, "limits"):
+            return  # data-parallel ranks > 0 hold no engine and report no limits
+        self.limits.measure()
+        self.update_limit = self.limits.update_time(self.read_bytes, self.limits.update_bytes,
+                                                    source=self.cfg.update.source)
 
     def step(self, step: int, engine) -> dict:
         cfg, watch, dp = self.cfg, Stopwatch(self.device), self.dp
@@ -265,7 +276,8 @@ class Experiment:
                  "source": cfg.update.source, "device": str(self.device), "engine": cfg.rollout.engine,
                  "engine_address": cfg.update.engine_address,  # null: the engine ran on this machine, started by the run
                  "max_response_len": cfg.rollout.max_response_len, "offload": cfg.trainer.offload,
-                 "ranks": self.dp.world}  # data-parallel trainer ranks (rank 0 holds the engine)
+                 "ranks": self.dp.world,  # data-parallel trainer ranks (rank 0 holds the engine)
+                 "limit_probe": cfg.run.limit_probe}
         measured = sum(1 for r in self.rows if r["step"] >= cfg.run.warmup_steps)
         result = {
             "kind": "run",
@@ -277,7 +289,7 @@ class Experiment:
             "measured_steps": measured,
             "model": {"name": cfg.model.name, **{k: self.setup_info.get(k) for k in ("params", "tensors", "update_bytes")}},
             "setup": setup,
-            "limits": self.setup_info.get("limits"),
+            "limits": self.setup_info.get("limits"),  # at start-up; per step: perf/*_limit_time
             "build_time": self.setup_info.get("build_time"),
             "offload": self.setup_info.get("offload"),  # layout, bytes, the buffers' first-touch cost
             "metrics": stats,

@@ -63,11 +63,23 @@ def copy_bandwidth(nbytes: int, *, src: torch.device, dst: torch.device, repeats
     return moved / seconds
 
 
+PROBES = ("every_step", "start")  # run.limit_probe: when the runner measures the floors
+
+
 class Limits:
-    """Bandwidths measured once per run: the floor every phase is reported against."""
+    """Bandwidths measured in the run: the floor every phase is reported against.
+
+    `measure()` probes again: on a shared machine the bandwidth drifts with the load, and a floor
+    measured in a quiet moment makes a later, loaded step look slow (or one measured under load
+    makes it look faster than the floor). The runner re-measures before each step (run.limit_probe).
+    """
 
     def __init__(self, device: torch.device, *, update_bytes: int, state_bytes: int):
-        self.device = device
+        self.device, self.update_bytes, self.state_bytes = device, update_bytes, state_bytes
+        self.measure()
+
+    def measure(self) -> None:
+        device, update_bytes, state_bytes = self.device, self.update_bytes, self.state_bytes
         self.device_copy = copy_bandwidth(update_bytes, src=device, dst=device)  # read + write
         if device.type == "cuda":
             host = torch.device("cpu")

@@ -73,6 +73,7 @@ def value_rules() -> dict[str, Rule]:
     """One rule per config key a user can set (dotted key -> rule)."""
     from rlsync.bench import TARGETS
     from rlsync.bench_offload import STATES as OFFLOAD_STATES
+    from rlsync.limits import PROBES as LIMIT_PROBES
     from rlsync.models import DTYPES
     from rlsync.offload import OFFLOAD_MEMORY, OFFLOAD_MODES
     from rlsync.rollout import ENGINES
@@ -133,6 +134,7 @@ def value_rules() -> dict[str, Rule]:
         "run.verdict_threshold": Rule(lambda v: number(v) and 0 < v < 1, "a share of the step between 0 and 1"),
         "run.progress": ANY,
         "run.rank_timeout_s": above(0, "seconds"),
+        "run.limit_probe": one_of(LIMIT_PROBES),
         "wandb.mode": one_of(WANDB_MODES),
         "wandb.project": NAME,
         "wandb.entity": OPTIONAL_NAME,

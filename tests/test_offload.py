@@ -322,3 +322,29 @@ def test_runner_update_from_host_copies_in_move_mode(runner_runs):
     for key in ("train/loss", "train/grad_norm", "train/logprob_abs_diff", "rollout/reward_mean"):
         assert [r[key] for r in move] == [r[key] for r in twin], key
     assert all(r["train/logprob_abs_diff"] < 0.05 and r["perf/sleep_bytes"] > 0 for r in move)
+
+
+@pytest.mark.parametrize("probe", ["every_step", "start"])
+def test_runner_measures_the_floors_before_each_step(tmp_path, monkeypatch, probe):
+    """run.limit_probe=every_step: each step's limits come from a probe taken just before it (here a
+    fake probe that reports a faster machine every time); start: every step shares set-up's."""
+    import rlsync.limits
+
+    probes = []
+
+    def faster_each_time(nbytes, *, src, dst, repeats=5):
+        probes.append(nbytes)
+        return 1e9 * len(probes)
+
+    monkeypatch.setattr(rlsync.limits, "copy_bandwidth", faster_each_time)
+    rows, summary = run_in_process(tmp_path, f"run.limit_probe={probe}")
+    assert summary["setup"]["limit_probe"] == probe
+    for key in ("perf/update_weights_limit_time", "perf/sleep_limit_time", "perf/wake_up_limit_time"):
+        limits = [r[key] for r in rows]
+        if probe == "start":
+            assert len(set(limits)) == 1, key
+        else:
+            assert limits == sorted(limits, reverse=True) and len(set(limits)) == len(rows), key
+    for r in rows:
+        assert r["perf/update_weights_efficiency"] == pytest.approx(r["perf/update_weights_limit_time"]
+                                                                    / r["perf/update_weights_time"])
