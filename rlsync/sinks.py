@@ -22,9 +22,20 @@ STEP_COLUMNS = [  # (metric, header) of the per-step console table
 
 
 class MetricsFile:
+    """metrics.jsonl: one JSON line per finished step, fsynced before the next step starts.
+
+    Each run starts the file afresh: in a reused run directory (`hydra.run.dir=X` twice) appending
+    would mix two runs' steps under one run's summary.json. The previous run's file is not deleted
+    but renamed to metrics.jsonl.prev (one generation; a third run replaces it): reusing a directory
+    is usually an accident, and those rows may be the only record of a long run. The report reads
+    metrics.jsonl alone, so the kept file never enters it.
+    """
+
     def __init__(self, run_dir: Path):
         self.path = run_dir / "metrics.jsonl"
-        self._f = open(self.path, "a", encoding="utf-8")
+        if self.path.exists():
+            self.path.replace(self.path.with_name(f"{self.path.name}.prev"))
+        self._f = open(self.path, "w", encoding="utf-8")
 
     def write(self, row: dict) -> None:
         self._f.write(json.dumps(row) + "\n")

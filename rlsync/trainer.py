@@ -93,22 +93,34 @@ class Trainer:
 
         `batch_tokens`: answer tokens of the whole batch when `gen` is one data-parallel rank's share
         of it, so each rank's loss is its part of the batch's token mean; default: `gen`'s own.
+
+        `train/loss` is the loss the gradient comes from, before the step: the token mean over the
+        whole batch (its part of it on a data-parallel rank, which the ranks' metrics sum). The
+        per-token metrics (`train/clip_frac`, `train/kl`) weight each micro-batch by its answer tokens,
+        as the loss does, over this process's own tokens: the ranks' values are then merged weighted
+        by each rank's tokens (rlsync.distributed.merge_ranks), which gives the whole batch's.
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
         total_tokens = gen.response_mask.sum() if batch_tokens is None else torch.tensor(batch_tokens)
         total_tokens = total_tokens.to(gen.response_mask.device).clamp(min=1)
-        loss_sum, metrics = 0.0, {}
+        tokens_per_row = gen.response_mask.sum(dim=1).tolist()  # [batch]: one device sync serves all micro-batches
+        loss_sum, token_sums = 0.0, {}  # per-token metric -> its sum over this process's answer tokens
         for start in range(0, gen.sequences.shape[0], self.cfg.micro_batch_size):
             rows = slice(start, start + self.cfg.micro_batch_size)
             logp = _answer_logprobs(self.model, gen, rows, allowed=self.allowed, temperature=self.temperature)
             mask = gen.response_mask[rows]
-            loss, metrics = grpo_loss(
+            loss, micro_means = grpo_loss(
                 logp, old_logp[rows], advantages[rows], mask, clip_eps=self.cfg.clip_eps,
                 ref_logp=None if ref_logp is None else ref_logp[rows], kl_coef=self.cfg.kl_coef)
             weight = mask.sum() / total_tokens  # token-level mean over the whole batch
             (loss * weight).backward()
             loss_sum += (loss * weight).item()
+            micro_tokens = sum(tokens_per_row[rows])
+            for key, mean in micro_means.items():
+                token_sums[key] = token_sums.get(key, 0.0) + mean * micro_tokens
+        own_tokens = max(sum(tokens_per_row), 1)
+        metrics = {key: total / own_tokens for key, total in token_sums.items()}
         if self.grad_sync is not None:
             metrics.update(self.grad_sync(list(self.model.parameters())))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
