@@ -24,17 +24,21 @@ STEP_COLUMNS = [  # (metric, header) of the per-step console table
 class MetricsFile:
     """metrics.jsonl: one JSON line per finished step, fsynced before the next step starts.
 
-    Each run starts the file afresh: in a reused run directory (`hydra.run.dir=X` twice) appending
-    would mix two runs' steps under one run's summary.json. The previous run's file is not deleted
-    but renamed to metrics.jsonl.prev (one generation; a third run replaces it): reusing a directory
+    Each run starts its record afresh: in a reused run directory (`hydra.run.dir=X` twice) appending
+    would mix two runs' steps under one run's summary.json. The previous run's files are not deleted
+    but renamed to NAME.prev (one generation; a third run replaces it): reusing a directory
     is usually an accident, and those rows may be the only record of a long run. The report reads
     metrics.jsonl alone, so the kept file never enters it.
     """
 
+    RECORD = ("metrics.jsonl", "summary.json", "error.log")  # what one run leaves in its directory
+
     def __init__(self, run_dir: Path):
         self.path = run_dir / "metrics.jsonl"
-        if self.path.exists():
-            self.path.replace(self.path.with_name(f"{self.path.name}.prev"))
+        for name in self.RECORD:  # the previous run's summary or error must not stand beside these rows either
+            previous = run_dir / name
+            if previous.exists():
+                previous.replace(previous.with_name(f"{name}.prev"))
         self._f = open(self.path, "w", encoding="utf-8")
 
     def write(self, row: dict) -> None:

@@ -1,4 +1,4 @@
-"""metrics.jsonl across runs that share a run directory."""
+"""A run's record (metrics.jsonl, summary.json, error.log) across runs that share a run directory."""
 
 import json
 
@@ -23,6 +23,17 @@ def test_a_reused_run_dir_starts_a_fresh_metrics_file_and_keeps_the_previous_asi
     write_run(tmp_path, [])  # a third run: one generation kept, the second's
     assert read_jsonl(tmp_path / "metrics.jsonl") == []
     assert read_jsonl(tmp_path / "metrics.jsonl.prev") == second
+
+
+def test_a_rerun_sets_the_previous_summary_and_error_aside(tmp_path):
+    """A rerun killed before its summary must not leave the old run's summary (or error) beside its rows."""
+    write_run(tmp_path, [{"step": 0}])
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "failed"}))
+    (tmp_path / "error.log").write_text("Error: failed: boom\n")
+    write_run(tmp_path, [{"step": 0}, {"step": 1}])  # killed before writing its summary
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["error.log.prev", "metrics.jsonl", "metrics.jsonl.prev",
+                                                          "summary.json.prev"]
+    assert json.loads((tmp_path / "summary.json.prev").read_text()) == {"status": "failed"}
 
 
 def test_a_fresh_run_dir_gets_metrics_jsonl_alone(tmp_path):
