@@ -11,9 +11,9 @@ A job with metrics.jsonl but no summary.json is reported as "incomplete" (its me
 a job with neither is listed under "Failed runs" with the error line of its log.
 
 Written next to the runs (the sweep directory, or the first PATH, or --out):
-report.md (the table, verdicts, fit, plots, failures), report.csv (the table's raw numbers) and the
-PNG plots of `report_plots`. Exit status: 0 when at least one run was reported, 1 when none was,
-3 when `--wandb-report` could not publish (the local report is written anyway).
+report.md (the table, verdicts, a fit per transport, plots, failures), report.csv (the table's raw
+numbers) and the PNG plots of `report_plots`. Exit status: 0 when at least one run was reported,
+1 when none was, 3 when `--wandb-report` could not publish (the local report is written anyway).
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ class Run:
     stats: dict[str, dict[str, float]]  # metric -> {"median", "min", "max"} over measured steps
     measured_steps: int
     sweep: Optional[Path] = None
+    warmup_steps: int = DEFAULT_WARMUP_STEPS
+    step_rows: list[dict] = field(default_factory=list)  # metrics.jsonl, warm-up rows included
 
     def cfg(self, dotted: str, default: Any = None) -> Any:
         return dig(self.config, dotted, default)
@@ -113,6 +115,21 @@ class Fit:
 
 
 @dataclass
+class FitGroup:
+    """Runs that share a transport (and strategy, engine), and the line fitted through them if it can be."""
+
+    label: str  # "transport ipc"; "" when every run shares the setup, so one line fits them all
+    rows: list[dict[str, Any]]  # table rows with an update time and bytes
+    fit: Optional[Fit]
+
+    def describe(self) -> str:
+        head = f"{self.label}: " if self.label else ""
+        if self.fit:
+            return head + self.fit.describe()
+        return head + f"no fit ({len(self.rows)} runs, all of one update size; a line needs two)"
+
+
+@dataclass
 class ReportResult:
     """What `write_report` found and wrote; `ok` when at least one run made it into the table."""
 
@@ -123,13 +140,18 @@ class ReportResult:
     rows: list[dict[str, Any]] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # skipped plots, unreadable paths
-    fit: Optional[Fit] = None
+    fits: list[FitGroup] = field(default_factory=list)  # one per transport (strategy, engine) of the runs
     wandb_line: Optional[str] = None  # one line on what happened with W&B logging
     markdown_table: str = ""
 
     @property
     def ok(self) -> bool:
         return bool(self.runs)
+
+    @property
+    def fit(self) -> Optional[Fit]:
+        """The one fit when every run shares a setup; None when the runs make several lines (see `fits`)."""
+        return self.fits[0].fit if len(self.fits) == 1 else None
 
 
 def dig(tree: Any, dotted: str, default: Any = None) -> Any:
@@ -227,7 +249,8 @@ def load_job(run_dir: Path, sweep: Optional[Path] = None) -> Run | Failure:
         reason = error or (error_line(run_dir) if status == "failed" else f"{status} before any measured step")
         return Failure(run_dir, run_dir.name, overrides, reason, sweep)
     measured = summary.get("measured_steps", measured)
-    return Run(run_dir, run_dir.name, overrides, status, error, summary, config, stats, measured, sweep)
+    return Run(run_dir, run_dir.name, overrides, status, error, summary, config, stats, measured, sweep,
+               warmup_steps=int(warmup), step_rows=rows)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -320,7 +343,26 @@ def table_row(run: Run) -> dict[str, Any]:
     row["update_buckets_median"] = run.stat("perf/update_weights_buckets")
     row["update_peak_bytes_max"] = run.stat("perf/update_weights_peak_bytes", "max")
     row["verdict"] = verdict(run, row["update_share"])
+    row["warmup_steps"] = run.warmup_steps
+    row["timeline"] = timeline(run)
     return row
+
+
+def timeline(run: Run) -> list[dict[str, Any]]:
+    """Per logged step, warm-up included: its step and update seconds (update None where not logged).
+
+    Empty for a bench: its rows are repeats of the update alone, with no step around them.
+    """
+    points = []
+    for index, metrics in enumerate(run.step_rows):
+        step_time, update_time = metrics.get("perf/step_time"), metrics.get("perf/update_weights_time")
+        if is_number(step_time):
+            points.append({
+                "step": metrics.get("step", index),  # tolerate rows without a step, as step_stats does
+                "step_time": float(step_time),
+                "update_time": float(update_time) if is_number(update_time) else None,
+            })
+    return points
 
 
 def update_share(run: Run) -> Optional[float]:
@@ -333,16 +375,81 @@ def update_share(run: Run) -> Optional[float]:
 
 
 def verdict(run: Run, share: Optional[float]) -> str:
-    """The runner's verdict; for a run without one, a line built from the share of the step."""
+    """The runner's verdict; for a bench, what it timed against the copy floor (it has no step to
+    share); for a run without either, a line built from the share of the step."""
+    warning = run.summary.get("warning")
     if run.summary.get("verdict"):
-        warning = run.summary.get("warning")
         return f"{run.summary['verdict']} ({warning})" if warning else str(run.summary["verdict"])
     prefix = "incomplete (no summary.json)" if run.status == "incomplete" else run.status
+    target = bench_target(run)
+    if target:
+        line = bench_verdict(run, target)
+        line = line if run.status == "finished" else f"{prefix}: {line}"
+        return f"{line} ({warning})" if warning else line
     if share is None:
         return f"{prefix}: {run.measured_steps} measured steps, no step time to compare with"
     threshold = run.cfg("run.verdict_threshold", DEFAULT_VERDICT_THRESHOLD)
     advice = "worth tuning" if share > threshold else "tune rollout and training first"
     return f"{prefix}: update is {fmt_share(share)} of the step ({advice}; threshold {threshold:.0%})"
+
+
+# bench.target -> (metric stem, what the verdict calls it), as the bench's closing tables do
+BENCH_PHASES = {
+    "update": (("update_weights", "update alone"),),
+    "offload": (("sleep", "offload alone"), ("wake_up", "onload alone")),
+}
+
+
+def bench_target(run: Run) -> Optional[str]:
+    """What a `python -m rlsync.bench` job timed: its summary says; one that left no summary still
+    has bench.* in its config. None for a run of the step loop, which has neither."""
+    return run.summary.get("target") or run.cfg("bench.target")
+
+
+def bench_verdict(run: Run, target: str) -> str:
+    """"update alone: 0.18 s median, 1.91x the copy floor of 0.097 s (transport direct, bucketed, 512 MiB)".
+
+    The ratio is 1 / the median efficiency, each repeat against the floor probed beside it (as the
+    table's efficiency column and the bench's closing table), so a shared machine's drift cancels.
+    """
+    parts = []
+    for stem, label in BENCH_PHASES.get(target, ()):
+        seconds = run.stat(f"perf/{stem}_time")
+        if seconds is None:
+            continue
+        limit, efficiency = run.stat(f"perf/{stem}_limit_time"), run.stat(f"perf/{stem}_efficiency")
+        if limit is None:
+            parts.append(f"{label}: {fmt_seconds(seconds)} median, no copy floor measured")
+            continue
+        ratio = 1 / efficiency if efficiency else seconds / limit
+        parts.append(f"{label}: {fmt_seconds(seconds)} median, {ratio:.2f}x the copy floor of {fmt_seconds(limit)}")
+    if not parts:
+        return f"{run.measured_steps} timed repeats, no {target} time measured"
+    return f"{'; '.join(parts)} ({bench_setup(run, target)})"
+
+
+def bench_setup(run: Run, target: str) -> str:
+    """What the bench's time depends on: the update's path, or the offloaded state."""
+    if target == "offload":
+        offload = run.summary.get("offload") or {}
+        state = offload.get("state") or run.cfg("bench.offload_state", "trainer")
+        mode = offload.get("mode") or run.cfg("trainer.offload", "n/a")
+        memory = offload.get("memory") or run.cfg("trainer.offload_memory", "n/a")
+        moved = run.stat("perf/sleep_bytes")
+        size = f", {moved / 2**30:.2f} GiB" if moved is not None else ""
+        return f"{state} state, offload {mode}, memory {memory}{size}"
+    setup = run.summary.get("setup") or {}
+    transport = setup.get("transport") or run.cfg("update.transport", "n/a")
+    flat = setup.get("flat_engine_weights", run.cfg("update.flat_engine_weights"))
+    strategy = setup.get("strategy") or run.cfg("update.strategy", "n/a")
+    bucket = setup.get("bucket_mb", run.cfg("update.bucket_mb"))
+    source = setup.get("source") or run.cfg("update.source")
+    engine = setup.get("engine") or run.cfg("rollout.engine", "hf")
+    parts = [f"transport {transport}" + (" flat" if flat else ""), str(strategy)]
+    parts += [f"{fmt_bucket(bucket)} MiB"] if strategy == "bucketed" else []
+    parts += [f"source {source}"] if source == "host" else []  # device is the default
+    parts += [f"engine {engine}"] if engine != "hf" else []
+    return ", ".join(parts)
 
 
 def fit_update_time(rows: list[dict[str, Any]]) -> Optional[Fit]:
@@ -361,6 +468,33 @@ def fit_update_time(rows: list[dict[str, Any]]) -> Optional[Fit]:
     var_b = sum((b - mean_b) ** 2 for b, _ in points)
     slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / var_b
     return Fit(fixed_s=mean_t - slope * mean_b, seconds_per_byte=slope, points=n, distinct_sizes=len(sizes))
+
+
+FIT_KEYS = ("transport", "strategy", "engine")  # each makes its own line of time against bytes
+
+
+def fit_by_setup(rows: list[dict[str, Any]]) -> list[FitGroup]:
+    """One fit per transport (and strategy, engine) where the runs differ in it.
+
+    Broadcast and direct, say, have different fixed costs and bandwidths: one line through both
+    describes neither. The groups are labelled only by the keys that differ; when none does, there
+    is one group with an empty label, the single fit over every run.
+    """
+    timed = [r for r in rows if is_number(r.get("update_bytes")) and is_number(r.get("update_time_median"))]
+    differing = [key for key in FIT_KEYS if len({r.get(key) for r in timed}) > 1]
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in timed:
+        groups.setdefault(", ".join(f"{key} {row.get(key) or 'n/a'}" for key in differing), []).append(row)
+    return [FitGroup(label, members, fit_update_time(members)) for label, members in groups.items()]
+
+
+def fit_lines(groups: list[FitGroup]) -> list[str]:
+    """The fit section of report.md: one line, or one bullet per transport when the runs differ in it."""
+    if len(groups) > 1:
+        return [f"- {group.describe()}" for group in groups]
+    if groups and groups[0].fit:
+        return [groups[0].fit.describe()]
+    return ["No fit: it needs runs with at least two distinct update sizes."]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -523,7 +657,7 @@ def write_markdown(path: Path, result: ReportResult, plots: list[Path], sources:
     common = common_overrides(result.rows)
     out += [f"- **{run_label(row, common)}**: {row['verdict']}" for row in result.rows]
     out += ["", "## Update time against bytes", ""]
-    out += [result.fit.describe() if result.fit else "No fit: it needs runs with at least two distinct update sizes.", ""]
+    out += [*fit_lines(result.fits), ""]
     out += ["## Plots", ""]
     out += [f"![{p.stem.replace('_', ' ')}]({p.name})" for p in plots]
     out += [f"- {note}" for note in result.notes]
@@ -574,11 +708,11 @@ def write_report(paths: Iterable[str | Path], out_dir: Optional[str | Path] = No
         item.job = job_label(item.path, item.sweep, several)
     result.rows = [table_row(run) for run in runs]
     result.markdown_table = markdown_table(result.rows)
-    result.fit = fit_update_time(result.rows)
+    result.fits = fit_by_setup(result.rows)
 
     out.mkdir(parents=True, exist_ok=True)
-    plots, skipped = report_plots.write_plots(result.rows, result.fit, out)
-    result.notes += skipped
+    plots, plot_notes = report_plots.write_plots(result.rows, result.fits, out)
+    result.notes += plot_notes
     write_markdown(out / "report.md", result, plots, paths)
     write_csv(out / "report.csv", result.rows)
     result.files = [out / "report.md", out / "report.csv", *plots]
@@ -608,8 +742,8 @@ def print_result(result: ReportResult) -> None:
     print(f"rlsync report: {result.group} ({len(result.runs)} runs, {len(result.failures)} failed)")
     if result.rows:
         print(result.markdown_table)
-    if result.fit:
-        print(result.fit.describe())
+    if any(group.fit for group in result.fits):
+        print("\n".join(fit_lines(result.fits)))
     for note in result.notes:
         print(f"note: {note}")
     for failure in result.failures:

@@ -2,20 +2,22 @@
 
 Each plot reads the table rows of `rlsync.report.table_row` (raw seconds and bytes) and either draws
 its file or returns why it could not (too few points), so that one missing series never costs the
-other plots. `write_plots` runs them all.
+other plots; a plot that draws may still return a note on what it left out. `write_plots` runs them all.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
-    from rlsync.report import Fit
+    from rlsync.report import Fit, FitGroup
 
 MIB = 2**20
 Row = dict[str, Any]
+TIMELINE_MAX_RUNS = 8  # more lines than this no longer read apart in one panel
 
 # Stacked in the order the step runs them (design.md, "The problem"); "other" is the rest of the step.
 PHASE_COLORS = {
@@ -61,13 +63,18 @@ def by_model(rows: list[Row], x_key: str, y_key: str) -> dict[str, list[Row]]:
     return {m: sorted(rs, key=lambda r: r[x_key]) for m, rs in sorted(series.items())}
 
 
-def new_axes(title: str):
+def pyplot():
+    """matplotlib.pyplot on the Agg backend: the report is written where no display is."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+    return plt
+
+
+def new_axes(title: str):
+    fig, ax = pyplot().subplots(figsize=(7, 4.5), dpi=100)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     return fig, ax
@@ -103,7 +110,7 @@ def min_max_bars(rows: list[Row], scale: float) -> list[list[float]]:
     return [below, above]
 
 
-def plot_update_time_vs_bucket(rows: list[Row], fit: Optional[Fit], path: Path) -> Optional[str]:
+def plot_update_time_vs_bucket(rows: list[Row], fits: list[FitGroup], path: Path) -> Optional[str]:
     series = by_model(rows, "bucket_mb", "update_time_median")
     buckets = {r["bucket_mb"] for rs in series.values() for r in rs}
     if len(buckets) < 2:
@@ -122,30 +129,57 @@ def plot_update_time_vs_bucket(rows: list[Row], fit: Optional[Fit], path: Path) 
     return None
 
 
-def plot_update_time_vs_bytes(rows: list[Row], fit: Optional[Fit], path: Path) -> Optional[str]:
-    if fit is None:
-        return f"{path.name} skipped: the fit needs runs with at least two distinct update sizes"
-    series = by_model(rows, "update_bytes", "update_time_median")
-    times = [r["update_time_median"] for rs in series.values() for r in rs]
-    scale, unit = time_unit(times)
+def plot_update_time_vs_bytes(rows: list[Row], fits: list[FitGroup], path: Path) -> Optional[str]:
+    if not any(group.fit for group in fits):
+        return f"{path.name} skipped: the fit needs runs of one transport with at least two distinct update sizes"
+    points = [r for group in fits for r in group.rows]
+    scale, unit = time_unit([r["update_time_median"] for r in points])
     fig, ax = new_axes("Weight update time vs bytes sent")
-    for model, rs in series.items():
+    xs = [0.0, max(r["update_bytes"] for r in points) * 1.05]
+    if len(fits) == 1:
+        draw_single_fit(ax, fits[0], xs, scale, unit)
+    else:
+        draw_fit_per_group(ax, fits, xs, scale, unit)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=min(0.0, *(group.fit.fixed_s * scale * 1.1 for group in fits if group.fit)))
+    ax.set_xlabel("update bytes (MiB)")
+    ax.set_ylabel(f"perf/update_weights_time, median ({unit})")
+    save(fig, path)
+    return None
+
+
+def fit_line(ax, fit: Fit, xs: list[float], scale: float, **style) -> None:
+    ax.plot([x / MIB for x in xs], [(fit.fixed_s + x * fit.seconds_per_byte) * scale for x in xs], **style)
+
+
+def draw_single_fit(ax, group: FitGroup, xs: list[float], scale: float, unit: str) -> None:
+    """Every run on one line: points by model, the line in black, its numbers in a box."""
+    fit = group.fit
+    for model, rs in by_model(group.rows, "update_bytes", "update_time_median").items():
         ax.scatter([r["update_bytes"] / MIB for r in rs], [r["update_time_median"] * scale for r in rs], label=model, zorder=3)
-    sizes = [r["update_bytes"] for rs in series.values() for r in rs]
-    xs = [0.0, max(sizes) * 1.05]
-    ax.plot([x / MIB for x in xs], [(fit.fixed_s + x * fit.seconds_per_byte) * scale for x in xs], "k--", label="fit")
+    fit_line(ax, fit, xs, scale, color="k", linestyle="--", label="fit")
     bandwidth = fit.bandwidth_gbps
     text = f"fixed cost {fit.fixed_s * scale:.3g} {unit}\n" + (
         f"bandwidth {bandwidth:.3g} GB/s" if bandwidth else "bandwidth not resolved"
     )
     ax.text(0.02, 0.97, text, transform=ax.transAxes, va="top", bbox={"facecolor": "white", "alpha": 0.8})
-    ax.set_xlim(left=0)
-    ax.set_ylim(bottom=min(0.0, fit.fixed_s * scale * 1.1))
-    ax.set_xlabel("update bytes (MiB)")
-    ax.set_ylabel(f"perf/update_weights_time, median ({unit})")
     ax.legend(loc="lower right")
-    save(fig, path)
-    return None
+
+
+def draw_fit_per_group(ax, fits: list[FitGroup], xs: list[float], scale: float, unit: str) -> None:
+    """One colour per transport: its points and its own line, whose numbers the legend gives."""
+    for index, group in enumerate(fits):
+        color, fit = f"C{index}", group.fit
+        if fit is None:
+            label = f"{group.label}: no fit (one update size)"
+        else:
+            slope = f"bytes / {fit.bandwidth_gbps:.3g} GB/s" if fit.bandwidth_gbps else "bandwidth not resolved"
+            label = f"{group.label}: {fit.fixed_s * scale:.3g} {unit} + {slope}"
+            fit_line(ax, fit, xs, scale, color=color, linestyle="--", label=label)
+        xs_mib = [r["update_bytes"] / MIB for r in group.rows]
+        ys = [r["update_time_median"] * scale for r in group.rows]
+        ax.scatter(xs_mib, ys, color=color, zorder=3, label=label if fit is None else None)
+    ax.legend(loc="upper left", fontsize="small", title="fit per setup")
 
 
 def step_parts(row: Row) -> dict[str, float]:
@@ -163,7 +197,7 @@ def bucket_label(row: Row) -> str:
     return f"{bucket:g} MiB" if bucket is not None else ""
 
 
-def plot_step_breakdown(rows: list[Row], fit: Optional[Fit], path: Path) -> Optional[str]:
+def plot_step_breakdown(rows: list[Row], fits: list[FitGroup], path: Path) -> Optional[str]:
     bars = [(row, step_parts(row)) for row in rows]
     bars = [(row, parts) for row, parts in bars if parts]
     if not bars:
@@ -189,7 +223,7 @@ def plot_step_breakdown(rows: list[Row], fit: Optional[Fit], path: Path) -> Opti
     return None
 
 
-def plot_peak_memory_vs_bucket(rows: list[Row], fit: Optional[Fit], path: Path) -> Optional[str]:
+def plot_peak_memory_vs_bucket(rows: list[Row], fits: list[FitGroup], path: Path) -> Optional[str]:
     series = by_model(rows, "bucket_mb", "update_peak_bytes_max")
     buckets = {r["bucket_mb"] for rs in series.values() for r in rs}
     if len(buckets) < 2:
@@ -205,28 +239,109 @@ def plot_peak_memory_vs_bucket(rows: list[Row], fit: Optional[Fit], path: Path) 
     return None
 
 
-PLOTS: dict[str, Callable[[list[Row], Optional["Fit"], Path], Optional[str]]] = {
+def log_axis_labels(axis) -> None:
+    """Plain numbers on a log axis, at the powers of ten and at their 2x and 5x, so that a time
+    between two decades can be read off."""
+    from matplotlib.ticker import FuncFormatter
+
+    def leading_digit(y: float) -> int:
+        return round(y / 10 ** math.floor(math.log10(y))) if y > 0 else 0
+
+    axis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    axis.set_minor_formatter(FuncFormatter(lambda y, _: f"{y:g}" if leading_digit(y) in (2, 5) else ""))
+
+
+def timeline_label(row: Row) -> str:
+    parts = [row.get("model"), row.get("transport"), bucket_label(row)]
+    return f"{row['job']}: {', '.join(str(p) for p in parts if p)}"
+
+
+def shade_warmup(axes: list, rows: list[Row]) -> Optional[str]:
+    """Grey band over the warm-up steps (left out of every median); returns its legend label."""
+    warmups = sorted({int(r["warmup_steps"]) for r in rows if number(r.get("warmup_steps"))})
+    warmups = [w for w in warmups if w > 0]
+    for warmup in warmups:  # runs with different warm-ups: overlapping bands, darker where all agree
+        for ax in axes:
+            ax.axvspan(-0.5, warmup - 0.5, color="0.5", alpha=0.15, linewidth=0)
+    if not warmups:
+        return None
+    return f"warm-up ({' / '.join(map(str, warmups))} steps, not in the medians)"
+
+
+def plot_step_timeline(rows: list[Row], fits: list[FitGroup], path: Path) -> Optional[str]:
+    """Step and update time per step, and the update's share of each: drift, spikes and the warm-up
+    that the medians hide. Bench runs have no step (their rows are repeats) and are left out."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
+    runs = [r for r in rows if r.get("timeline")]
+    if not any(len(r["timeline"]) >= 3 for r in runs):
+        return f"{path.name} skipped: needs a run with perf/step_time logged for at least 3 steps (a bench has none)"
+    drawn = runs[:TIMELINE_MAX_RUNS]
+    points = [p for r in drawn for p in r["timeline"]]
+    scale, unit = time_unit([p["step_time"] for p in points])
+    fig, (times_ax, share_ax) = pyplot().subplots(
+        2, 1, sharex=True, figsize=(9, 6.5), dpi=100, gridspec_kw={"height_ratios": [3, 2]}
+    )
+    fig.suptitle("Per step: step and update time, update share of the step")
+    for index, row in enumerate(drawn):
+        color = f"C{index}"
+        steps = [p["step"] for p in row["timeline"]]
+        times_ax.plot(steps, [p["step_time"] * scale for p in row["timeline"]], color=color, marker=".")
+        updated = [p for p in row["timeline"] if p["update_time"] is not None]
+        update_steps = [p["step"] for p in updated]
+        times_ax.plot(update_steps, [p["update_time"] * scale for p in updated], color=color, marker=".", linestyle="--")
+        shares = [100 * p["update_time"] / p["step_time"] for p in updated]
+        share_ax.plot(update_steps, shares, color=color, marker=".", label=timeline_label(row))
+    warmup_label = shade_warmup([times_ax, share_ax], drawn)
+
+    times_ax.set_yscale("log")  # the update is often 1% of the step: on a linear axis it lies flat at 0
+    log_axis_labels(times_ax.yaxis)
+    times_ax.set_ylabel(f"time per step ({unit}, log scale)")
+    times_ax.grid(True, which="both", alpha=0.3)
+    key = [Line2D([], [], color="k", label="perf/step_time"),
+           Line2D([], [], color="k", linestyle="--", label="perf/update_weights_time")]  # fmt: skip
+    key += [Patch(color="0.5", alpha=0.15, label=warmup_label)] if warmup_label else []
+    times_ax.legend(handles=key, fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    share_ax.set_ylim(bottom=0)
+    share_ax.set_ylabel("update / step (%)")
+    share_ax.set_xlabel("step")
+    share_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    share_ax.grid(True, alpha=0.3)
+    share_ax.legend(title="run", fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    save(fig, path)
+    if len(runs) > len(drawn):
+        left_out = ", ".join(r["job"] for r in runs[len(drawn):])
+        return f"{path.name} shows the first {len(drawn)} of {len(runs)} runs with per-step times; left out: {left_out}"
+    return None
+
+
+PLOTS: dict[str, Callable[[list[Row], list["FitGroup"], Path], Optional[str]]] = {
     "update_time_vs_bucket.png": plot_update_time_vs_bucket,
     "update_time_vs_bytes.png": plot_update_time_vs_bytes,
     "step_breakdown.png": plot_step_breakdown,
     "peak_memory_vs_bucket.png": plot_peak_memory_vs_bucket,
+    "step_timeline.png": plot_step_timeline,
 }
 
 
-def write_plots(rows: list[Row], fit: Optional[Fit], out_dir: Path) -> tuple[list[Path], list[str]]:
-    """Draw every plot it can; returns (files written, one note per plot skipped or failed)."""
+def write_plots(rows: list[Row], fits: list[FitGroup], out_dir: Path) -> tuple[list[Path], list[str]]:
+    """Draw every plot it can; returns (files written, the notes of the plots: skipped, failed, or what
+    one left out). A plot counts as written when its file exists after it ran."""
     if importlib.util.find_spec("matplotlib") is None:  # an optional dependency (pip install rlsync[report])
         return [], ["plots skipped: matplotlib is not installed (pip install 'rlsync[report]')"]
     written, notes = [], []
     for name, plot in PLOTS.items():
         path = out_dir / name
+        path.unlink(missing_ok=True)  # no stale plot from an earlier report
         try:
-            skipped = plot(rows, fit, path)
+            note = plot(rows, fits, path)
         except Exception as exc:  # a plotting bug must not cost the table
-            skipped = f"{name} failed: {type(exc).__name__}: {exc}"
-        if skipped:
-            notes.append(skipped)
-            path.unlink(missing_ok=True)  # no stale plot from an earlier report
-        else:
+            path.unlink(missing_ok=True)
+            note = f"{name} failed: {type(exc).__name__}: {exc}"
+        if path.exists():
             written.append(path)
+        if note:
+            notes.append(note)
     return written, notes

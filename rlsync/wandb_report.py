@@ -147,10 +147,13 @@ def report_payload(result: ReportResult, wandb: Any) -> dict[str, Any]:
 
 def report_summary(result: ReportResult) -> dict[str, Any]:
     summary: dict[str, Any] = {"report/runs": len(result.runs), "report/failed": len(result.failures)}
-    if result.fit is not None:
-        summary["report/fit_fixed_s"] = result.fit.fixed_s
-        if result.fit.bandwidth_gbps:
-            summary["report/fit_bandwidth_gbps"] = result.fit.bandwidth_gbps
+    for group in result.fits:  # one line per transport; report/fit_* alone when every run shares one
+        if group.fit is None:
+            continue
+        prefix = "report/fit" + (f"/{group.label.replace(' ', '_')}" if group.label else "")
+        summary[f"{prefix}_fixed_s"] = group.fit.fixed_s
+        if group.fit.bandwidth_gbps:
+            summary[f"{prefix}_bandwidth_gbps"] = group.fit.bandwidth_gbps
     return summary
 
 
@@ -280,7 +283,7 @@ def publish_report(result: ReportResult) -> str:
                 entity,
                 result.rows,
                 table_markdown=result.markdown_table,
-                fit_line=result.fit.describe() if result.fit else "",
+                fit_line="; ".join(group.describe() for group in result.fits),
             )
             report.save()
             return report.url

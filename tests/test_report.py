@@ -19,8 +19,13 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-PLOTS = ("update_time_vs_bucket.png", "update_time_vs_bytes.png", "step_breakdown.png", "peak_memory_vs_bucket.png")
+PLOTS = (
+    "update_time_vs_bucket.png", "update_time_vs_bytes.png", "step_breakdown.png", "peak_memory_vs_bucket.png",
+    "step_timeline.png",
+)  # fmt: skip
 MODELS = {"tiny": 5_000_000, "small": 20_000_000}  # name -> update bytes
+TRANSPORT_COST = {"direct": (0.002, 5e9), "ipc": (0.004, 4e9), "broadcast": (0.02, 1e9)}  # fixed s, bytes/s
+MEASURED_JITTER = 1.035  # median of 1 + 0.01 * step over the measured steps 2..5
 BUCKETS = (1.0, 4.0)  # MiB
 STEPS, WARMUP = 6, 2
 ERROR_LINE = "ValueError: update.strategy must be one of bucketed, per_tensor (got 'banana')"
@@ -90,15 +95,7 @@ def write_job(job: Path, model: str, bucket_mb: float, with_summary: bool = True
     if not with_summary:
         return
     measured = [r for r in rows if r["step"] >= WARMUP]
-    metrics = {
-        key: {
-            "median": statistics.median(r[key] for r in measured),
-            "min": min(r[key] for r in measured),
-            "max": max(r[key] for r in measured),
-        }
-        for key in measured[0]
-        if key != "step"
-    }
+    metrics = measured_stats(measured)
     step = metrics["perf/step_time"]["median"]
     summary = {
         "status": "finished",
@@ -113,6 +110,71 @@ def write_job(job: Path, model: str, bucket_mb: float, with_summary: bool = True
         "metrics": metrics,
         "share": {p: metrics[f"perf/{p}_time"]["median"] / step for p in ("update_weights", "sleep", "wake_up", "rollout", "log_probs", "train")},
         "verdict": f"update is {metrics['perf/update_weights_time']['median'] / step:.2%} of the step: tune rollout and training first",
+        "overrides": overrides,
+        "config": config,
+    }
+    (job / "summary.json").write_text(json.dumps(summary))
+
+
+def measured_stats(measured: list[dict]) -> dict:
+    """summary.json's "metrics": median, min and max of every metric over the measured rows."""
+    return {
+        key: {
+            "median": statistics.median(r[key] for r in measured),
+            "min": min(r[key] for r in measured),
+            "max": max(r[key] for r in measured),
+        }
+        for key in measured[0]
+        if key != "step"
+    }
+
+
+def timed(stem: str, nbytes: int, seconds: float, limit: float) -> dict:
+    """A bench row's metrics for one timed phase, as the bench logs them."""
+    return {
+        f"perf/{stem}_time": seconds,
+        f"perf/{stem}_bytes": nbytes,
+        f"perf/{stem}_limit_time": limit,
+        f"perf/{stem}_efficiency": limit / seconds,
+    }
+
+
+def bench_rows(target: str, update_bytes: int, transport: str) -> list[dict]:
+    """metrics.jsonl of a bench: one row per repeat (warm-up ones first), its target's metrics, no step."""
+    rows = []
+    for step in range(STEPS):
+        slow = (3.0 if step < WARMUP else 1.0) * (1 + 0.01 * step)
+        if target == "update":
+            fixed, bandwidth = TRANSPORT_COST[transport]
+            metrics = timed("update_weights", update_bytes, (fixed + update_bytes / bandwidth) * slow, update_bytes * 2 / 20e9)
+        else:
+            state_bytes = update_bytes * 8  # float32 weights, grads and two AdamW moments
+            metrics = timed("sleep", state_bytes, state_bytes / 4e9 * slow, state_bytes / 5e9)
+            metrics.update(timed("wake_up", state_bytes, state_bytes / 3e9 * slow, state_bytes / 5e9))
+        rows.append({"step": step, **metrics})
+    return rows
+
+
+def write_bench_job(job: Path, model: str, transport: str = "direct", target: str = "update") -> None:
+    """A finished `python -m rlsync.bench` job: summary.json of kind "bench" (no step, share or verdict)."""
+    overrides = [f"model={model}", f"update.transport={transport}", f"bench.target={target}"]
+    config = config_for(model, 512.0)
+    config["update"]["transport"] = transport
+    config["bench"] = {"target": target, "offload_state": "trainer", "warmup": WARMUP, "repeats": STEPS - WARMUP}
+    write_hydra(job, overrides, config)
+    rows = bench_rows(target, MODELS[model], transport)
+    (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {
+        "kind": "bench",
+        "target": target,
+        "status": "finished",
+        "error": None,
+        "warmup_steps": WARMUP,
+        "measured_steps": STEPS - WARMUP,
+        "model": {"name": model, "params": MODELS[model] // 2, "update_bytes": MODELS[model], "tensors": 24},
+        "setup": {"transport": transport, "strategy": "bucketed", "bucket_mb": 512.0, "source": "device", "flat_engine_weights": False, "device": "cpu", "engine": "hf"},
+        "offload": {"state": "trainer", "mode": "full", "memory": "move"} if target == "offload" else None,
+        "metrics": measured_stats([r for r in rows if r["step"] >= WARMUP]),
         "overrides": overrides,
         "config": config,
     }
@@ -138,6 +200,22 @@ def sweep(tmp_path: Path) -> Path:
         write_job(root / str(num), model, bucket)
     write_failed_job(root / str(len(jobs)))
     return root
+
+
+@pytest.fixture
+def drawn(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """The figures report_plots saves, by file name: what a plot drew, beyond the PNG's existence."""
+    from rlsync import report_plots
+
+    figures = {}
+    save = report_plots.save
+
+    def keep(fig, path: Path) -> None:
+        figures[path.name] = fig
+        save(fig, path)
+
+    monkeypatch.setattr(report_plots, "save", keep)
+    return figures
 
 
 def run_report(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -261,6 +339,121 @@ def test_write_report_api_without_wandb(sweep: Path, tmp_path: Path) -> None:
     assert {p.name for p in result.files} == {"report.md", "report.csv", *PLOTS}
     assert all(p.parent == out for p in result.files)
     assert result.fit is not None and result.fit.bandwidth_gbps and result.fit.bandwidth_gbps > 0
+
+
+@pytest.mark.parametrize("target", ["update", "offload"])
+def test_bench_verdict_is_its_time_against_the_copy_floor(tmp_path: Path, target: str) -> None:
+    """A bench has no step: its verdict is the median of what it timed, against the copy floor."""
+    from rlsync.report import fmt_seconds, load_job, table_row
+
+    job = tmp_path / "runs" / "bench"
+    write_bench_job(job, "tiny", "direct", target)
+    verdict = table_row(load_job(job))["verdict"]
+    assert "step" not in verdict
+    metrics = json.loads((job / "summary.json").read_text())["metrics"]
+    phases = {"update": [("update_weights", "update alone")], "offload": [("sleep", "offload alone"), ("wake_up", "onload alone")]}
+    for stem, label in phases[target]:
+        seconds = metrics[f"perf/{stem}_time"]["median"]
+        limit = metrics[f"perf/{stem}_limit_time"]["median"]
+        ratio = 1 / metrics[f"perf/{stem}_efficiency"]["median"]
+        assert f"{label}: {fmt_seconds(seconds)} median, {ratio:.2f}x the copy floor of {fmt_seconds(limit)}" in verdict
+    state_gib = MODELS["tiny"] * 8 / 2**30  # what bench_rows offloads
+    setup = "(transport direct, bucketed, 512 MiB)" if target == "update" else f"(trainer state, offload full, memory move, {state_gib:.2f} GiB)"
+    assert verdict.endswith(setup), verdict
+
+
+def test_fit_per_transport(tmp_path: Path, drawn: dict) -> None:
+    """Runs of several transports: one line each, in report.md and in the plot; none through all."""
+    from rlsync.report import write_report
+
+    sweep = tmp_path / "sweep"
+    jobs = [("direct", "tiny"), ("direct", "small"), ("broadcast", "tiny"), ("broadcast", "small"), ("ipc", "tiny")]
+    for num, (transport, model) in enumerate(jobs):
+        write_bench_job(sweep / str(num), model, transport)
+    result = write_report([sweep], log_wandb=False)
+
+    fits = {group.label: group.fit for group in result.fits}
+    assert list(fits) == ["transport direct", "transport broadcast", "transport ipc"]
+    for transport in ("direct", "broadcast"):
+        fixed, bandwidth = TRANSPORT_COST[transport]
+        assert fits[f"transport {transport}"].fixed_s == pytest.approx(fixed * MEASURED_JITTER)
+        assert fits[f"transport {transport}"].bandwidth_gbps == pytest.approx(bandwidth / MEASURED_JITTER / 1e9)
+    assert fits["transport ipc"] is None and result.fit is None  # one size only; no single line over all
+    from rlsync.wandb_report import report_summary
+
+    summary = report_summary(result)  # the report's W&B run: one fit per transport
+    assert summary["report/fit/transport_direct_fixed_s"] == pytest.approx(fits["transport direct"].fixed_s)
+    assert "report/fit/transport_broadcast_bandwidth_gbps" in summary and "report/fit_fixed_s" not in summary
+
+    md = (sweep / "report.md").read_text()
+    fit_section = md.split("## Update time against bytes")[1].split("## Plots")[0]
+    assert [line[:24] for line in fit_section.split("\n") if line.startswith("- ")] == [
+        "- transport direct: upda", "- transport broadcast: u", "- transport ipc: no fit "
+    ]
+    assert "update alone:" in md and "no step time" not in md  # bench verdicts
+
+    ax = drawn["update_time_vs_bytes.png"].axes[0]
+    fitted = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+    assert len(fitted) == 2 and fitted[0].get_color() != fitted[1].get_color()
+    legend = [text.get_text() for text in ax.get_legend().get_texts()]
+    assert [entry.split(":")[0] for entry in legend] == ["transport direct", "transport broadcast", "transport ipc"]
+    # bench rows are repeats, not steps: no timeline
+    assert "step_timeline.png skipped" in md and not (sweep / "step_timeline.png").exists()
+
+
+def test_single_transport_keeps_one_fit(sweep: Path) -> None:
+    from rlsync.report import write_report
+
+    result = write_report([sweep], log_wandb=False)
+    assert len(result.fits) == 1 and result.fits[0].label == "" and result.fit is result.fits[0].fit
+    from rlsync.wandb_report import report_summary
+
+    assert report_summary(result)["report/fit_fixed_s"] == result.fit.fixed_s
+    md = (sweep / "report.md").read_text()
+    assert f"\n{result.fit.describe()}\n" in md
+
+
+def test_step_timeline_per_step_with_warmup_and_share(sweep: Path, tmp_path: Path, drawn: dict) -> None:
+    from rlsync.report import write_report
+
+    bench = tmp_path / "bench"
+    write_bench_job(bench, "tiny")
+    out = tmp_path / "out"
+    result = write_report([sweep, bench], out_dir=out, log_wandb=False)
+    assert (out / "step_timeline.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert "](step_timeline.png)" in (out / "report.md").read_text()
+
+    times_ax, share_ax = drawn["step_timeline.png"].axes
+    assert times_ax.get_yscale() == "log"
+    runs = [row["job"] for row in result.rows if row["job"] != "bench"]
+    legend = [text.get_text() for text in share_ax.get_legend().get_texts()]
+    assert [entry.split(":")[0] for entry in legend] == runs  # the bench is left out
+    assert len(times_ax.get_lines()) == 2 * len(runs)  # step and update time per run
+
+    rows = [json.loads(line) for line in (sweep / "0" / "metrics.jsonl").read_text().splitlines()]
+    share_line = share_ax.get_lines()[0]
+    assert list(share_line.get_xdata()) == [r["step"] for r in rows]
+    expected = [100 * r["perf/update_weights_time"] / r["perf/step_time"] for r in rows]
+    assert list(share_line.get_ydata()) == pytest.approx(expected)
+
+    for ax in (times_ax, share_ax):  # the warm-up steps shaded: steps 0 and 1
+        (band,) = ax.patches
+        left, right = ax.transData.inverted().transform(band.get_extents().get_points())[:, 0]
+        assert (left, right) == pytest.approx((-0.5, WARMUP - 0.5), abs=1e-6)
+
+
+def test_step_timeline_draws_at_most_8_runs_and_notes_the_rest(tmp_path: Path, drawn: dict) -> None:
+    from rlsync.report import write_report
+
+    sweep = tmp_path / "sweep"
+    for num in range(10):
+        write_job(sweep / str(num), "tiny", BUCKETS[num % 2])
+    result = write_report([sweep], log_wandb=False)
+    share_ax = drawn["step_timeline.png"].axes[1]
+    assert len(share_ax.get_legend().get_texts()) == 8
+    note = "step_timeline.png shows the first 8 of 10 runs with per-step times; left out: 8, 9"
+    assert note in result.notes and f"- {note}" in (sweep / "report.md").read_text()
+    assert (sweep / "step_timeline.png").exists()
 
 
 # ----------------------------------------------------------------------------------------------
