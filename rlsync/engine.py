@@ -18,13 +18,17 @@ the end before the next is accepted:
 
 The weights stay between sessions; each session starts with the engine's memory resumed and is
 filled by the trainer's first update. `serve.sessions=N` exits after N sessions; otherwise Ctrl-C or
-SIGTERM stops it (exit 130 or 143). The control connection is authenticated with RLSYNC_ENGINE_KEY
+SIGTERM stops it (exit 130 or 143). A trainer that arrives during another's session is refused at
+once, in one line naming the trainer being served. The control connection is authenticated with RLSYNC_ENGINE_KEY
 (the same on both sides) and carries pickles: keep it on a trusted network.
 """
 
 from __future__ import annotations
 
+import queue
 import sys
+import threading
+import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Listener
 
@@ -97,8 +101,76 @@ def serve_session(conn, engine, trainer_host: str) -> str:
     return "ended"
 
 
+class Doorway:
+    """Accepts trainers in a thread of its own, so that one arriving while a session runs hears at
+    once that the engine is busy (and with whom) instead of waiting without a word.
+
+    The next trainer waits in `arrivals` for the main thread; `serving` names the trainer whose
+    session is on (set here when it is let in, cleared by `done` when its session ends).
+    """
+
+    REFUSE_READ_S = 5.0  # how long a refused trainer has to send its start request
+    GRACE_S = 1.0  # how long a trainer arriving during a session waits for it to end before it is refused
+
+    def __init__(self, listener: Listener):
+        self.listener = listener
+        self.arrivals: queue.Queue = queue.Queue()
+        self.serving: str | None = None
+        threading.Thread(target=self._accept, name="rlsync-engine-doorway", daemon=True).start()
+
+    def next(self) -> tuple:
+        """The next trainer let in: (connection, (host, port)). Waits in slices, so Ctrl-C and SIGTERM stop it."""
+        while True:
+            try:
+                return self.arrivals.get(timeout=0.5)
+            except queue.Empty:
+                continue
+
+    def done(self) -> None:
+        self.serving = None
+
+    def _accept(self) -> None:
+        from rlsync.sync.remote import WireConnection
+
+        while True:
+            try:
+                raw = self.listener.accept()
+            except AuthenticationError:
+                log("refused a connection with the wrong key (RLSYNC_ENGINE_KEY)")
+                continue
+            except OSError:  # the listener was closed: the engine is exiting
+                return
+            host, port = self.listener.last_accepted[:2]
+            conn = WireConnection(raw)
+            self._grace()
+            if self.serving is not None:
+                self._refuse(conn, f"EngineBusy: this engine is serving {self.serving}; it serves one trainer at a time")
+                log(f"refused trainer {host}:{port}: busy with {self.serving}")
+                continue
+            self.serving = f"trainer {host}:{port} (since {time.strftime('%H:%M:%S')})"
+            self.arrivals.put((conn, (host, port)))
+
+    def _grace(self) -> None:
+        """A trainer arriving just as the last one leaves (its "close" answered, the session not yet
+        wound up) is let in, not refused: wait up to GRACE_S for the session to end."""
+        deadline = time.monotonic() + self.GRACE_S
+        while self.serving is not None and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def _refuse(self, conn, line: str) -> None:
+        """Answer the trainer's start request with `line` (it raises it), then hang up."""
+        try:
+            if conn.poll(self.REFUSE_READ_S):
+                conn.recv()
+            conn.send(("error", "start", line + "\n"))
+        except (EOFError, OSError):
+            pass
+        finally:
+            conn.close()
+
+
 def serve(cfg: EngineAppConfig) -> None:
-    from rlsync.sync.remote import DEFAULT_PORT, WireConnection, authkey, parse_address
+    from rlsync.sync.remote import DEFAULT_PORT, authkey, parse_address
 
     host, port = parse_address(cfg.update.engine_address or "127.0.0.1", default_port=DEFAULT_PORT)
     with StopOnSignals():  # Ctrl-C / SIGTERM: stop between (or inside) sessions, exit 130 / 143
@@ -108,21 +180,17 @@ def serve(cfg: EngineAppConfig) -> None:
             bound = listener.address
             log(f"{cfg.model.name} ({cfg.rollout.engine}, {cfg.rollout.dtype}, {engine.device}) listening on "
                 f"{bound[0]}:{bound[1]}")
+            doorway = Doorway(listener)
             served = 0
             while cfg.serve.sessions == 0 or served < cfg.serve.sessions:
-                try:
-                    raw = listener.accept()
-                except AuthenticationError:
-                    log("refused a connection with the wrong key (RLSYNC_ENGINE_KEY)")
-                    continue
-                trainer = listener.last_accepted
+                conn, trainer = doorway.next()
                 served += 1
                 log(f"session {served}: trainer {trainer[0]}:{trainer[1]} connected")
-                conn = WireConnection(raw)
                 try:
                     ended = serve_session(conn, engine, trainer[0])
                 finally:
                     conn.close()
+                    doorway.done()
                 log(f"session {served}: {ended}")
         log(f"served {served} session(s); exiting")
 

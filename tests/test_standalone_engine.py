@@ -4,7 +4,8 @@ Everything on localhost, with real processes: the engine is a `python -m rlsync.
 listening on a free port; the trainer side is this test process (or a `python -m rlsync`
 subprocess) joining it with `update.engine_address`. Bit-exact engine weights after updates for
 each strategy, generation equal to an in-process engine's, a refused plan for another model, a
-dead engine and a missing one failing in seconds, the whole run through the CLI, and SIGTERM.
+second trainer refused while one is served, a dead engine and a missing one failing in seconds,
+the whole run through the CLI, and SIGTERM.
 """
 
 from __future__ import annotations
@@ -156,6 +157,27 @@ def test_runner_joins_a_standalone_engine_and_matches_a_local_one(engine_server,
     for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/logprob_abs_diff"):
         assert [r[key] for r in rows["remote"]] == [r[key] for r in rows["local"]], key
     engine_server.wait_for("ended")
+
+
+def test_a_second_trainer_is_refused_at_once_while_one_is_served(engine_server):
+    trainer = Trainer()
+    update = remote_update(engine_server.address)
+    buckets = plan_for(trainer.weights, update, BF16)
+    first = open_engine(update, spec=trainer.spec, buckets=buckets)
+    try:
+        start = time.monotonic()
+        with pytest.raises(EngineFailed) as caught:
+            open_engine(update, spec=trainer.spec, buckets=buckets)
+        assert time.monotonic() - start < 10
+        line = str(caught.value).splitlines()[0]
+        assert "EngineBusy: this engine is serving trainer 127.0.0.1:" in line and "one trainer at a time" in line
+        first.update_weights(trainer.weights)  # the session being served is untouched
+        assert_engine_holds(first, trainer.weights)
+    finally:
+        first.close()
+    second = open_engine(update, spec=trainer.spec, buckets=buckets)  # free again once the first has left
+    second.close()
+    engine_server.wait_for("busy with trainer")
 
 
 def test_sigterm_stops_the_engine_between_sessions(engine_server):
