@@ -95,10 +95,9 @@ def serve_session(conn, engine, trainer_host: str) -> str:
     receiver.host = trainer_host  # the trainer's TCP store, as this engine reaches it
     engine.resume()  # the last session may have ended with the engine's memory released
     try:
-        serve_requests(conn, EngineServer(engine, receiver))
+        return "ended: " + serve_requests(conn, EngineServer(engine, receiver))
     finally:
         receiver.close()
-    return "ended"
 
 
 class Doorway:

@@ -4,7 +4,7 @@ Everything on localhost, with real processes: the engine is a `python -m rlsync.
 listening on a free port; the trainer side is this test process (or a `python -m rlsync`
 subprocess) joining it with `update.engine_address`. Bit-exact engine weights after updates for
 each strategy, generation equal to an in-process engine's, a refused plan for another model, a
-second trainer refused while one is served, a dead engine and a missing one failing in seconds,
+second trainer refused while one is served, a killed trainer's session ended, a dead engine and a missing one failing in seconds,
 the whole run through the CLI, and SIGTERM.
 """
 
@@ -157,6 +157,40 @@ def test_runner_joins_a_standalone_engine_and_matches_a_local_one(engine_server,
     for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/logprob_abs_diff"):
         assert [r[key] for r in rows["remote"]] == [r[key] for r in rows["local"]], key
     engine_server.wait_for("ended")
+
+
+KILLED_TRAINER = """
+import sys, time
+sys.path.insert(0, "tests")
+from test_standalone_engine import BF16, Trainer, plan_for, remote_update, open_engine
+trainer = Trainer()
+update = remote_update(sys.argv[1])
+engine = open_engine(update, spec=trainer.spec, buckets=plan_for(trainer.weights, update, BF16))
+engine.update_weights(trainer.weights)
+print("updated", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_trainer_killed_mid_session_leaves_the_engine_serving(engine_server):
+    """SIGKILL, so the trainer never closes its session: the engine notices and takes the next one."""
+    killed = subprocess.Popen([sys.executable, "-c", KILLED_TRAINER, engine_server.address], cwd=ROOT, env=cli_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert killed.stdout.readline().strip() == "updated", killed.stderr.read() if killed.poll() is not None else ""
+    finally:
+        killed.kill()
+        killed.wait()
+    engine_server.wait_for("ended: the trainer went away without closing it", timeout=30)
+    trainer = Trainer(seed=9)
+    update = remote_update(engine_server.address)
+    engine = open_engine(update, spec=trainer.spec, buckets=plan_for(trainer.weights, update, BF16))
+    try:
+        engine.update_weights(trainer.weights)
+        assert_engine_holds(engine, trainer.weights)
+    finally:
+        engine.close()
+    engine_server.wait_for("ended: the trainer closed it")
 
 
 def test_a_second_trainer_is_refused_at_once_while_one_is_served(engine_server):

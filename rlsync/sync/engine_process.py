@@ -118,11 +118,12 @@ def serve(conn, spec, receiver, strategy: str) -> None:
             close_engine()
 
 
-def serve_requests(conn, server: EngineServer) -> None:
+def serve_requests(conn, server: EngineServer) -> str:
     """Answer "start", then each request in order until "close" or the trainer's side of `conn` closes.
 
     Shared by the engine process (a pipe) and the standalone engine (`python -m rlsync.engine`, a TCP
-    connection per trainer session). Returns; never raises for a trainer that went away.
+    connection per trainer session). Returns how the session ended; never raises for a trainer that
+    went away.
     """
     try:
         t_prev_send = time.monotonic()
@@ -140,9 +141,9 @@ def serve_requests(conn, server: EngineServer) -> None:
             conn.send(("ok", op, result, t_recv, t_send, t_prev_send))
             t_prev_send = t_send
             if op == "close":
-                return
+                return "the trainer closed it"
     except (EOFError, OSError):  # the trainer is gone (pipe or socket closed, reset): nothing left to serve
-        return
+        return "the trainer went away without closing it"
 
 
 # ----------------------------------------------------------------------------------------------
