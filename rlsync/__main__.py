@@ -26,8 +26,9 @@ register_configs()
 def hydra_main(dcfg: DictConfig) -> None:
     hc = HydraConfig.get()
     run_dir, sweep_dir, name = hydra_job(hc)
-    log_dir = run_dir if launched()[0] == 0 else None  # data-parallel ranks > 0 write no error.log: stderr only
-    with job_errors(log_dir, sweep_job=f"{hc.job.num} ({run_dir})" if hc.mode == RunMode.MULTIRUN else None):
+    rank = launched()[0]
+    log_dir = run_dir if rank == 0 else None  # data-parallel ranks > 0 write no error.log: stderr only
+    with job_errors(log_dir, sweep_job=f"{hc.job.num} ({run_dir})" if hc.mode == RunMode.MULTIRUN else None, rank=rank):
         cfg = checked_config(dcfg)  # every key and value, before any model is built
         from rlsync.experiment import run_experiment
 

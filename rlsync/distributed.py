@@ -20,18 +20,25 @@ from __future__ import annotations
 
 from dataclasses import fields
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from rlsync.errors import RlsyncError
 from rlsync.launcher import launched
 from rlsync.rollout import Generation
 from rlsync.sync.buckets import greedy_groups
 from rlsync.timing import Stopwatch
 
+FAILURES = "rlsync/failed_ranks"  # store prefix: rank -> the error line it failed with
 GRAD_BUCKET_BYTES = 64 << 20  # gradients all-reduced in flat buckets: one call per bucket, bounded extra memory
 SUMMED = ("train/loss",)  # each rank's loss is its share of the batch's token mean: the sum is the batch's
 TOKEN_MEANS = ("train/logprob_abs_diff", "train/clip_frac", "train/kl")  # per token: weighted by each rank's tokens
+
+
+class RankFailed(RlsyncError):
+    """Another data-parallel rank failed, and that is what stopped this one (exit 1)."""
 
 
 def split_evenly(count: int, parts: int) -> list[int]:
@@ -89,6 +96,7 @@ class DataParallel:
     def __init__(self, rank: int = 0, world: int = 1, local_rank: int = 0):
         self.rank, self.world, self.local_rank = rank, world, local_rank
         self.object_group = None  # gloo group for pickled objects (the default group is NCCL on CUDA)
+        self.failures = None  # the launch's store, under FAILURES: each failed rank's error line
         self.started = False
 
     @classmethod
@@ -118,19 +126,47 @@ class DataParallel:
         """Join the process group: NCCL between GPUs, gloo on a CPU (and for objects everywhere)."""
         if not self.enabled or self.started:
             return
+        from torch.distributed.rendezvous import rendezvous
+
         timeout = timedelta(seconds=timeout_s)
+        store, _, _ = next(rendezvous("env://", timeout=timeout))  # the launcher's store (torchrun's agent hosts it)
+        self.failures = dist.PrefixStore(FAILURES, store)
+        common = {"store": store, "rank": self.rank, "world_size": self.world, "timeout": timeout}
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            dist.init_process_group("nccl", timeout=timeout, device_id=device)
+            dist.init_process_group("nccl", device_id=device, **common)
             self.object_group = dist.new_group(backend="gloo", timeout=timeout)
         else:
-            dist.init_process_group("gloo", timeout=timeout)
+            dist.init_process_group("gloo", **common)
         self.started = True
+
+    def failed_rank(self, err: BaseException) -> Optional["RankFailed"]:
+        """What stopped this rank, if it was another rank's failure; ranks > 0 record their own here.
+
+        When one rank fails, the others end with an error of their own that does not say why: a
+        collective's "connection closed by peer", or the launcher's SIGTERM (torchrun stops every
+        rank once one has exited). So a rank > 0 that fails leaves its error line in the launch's
+        store before it exits, and rank 0, stopped, reports the first such line as the run's error.
+        """
+        if self.failures is None:
+            return None
+        try:
+            if not self.is_main:
+                if not isinstance(err, KeyboardInterrupt):  # an interruption is the launcher's, not a failure
+                    self.failures.set(str(self.rank), f"{type(err).__name__}: {str(err).strip()}".splitlines()[0])
+                return None
+            for rank in range(1, self.world):
+                if self.failures.check([str(rank)]):
+                    line = self.failures.get(str(rank)).decode()
+                    return RankFailed(f"data-parallel rank {rank} failed: {line}")
+        except Exception:  # noqa: BLE001 - the store went with the launch: keep this rank's own error
+            return None
+        return None
 
     def close(self) -> None:
         if self.started and dist.is_initialized():
             dist.destroy_process_group()
-        self.started = False
+        self.started, self.failures = False, None
 
     def __enter__(self) -> "DataParallel":
         return self

@@ -268,9 +268,10 @@ def kept(run_dir: Path, *, since: float) -> str:
 
 
 @contextmanager
-def job_errors(run_dir: Optional[Path], *, sweep_job: Optional[str] = None):
+def job_errors(run_dir: Optional[Path], *, sweep_job: Optional[str] = None, rank: int = 0):
     """Around one job: any error becomes one line on stderr (the traceback goes to run_dir/error.log;
-    `run_dir=None`, as in data-parallel ranks > 0, which write nothing: stderr only).
+    `run_dir=None`, as in data-parallel ranks > 0, which write nothing: stderr only, their line
+    starting with "rank N:").
 
     A single run exits with the error's code. A sweep's job raises `JobFailed`, so Hydra marks it
     failed and goes on with the next job; an interruption stops the whole sweep.
@@ -288,7 +289,7 @@ def job_errors(run_dir: Optional[Path], *, sweep_job: Optional[str] = None):
             write_error_log(run_dir, line)
         if debug_enabled():
             traceback.print_exc()
-        prefix = f"job {sweep_job}: " if sweep_job is not None else ""
+        prefix = (f"job {sweep_job}: " if sweep_job is not None else "") + (f"rank {rank}: " if rank else "")
         print(f"rlsync: {prefix}{line}", file=sys.stderr, flush=True)
         REPORTED.append(line)
         if sweep_job is None or isinstance(err, KeyboardInterrupt):

@@ -80,6 +80,10 @@ class Experiment:
                         console.step(row)
                 self.status = "finished"
             except BaseException as err:
+                cause = self.dp.failed_rank(err)  # data parallel: stopped by another rank's failure?
+                if cause is not None:
+                    self.status, self.error, self.failure = "failed", str(cause), cause
+                    raise cause from err
                 self.status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
                 self.error, self.failure = f"{type(err).__name__}: {err}".splitlines()[0], err
                 raise

@@ -231,7 +231,8 @@ def test_what_two_ranks_cannot_run_is_a_config_error(tmp_path, rank, override, k
                           cwd=cwd, capture_output=True, text=True, timeout=120,
                           env=cli_env(WORLD_SIZE="2", RANK=rank, LOCAL_RANK=rank))
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"rlsync: config error: {key}=")
+    who = "" if rank == "0" else f"rank {rank}: "  # every rank prints its line; ranks > 0 say which they are
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"rlsync: {who}config error: {key}=")
     assert list(cwd.iterdir()) == []  # no rank writes where it was started
     assert (run_dir / "error.log").exists() == (rank == "0")  # rank 0 logs in its run dir; rank 1 writes nothing
 
@@ -239,3 +240,43 @@ def test_what_two_ranks_cannot_run_is_a_config_error(tmp_path, rank, override, k
 def test_a_sweep_under_a_data_parallel_launch_is_refused():
     proc = run_cli("-m", "run.seed=1,2", "wandb.mode=disabled", WORLD_SIZE="2", RANK="0")
     assert proc.returncode == 2 and "a sweep (-m) cannot run under a data-parallel launch" in proc.stderr
+
+
+# `python -m rlsync` whose rank 1 raises in its second train step, as a bug or an OOM on one rank would.
+FAILING_RANK = """
+import os, runpy
+
+from rlsync.trainer import Trainer
+
+if os.environ.get("RANK") == "1":
+    original, calls = Trainer.train_step, []
+
+    def failing_train_step(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("rank 1 broke on purpose")
+        return original(self, *args, **kwargs)
+
+    Trainer.train_step = failing_train_step
+runpy.run_module("rlsync", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_failing_rank_is_named_as_the_runs_error(tmp_path):
+    """Rank 0 sees only a collective's "connection closed by peer" (or torchrun's SIGTERM): its error
+    line and summary must name rank 1's failure instead, and keep the finished step."""
+    script, run_dir = tmp_path / "failing_rank.py", tmp_path / "run"
+    script.write_text(FAILING_RANK)
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+    proc = subprocess.run([*launch, str(script), *DP_RUN, "run.steps=4", f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                          env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("rlsync:")]
+    assert "rlsync: rank 1: failed: RuntimeError: rank 1 broke on purpose" in lines, proc.stderr[-3000:]
+    assert ("rlsync: data-parallel rank 1 failed: RuntimeError: rank 1 broke on purpose; 1 finished step(s) kept in "
+            f"{run_dir} (summary.json status failed)") in lines, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps_finished"] == 1
+    assert summary["error"] == "data-parallel rank 1 failed: RuntimeError: rank 1 broke on purpose"
+    assert "rank 1 broke on purpose" in (run_dir / "error.log").read_text()
