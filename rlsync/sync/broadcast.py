@@ -72,18 +72,19 @@ class BroadcastReceiver:
     """The engine-side half: joins the group, receives each broadcast and loads it (pickled to the engine)."""
 
     def __init__(self, buckets: list[Bucket], *, strategy: str, inflight: int, flat_weights: bool, port: int,
-                 timeout_s: float, copy_threads: int):
+                 timeout_s: float, join_timeout_s: float, copy_threads: int):
         self.buckets, self.strategy, self.inflight, self.flat_weights = buckets, strategy, inflight, flat_weights
         self.copy_threads = copy_threads
         self.host, self.port, self.timeout_s = HOST, port, timeout_s  # a standalone engine sets `host`
+        self.join_timeout_s = join_timeout_s  # for reaching the trainer's store, and the group's rendezvous
         self.slots: list[torch.Tensor] = []
         self.flat: list[torch.Tensor] | None = None
         self.group = None
 
     def open(self, engine) -> dict:
-        timeout = timedelta(seconds=self.timeout_s)
-        store = dist.TCPStore(self.host, self.port, world_size=2, is_master=False, timeout=timeout)
-        self.group = join_group(store, ENGINE, timeout)
+        store = dist.TCPStore(self.host, self.port, world_size=2, is_master=False,
+                              timeout=timedelta(seconds=self.join_timeout_s))
+        self.group = join_group(store, ENGINE, timedelta(seconds=self.timeout_s))
         device, dtype = engine.device, self.buckets[0].dtype
         if self.flat_weights:
             self.flat = flat.allocate(self.buckets, device)
@@ -134,15 +135,20 @@ class BroadcastEngine(ForwardsToEngineProcess):
         self.buckets, self.strategy, self.inflight = buckets, cfg.strategy, cfg.inflight_buckets
         self.units = units_of(buckets, cfg.strategy)
         backend = resolve_backend(cfg.backend)
-        timeout = timedelta(seconds=cfg.engine_timeout_s)
-        self.store = dist.TCPStore(HOST, 0, world_size=2, is_master=True, wait_for_workers=False, timeout=timeout)
+        timeout = timedelta(seconds=cfg.engine_timeout_s)  # one broadcast's longest wait
+        # Joining: an engine on another machine that cannot reach this store (a firewall, the wrong
+        # interface) must fail in engine_connect_timeout_s, not after an hour of silence.
+        join_timeout_s = cfg.engine_connect_timeout_s if cfg.engine_address else cfg.engine_timeout_s
+        self.store = dist.TCPStore(HOST, 0, world_size=2, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=join_timeout_s))
         self.slots = [flat.empty(slot_numel(buckets, cfg.strategy), buckets[0].dtype, self.device)
                       for _ in range(cfg.inflight_buckets)]
         self.engine_staging = 0
         self.last_update_buckets: list[dict] = []
         receiver = BroadcastReceiver(buckets, strategy=cfg.strategy, inflight=cfg.inflight_buckets,
                                      flat_weights=cfg.flat_engine_weights, port=self.store.port,
-                                     timeout_s=cfg.engine_timeout_s, copy_threads=cfg.copy_threads)
+                                     timeout_s=cfg.engine_timeout_s, join_timeout_s=join_timeout_s,
+                                     copy_threads=cfg.copy_threads)
         if cfg.engine_address:  # an engine started on its own: it checks the plan against its model
             self.process = EngineProcess.remote(cfg.engine_address, receiver, timeout_s=cfg.engine_timeout_s,
                                                 connect_timeout_s=cfg.engine_connect_timeout_s)
