@@ -14,6 +14,9 @@ shared staging buffers, `broadcast` receives from a process group.
 
 A dead engine never hangs the trainer: every wait polls in slices of `POLL_S` and checks the
 process between them, raising `EngineDied` with its exit code.
+
+`EngineProcess.remote` speaks the same protocol to an engine started on its own (`python -m
+rlsync.engine`, over TCP: sync/remote.py); there the engine is alive as long as its connection is.
 """
 
 from __future__ import annotations

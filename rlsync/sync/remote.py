@@ -11,8 +11,9 @@ weights travel in the trainer-engine gloo group, as they do locally.
   it on a trusted network only: what travels on it is unpickled).
 - Messages are pickled by value (`WireConnection`): a tensor crosses machines as its bytes, never as
   a shared-memory or CUDA IPC handle that only means something on the sender's machine.
-- The engine hosts nothing but the control port: the trainer's TCP store and gloo pairs are on the
-  trainer's side, and the engine reaches them at the address the trainer connected from.
+- The trainer hosts the group's TCP store; the engine reaches it at the address the trainer
+  connected from. gloo then connects the two sides on ports of its own choosing (both sides listen),
+  over the interface GLOO_SOCKET_IFNAME names: between machines, open those ports to each other.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ CONNECT_RETRY_S = 0.2  # between attempts while the engine is still starting
 
 
 class EngineUnreachable(RlsyncError):
-    """No engine answered at update.engine_address within update.engine_timeout_s."""
+    """No engine answered at update.engine_address within update.engine_connect_timeout_s, or it refused our key."""
 
 
 def parse_address(text: str, *, default_port: int | None = None) -> tuple[str, int]:
