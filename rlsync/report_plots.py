@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 MIB = 2**20
 Row = dict[str, Any]
 TIMELINE_MAX_RUNS = 8  # more lines than this no longer read apart in one panel
+TIMELINE_LABEL_WIDTH = 38  # characters per legend line
 
 # Stacked in the order the step runs them (design.md, "The problem"); "other" is the rest of the step.
 PHASE_COLORS = {
@@ -251,7 +253,15 @@ def log_axis_labels(axis) -> None:
     axis.set_minor_formatter(FuncFormatter(lambda y, _: f"{y:g}" if leading_digit(y) in (2, 5) else ""))
 
 
-def timeline_label(row: Row) -> str:
+def timeline_label(row: Row, drawn: list[Row]) -> str:
+    """The run's own overrides (what sets it apart from the other lines), else its model, transport, bucket."""
+    from rlsync.report import common_overrides
+
+    common = set(common_overrides(drawn))
+    own = [o for o in row.get("override_list", []) if o not in common]
+    if own and len(drawn) > 1:  # wrapped: a long legend would squeeze the panels beside it
+        return textwrap.fill(f"{row['job']}: {' '.join(own)}", width=TIMELINE_LABEL_WIDTH, subsequent_indent="  ",
+                             break_long_words=False, break_on_hyphens=False)
     parts = [row.get("model"), row.get("transport"), bucket_label(row)]
     return f"{row['job']}: {', '.join(str(p) for p in parts if p)}"
 
@@ -293,7 +303,7 @@ def plot_step_timeline(rows: list[Row], fits: list[FitGroup], path: Path) -> Opt
         update_steps = [p["step"] for p in updated]
         times_ax.plot(update_steps, [p["update_time"] * scale for p in updated], color=color, marker=".", linestyle="--")
         shares = [100 * p["update_time"] / p["step_time"] for p in updated]
-        share_ax.plot(update_steps, shares, color=color, marker=".", label=timeline_label(row))
+        share_ax.plot(update_steps, shares, color=color, marker=".", label=timeline_label(row, drawn))
     warmup_label = shade_warmup([times_ax, share_ax], drawn)
 
     times_ax.set_yscale("log")  # the update is often 1% of the step: on a linear axis it lies flat at 0

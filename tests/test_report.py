@@ -428,6 +428,9 @@ def test_step_timeline_per_step_with_warmup_and_share(sweep: Path, tmp_path: Pat
     runs = [row["job"] for row in result.rows if row["job"] != "bench"]
     legend = [text.get_text() for text in share_ax.get_legend().get_texts()]
     assert [entry.split(":")[0] for entry in legend] == runs  # the bench is left out
+    for entry, row in zip(legend, (r for r in result.rows if r["job"] != "bench")):  # each line named by what sets it apart
+        own = [o for o in row["override_list"] if not all(o in r["override_list"] for r in result.rows if r["job"] != "bench")]
+        assert own and all(o in entry.replace("\n  ", " ") for o in own), entry
     assert len(times_ax.get_lines()) == 2 * len(runs)  # step and update time per run
 
     rows = [json.loads(line) for line in (sweep / "0" / "metrics.jsonl").read_text().splitlines()]
