@@ -59,6 +59,7 @@ class Experiment:
         self.engine = None  # set by setup() as soon as the engine is open
         self.device = self.dp.device(resolve_device(cfg.run.device))
         self.setup_info: dict = {}
+        self.limits: Limits | None = None  # the copy floors, measured by rank 0 in setup()
 
     def run(self, wb) -> dict:
         cfg = self.cfg
@@ -125,15 +126,13 @@ class Experiment:
         engine = self.open_engine(allowed) if self.dp.is_main else None  # rank 0 owns the engine and the update
         build_time = time.perf_counter() - t0
 
-        read_bytes = sum(t.numel() * t.element_size() for t in self.weights.values())
+        read_bytes = self.read_bytes = sum(t.numel() * t.element_size() for t in self.weights.values())
         self.setup_info = {"build_time": build_time, "tensors": len(self.weights),
                            "params": sum(t.numel() for t in self.weights.values())}
         if engine is not None:
             update_bytes = sum(b.nbytes for b in self.buckets)
             self.limits = Limits(device, update_bytes=update_bytes,
                                  state_bytes=self.offloader.state_bytes or 2 * read_bytes)
-            self.update_limit = self.limits.update_time(read_bytes, update_bytes, source=cfg.update.source)
-            self.read_bytes = read_bytes
             engine.update_weights(self.weights)  # the engine starts from the trainer's weights
             self.setup_info.update({"update_bytes": update_bytes, "buckets": len(self.buckets),
                                     "limits": self.limits.as_dict(), "update_limit_time": self.update_limit})
@@ -163,11 +162,14 @@ class Experiment:
     def measure_limits(self, step: int) -> None:
         """Before a step, outside its timing: probe the copy floors again (run.limit_probe=every_step),
         so each step's efficiencies compare it with the machine as it is now. Step 0 uses set-up's."""
-        if step == 0 or self.cfg.run.limit_probe != "every_step" or not hasattr(self, "limits"):
+        if step == 0 or self.cfg.run.limit_probe != "every_step" or self.limits is None:
             return  # data-parallel ranks > 0 hold no engine and report no limits
         self.limits.measure()
-        self.update_limit = self.limits.update_time(self.read_bytes, self.limits.update_bytes,
-                                                    source=self.cfg.update.source)
+
+    @property
+    def update_limit(self) -> float:
+        """The update's floor: its bytes over the copy bandwidth last probed (rank 0)."""
+        return self.limits.update_time(self.read_bytes, self.limits.update_bytes, source=self.cfg.update.source)
 
     def step(self, step: int, engine) -> dict:
         cfg, watch, dp = self.cfg, Stopwatch(self.device), self.dp

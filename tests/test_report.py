@@ -218,6 +218,14 @@ def drawn(monkeypatch: pytest.MonkeyPatch) -> dict:
     return figures
 
 
+def set_wandb_config(sweep: Path, **values: str) -> None:
+    """Rewrite `wandb.*` in the resolved config of every job of `sweep` that has a summary."""
+    for path in sweep.glob("*/summary.json"):
+        summary = json.loads(path.read_text())
+        summary["config"]["wandb"].update(values)
+        path.write_text(json.dumps(summary))
+
+
 def run_report(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     full_env.update({"PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"})
@@ -492,12 +500,7 @@ def test_report_run_logged_offline(sweep: Path, tmp_path: Path) -> None:
 
 
 def test_wandb_disabled_in_runs_logs_nothing(sweep: Path, tmp_path: Path) -> None:
-    for job in sweep.iterdir():
-        path = job / "summary.json"
-        if path.exists():
-            summary = json.loads(path.read_text())
-            summary["config"]["wandb"]["mode"] = "disabled"
-            path.write_text(json.dumps(summary))
+    set_wandb_config(sweep, mode="disabled")
     proc = run_report(str(sweep), env=offline_env(tmp_path) | {"WANDB_MODE": ""})
     assert proc.returncode == 0, proc.stderr
     assert "W&B: not logged" in proc.stdout
@@ -562,12 +565,7 @@ def test_build_report_blocks_offline(sweep: Path) -> None:
 def test_group_comes_from_wandb_group(sweep: Path) -> None:
     from rlsync.report import write_report
 
-    for job in sweep.iterdir():
-        path = job / "summary.json"
-        if path.exists():
-            summary = json.loads(path.read_text())
-            summary["config"]["wandb"]["group"] = "bucket-study"
-            path.write_text(json.dumps(summary))
+    set_wandb_config(sweep, group="bucket-study")
     assert write_report([sweep], log_wandb=False).group == "bucket-study"
 
 

@@ -89,8 +89,7 @@ def remote_update(address: str, **kw) -> UpdateConfig:
 def test_standalone_engine_receives_bit_exact_updates(engine_server, strategy, inflight, flat):
     trainer = Trainer()
     update = remote_update(engine_server.address, strategy=strategy, inflight_buckets=inflight, flat_engine_weights=flat)
-    buckets = plan_for(trainer.weights, update, BF16)
-    engine = open_engine(update, spec=trainer.spec, buckets=buckets)
+    engine, buckets = trainer.open(update)
     try:
         assert engine.process.pid is None  # no process of ours: the engine was started on its own
         for source in ("device", "host", "device"):
@@ -111,8 +110,7 @@ def test_generation_over_tcp_equals_an_engine_in_this_process(engine_server):
     prompts = [[1, 2, 3, 4], [5, 6, 7]]
     answers = []
     for update in (remote_update(engine_server.address), UpdateConfig(transport="direct")):
-        buckets = plan_for(trainer.weights, update, BF16)
-        engine = open_engine(update, spec=trainer.spec, buckets=buckets)
+        engine, _ = trainer.open(update)
         try:
             engine.update_weights(trainer.weights)
             generator = torch.Generator().manual_seed(11)
@@ -162,10 +160,10 @@ def test_runner_joins_a_standalone_engine_and_matches_a_local_one(engine_server,
 KILLED_TRAINER = """
 import sys, time
 sys.path.insert(0, "tests")
-from test_standalone_engine import BF16, Trainer, plan_for, remote_update, open_engine
+from test_standalone_engine import Trainer, remote_update
 trainer = Trainer()
 update = remote_update(sys.argv[1])
-engine = open_engine(update, spec=trainer.spec, buckets=plan_for(trainer.weights, update, BF16))
+engine, _ = trainer.open(update)
 engine.update_weights(trainer.weights)
 print("updated", flush=True)
 time.sleep(600)
@@ -184,7 +182,7 @@ def test_a_trainer_killed_mid_session_leaves_the_engine_serving(engine_server):
     engine_server.wait_for("ended: the trainer went away without closing it", timeout=30)
     trainer = Trainer(seed=9)
     update = remote_update(engine_server.address)
-    engine = open_engine(update, spec=trainer.spec, buckets=plan_for(trainer.weights, update, BF16))
+    engine, _ = trainer.open(update)
     try:
         engine.update_weights(trainer.weights)
         assert_engine_holds(engine, trainer.weights)
@@ -196,12 +194,11 @@ def test_a_trainer_killed_mid_session_leaves_the_engine_serving(engine_server):
 def test_a_second_trainer_is_refused_at_once_while_one_is_served(engine_server):
     trainer = Trainer()
     update = remote_update(engine_server.address)
-    buckets = plan_for(trainer.weights, update, BF16)
-    first = open_engine(update, spec=trainer.spec, buckets=buckets)
+    first, _ = trainer.open(update)
     try:
         start = time.monotonic()
         with pytest.raises(EngineFailed) as caught:
-            open_engine(update, spec=trainer.spec, buckets=buckets)
+            trainer.open(update)
         assert time.monotonic() - start < 10
         line = str(caught.value).splitlines()[0]
         assert "EngineBusy: this engine is serving trainer 127.0.0.1:" in line and "one trainer at a time" in line
@@ -209,7 +206,7 @@ def test_a_second_trainer_is_refused_at_once_while_one_is_served(engine_server):
         assert_engine_holds(first, trainer.weights)
     finally:
         first.close()
-    second = open_engine(update, spec=trainer.spec, buckets=buckets)  # free again once the first has left
+    second, _ = trainer.open(update)  # free again once the first has left
     second.close()
     engine_server.wait_for("busy with trainer")
 
@@ -224,8 +221,7 @@ def test_a_dead_engine_fails_the_update_within_seconds(tmp_path):
     server = StandaloneEngine(tmp_path)
     trainer = Trainer()
     update = remote_update(server.address)
-    buckets = plan_for(trainer.weights, update, BF16)
-    engine = open_engine(update, spec=trainer.spec, buckets=buckets)
+    engine, _ = trainer.open(update)
     try:
         server.proc.kill()
         server.proc.wait()
@@ -247,7 +243,7 @@ def test_no_engine_at_the_address_is_one_clear_error():
     update = remote_update(address, engine_connect_timeout_s=1)
     start = time.monotonic()
     with pytest.raises(EngineUnreachable, match=f"no rlsync engine at update.engine_address={address} after 1 s"):
-        open_engine(update, spec=trainer.spec, buckets=plan_for(trainer.weights, update, BF16))
+        trainer.open(update)
     assert time.monotonic() - start < 10
 
 
@@ -255,17 +251,16 @@ def test_engine_exits_after_its_sessions_and_refuses_a_wrong_key(tmp_path):
     server = StandaloneEngine(tmp_path, "serve.sessions=1")
     trainer = Trainer()
     update = remote_update(server.address, engine_connect_timeout_s=2)
-    buckets = plan_for(trainer.weights, update, BF16)
     import os
 
     os.environ["RLSYNC_ENGINE_KEY"] = "not-the-engine's"
     try:
         with pytest.raises(EngineUnreachable, match="refused this trainer's key"):
-            open_engine(update, spec=trainer.spec, buckets=buckets)
+            trainer.open(update)
     finally:
         del os.environ["RLSYNC_ENGINE_KEY"]
     server.wait_for("wrong key")
-    engine = open_engine(update, spec=trainer.spec, buckets=buckets)
+    engine, _ = trainer.open(update)
     try:
         engine.update_weights(trainer.weights)
         assert_engine_holds(engine, trainer.weights)

@@ -46,6 +46,11 @@ class Trainer:
         self.spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device="cpu", allowed_ids=tok.allowed_ids(512),
                                eos_id=tok.eos_id, pad_id=tok.pad_id)
 
+    def open(self, update: UpdateConfig) -> tuple:
+        """(engine, bucket plan): the engine behind `update`'s transport, for these weights."""
+        buckets = plan_for(self.weights, update, BF16)
+        return open_engine(update, spec=self.spec, buckets=buckets), buckets
+
     def source(self, name: str) -> dict[str, torch.Tensor]:
         """The weights to send, freshly changed (a trained step), live or from the host copy."""
         if name == "device":

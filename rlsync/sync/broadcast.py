@@ -3,9 +3,10 @@
 As in the reference system's non-colocated mode: the trainer (rank 0) and the engine process
 (rank 1) form a two-rank gloo group (see `resolve_backend` for NCCL) over a TCP store that the
 trainer hosts on a free port. The engine process is started here, or (`update.engine_address`) is
-an engine started on its own, on this machine or another (`python -m rlsync.engine`, sync/remote.py),
-which reaches the trainer's store at the address the trainer connected from. The group is a standalone object, not torch.distributed's
-default group: a data-parallel trainer keeps its own, and several engines can come and go. The bucket plan is deterministic and both sides
+an engine started on its own, on this machine or another (`python -m rlsync.engine`,
+sync/remote.py), which reaches the trainer's store at the address the trainer connected from. The
+group is a standalone object, not torch.distributed's default group: a data-parallel trainer keeps
+its own, and several engines can come and go. The bucket plan is deterministic and both sides
 hold it (it travels to the engine process when it starts), so no names, shapes or dtypes go over the
 wire per update: one message says "update", then one broadcast per bucket (or per tensor for
 `per_tensor`). The engine receives into a staging buffer and loads it by name; with

@@ -180,25 +180,6 @@ class Reply:
         self.handoff = max(0.0, t_recv - max(sent, t_prev_send)) + max(0.0, received - max(t_send, waited))
 
 
-class RemotePeer:
-    """Stands in for the engine's process when the engine runs on its own (`python -m rlsync.engine`):
-    alive until its control connection closes; no exit code, and nothing here can kill it."""
-
-    pid = exitcode = None
-
-    def __init__(self, address: str):
-        self.address, self.lost = address, False
-
-    def is_alive(self) -> bool:
-        return not self.lost
-
-    def join(self, timeout: float | None = None) -> None:
-        pass
-
-    def kill(self) -> None:
-        self.lost = True  # closing our end of the connection ends the engine's session, not the engine
-
-
 class EngineProcess:
     """Start the engine process and talk to it; `close()` always leaves no process behind.
 
@@ -211,22 +192,29 @@ class EngineProcess:
         process = ctx.Process(target=serve, args=(child, spec, receiver, strategy), name="rlsync-engine", daemon=True)
         process.start()
         child.close()
-        self._attach(conn, process, timeout_s, who=f"the engine process (pid {process.pid})")
+        self._attach(conn, process, timeout_s, who=f"the engine process (pid {process.pid})",
+                     ended=lambda: f"died with {exit_description(process.exitcode)}")
 
     @classmethod
     def remote(cls, address: str, receiver, *, timeout_s: float, connect_timeout_s: float) -> "EngineProcess":
         """The engine listening at `address`: connect, hand it this trainer's receiver (the update's
         plan and settings), and wait until it has checked that plan against its model."""
-        from rlsync.sync.remote import connect
+        from rlsync.sync.remote import RemotePeer, connect
 
         self = cls.__new__(cls)
         conn = connect(address, timeout_s=connect_timeout_s)
-        self._attach(conn, RemotePeer(address), timeout_s, who=f"the engine at {address}", request=("start", (receiver,)))
+        self._attach(conn, RemotePeer(conn), timeout_s, who=f"the engine at {address}",
+                     ended=lambda: "closed the connection (it stopped, or the network failed)",
+                     request=("start", (receiver,)))
         return self
 
-    def _attach(self, conn, process, timeout_s: float, *, who: str, request: tuple | None = None) -> None:
-        """Wait for the engine's "start" answer (after sending `request`, for a remote engine)."""
-        self.conn, self.process, self.timeout_s, self.who = conn, process, timeout_s, who
+    def _attach(self, conn, process, timeout_s: float, *, who: str, ended: Callable[[], str],
+                request: tuple | None = None) -> None:
+        """Wait for the engine's "start" answer (after sending `request`, for a remote engine).
+
+        `process`: the engine's process, or what stands in for it (sync/remote.py's RemotePeer);
+        `ended()`: how it went, said once it is gone."""
+        self.conn, self.process, self.timeout_s, self.who, self._ended = conn, process, timeout_s, who, ended
         self.closed = False
         self._sent: deque[tuple[str, float]] = deque()  # requests not answered yet, in order
         self._early: deque[tuple] = deque()  # replies read while waiting on something else
@@ -309,7 +297,7 @@ class EngineProcess:
 
     def blame(self, err: BaseException, what: str) -> None:
         """A transfer failed (a collective's "connection reset", say): if the engine died, say that instead."""
-        self._settle(CLOSE_S / 2)  # a peer that reset the connection is usually exiting: let it
+        self.process.join(CLOSE_S / 2)  # a peer that reset the connection is usually exiting: let it
         if not self.process.is_alive():
             raise EngineDied(self._death(what)) from err
 
@@ -372,26 +360,11 @@ class EngineProcess:
         try:
             return self.conn.recv()
         except (EOFError, ConnectionResetError):
-            if isinstance(self.process, RemotePeer):
-                self.process.lost = True
             self.process.join(CLOSE_S)  # the pipe closed: the process is exiting, get its code
             self._raise_died(what)
 
-    def _settle(self, timeout: float) -> None:
-        """Give an engine that may be going away `timeout` seconds to be seen gone."""
-        if not isinstance(self.process, RemotePeer):
-            self.process.join(timeout)
-        elif not self.process.lost and not self._early and self.conn.poll(timeout):
-            try:
-                self._early.append(self.conn.recv())  # it answered after all: keep the answer
-            except (EOFError, OSError):
-                self.process.lost = True
-
     def _death(self, what: str) -> str:
-        if isinstance(self.process, RemotePeer):
-            return (f"{self.who} closed the connection (it stopped, or the network failed) while the trainer "
-                    f"waited for {what}")
-        return f"{self.who} died with {exit_description(self.process.exitcode)} while the trainer waited for {what}"
+        return f"{self.who} {self._ended()} while the trainer waited for {what}"
 
     def _unpack(self, message: tuple, *, sent: float, waited: float) -> Reply:
         received = time.monotonic()

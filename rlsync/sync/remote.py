@@ -22,6 +22,7 @@ import io
 import os
 import pickle
 import time
+from collections import deque
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 
@@ -72,23 +73,60 @@ def dumps(obj) -> bytes:
 class WireConnection:
     """A `multiprocessing.connection.Connection` whose messages are pickled by value (see `dumps`).
 
-    The interface the engine protocol uses on both ends: send, recv, poll, close.
+    The interface the engine protocol uses on both ends: send, recv, poll, close. `closed` turns
+    true once the other end is seen gone; `hold` reads a message ahead (recv returns it first).
     """
 
     def __init__(self, conn: Connection):
-        self.conn = conn
+        self.conn, self.closed = conn, False
+        self.held: deque = deque()
 
     def send(self, obj) -> None:
         self.conn.send_bytes(dumps(obj))
 
     def recv(self):
-        return pickle.loads(self.conn.recv_bytes())
+        if self.held:
+            return self.held.popleft()
+        try:
+            return pickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            self.closed = True
+            raise
+
+    def hold(self) -> None:
+        self.held.append(self.recv())
 
     def poll(self, timeout: float = 0.0) -> bool:
-        return self.conn.poll(timeout)
+        return bool(self.held) or self.conn.poll(timeout)
 
     def close(self) -> None:
+        self.closed = True
         self.conn.close()
+
+
+class RemotePeer:
+    """Stands in for the engine's process when the engine runs on its own: alive as long as its
+    control connection is; no pid, no exit code, and killing it only hangs up on it."""
+
+    pid = exitcode = None
+
+    def __init__(self, conn: WireConnection):
+        self.conn = conn
+
+    def is_alive(self) -> bool:
+        return not self.conn.closed
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait up to `timeout` for the connection to show whether the engine is gone (a message
+        that arrives instead is held for the trainer's next read)."""
+        if self.is_alive() and self.conn.poll(timeout):
+            try:
+                self.conn.hold()
+            except (EOFError, OSError):
+                pass  # gone: conn.closed says so
+
+    def kill(self) -> None:
+        self.conn.close()  # ends the engine's session, not the engine
 
 
 def connect(address: str, *, timeout_s: float) -> WireConnection:
