@@ -76,6 +76,16 @@ def engine_server(tmp_path_factory):
         server.proc.wait()
 
 
+def one_update_lands(trainer: Trainer, update: UpdateConfig) -> None:
+    """A session of its own: open, one update, the engine holds the trainer's weights bit for bit, close."""
+    engine, _ = trainer.open(update)
+    try:
+        engine.update_weights(trainer.weights)
+        assert_engine_holds(engine, trainer.weights)
+    finally:
+        engine.close()
+
+
 def remote_update(address: str, **kw) -> UpdateConfig:
     settings = {"bucket_mb": SMALL_BUCKET_MB, "verify": True, "engine_timeout_s": 60, "engine_connect_timeout_s": 60, **kw}
     return UpdateConfig(transport="broadcast", engine_address=address, **settings)
@@ -182,12 +192,7 @@ def test_a_trainer_killed_mid_session_leaves_the_engine_serving(engine_server):
     engine_server.wait_for("ended: the trainer went away without closing it", timeout=30)
     trainer = Trainer(seed=9)
     update = remote_update(engine_server.address)
-    engine, _ = trainer.open(update)
-    try:
-        engine.update_weights(trainer.weights)
-        assert_engine_holds(engine, trainer.weights)
-    finally:
-        engine.close()
+    one_update_lands(trainer, update)
     engine_server.wait_for("ended: the trainer closed it")
 
 
@@ -260,12 +265,7 @@ def test_engine_exits_after_its_sessions_and_refuses_a_wrong_key(tmp_path):
     finally:
         del os.environ["RLSYNC_ENGINE_KEY"]
     server.wait_for("wrong key")
-    engine, _ = trainer.open(update)
-    try:
-        engine.update_weights(trainer.weights)
-        assert_engine_holds(engine, trainer.weights)
-    finally:
-        engine.close()
+    one_update_lands(trainer, update)
     server.proc.wait(timeout=30)  # it exits by itself after its one session
     result = server.stop()
     assert result.returncode == 0, result.stderr

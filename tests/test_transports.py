@@ -166,8 +166,7 @@ def test_ipc_generates_what_the_in_process_engine_generates():
 def test_verify_in_the_engine_process_names_the_tensor():
     trainer = Trainer()
     update = UpdateConfig(transport="ipc", verify=True)
-    buckets = plan_for(trainer.weights, update, BF16)
-    engine = open_engine(update, spec=trainer.spec, buckets=buckets)
+    engine, buckets = trainer.open(update)
     try:
         update_weights(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
         sums = engine.checksums()  # computed in the engine process
@@ -235,8 +234,7 @@ def test_broadcast_leaves_the_default_process_group_alone():
     try:
         trainer = Trainer()
         update = UpdateConfig(transport="broadcast", bucket_mb=SMALL_BUCKET_MB)
-        buckets = plan_for(trainer.weights, update, BF16)
-        engine = open_engine(update, spec=trainer.spec, buckets=buckets)
+        engine, buckets = trainer.open(update)
         try:
             update_weights(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
             assert_engine_holds(engine, trainer.weights)
