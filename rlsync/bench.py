@@ -48,6 +48,7 @@ class UpdateTarget:
         from rlsync.limits import Limits
         from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
         from rlsync.offload import Offloader
+        from rlsync.devices import explicit_device
         from rlsync.rollout import EngineSpec
         from rlsync.sync import open_engine, plan_for
 
@@ -63,7 +64,7 @@ class UpdateTarget:
             self.source = self.offloader.host_weights(self.weights)
         self.buckets = plan_for(self.weights, cfg.update, torch_dtype(cfg.rollout.dtype))
         tokenizer = build_tokenizer(cfg.model)
-        spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device=str(device),
+        spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device=str(explicit_device(device)),
                           allowed_ids=tokenizer.allowed_ids(cfg.model.vocab_size), eos_id=tokenizer.eos_id,
                           pad_id=tokenizer.pad_id)
         self.engine = open_engine(cfg.update, spec=spec, buckets=self.buckets)
@@ -182,7 +183,10 @@ class Bench:
     def run(self, wb) -> dict:
         from rlsync.sinks import MetricsFile
 
+        from rlsync.devices import select_device
+
         cfg = self.cfg
+        select_device(self.device)  # cuda:N: N current before any CUDA work (syncs, events, the allocator)
         torch.manual_seed(cfg.run.seed)
         metrics_file = MetricsFile(self.run_dir)
         target = None

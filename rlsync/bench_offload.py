@@ -27,7 +27,8 @@ from types import SimpleNamespace
 import torch
 
 from rlsync.config import MIB, ModelConfig
-from rlsync.offload import Offloader, device_memory_gb, link_metrics
+from rlsync.devices import device_memory_metrics
+from rlsync.offload import Offloader, link_metrics
 from rlsync.timing import Stopwatch, synchronize
 
 STATES = ("trainer", "params")
@@ -107,11 +108,11 @@ class OffloadState:
         link = SimpleNamespace(to_host=self.probe.to_host())
         with watch("sleep"):
             m["perf/sleep_bytes"] = self.offloader.sleep()
-        m.update({} if (gb := device_memory_gb(self.device)) is None else {"perf/device_mem_after_sleep_gb": gb})
+        m.update(device_memory_metrics(self.device, "sleep"))
         link.to_device = self.probe.to_device()
         with watch("wake_up"):
             m["perf/wake_up_bytes"] = self.offloader.wake_up()
-        m.update({} if (gb := device_memory_gb(self.device)) is None else {"perf/device_mem_after_wake_up_gb": gb})
+        m.update(device_memory_metrics(self.device, "wake_up"))
         m.update(watch.totals("perf/{}_time"))
         return {**m, **link_metrics(m, link)}
 

@@ -21,15 +21,16 @@ import torch
 
 from rlsync import summary as summaries
 from rlsync.config import MIB, Config, to_dict
+from rlsync.devices import device_memory_metrics, explicit_device, sampler, select_device
 from rlsync.distributed import DataParallel, Silent
 from rlsync.errors import StopOnSignals
 from rlsync.limits import Limits
 from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
-from rlsync.offload import Offloader, device_memory_gb, link_metrics
-from rlsync.rollout import EngineSpec
+from rlsync.offload import Offloader, link_metrics
+from rlsync.rollout import EngineSpec, Generation, answer_ids
 from rlsync.sinks import Console, MetricsFile, WandbRun, wandb_run, write_json
 from rlsync.sync import WeightMismatch, is_out_of_memory, open_engine, out_of_memory, plan_for, update_weights
-from rlsync.tasks import make_prompts, reward
+from rlsync.tasks import Prompt, make_prompts, reward
 from rlsync.timing import Stopwatch
 from rlsync.trainer import Trainer, group_advantages
 
@@ -108,10 +109,11 @@ class Experiment:
         and does the first update.
         """
         cfg, device = self.cfg, self.device
+        select_device(device)  # cuda:N: N current before any CUDA work (syncs, events, the allocator)
         self.dp.start(device, timeout_s=cfg.run.rank_timeout_s)  # a single process: nothing to join
         torch.manual_seed(cfg.run.seed)
         self.rng = random.Random(cfg.run.seed)
-        self.sampler = torch.Generator().manual_seed(cfg.run.seed)
+        self.sampler = sampler(device, cfg.run.seed)  # on the engine's device (the same as the trainer's)
         self.tokenizer = build_tokenizer(cfg.model)
         allowed = self.tokenizer.allowed_ids(cfg.model.vocab_size)
 
@@ -149,7 +151,7 @@ class Experiment:
         """The rollout engine behind the configured transport, and the bucket plan of the update."""
         cfg = self.cfg
         self.buckets = plan_for(self.weights, cfg.update, torch_dtype(cfg.rollout.dtype))
-        spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device=str(self.device), allowed_ids=allowed,
+        spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device=str(explicit_device(self.device)), allowed_ids=allowed,
                           eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
         try:
             self.engine = open_engine(cfg.update, spec=spec, buckets=self.buckets)
@@ -238,11 +240,8 @@ class Experiment:
                                   temperature=cfg.rollout.temperature, generator=self.sampler).to(self.device)
         with watch("engine_release"):
             engine.release()  # ... and hands it to the trainer until the next rollout
-        answers = [self.tokenizer.decode(row[gen.response_mask[i].bool()].tolist())
-                   for i, row in enumerate(gen.sequences[:, gen.prompt_len:].cpu())]
-        targets = [p.target for p in prompts for _ in range(cfg.rollout.samples_per_prompt)]
-        rewards = torch.tensor([reward(a, t) for a, t in zip(answers, targets)])  # [batch]
-        advantages = group_advantages(rewards, cfg.rollout.samples_per_prompt).to(self.device)  # [batch]
+        rewards, advantages = score_rollout(gen, prompts, self.tokenizer, group_size=cfg.rollout.samples_per_prompt,
+                                            device=self.device)
         rollout_metrics = {
             "rollout/reward_mean": rewards.mean().item(),
             "rollout/response_len_mean": gen.response_mask.float().sum(1).mean().item(),
@@ -257,9 +256,9 @@ class Experiment:
         return self.weights
 
     def device_memory(self, phase: str) -> dict[str, float]:
-        """perf/device_mem_after_<phase>_gb on CUDA: what the trainer's sleep hands the engine, and takes back."""
-        gb = device_memory_gb(self.device)
-        return {} if gb is None else {f"perf/device_mem_after_{phase}_gb": gb}
+        """On CUDA, what the trainer's sleep hands the engine, and takes back: this process's reserved
+        memory and the whole device's used memory (rlsync.devices.device_memory_metrics)."""
+        return device_memory_metrics(self.device, phase)
 
     def offload_metrics(self, m: dict) -> dict:
         """Beside perf/sleep_time and perf/wake_up_time: GB/s, the limit (bytes over the host-link copy
@@ -318,6 +317,16 @@ class Experiment:
         if self.dp.is_main:  # ranks > 0 write nothing
             write_json(self.run_dir / "summary.json", result)
         return result
+
+
+def score_rollout(gen: Generation, prompts: list[Prompt], tokenizer, *, group_size: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards ([batch], host: they come from decoded text) and GRPO advantages ([batch], on `device`,
+    where the loss meets them), for `gen` (on any device) answering each prompt `group_size` times."""
+    answers = [tokenizer.decode(ids) for ids in answer_ids(gen)]
+    targets = [p.target for p in prompts for _ in range(group_size)]
+    rewards = torch.tensor([reward(a, t) for a, t in zip(answers, targets)], device="cpu")  # [batch]
+    return rewards, group_advantages(rewards, group_size).to(device)
 
 
 def close_engine(engine) -> BaseException | None:

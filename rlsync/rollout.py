@@ -71,6 +71,28 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, allowed: torch
     return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+def sample_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of `probs` [batch, vocab], drawn with `generator`: [batch] on probs' device.
+
+    The draw happens on the generator's device: a generator on the engine's device (rlsync.devices.sampler)
+    samples in place, with no [batch, vocab] copy per token; a CPU generator serving a CUDA engine (a
+    trainer on the host driving an engine on a GPU) draws on the host, as PyTorch requires a generator
+    of the tensor's device type. On a CPU both are the same draw.
+    """
+    return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
+
+
+def answer_ids(gen: Generation) -> list[list[int]]:
+    """Each row's sampled answer tokens (through EOS, without the padding after it), on the host.
+
+    Both the tokens and their mask cross to the host together: indexing a host tensor with a device
+    mask is an error on CUDA (and two small copies beat a sync per row).
+    """
+    tokens = gen.sequences[:, gen.prompt_len :].cpu()  # [batch, response_len]
+    mask = gen.response_mask.cpu().bool()  # [batch, response_len]
+    return [row[keep].tolist() for row, keep in zip(tokens, mask)]
+
+
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -183,7 +205,7 @@ class HFEngine:
             scaled = scaled.masked_fill(~self.allowed, float("-inf"))
             logp_all = torch.log_softmax(scaled, dim=-1)
             if temperature > 0:
-                sampled = torch.multinomial(logp_all.exp().cpu(), 1, generator=generator).squeeze(-1).to(self.device)
+                sampled = sample_tokens(logp_all.exp(), generator)
             else:
                 sampled = logp_all.argmax(-1)
             sampled = torch.where(finished, torch.full_like(sampled, self.pad_id), sampled)

@@ -203,7 +203,8 @@ class VLLMEngine:
                  generator: torch.Generator) -> Generation:
         from vllm import SamplingParams
 
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()  # reproducible runs
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator,  # reproducible runs
+                              device=generator.device).tolist()  # a CUDA sampler draws on its own device
         params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, logprobs=0, detokenize=False,
                                  allowed_token_ids=self.allowed_list, stop_token_ids=[self.eos_id],
                                  ignore_eos=True, seed=seed)  # our EOS, not the checkpoint's

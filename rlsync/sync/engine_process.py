@@ -31,6 +31,8 @@ from collections.abc import Callable
 import torch
 import torch.multiprocessing as mp
 
+from rlsync.devices import select_device
+
 POLL_S = 0.05  # liveness check interval while waiting on the engine
 CLOSE_S = 5.0  # how long close() lets the engine exit by itself before terminating it
 # What a forked engine process should find imported already (the engine's model code above all).
@@ -73,7 +75,7 @@ class EngineServer:
         return self.receiver.handle(self.engine, request)
 
     def generate(self, prompts, max_new_tokens, temperature, generator_state, generator_device):
-        generator = torch.Generator(device=generator_device)
+        generator = torch.Generator(device=generator_here(torch.device(generator_device), self.engine.device))
         generator.set_state(generator_state)
         gen = self.engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                                    generator=generator)
@@ -97,6 +99,13 @@ class EngineServer:
         return None
 
 
+def generator_here(sent: torch.device, engine_device: torch.device) -> torch.device:
+    """Where the engine rebuilds the trainer's sampler: on its own device when the trainer's generator
+    is of the same type. A generator's state is per device type (CPU: Mersenne Twister; CUDA: Philox
+    seed and offset), not per index, and a remote engine's `cuda:0` may be the trainer's `cuda:1`."""
+    return engine_device if sent.type == engine_device.type else sent
+
+
 def serve(conn, spec, receiver, strategy: str) -> None:
     """Entry point of the engine process: build, answer "start", then serve until "close" or EOF.
 
@@ -109,6 +118,7 @@ def serve(conn, spec, receiver, strategy: str) -> None:
     engine = None
     try:
         try:
+            select_device(torch.device(spec.device))  # cuda:N: current before the engine's first CUDA call
             engine = spec.build(strategy=strategy)
         except BaseException:
             conn.send(("error", "start", traceback.format_exc()))

@@ -1,0 +1,67 @@
+"""Which device a process works on, and what it reports about that device's memory.
+
+CUDA keeps a *current device* per thread, and every call that names no device (a `synchronize()`,
+an event, a stream, `empty_cache()`, the caching allocator's context) uses it: device 0 in a fresh
+process. A process that works on `cuda:N`, N > 0, must make N current before its first CUDA call,
+as vLLM's workers and torch.distributed's NCCL ranks do. These functions decide that without CUDA,
+so the decision is tested on a CPU; only `select_device` touches the driver.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GB = 1e9
+
+
+def cuda_index_to_select(device: torch.device) -> int | None:
+    """The CUDA device index to make current for work on `device`; None: nothing to select.
+
+    None for a non-CUDA device, and for a bare "cuda" (no index): that names the current device,
+    which a caller that means another one must spell (`explicit_device` does, for what crosses to
+    another process).
+    """
+    if device.type != "cuda" or device.index is None:
+        return None
+    return device.index
+
+
+def select_device(device: torch.device) -> None:
+    """Make `device` this process's current CUDA device (before any CUDA work); nothing off CUDA."""
+    index = cuda_index_to_select(device)
+    if index is not None:
+        torch.cuda.set_device(index)
+
+
+def explicit_device(device: torch.device) -> torch.device:
+    """`device` with its index spelled out: a bare "cuda" means this process's current device, which
+    another process (the engine's, whose current device starts at 0) would read differently."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def device_memory_metric_names(phase: str) -> tuple[str, str]:
+    """(this process's reserved memory, the whole device's used memory) after `phase`, in GB."""
+    return f"perf/device_mem_after_{phase}_gb", f"perf/device_mem_used_after_{phase}_gb"
+
+
+def device_memory_metrics(device: torch.device, phase: str) -> dict[str, float]:
+    """Device memory after `phase`, on CUDA; {} elsewhere (a host has no such budget to share).
+
+    `perf/device_mem_after_<phase>_gb`: what this process's caching allocator holds from the driver
+    (tensors + cache; reserved, not allocated: what another process cannot have).
+    `perf/device_mem_used_after_<phase>_gb`: the whole device's used memory (total - free, from the
+    driver), so an engine in its own process, its CUDA context and any other tenant are counted too.
+    """
+    if device.type != "cuda":
+        return {}
+    reserved_name, used_name = device_memory_metric_names(phase)
+    free, total = torch.cuda.mem_get_info(device)
+    return {reserved_name: torch.cuda.memory_reserved(device) / GB, used_name: (total - free) / GB}
+
+
+def sampler(device: torch.device, seed: int) -> torch.Generator:
+    """The rollout's random stream: a generator on the engine's device, so tokens are drawn where the
+    probabilities are (a CPU generator would copy [batch, vocab] to the host every token)."""
+    return torch.Generator(device=device).manual_seed(seed)
