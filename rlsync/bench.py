@@ -103,22 +103,23 @@ class CopyProbe:
     On a shared machine the memory bandwidth drifts with the neighbours' load (the limit measured
     once at setup varied 2x between runs here), so each repeat is compared with a copy timed next
     to it: the ratio then speaks about the update, not about the load. Same formulas as
-    rlsync.limits (read + written bytes over the same-memory copy bandwidth; the engine's bytes
-    over the host->device bandwidth for `source=host` on a GPU); buffers allocated and touched once.
+    rlsync.limits (read + written bytes over the same-memory copy bandwidth; the host copy's bytes,
+    as they cross the link, over the host->device bandwidth for `source=host` on a GPU); buffers
+    allocated and touched once.
     """
 
     def __init__(self, device: torch.device, *, update_bytes: int, read_bytes: int, source: str):
-        from rlsync.limits import PROBE_CAP_BYTES
+        from rlsync.limits import PROBE_CAP_BYTES, crosses_host_link, update_floor_bytes
 
         self.device = device
-        host_link = source == "host" and device.type == "cuda"
+        host_link = crosses_host_link(source, device.type)
         n = max(MIB, min(update_bytes, PROBE_CAP_BYTES))
         self.src = torch.empty(n, dtype=torch.uint8, device="cpu" if host_link else device, pin_memory=host_link)
         self.src.fill_(1)
         self.dst = torch.empty(n, dtype=torch.uint8, device=device)
         self.dst.copy_(self.src)
         self.moved = n if host_link else 2 * n  # bytes per copy, counted as the bandwidth is
-        self.floor_bytes = update_bytes if host_link else read_bytes + update_bytes
+        self.floor_bytes = update_floor_bytes(read_bytes, update_bytes, source=source, device_type=device.type)
 
     def limit_time(self, tries: int = 3) -> float:
         from rlsync.sync.threads import cpu_threads
