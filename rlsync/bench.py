@@ -52,13 +52,14 @@ class UpdateTarget:
         from rlsync.sync import open_engine, plan_for
 
         self.cfg, self.device = cfg, device
-        self.engine = None
+        self.engine = self.offloader = None
         t0 = time.perf_counter()
         model = build_model(cfg.model, dtype=torch_dtype(cfg.trainer.dtype), device=device, seed=cfg.run.seed)
         self.weights = named_weights(model)
         self.source = self.weights
         if cfg.update.source == "host":  # the runner's path: the offloader's host copies (pinned on CUDA)
-            self.offloader = Offloader(model, None, mode="full", device=device)
+            self.offloader = Offloader(model, None, mode="full", device=device,
+                                       pin_chunk_bytes=int(cfg.trainer.offload_pin_chunk_mb * MIB))
             self.offloader.sleep()
             self.source = self.offloader.host_weights(self.weights)
         self.buckets = plan_for(self.weights, cfg.update, torch_dtype(cfg.rollout.dtype))
@@ -95,6 +96,10 @@ class UpdateTarget:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        if self.offloader is not None:  # source=host: its pinned twin goes back before the next sweep job
+            self.source = None
+            self.offloader.close()
+            self.offloader = None
 
 
 class CopyProbe:

@@ -124,6 +124,7 @@ def value_rules() -> dict[str, Rule]:
         "trainer.offload": one_of(OFFLOAD_MODES),
         "trainer.offload_memory": one_of(OFFLOAD_MEMORY),
         "trainer.offload_segment_mb": above(0, "MiB"),
+        "trainer.offload_pin_chunk_mb": above(0, "MiB"),
         "trainer.offload_free_device": ANY,
         "trainer.grad_clip": above(0),
         "run.steps": at_least(1),
