@@ -205,7 +205,10 @@ class Experiment:
             if cfg.update.source == "host":  # the reference system's colocated order: offload, then update
                 self.trainer_sleep(watch, metrics)
             if cfg.update.enabled and dp.is_main:
-                if cfg.rollout.release_weights:  # the update writes into the engine's weights: allocate them first
+                # The update writes into the engine's weights: allocate them first (release_weights), or
+                # (vLLM on CUDA) wake them, since vLLM's sleep always takes them off the device (level 1
+                # copies them back here: timed as the engine's resume, not inside the update).
+                if cfg.rollout.release_weights or cfg.rollout.engine == "vllm":
                     with watch("engine_resume"):
                         engine.resume()
                 with watch("update_weights"):
