@@ -53,13 +53,14 @@ class UpdateTarget:
         from rlsync.sync import open_engine, plan_for
 
         self.cfg, self.device = cfg, device
-        self.engine = None
+        self.engine = self.offloader = None
         t0 = time.perf_counter()
         model = build_model(cfg.model, dtype=torch_dtype(cfg.trainer.dtype), device=device, seed=cfg.run.seed)
         self.weights = named_weights(model)
         self.source = self.weights
         if cfg.update.source == "host":  # the runner's path: the offloader's host copies (pinned on CUDA)
-            self.offloader = Offloader(model, None, mode="full", device=device)
+            self.offloader = Offloader(model, None, mode="full", device=device,
+                                       pin_chunk_bytes=int(cfg.trainer.offload_pin_chunk_mb * MIB))
             self.offloader.sleep()
             self.source = self.offloader.host_weights(self.weights)
         self.buckets = plan_for(self.weights, cfg.update, torch_dtype(cfg.rollout.dtype))
@@ -96,6 +97,10 @@ class UpdateTarget:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        if self.offloader is not None:  # source=host: its pinned twin goes back before the next sweep job
+            self.source = None
+            self.offloader.close()
+            self.offloader = None
 
 
 class CopyProbe:
@@ -104,22 +109,23 @@ class CopyProbe:
     On a shared machine the memory bandwidth drifts with the neighbours' load (the limit measured
     once at setup varied 2x between runs here), so each repeat is compared with a copy timed next
     to it: the ratio then speaks about the update, not about the load. Same formulas as
-    rlsync.limits (read + written bytes over the same-memory copy bandwidth; the engine's bytes
-    over the host->device bandwidth for `source=host` on a GPU); buffers allocated and touched once.
+    rlsync.limits (read + written bytes over the same-memory copy bandwidth; the host copy's bytes,
+    as they cross the link, over the host->device bandwidth for `source=host` on a GPU); buffers
+    allocated and touched once.
     """
 
     def __init__(self, device: torch.device, *, update_bytes: int, read_bytes: int, source: str):
-        from rlsync.limits import PROBE_CAP_BYTES
+        from rlsync.limits import PROBE_CAP_BYTES, crosses_host_link, update_floor_bytes
 
         self.device = device
-        host_link = source == "host" and device.type == "cuda"
+        host_link = crosses_host_link(source, device.type)
         n = max(MIB, min(update_bytes, PROBE_CAP_BYTES))
         self.src = torch.empty(n, dtype=torch.uint8, device="cpu" if host_link else device, pin_memory=host_link)
         self.src.fill_(1)
         self.dst = torch.empty(n, dtype=torch.uint8, device=device)
         self.dst.copy_(self.src)
         self.moved = n if host_link else 2 * n  # bytes per copy, counted as the bandwidth is
-        self.floor_bytes = update_bytes if host_link else read_bytes + update_bytes
+        self.floor_bytes = update_floor_bytes(read_bytes, update_bytes, source=source, device_type=device.type)
 
     def limit_time(self, tries: int = 3) -> float:
         from rlsync.sync.threads import cpu_threads

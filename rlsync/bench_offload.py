@@ -28,7 +28,7 @@ import torch
 
 from rlsync.config import MIB, ModelConfig
 from rlsync.devices import device_memory_metrics
-from rlsync.offload import Offloader, link_metrics
+from rlsync.offload import PIN_CHUNK_BYTES, Offloader, empty_host_cache, link_metrics
 from rlsync.timing import Stopwatch, synchronize
 
 STATES = ("trainer", "params")
@@ -72,7 +72,7 @@ class OffloadState:
 
     def __init__(self, model_cfg: ModelConfig, *, device: torch.device, trainer_dtype: str = "float32",
                  mode: str = "full", state: str = "trainer", memory: str = "auto", segment_bytes: int = 128 * MIB,
-                 free_device: bool | None = None, seed: int = 0):
+                 free_device: bool | None = None, seed: int = 0, pin_chunk_bytes: int = PIN_CHUNK_BYTES):
         from rlsync.errors import ConfigError
         from rlsync.limits import Limits
         from rlsync.models import build_model, torch_dtype
@@ -90,7 +90,7 @@ class OffloadState:
         self.limits = Limits(device, update_bytes=weight_bytes, state_bytes=weight_bytes * (4 if state == "trainer" else 1))
         self.optimizer = torch.optim.AdamW(weights, lr=1e-5) if state == "trainer" else None
         self.offloader = Offloader(self.model, self.optimizer, mode=mode, device=device, memory=memory,
-                                   segment_bytes=segment_bytes, free_device=free_device)
+                                   segment_bytes=segment_bytes, free_device=free_device, pin_chunk_bytes=pin_chunk_bytes)
         fill_state_(self.model, self.optimizer)
         self.probe = LinkProbe(device)
         self.setup = {
@@ -121,6 +121,7 @@ class OffloadState:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        empty_host_cache(self.device)  # the twin's pinned chunks, cached by torch until handed back
 
 
 @torch.no_grad()
@@ -193,7 +194,8 @@ class OffloadTarget:
         self.state = OffloadState(cfg.model, device=device, trainer_dtype=cfg.trainer.dtype, mode=cfg.trainer.offload,
                                   state=cfg.bench.offload_state, memory=cfg.trainer.offload_memory,
                                   segment_bytes=int(cfg.trainer.offload_segment_mb * MIB),
-                                  free_device=cfg.trainer.offload_free_device, seed=cfg.run.seed)
+                                  free_device=cfg.trainer.offload_free_device, seed=cfg.run.seed,
+                                  pin_chunk_bytes=int(cfg.trainer.offload_pin_chunk_mb * MIB))
         self.setup = self.state.setup
 
     def repeat(self) -> dict[str, float]:

@@ -72,6 +72,7 @@ class TrainerConfig:
     offload: str = "full"  # full: params, grads, optimizer state to host after the step | drop_grads: not the grads (zeroed on wake-up) | none
     offload_memory: str = "auto"  # twin: persistent (pinned) host copy, on a CPU the state twice | move: segment by segment, the state once | auto: move on a CPU, twin on CUDA
     offload_segment_mb: float = 128.0  # move: largest segment in MiB (a bigger tensor is its own); one spare buffer per segment size
+    offload_pin_chunk_mb: float = 1024.0  # twin: the host copy is allocated (pinned on CUDA) in chunks of at most this many MiB (a bigger tensor is its own); a power of two wastes nothing to torch's rounding
     offload_free_device: Optional[bool] = None  # free what stays on the device while asleep (twin: its copy; move: dropped grads); null: on CUDA only (re-faulting CPU pages costs more than the copy)
     grad_clip: float = 1.0  # max grad norm
 

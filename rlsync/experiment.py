@@ -61,6 +61,7 @@ class Experiment:
         self.device = self.dp.device(resolve_device(cfg.run.device))
         self.setup_info: dict = {}
         self.limits: Limits | None = None  # the copy floors, measured by rank 0 in setup()
+        self.offloader: Offloader | None = None  # set by setup()
 
     def run(self, wb) -> dict:
         cfg = self.cfg
@@ -93,6 +94,8 @@ class Experiment:
                 console.close()
                 metrics_file.close()
                 close_error = close_engine(self.engine)
+                if self.offloader is not None:  # its pinned twin goes back: a sweep's next job pins its own
+                    self.offloader.close()
                 result = self.write_summary()
                 wb.summarize(result)
                 if self.rows and recording:
@@ -123,7 +126,8 @@ class Experiment:
                                grad_sync=self.dp.all_reduce_grads if self.dp.enabled else None)
         self.offloader = Offloader(model, self.trainer.optimizer, mode=cfg.trainer.offload, device=device,
                                    memory=cfg.trainer.offload_memory, segment_bytes=int(cfg.trainer.offload_segment_mb * MIB),
-                                   free_device=cfg.trainer.offload_free_device)
+                                   free_device=cfg.trainer.offload_free_device,
+                                   pin_chunk_bytes=int(cfg.trainer.offload_pin_chunk_mb * MIB))
         self.weights = named_weights(model)
         engine = self.open_engine(allowed) if self.dp.is_main else None  # rank 0 owns the engine and the update
         build_time = time.perf_counter() - t0
@@ -203,7 +207,10 @@ class Experiment:
             if cfg.update.source == "host":  # the reference system's colocated order: offload, then update
                 self.trainer_sleep(watch, metrics)
             if cfg.update.enabled and dp.is_main:
-                if cfg.rollout.release_weights:  # the update writes into the engine's weights: allocate them first
+                # The update writes into the engine's weights: allocate them first (release_weights), or
+                # (vLLM on CUDA) wake them, since vLLM's sleep always takes them off the device (level 1
+                # copies them back here: timed as the engine's resume, not inside the update).
+                if cfg.rollout.release_weights or cfg.rollout.engine == "vllm":
                     with watch("engine_resume"):
                         engine.resume()
                 with watch("update_weights"):

@@ -69,6 +69,26 @@ def copy_bandwidth(nbytes: int, *, src: torch.device, dst: torch.device, repeats
 PROBES = ("every_step", "start")  # run.limit_probe: when the runner measures the floors
 
 
+def crosses_host_link(source: str, device_type: str) -> bool:
+    """Whether the update's bytes cross the host->device link: from the offloaded host copy to a GPU."""
+    return source == "host" and device_type == "cuda"
+
+
+def update_floor_bytes(read_bytes: int, written_bytes: int, *, source: str, device_type: str) -> int:
+    """The bytes the update's floor counts on its path.
+
+    Same memory (a device source, or any CPU run): the copy reads the trainer's bytes and writes the
+    engine's. Host source on a GPU: the link carries the host copy's own bytes, in the trainer's dtype
+    (fp32: twice the engine's bf16). Every transport copies from the host views with non_blocking=True,
+    and PyTorch then sends the source dtype over PCIe and converts on the device (Copy.cu,
+    copy_kernel_cuda: "If non_blocking is true - type conversions are performed on the GPU"); a
+    blocking copy would convert on the CPU into pageable memory instead, and stage it.
+    """
+    if crosses_host_link(source, device_type):
+        return read_bytes
+    return read_bytes + written_bytes
+
+
 class Limits:
     """Bandwidths measured in the run: the floor every phase is reported against.
 
@@ -95,11 +115,10 @@ class Limits:
             self.to_host = self.to_device = copy / 2
 
     def update_time(self, read_bytes: int, written_bytes: int, *, source: str = "device") -> float:
-        """Floor of a weight update. From a host copy on a GPU the engine's bytes must cross the
-        host->device link at least once; everywhere else it is a same-memory copy (read + write)."""
-        if source == "host" and self.device.type == "cuda":
-            return written_bytes / self.to_device
-        return (read_bytes + written_bytes) / self.device_copy
+        """Floor of a weight update: `update_floor_bytes` over the bandwidth of its path (the pinned
+        host->device copy for a host source on a GPU, the same-memory copy everywhere else)."""
+        nbytes = update_floor_bytes(read_bytes, written_bytes, source=source, device_type=self.device.type)
+        return nbytes / (self.to_device if crosses_host_link(source, self.device.type) else self.device_copy)
 
     def as_dict(self) -> dict[str, float]:
         return {"device_copy_gbps": self.device_copy / 1e9, "to_host_gbps": self.to_host / 1e9,

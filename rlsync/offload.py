@@ -12,7 +12,13 @@ state).
 Two ways to hold the state (`memory`, the config's trainer.offload_memory; `auto` picks per device):
 
 - `twin` (auto on CUDA): one segment per dtype, and a persistent host twin of it, allocated and
-  touched once (pinned on CUDA) and reused every step. Sleep is one asynchronous copy per dtype and
+  touched once (pinned on CUDA) and reused every step. The twin is allocated in chunks of at most
+  `pin_chunk_bytes` (1 GiB by default), cut at tensor boundaries, as checkpoint-engine pins its
+  host buckets (pin_memory.py: buckets of max(4 GiB, largest tensor), never splitting a tensor):
+  PyTorch's caching host allocator rounds every pinned block up to a power of two and keeps it
+  cached for the life of the process (CachingHostAllocator: `PowerOf2Ceil`), so one 9.5 GB twin
+  pins 16 GiB, and one huge cudaHostAlloc is slow and holds the driver's lock. `empty_host_cache`
+  hands freed blocks back between jobs. Sleep is one asynchronous copy per chunk and
   a single synchronize; on CUDA the device storage is then resized to 0 (every view stays valid
   metadata) and the allocator's cache emptied, so the engine really gets the memory; wake-up
   re-allocates the same storage and copies back. Cost: host memory = the whole travelling state, all
@@ -42,7 +48,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -54,6 +60,7 @@ from rlsync.timing import synchronize
 OFFLOAD_MODES = ("none", "full", "drop_grads")
 OFFLOAD_MEMORY = ("auto", "twin", "move")
 MIB = 2**20
+PIN_CHUNK_BYTES = 1024 * MIB  # a power of two: the caching host allocator rounds each chunk up to one
 
 
 def validate_mode(mode: str) -> str:
@@ -83,6 +90,35 @@ def plan_segments(sizes: Sequence[int], cap: int | None) -> list[list[int]]:
     return greedy_groups(list(sizes), cap)
 
 
+def plan_pin_chunks(sizes: Sequence[int], cap: int) -> list[tuple[int, int]]:
+    """Byte ranges [start, end) covering a segment whose tensors take `sizes` bytes (in order): chunks
+    of at most `cap` bytes, cut between tensors (a tensor over the cap is a chunk of its own: the
+    update reads each tensor as one view of the host copy)."""
+    if cap <= 0:
+        raise ValueError(f"cap must be > 0 bytes, got {cap}")
+    ranges, start = [], 0
+    for group in greedy_groups(list(sizes), cap):
+        end = start + sum(sizes[i] for i in group)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def empty_host_cache(device: torch.device) -> None:
+    """Hand the caching host allocator's free pinned blocks back to the driver (CUDA only).
+
+    Freed pinned memory stays cached for the process otherwise: in a sweep the next job would pin
+    beside the last one's twin. `torch.accelerator.empty_host_cache` (torch >= 2.10), else the
+    private `torch._C._host_emptyCache` (torch 2.5+; vLLM's gpu_worker calls it when it sleeps).
+    """
+    if device.type != "cuda" or not torch.cuda.is_initialized():
+        return
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or \
+        getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
+
+
 @dataclass
 class Slot:
     """Where one tensor lives in its segment."""
@@ -90,6 +126,18 @@ class Slot:
     tensor: torch.Tensor
     offset: int  # elements from the segment's start
     shape: torch.Size
+
+
+@dataclass
+class TwinChunk:
+    """One pinned (CUDA) or plain host allocation of a segment's twin: bytes [start, start + len)."""
+
+    start: int  # bytes from the segment's start
+    host: torch.Tensor  # uint8
+
+    @property
+    def end(self) -> int:
+        return self.start + self.host.numel()
 
 
 @dataclass
@@ -102,7 +150,7 @@ class Segment:
     numel: int
     capacity: int  # bytes of its buffer (>= nbytes: move mode rounds segments up to shared sizes)
     buffer: torch.Tensor | None = None  # uint8 [capacity]: where the tensors live now
-    twin: torch.Tensor | None = None  # uint8 [nbytes]: twin mode's persistent host copy
+    twin: list[TwinChunk] = field(default_factory=list)  # twin mode's persistent host copy, chunked
 
     @property
     def nbytes(self) -> int:
@@ -113,6 +161,16 @@ class Segment:
 
     def view(self, buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
         return self.typed(buffer)[slot.offset : slot.offset + slot.shape.numel()].view(slot.shape)
+
+    def slot_bytes(self) -> list[int]:
+        return [slot.shape.numel() * self.dtype.itemsize for slot in self.slots]
+
+    def twin_view(self, slot: Slot) -> torch.Tensor:
+        """The tensor of `slot` in the host twin: a view of the one chunk that holds it."""
+        start = slot.offset * self.dtype.itemsize
+        chunk = next(c for c in self.twin if c.start <= start < c.end)
+        nbytes = slot.shape.numel() * self.dtype.itemsize
+        return chunk.host[start - chunk.start : start - chunk.start + nbytes].view(self.dtype).view(slot.shape)
 
     def point_at(self, buffer: torch.Tensor) -> None:
         """Make `buffer` the segment's home: every tensor (same object) now views it."""
@@ -174,7 +232,7 @@ class Offloader:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, mode: str,
                  device: torch.device, memory: str = "auto", segment_bytes: int = 128 * MIB,
-                 free_device: bool | None = None):
+                 free_device: bool | None = None, pin_chunk_bytes: int = PIN_CHUNK_BYTES):
         self.model, self.optimizer, self.device = model, optimizer, device
         self.mode = validate_mode(mode)
         self.memory = resolve_memory(memory, device)
@@ -183,6 +241,11 @@ class Offloader:
 
             raise ConfigError("trainer.offload_segment_mb", segment_bytes / MIB, "a number > 0 (MiB)", "out of range")
         self.segment_bytes = segment_bytes
+        if pin_chunk_bytes <= 0:
+            from rlsync.errors import ConfigError
+
+            raise ConfigError("trainer.offload_pin_chunk_mb", pin_chunk_bytes / MIB, "a number > 0 (MiB)", "out of range")
+        self.pin_chunk_bytes = pin_chunk_bytes
         # what does not travel (twin: the whole device side; move: dropped gradients) is freed while asleep
         self.free_device = device.type == "cuda" if free_device is None else free_device
         self.pinned = device.type == "cuda" and self.memory == "twin"
@@ -202,13 +265,15 @@ class Offloader:
         self._first_touch()
         touched = time.perf_counter()
         spare_bytes = sum(b.numel() for bufs in self.spares.values() for b in bufs)
-        twin_bytes = sum(s.nbytes for s in self.segments if s.twin is not None)
+        twin_bytes = sum(c.host.numel() for s in self.segments for c in s.twin)
         touched_bytes = spare_bytes + twin_bytes
         self.info.update({
             "memory": self.memory, "free_device": self.free_device, "pinned": self.pinned,
             "dtypes": list(dict.fromkeys(str(s.dtype).removeprefix("torch.") for s in self.segments)),
             "segments": len(self.segments), "largest_segment_bytes": max(s.nbytes for s in self.segments),
             "segment_cap_bytes": self.segment_bytes if self.memory == "move" else None,
+            "twin_chunks": sum(len(s.twin) for s in self.segments),  # host allocations (pinned on CUDA)
+            "largest_twin_chunk_bytes": max((c.host.numel() for s in self.segments for c in s.twin), default=0),
             "device_bytes": self.state_bytes,
             "host_bytes": sum(s.nbytes for s in self.segments if s.travels),  # on the host while asleep
             # memory beyond the state itself: the host twins, or move's spares and segment slack
@@ -267,8 +332,9 @@ class Offloader:
         if self.memory == "twin":
             for s in self.segments:
                 if s.travels:
-                    s.twin = torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=self.pinned)
-                    s.twin.zero_()
+                    for start, end in plan_pin_chunks(s.slot_bytes(), self.pin_chunk_bytes):
+                        s.twin.append(TwinChunk(start, torch.empty(end - start, dtype=torch.uint8, pin_memory=self.pinned)))
+                        s.twin[-1].host.zero_()
         elif self.reuse:
             for capacity in dict.fromkeys(s.capacity for s in self.segments if s.travels):
                 self.spares[capacity].append(torch.zeros(capacity, dtype=torch.uint8))
@@ -300,8 +366,8 @@ class Offloader:
             return 0
         if self.memory == "twin":
             for s in self.segments:
-                if s.travels:
-                    s.twin.copy_(s.buffer[: s.nbytes], non_blocking=self.pinned)
+                for c in s.twin if s.travels else []:
+                    c.host.copy_(s.buffer[c.start : c.end], non_blocking=self.pinned)
             synchronize(self.device)
         else:
             for s in (s for s in self.segments if s.travels):
@@ -331,7 +397,8 @@ class Offloader:
             if not s.travels:
                 s.typed(s.buffer).zero_()  # dropped gradients: the next backward rebuilds them
             elif self.memory == "twin":
-                s.buffer[: s.nbytes].copy_(s.twin, non_blocking=self.pinned)
+                for c in s.twin:
+                    s.buffer[c.start : c.end].copy_(c.host, non_blocking=self.pinned)
             else:
                 destination = self._take(s.capacity, self.device)
                 destination[: s.nbytes].copy_(s.buffer[: s.nbytes])
@@ -350,8 +417,14 @@ class Offloader:
         out = {}
         for name, t in weights.items():
             segment, slot = self.slots[id(t)]
-            out[name] = segment.view(segment.twin if segment.twin is not None else segment.buffer, slot)
+            out[name] = segment.twin_view(slot) if segment.twin else segment.view(segment.buffer, slot)
         return out
+
+    def close(self) -> None:
+        """Drop the host twins and hand their pinned blocks back (a sweep's next job pins its own)."""
+        for s in self.segments:
+            s.twin = []
+        empty_host_cache(self.device)
 def device_memory_gb(device: torch.device) -> float | None:
     """Device memory this process holds from the driver (tensors + allocator cache), in GB; None off CUDA.
 

@@ -124,6 +124,7 @@ def value_rules() -> dict[str, Rule]:
         "trainer.offload": one_of(OFFLOAD_MODES),
         "trainer.offload_memory": one_of(OFFLOAD_MEMORY),
         "trainer.offload_segment_mb": above(0, "MiB"),
+        "trainer.offload_pin_chunk_mb": above(0, "MiB"),
         "trainer.offload_free_device": ANY,
         "trainer.grad_clip": above(0),
         "run.steps": at_least(1),
@@ -243,6 +244,10 @@ def check_vllm(cfg) -> None:
     if update.transport == "broadcast":
         raise ConfigError("update.transport", update.transport, "direct, ipc (vLLM takes the engine process's default "
                           "torch.distributed group, which broadcast needs for its own)", "not supported with rollout.engine=vllm")
+    if update.strategy == "vllm_ipc":  # the installed vLLM's weight-transfer API, in the form rlsync calls it
+        from rlsync.vllm_engine import check_vllm_ipc_api
+
+        check_vllm_ipc_api()
     if update.strategy == "vllm_ipc" and (cfg.run.device == "cpu" or not cuda_present()):
         raise ConfigError("update.strategy", update.strategy, "bucketed, per_tensor (vLLM's own transfer needs CUDA; "
                           "not available on this machine)", "not available")

@@ -21,16 +21,29 @@ How it is driven, and why:
   (`logprobs_mode="processed_logprobs"`): after the allowed-ids mask and the temperature, the same
   rules as `rlsync.rollout.token_logprobs`, so `train/logprob_abs_diff` compares like with like.
 
-On CUDA only (untested here, this machine has no GPU): release/resume through vLLM's sleep levels,
-and vLLM's own trainer-to-engine weight transfer as `update.strategy=vllm_ipc` (see the end).
+On CUDA only (verified by reading, never run: vLLM cannot be installed on the GPU machine rlsync is
+checked on): release/resume through vLLM's sleep levels, the start-up memory budget, and vLLM's own
+trainer-to-engine weight transfer as `update.strategy=vllm_ipc` (see the end).
+- Memory: vLLM's start-up check wants `free >= gpu_memory_utilization x total` (vllm/v1/worker/
+  utils.py, request_memory), and the trainer's state is on the device already, so the utilization is
+  computed from `torch.cuda.mem_get_info()` (`gpu_memory_utilization`); the KV cache is sized by
+  `kv_cache_memory_bytes`, which vLLM then uses instead of the utilization.
+- Sleep: level 2 (drop the weights) with `rollout.release_weights=true`, which the validation allows
+  only when every update refills every weight; level 1 otherwise (weights kept on the host). Either
+  way the weights are asleep after `release`, so the runner wakes them before the update and times
+  that as `engine_resume` (level 1 copies the old weights back there, not inside the update).
+- Sleep mode holds one engine per process (vLLM's CuMem allocator: "can only be used for one
+  instance per process"): a second in-process engine on CUDA is refused in one line
+  (`check_sleep_mode`); a sweep runs each job in its own process (hydra/launcher=local) or uses ipc.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -42,6 +55,114 @@ PROMPT_ESTIMATE = 128  # tokens per prompt when sizing the KV cache (the built-i
 MIN_KV_CACHE_BYTES = 64 << 20  # vLLM needs room for a few blocks even for the tiny model
 SEED = 0  # vLLM's own seed; sampling is seeded per request from rlsync's generator
 NATIVE_STRATEGIES = ("vllm_ipc",)  # update.strategy values that use vLLM's own weight transfer (CUDA)
+MEMORY_SLACK = 0.95  # of the free device memory, offered to vLLM's start-up check (the rest: what moves meanwhile)
+VLLM_IPC_RANGE = ((0, 32), (0, 33))  # [from, to) vLLM minor versions vllm_ipc's API calls follow (pyproject's gpu extra)
+_sleep_mode_engines = 0  # vLLM engines with sleep mode started in this process (one allowed)
+
+
+def gpu_memory_utilization(free_bytes: int, total_bytes: int, *, need_bytes: int, slack: float = MEMORY_SLACK) -> float:
+    """The `gpu_memory_utilization` vLLM can start with beside the trainer: `slack` of what is free now.
+
+    vLLM refuses to start unless free >= ceil(utilization x total) (request_memory); its own colocate
+    example passes a small fixed value instead, which fails or wastes memory depending on the model.
+    Rounded down to 1/1000. `need_bytes` (weights + KV cache) must fit in it, or this says so.
+    """
+    if total_bytes <= 0:
+        raise ValueError(f"total device memory must be > 0, got {total_bytes}")
+    budget = free_bytes * slack
+    if budget < need_bytes:
+        from rlsync.errors import RlsyncError
+
+        raise RlsyncError(f"rollout.engine=vllm: {free_bytes / 2**30:.2f} GiB of {total_bytes / 2**30:.2f} GiB are free "
+                          f"on the device, the engine needs about {need_bytes / 2**30:.2f} GiB (weights and KV cache): "
+                          "free memory first (trainer.offload, a smaller model, shorter answers)")
+    return max(0.001, math.floor(budget / total_bytes * 1000) / 1000)
+
+
+def sleep_mode_refusal(*, device_type: str, native: bool, started_before: int) -> str | None:
+    """Why a vLLM engine cannot start in this process, or None. On CUDA it runs with sleep mode, whose
+    allocator serves one engine per process (gpu_worker.py asserts it); `native` (vllm_ipc) runs the
+    engine core in a process of its own, and the CPU backend has no sleep mode."""
+    if device_type != "cuda" or native or started_before == 0:
+        return None
+    return ("rollout.engine=vllm on CUDA: vLLM's sleep mode allows one engine per process and this process "
+            "started one already (an earlier job of this sweep); run each job in its own process "
+            "(hydra/launcher=local) or use update.transport=ipc")
+
+
+def check_sleep_mode(device_type: str, native: bool) -> None:
+    """Before starting an engine: refuse a second sleep-mode engine in this process in one line (BadInput)."""
+    reason = sleep_mode_refusal(device_type=device_type, native=native, started_before=_sleep_mode_engines)
+    if reason:
+        from rlsync.errors import BadInput
+
+        raise BadInput(reason)
+
+
+def count_sleep_mode(device_type: str, native: bool) -> None:
+    """After an engine started: one more sleep-mode engine in this process (its allocator keeps the pool)."""
+    global _sleep_mode_engines
+    if device_type == "cuda" and not native:
+        _sleep_mode_engines += 1
+
+
+def vllm_ipc_refusal(version: str, missing: Sequence[str]) -> str | None:
+    """Why `update.strategy=vllm_ipc` cannot run with vLLM `version` lacking `missing` API names, or None.
+
+    vLLM's weight-transfer API changed shape between releases (IPCTrainerInitInfo(packed=...),
+    trainer_init(init_info, client=, source=) are recent); rlsync calls it in the form of
+    VLLM_IPC_RANGE and refuses others rather than fail inside the first update.
+    """
+    from packaging.version import InvalidVersion, Version
+
+    (lo, hi), wanted = VLLM_IPC_RANGE, "vllm>={}.{},<{}.{}".format(*VLLM_IPC_RANGE[0], *VLLM_IPC_RANGE[1])
+    try:
+        release = Version(version).release[:2]
+    except InvalidVersion:
+        release = None
+    if release is None or not lo <= release < hi:
+        return f"the installed vllm {version} is outside {wanted}, the weight-transfer API rlsync calls"
+    if missing:
+        return f"the installed vllm {version} lacks {', '.join(missing)} (rlsync calls vLLM's weight transfer as {wanted} has it)"
+    return None
+
+
+def vllm_ipc_api_missing() -> list[str]:
+    """The parts of vLLM's weight-transfer API that `vllm_ipc_update` calls and the installed vLLM lacks."""
+    import dataclasses
+    import inspect
+
+    try:
+        from vllm import LLM
+        from vllm.config import WeightTransferConfig  # noqa: F401
+        from vllm.distributed.weight_transfer import base, ipc_engine
+    except ImportError as err:
+        return [f"vllm.distributed.weight_transfer ({type(err).__name__}: {err})"]
+    missing = [f"LLM.{m}" for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                                     "finish_weight_update") if not hasattr(LLM, m)]
+    missing += [f"weight_transfer.base.{n}" for n in ("WeightSource", "ParamMeta", "WeightTransferInitRequest",
+                                                      "WeightTransferUpdateRequest") if not hasattr(base, n)]
+    info = getattr(ipc_engine, "IPCTrainerInitInfo", None)
+    fields = {f.name for f in dataclasses.fields(info)} if info is not None and dataclasses.is_dataclass(info) else set()
+    missing += [f"IPCTrainerInitInfo({f}=...)" for f in ("rank", "packed", "packed_buffer_size_bytes") if f not in fields]
+    engine = getattr(ipc_engine, "IPCTrainerWeightTransferEngine", None)
+    params = inspect.signature(engine.trainer_init).parameters if hasattr(engine, "trainer_init") else {}
+    missing += [f"IPCTrainerWeightTransferEngine.trainer_init({p}=)" for p in ("client", "source") if p not in params]
+    if engine is not None and not hasattr(engine, "send_weights"):
+        missing.append("IPCTrainerWeightTransferEngine.send_weights")
+    return missing
+
+
+def check_vllm_ipc_api() -> None:
+    """Refuse `update.strategy=vllm_ipc` with a vLLM whose weight-transfer API is not the one called here."""
+    import vllm
+
+    reason = vllm_ipc_refusal(vllm.__version__, vllm_ipc_api_missing())
+    if reason:
+        from rlsync.errors import ConfigError
+
+        raise ConfigError("update.strategy", "vllm_ipc", "bucketed, per_tensor (vLLM's reload path), or install the "
+                          "gpu extra: pip install -e '.[gpu]'", reason)
 
 
 def unavailable_reason() -> str | None:
@@ -129,6 +250,15 @@ def model_config(model_cfg: ModelConfig, dtype: torch.dtype):
     return config
 
 
+def weight_bytes(config, dtype: torch.dtype) -> int:
+    """The engine's weights in `dtype`, counted on the meta device (no memory): for the memory budget."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters()) * dtype.itemsize  # parameters() counts a tied one once
+
+
 def write_model_dir(config) -> tempfile.TemporaryDirectory:
     """A directory with only the config.json vLLM needs (load_format="dummy": the weights come later)."""
     folder = tempfile.TemporaryDirectory(prefix="rlsync-vllm-")
@@ -165,15 +295,20 @@ class VLLMEngine:
         self.sleep_level = 2 if rollout_cfg.release_weights else 1  # 2 drops the weights, the update refills
         if self.native:
             cuda_only(f"update.strategy={strategy}")
+            check_vllm_ipc_api()
+        check_sleep_mode(device.type, self.native)
         if device.type == "cuda" and device.index not in (None, 0):
             raise ValueError(f"run.device={device}: rollout.engine=vllm uses the first visible GPU; "
                              "set CUDA_VISIBLE_DEVICES instead")
         config = model_config(model_cfg, dtype)
         self.model_dir = write_model_dir(config)
-        self.llm = self._start(rollout_cfg, kv_bytes=kv_cache_bytes(config, rollout_cfg, dtype))
+        kv_bytes = kv_cache_bytes(config, rollout_cfg, dtype)
+        need = kv_bytes + weight_bytes(config, dtype) if device.type == "cuda" else 0  # the CUDA memory budget
+        self.llm = self._start(rollout_cfg, kv_bytes=kv_bytes, need_bytes=need)
+        count_sleep_mode(device.type, self.native)
         self.fused = FusedLayers(self.llm.collective_rpc(_packed_modules)[0]) if not self.native else None
 
-    def _start(self, rollout_cfg: RolloutConfig, *, kv_bytes: int):
+    def _start(self, rollout_cfg: RolloutConfig, *, kv_bytes: int, need_bytes: int):
         # The transport decides the process boundary; vllm_ipc measures vLLM's own (engine core in its process).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.native else "0"
         # vLLM drops torch to one thread "for serving" unless OMP_NUM_THREADS is set; the trainer shares
@@ -185,6 +320,8 @@ class VLLMEngine:
         options = {}
         if self.device.type == "cuda":
             options["enable_sleep_mode"] = True
+            free, total = torch.cuda.mem_get_info(self.device)
+            options["gpu_memory_utilization"] = gpu_memory_utilization(free, total, need_bytes=need_bytes)
             if self.native:
                 from vllm.config import WeightTransferConfig
 

@@ -12,7 +12,7 @@ from conftest import FAST, ROOT, read_jsonl, run_cli
 from rlsync.config import ModelConfig, TrainerConfig
 from rlsync.errors import ConfigError
 from rlsync.models import build_model
-from rlsync.offload import Offloader, plan_segments, resolve_memory
+from rlsync.offload import Offloader, empty_host_cache, plan_pin_chunks, plan_segments, resolve_memory
 from rlsync.rollout import Generation
 from rlsync.trainer import Trainer
 
@@ -95,6 +95,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 SEGMENT = 40 * 1024  # bytes: TINY's embedding (75 KiB) is over it, so move mode has oversized and packed segments
+# (and twin's host copy, pinned in chunks of at most this, has oversized and packed chunks too)
 # (memory, mode, free_device): twin as on CUDA and as on a CPU; move, the CPU default, with and without dropped grads
 LAYOUTS = [("twin", "full", False), ("twin", "full", True), ("twin", "drop_grads", False), ("twin", "drop_grads", True),
            ("move", "full", None), ("move", "drop_grads", None), ("move", "drop_grads", True)]
@@ -102,7 +103,7 @@ LAYOUTS = [("twin", "full", False), ("twin", "full", True), ("twin", "drop_grads
 
 def offloader_for(trainer: Trainer, memory: str, mode: str, free_device: bool | None = None) -> Offloader:
     return Offloader(trainer.model, trainer.optimizer, mode=mode, device=CPU, memory=memory, segment_bytes=SEGMENT,
-                     free_device=free_device)
+                     free_device=free_device, pin_chunk_bytes=SEGMENT)
 
 
 @pytest.mark.parametrize("memory,mode,free_device", LAYOUTS)
@@ -166,6 +167,58 @@ def test_plan_segments(sizes, cap, expected):
     assert plan_segments(sizes, cap) == expected
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_pin_chunk_plan_covers_every_byte_and_keeps_the_cap(seed):
+    """Chunks of a twin: contiguous, every byte once, cut between tensors, none over the cap unless one
+    tensor is (alone), and greedy (two neighbours would not fit together)."""
+    import random
+
+    rng = random.Random(seed)
+    cap = rng.choice([1, 64, 1000, 4096])
+    sizes = [rng.choice([rng.randint(1, cap), rng.randint(cap, 3 * cap)]) for _ in range(rng.randint(0, 40))]
+    chunks = plan_pin_chunks(sizes, cap)
+    bounds = {0}
+    for size in sizes:
+        bounds.add(max(bounds) + size)
+    assert [c[0] for c in chunks] == [0, *(c[1] for c in chunks[:-1])][: len(chunks)]  # contiguous, in order
+    assert (chunks[-1][1] if chunks else 0) == sum(sizes)  # every byte covered, once
+    for start, end in chunks:
+        assert start in bounds and end in bounds and end > start  # cut between tensors
+        inside = [b for b in bounds if start < b < end]
+        assert end - start <= cap or not inside, (start, end, cap)  # over the cap: one tensor alone
+    for (a, b), (_, c) in zip(chunks, chunks[1:]):
+        assert c - a > cap  # greedy: no two neighbours fit one chunk
+
+
+def test_pin_chunk_plan_rejects_a_zero_cap():
+    with pytest.raises(ValueError, match="cap"):
+        plan_pin_chunks([1, 2], 0)
+
+
+def test_twin_is_allocated_in_chunks_whose_views_are_the_host_weights():
+    trainer = make_trainer()
+    offloader = offloader_for(trainer, "twin", "full")
+    train(trainer, 1, offloader)
+    weights = dict(trainer.model.named_parameters())
+    expected = {name: t.clone() for name, t in weights.items()}
+    chunks = [c for s in offloader.segments for c in s.twin]
+    assert offloader.info["twin_chunks"] == len(chunks) > len(offloader.segments)  # split, not one per dtype
+    for s in offloader.segments:
+        sizes = s.slot_bytes()
+        assert [(c.start, c.end) for c in s.twin] == plan_pin_chunks(sizes, SEGMENT)
+        assert all(c.end - c.start <= SEGMENT or c.end - c.start in sizes for c in s.twin)
+    assert offloader.info["largest_twin_chunk_bytes"] == max(c.host.numel() for c in chunks)
+    offloader.sleep()
+    host = offloader.host_weights(weights)
+    owners = {c.host.untyped_storage().data_ptr() for c in chunks}
+    for name, t in host.items():  # each one a view of one chunk, holding the weight's bits
+        assert same_bits(t, expected[name]) and t.untyped_storage().data_ptr() in owners, name
+    offloader.wake_up()
+    offloader.close()  # drops the twins (and, on CUDA, hands torch's cached pinned blocks back)
+    assert all(not s.twin for s in offloader.segments)
+    empty_host_cache(CPU)  # a no-op off CUDA (torch's own call raises without an accelerator)
+
+
 def test_move_segments_respect_the_cap_and_the_state_exists_once():
     trainer = make_trainer()
     offloader = offloader_for(trainer, "move", "full")
@@ -213,7 +266,8 @@ def test_move_host_weights_are_the_params_while_asleep():
 
 
 @pytest.mark.parametrize("override,line", [("trainer.offload_memory=halfway", "trainer.offload_memory=halfway"),
-                                           ("trainer.offload_segment_mb=0", "trainer.offload_segment_mb=0")])
+                                           ("trainer.offload_segment_mb=0", "trainer.offload_segment_mb=0"),
+                                           ("trainer.offload_pin_chunk_mb=-1", "trainer.offload_pin_chunk_mb=-1")])
 def test_bad_offload_memory_keys_are_named(compose, override, line):
     from rlsync.validate import validate
 

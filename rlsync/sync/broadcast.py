@@ -16,6 +16,11 @@ is on the wire, the engine receives bucket k+1 while loading bucket k.
 
 Split metrics: `pack` (trainer), `transfer` (the time the trainer waits for the wire; with two in
 flight only the part packing did not hide), `load` (the engine's copy, timed in the engine process).
+On CUDA `pack` and `load` are CUDA events read after one sync at the end of the update on each side
+(rlsync.timing.EventTimer); gloo orders a CUDA broadcast after the current stream's work and makes
+`wait()` order the stream after it (ProcessGroupGloo's CUDA work), so no unit needs a sync of its
+own. `transfer` is a host-side wait, on the host clock; on CUDA it also holds the pack's kernels
+still running when the broadcast starts (gloo's staging copy waits for them).
 NCCL would need the engine on another GPU than the trainer's; rlsync colocates them on one.
 """
 
@@ -31,7 +36,7 @@ from rlsync.sync import flat
 from rlsync.sync.buckets import Bucket, Slot, largest_bucket_bytes
 from rlsync.sync.engine_process import EngineProcess, ForwardsToEngineProcess
 from rlsync.sync.threads import cpu_threads
-from rlsync.timing import DeviceMemory, Stopwatch, synchronize
+from rlsync.timing import DeviceMemory, HostTimer, unit_timer
 
 HOST = "127.0.0.1"  # where an engine process started here finds the trainer's store
 TRAINER, ENGINE = 0, 1  # ranks
@@ -104,9 +109,9 @@ class BroadcastReceiver:
     @torch.no_grad()
     def handle(self, engine, request: tuple) -> dict:
         device = engine.device
-        watch, memory = Stopwatch(device), DeviceMemory(device)
+        timer, memory = unit_timer(device), DeviceMemory(device)
         units = units_of(self.buckets, self.strategy)
-        loads: list[float] = []
+        rows: list[dict] = [{"load_time": 0.0} for _ in units]  # 0: received into the weights themselves
         with cpu_threads(self.copy_threads, device), memory.track():
             posted: deque = deque()
             for k in range(min(self.inflight, len(units))):
@@ -115,15 +120,13 @@ class BroadcastReceiver:
                 posted.popleft().wait()
                 buffer = self.target(k, unit, numel)
                 if self.slots:
-                    with watch("load"):
+                    with timer("load", rows[k]):
                         engine.load_weights(flat.views(unit, buffer))
-                    loads.append(watch.last)
-                else:
-                    loads.append(0.0)  # received into the weights themselves
                 nxt = k + self.inflight
                 if nxt < len(units):  # its slot is free again only now that bucket k is loaded
                     posted.append(self.group.broadcast(self.target(nxt, *units[nxt]), root=TRAINER))
-        return {"load_times": loads, "peak_extra": memory.peak_extra}
+        timer.resolve()  # one sync: the update has landed before the reply says so
+        return {"load_times": [r["load_time"] for r in rows], "peak_extra": memory.peak_extra}
 
     def close(self) -> None:
         self.slots, self.flat, self.group = [], None, None
@@ -166,40 +169,39 @@ class BroadcastEngine(ForwardsToEngineProcess):
 
     @torch.no_grad()
     def update_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, float]:
-        watch = Stopwatch(self.device)
+        timer, waits = unit_timer(self.device), HostTimer()  # pack: on the device; transfer: a host wait
         rows = self.last_update_buckets = []
         self.process.send("update", ("update",))
         in_flight: deque = deque()  # (row, work)
         for k, (unit, numel) in enumerate(self.units):
             if len(in_flight) == len(self.slots):
-                self._wait(*in_flight.popleft(), watch)
+                self._wait(*in_flight.popleft(), waits)
             buffer = self.slots[k % len(self.slots)][:numel]
-            with watch("pack"):
+            rows.append({"bytes": numel * unit.dtype.itemsize})
+            with timer("pack", rows[-1]):
                 flat.pack(unit, weights, buffer)
-            rows.append({"bytes": numel * unit.dtype.itemsize, "pack_time": watch.last})
             in_flight.append((rows[-1], self.group.broadcast(buffer, root=TRAINER)))
         while in_flight:
-            self._wait(*in_flight.popleft(), watch)
+            self._wait(*in_flight.popleft(), waits)
+        timer.resolve()
         reply = self.process.reply("update")
         for row, load in zip(rows, reply.result["load_times"], strict=True):
             row["load_time"] = load
         trainer_staging = sum(s.numel() * s.element_size() for s in self.slots)
-        return {"perf/update_weights_pack_time": watch.seconds["pack"],
-                "perf/update_weights_transfer_time": watch.seconds["transfer"],
+        return {"perf/update_weights_pack_time": timer.seconds["pack"],
+                "perf/update_weights_transfer_time": waits.seconds["transfer"],
                 "perf/update_weights_load_time": sum(reply.result["load_times"]),
                 "perf/update_weights_staging_bytes": trainer_staging + self.engine_staging,
                 "perf/update_weights_engine_peak_bytes": reply.result["peak_extra"]}
 
-    def _wait(self, row: dict, work, watch: Stopwatch) -> None:
-        with watch("transfer"):
+    def _wait(self, row: dict, work, waits: HostTimer) -> None:
+        with waits("transfer", row):
             self.process.wait_for(work.is_completed, "a weight broadcast")
             try:
-                work.wait()  # raises the backend's error, if the broadcast failed
+                work.wait()  # raises the backend's error, if the broadcast failed; orders our stream after it
             except RuntimeError as err:
                 self.process.blame(err, "a weight broadcast")
                 raise
-            synchronize(self.device)
-        row["transfer_time"] = watch.last
 
     def close(self) -> None:
         """The engine process first (it leaves the group on its way out), then our side of the group."""

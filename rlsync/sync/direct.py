@@ -13,7 +13,7 @@ import torch
 from rlsync.rollout import Generation
 from rlsync.sync import flat
 from rlsync.sync.buckets import Bucket, largest_bucket_bytes
-from rlsync.timing import Stopwatch
+from rlsync.timing import unit_timer
 
 
 class LocalEngine:
@@ -40,31 +40,33 @@ class LocalEngine:
 
     @torch.no_grad()
     def update_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, float]:
-        watch = Stopwatch(self.engine.device)
+        """Per-unit seconds come from `unit_timer`: on CUDA events, resolved by one sync at the end
+        (the rows and totals are filled then), so `per_tensor` does not time 2 syncs per tensor."""
+        timer = unit_timer(self.engine.device)
         rows = self.last_update_buckets = []
         staging_bytes = self.staging.numel() * self.staging.element_size() if self.staging is not None else 0
         if self.strategy == "vllm_ipc":  # the engine's own transfer path (rlsync/vllm_engine.py)
             return self.engine.native_update(weights, bucket_bytes=largest_bucket_bytes(self.buckets))
         if self.strategy == "per_tensor":
             for name, tensor in weights.items():
-                with watch("load"):
+                rows.append({"bytes": tensor.numel() * self.engine.dtype.itemsize})
+                with timer("load", rows[-1]):
                     self.engine.load_weights([(name, tensor)])
-                rows.append({"bytes": tensor.numel() * self.engine.dtype.itemsize, "load_time": watch.last})
         elif self.flat is not None:
             for bucket, buffer in zip(self.buckets, self.flat):
-                with watch("pack"):
+                rows.append({"bytes": bucket.nbytes})
+                with timer("pack", rows[-1]):
                     flat.pack(bucket, weights, buffer)  # writes the engine's weights: the whole update
-                rows.append({"bytes": bucket.nbytes, "pack_time": watch.last})
         else:
             for bucket in self.buckets:
                 buffer = self.staging[: bucket.numel]
-                with watch("pack"):
+                rows.append({"bytes": bucket.nbytes})
+                with timer("pack", rows[-1]):
                     flat.pack(bucket, weights, buffer)
-                pack_time = watch.last
-                with watch("load"):
+                with timer("load", rows[-1]):  # same stream: the load follows the pack without a sync
                     self.engine.load_weights(flat.views(bucket, buffer))
-                rows.append({"bytes": bucket.nbytes, "pack_time": pack_time, "load_time": watch.last})
-        return {**watch.totals("perf/update_weights_{}_time"), "perf/update_weights_staging_bytes": staging_bytes}
+        timer.resolve()
+        return {**timer.totals("perf/update_weights_{}_time"), "perf/update_weights_staging_bytes": staging_bytes}
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self.engine.weights

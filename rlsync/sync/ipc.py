@@ -12,6 +12,9 @@ one message at the end tells the engine the update has landed.
 
 Split metrics: `pack` (trainer), `transfer` (the messages' handoff latency, both ways, without the
 time a message waits for a busy peer), `load` (the engine's copy, timed in the engine process).
+On CUDA each side synchronizes once per message, the sync the hand-off needs (the trainer before
+telling the engine the bytes are there, the engine before answering that the slot is free again);
+`pack` and `load` are CUDA events around the work (rlsync.timing.EventTimer).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from rlsync.sync import flat
 from rlsync.sync.buckets import Bucket, largest_bucket_bytes
 from rlsync.sync.engine_process import EngineProcess, ForwardsToEngineProcess
 from rlsync.sync.threads import cpu_threads
-from rlsync.timing import DeviceMemory, Stopwatch
+from rlsync.timing import DeviceMemory, unit_timer
 
 
 class IpcReceiver:
@@ -44,8 +47,8 @@ class IpcReceiver:
     def handle(self, engine, request: tuple) -> dict:
         kind, key, slot = request
         device = engine.device
-        watch, memory = Stopwatch(device), DeviceMemory(device)
-        with cpu_threads(self.copy_threads, device), memory.track(), watch("load"):
+        timer, memory, row = unit_timer(device), DeviceMemory(device), {}
+        with cpu_threads(self.copy_threads, device), memory.track(), timer("load", row):
             if kind == "bucket":
                 bucket = self.buckets[key]
                 engine.load_weights(flat.views(bucket, self.slots[slot][: bucket.numel]))
@@ -54,7 +57,8 @@ class IpcReceiver:
                 engine.load_weights([(key, self.slots[slot][: meta.numel].view(meta.shape))])
             elif kind != "landed":  # "landed": the trainer wrote the flat weights themselves
                 raise ValueError(f"ipc: unknown request {kind!r}")
-        return {"load_time": watch.last, "peak_extra": memory.peak_extra}
+        timer.resolve()  # the one sync per message: the reply frees the slot for the trainer's next pack
+        return {"load_time": row["load_time"], "peak_extra": memory.peak_extra}
 
     def close(self) -> None:
         self.slots = self.flat = None
@@ -91,14 +95,15 @@ class IpcEngine(ForwardsToEngineProcess):
 
     @torch.no_grad()
     def update_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, float]:
-        watch = Stopwatch(self.device)
+        timer = unit_timer(self.device)
         rows = self.last_update_buckets = []
         engine_peak = 0
         if not self.slots:  # flat engine weights: pack into them, then one message
             for bucket, buffer in zip(self.buckets, self.flat):
-                with watch("pack"):
+                rows.append({"bytes": bucket.nbytes})
+                with timer("pack", rows[-1]):
                     flat.pack(bucket, weights, buffer)
-                rows.append({"bytes": bucket.nbytes, "pack_time": watch.last})
+            timer.handoff()  # every bucket's bytes are in the engine's weights before it is told
             self.process.send("update", ("landed", None, None))
             reply = self.process.reply("update")
             rows[-1]["transfer_time"] = reply.handoff
@@ -109,20 +114,22 @@ class IpcEngine(ForwardsToEngineProcess):
                 if len(pending) == len(self.slots):
                     engine_peak = max(engine_peak, self._finish(rows[pending.popleft()]))
                 buffer = self.slots[k % len(self.slots)][:numel]
-                with watch("pack"):  # synchronized: the bytes are in the buffer before the engine is told
+                rows.append({"bytes": numel * self.dtype.itemsize})
+                with timer("pack", rows[-1]):
                     if key[0] == "bucket":
                         flat.pack(item, weights, buffer)
-                    else:
-                        buffer.copy_(weights[item].reshape(-1))
-                rows.append({"bytes": numel * self.dtype.itemsize, "pack_time": watch.last})
+                    else:  # non_blocking: a host source converts on the device, as flat.pack does (limits.py)
+                        buffer.copy_(weights[item].reshape(-1), non_blocking=True)
+                timer.handoff()  # the bytes are in the buffer before the engine is told
                 self.process.send("update", (*key, k % len(self.slots)))
                 pending.append(len(rows) - 1)
             while pending:
                 engine_peak = max(engine_peak, self._finish(rows[pending.popleft()]))
             transfer = sum(r["transfer_time"] for r in rows)
             load = sum(r["load_time"] for r in rows)
+        timer.resolve()
         staging = sum(s.numel() * s.element_size() for s in self.slots)  # shared: the same pages on both sides
-        return {"perf/update_weights_pack_time": watch.seconds["pack"], "perf/update_weights_transfer_time": transfer,
+        return {"perf/update_weights_pack_time": timer.seconds["pack"], "perf/update_weights_transfer_time": transfer,
                 "perf/update_weights_load_time": load, "perf/update_weights_staging_bytes": staging,
                 "perf/update_weights_engine_peak_bytes": engine_peak}
 

@@ -1,0 +1,155 @@
+"""The per-unit timer: one interface, a host clock and CUDA events resolved by one sync at the end.
+
+The CUDA implementation runs here on fake events (a clock the test moves, a device that completes
+events only when synchronized), so its pairing and single resolution are checked without a GPU,
+also through a real `direct` update of the tiny model.
+"""
+
+import pytest
+import torch
+
+import rlsync.sync.direct as direct
+from rlsync.config import Config, UpdateConfig
+from rlsync.models import build_model, build_tokenizer, named_weights
+from rlsync.rollout import EngineSpec
+from rlsync.sync import open_engine, plan_for, update_weights
+from rlsync.timing import EventTimer, HostTimer, unit_timer
+
+CPU = torch.device("cpu")
+
+
+class FakeDevice:
+    """A stream whose events complete only when it is synchronized (or the event itself is)."""
+
+    def __init__(self):
+        self.now = 0.0  # seconds
+        self.syncs = 0
+        self.event_syncs = 0
+        self.events: list[FakeEvent] = []
+
+    def new_event(self) -> "FakeEvent":
+        return FakeEvent(self)
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+        for e in self.events:
+            e.done = True
+
+
+class FakeEvent:
+    def __init__(self, device: FakeDevice):
+        self.device, self.at, self.done = device, None, False
+
+    def record(self, stream=None) -> None:
+        self.at = self.device.now
+        self.device.events.append(self)
+
+    def synchronize(self) -> None:
+        self.device.event_syncs += 1
+        for e in self.device.events:  # everything recorded before it on the stream is done too
+            e.done = True
+            if e is self:
+                break
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        if not (self.done and end.done):  # what torch.cuda.Event raises on an unfinished event
+            raise RuntimeError("elapsed_time on an event that has not completed")
+        return (end.at - self.at) * 1000.0  # milliseconds, as torch.cuda.Event
+
+
+def run_units(timer, advance, durations):
+    """Time one unit per duration (label alternating pack/load), each with its row."""
+    rows = []
+    for i, seconds in enumerate(durations):
+        rows.append({"bytes": i})
+        with timer("pack" if i % 2 == 0 else "load", rows[-1]):
+            advance(seconds)
+    return rows
+
+
+def test_host_timer_fills_rows_and_totals_at_once():
+    now = [0.0]
+    timer = HostTimer(clock=lambda: now[0])
+    rows = run_units(timer, lambda s: now.__setitem__(0, now[0] + s), [0.5, 0.25, 1.0])
+    assert rows == [{"bytes": 0, "pack_time": 0.5}, {"bytes": 1, "load_time": 0.25}, {"bytes": 2, "pack_time": 1.0}]
+    timer.resolve()
+    assert timer.totals("perf/{}_time") == {"perf/pack_time": 1.5, "perf/load_time": 0.25}
+
+
+def test_event_timer_pairs_events_and_resolves_with_one_sync():
+    device = FakeDevice()
+    timer = EventTimer(CPU, new_event=device.new_event, synchronize=device.synchronize)
+
+    def advance(s):
+        device.now += s
+
+    rows = run_units(timer, advance, [0.5, 0.25, 1.0, 0.125])
+    assert device.syncs == 0 and all(set(r) == {"bytes"} for r in rows)  # nothing read before the end
+    assert dict(timer.seconds) == {}
+    timer.resolve()
+    assert device.syncs == 1 and timer.syncs == 1
+    assert [r.get("pack_time", r.get("load_time")) for r in rows] == [0.5, 0.25, 1.0, 0.125]
+    assert timer.totals("perf/{}_time") == {"perf/pack_time": 1.5, "perf/load_time": 0.375}
+    timer.resolve()  # nothing pending: no second sync, totals unchanged
+    assert device.syncs == 1 and timer.totals()["pack"] == 1.5
+
+
+def test_event_timer_gives_the_host_timer_shape():
+    """Same units, same durations: the same rows and totals from both implementations."""
+    durations = [0.5, 0.25, 1.0]
+    now = [0.0]
+    host = HostTimer(clock=lambda: now[0])
+    host_rows = run_units(host, lambda s: now.__setitem__(0, now[0] + s), durations)
+    device = FakeDevice()
+    events = EventTimer(CPU, new_event=device.new_event, synchronize=device.synchronize)
+    event_rows = run_units(events, lambda s: setattr(device, "now", device.now + s), durations)
+    events.resolve()
+    assert event_rows == host_rows
+    assert events.totals("perf/update_weights_{}_time") == host.totals("perf/update_weights_{}_time")
+
+
+def test_handoff_waits_for_the_last_unit_only():
+    device = FakeDevice()
+    timer = EventTimer(CPU, new_event=device.new_event, synchronize=device.synchronize)
+    timer.handoff()  # nothing timed yet: nothing to wait for
+    assert device.event_syncs == 0
+    with timer("pack", {}):
+        device.now += 1.0
+    timer.handoff()
+    assert device.event_syncs == 1 and device.syncs == 0
+    timer.resolve()
+    assert timer.syncs == 2 and timer.totals() == {"pack": 1.0}
+
+
+def test_unit_timer_picks_the_host_clock_off_cuda():
+    assert type(unit_timer(CPU)) is HostTimer
+
+
+@pytest.mark.parametrize("strategy", ["per_tensor", "bucketed"])
+def test_direct_update_with_event_timing_syncs_once(monkeypatch, strategy):
+    """The CUDA implementation inside a real `direct` update: one sync for all units, a row per unit."""
+    device = FakeDevice()
+    made = []
+
+    def fake_unit_timer(_device):
+        made.append(EventTimer(_device, new_event=device.new_event, synchronize=device.synchronize))
+        return made[-1]
+
+    monkeypatch.setattr(direct, "unit_timer", fake_unit_timer)
+    cfg, update = Config(), UpdateConfig(strategy=strategy, bucket_mb=0.05)
+    tok = build_tokenizer(cfg.model)
+    weights = named_weights(build_model(cfg.model, dtype=torch.float32, device=CPU, seed=1))
+    buckets = plan_for(weights, update, torch.bfloat16)
+    spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device="cpu", allowed_ids=tok.allowed_ids(512),
+                      eos_id=tok.eos_id, pad_id=tok.pad_id)
+    engine = open_engine(update, spec=spec, buckets=buckets)
+    try:
+        metrics = update_weights(engine, weights, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
+    finally:
+        engine.close()
+    assert len(made) == 1 and device.syncs == 1 and device.event_syncs == 0
+    rows = engine.last_update_buckets
+    keys = {"per_tensor": {"bytes", "load_time"}, "bucketed": {"bytes", "pack_time", "load_time"}}[strategy]
+    assert len(rows) == (len(weights) if strategy == "per_tensor" else len(buckets)) > 1
+    assert all(set(r) == keys for r in rows)
+    assert metrics["perf/update_weights_load_time"] == pytest.approx(sum(r["load_time"] for r in rows))
