@@ -119,6 +119,7 @@ class BenchConfig:
 @dataclass
 class ServeConfig:
     sessions: int = 0  # trainer sessions to serve, one after another, before exiting (0: until Ctrl-C or SIGTERM)
+    request_timeout_s: float = 10.0  # longest a client may take to send one request (head and body); slower ones are dropped
 
 
 @dataclass
