@@ -103,10 +103,11 @@ def engine_token(address: str, host: str) -> bytes | None:
         return token.encode()
     if loopback(host):
         return None
+    state = "empty" if TOKEN_ENV in os.environ else "unset"
     raise ConfigError("update.engine_address", address,
                       f"a loopback address (127.0.0.1, ::1, localhost), or set {TOKEN_ENV} to a shared secret "
                       f"(the same for the trainers) to listen beyond this machine",
-                      f"listens beyond loopback without a token ({TOKEN_ENV} is {'empty' if token else 'unset'})")
+                      f"listens beyond loopback without a token ({TOKEN_ENV} is {state})")
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
+from rlsync.config import MIB
 from rlsync.engine_http import BodyLimit, drop_line
 from rlsync.sync.messages import (OPS, REQUESTS, SESSION_HEADER, Failure, Health, Plan, Reply, SessionEvent, WireError,
                                   encode_result, request_args)
@@ -104,7 +105,8 @@ class Control:
         self.served = 0  # sessions let in (a refused plan counts: it was this engine's answer to a trainer)
         self.finished = 0
         self.changed = threading.Condition()
-        self.app = BodyLimit(self._build(), request_timeout_s=cfg.serve.request_timeout_s)
+        self.app = BodyLimit(self._build(), request_timeout_s=cfg.serve.request_timeout_s,
+                             max_bytes=int(cfg.serve.max_request_mb * MIB))
 
     def wait(self, sessions: int) -> None:
         """Until `sessions` sessions are over (0: forever), in slices, so Ctrl-C and SIGTERM stop it."""

@@ -8,22 +8,21 @@ a socket, never the engine's attention. What uvicorn leaves open is closed here:
   time); a connection that is not HTTP (garbage, a header over h11's 16 KiB limit) or that closes
   before any request is dropped with one line too;
 - `BodyLimit` (ASGI middleware): the body is read whole, within `request_timeout_s` and at most
-  `MAX_REQUEST_BYTES` (an announced or streamed larger one gets 413 at once), before any route
-  sees it, so the app never waits on a client's network.
+  `max_bytes` (serve.max_request_mb; an announced or streamed larger one gets 413 at once), before
+  any route sees it, so the app never waits on a client's network.
 
 Each drop is one line on stderr: `rlsync engine: dropped client HOST:PORT: WHY`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import sys
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
+import anyio
 
-MAX_REQUEST_BYTES = 64 * 2**20  # a plan for billions of parameters is well under 1 MiB, a generate request too
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
 def drop_line(client, why: str) -> None:
@@ -115,7 +114,7 @@ class BodyLimit:
     a `receive` that replays it; a body too large or too slow ends the request with 413 or 408 and
     the connection closed."""
 
-    def __init__(self, app, *, request_timeout_s: float, max_bytes: int = MAX_REQUEST_BYTES):
+    def __init__(self, app, *, request_timeout_s: float, max_bytes: int):
         self.app, self.timeout_s, self.max_bytes = app, request_timeout_s, max_bytes
 
     async def __call__(self, scope, receive, send) -> None:
@@ -130,22 +129,21 @@ class BodyLimit:
             await refuse(send, 413, "BadRequest: request body over the size limit")
             return
         body = bytearray()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout_s
         try:
-            while True:
-                message = await asyncio.wait_for(receive(), timeout=max(0.0, deadline - loop.time()))
-                if message["type"] == "http.disconnect":
-                    drop_line(client, "closed the connection in the middle of a request")
-                    return
-                body += message.get("body", b"")
-                if len(body) > self.max_bytes:
-                    drop_line(client, f"sent a body over the limit of {self.max_bytes} bytes")
-                    await refuse(send, 413, "BadRequest: request body over the size limit")
-                    return
-                if not message.get("more_body", False):
-                    break
-        except asyncio.TimeoutError:
+            with anyio.fail_after(self.timeout_s):  # one deadline for the whole body, however it is cut
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        drop_line(client, "closed the connection in the middle of a request")
+                        return
+                    body += message.get("body", b"")
+                    if len(body) > self.max_bytes:
+                        drop_line(client, f"sent a body over the limit of {self.max_bytes} bytes")
+                        await refuse(send, 413, "BadRequest: request body over the size limit")
+                        return
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
             drop_line(client, f"did not send its request body within serve.request_timeout_s={self.timeout_s:g} s")
             await refuse(send, 408, "BadRequest: request body too slow")
             return

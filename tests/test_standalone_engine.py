@@ -40,6 +40,7 @@ from test_transports import BF16, CPU, SMALL_BUCKET_MB, Trainer, assert_engine_h
 
 START_S = 120  # an engine start (imports, model build) on two busy cores
 REQUEST_TIMEOUT = "serve.request_timeout_s=1"  # idle and stalled clients are dropped after 1 s, not 10
+MAX_REQUEST = "serve.max_request_mb=1"  # an oversized body is sent in a moment
 
 
 class StandaloneEngine:
@@ -83,7 +84,7 @@ class StandaloneEngine:
 
 @pytest.fixture(scope="module")
 def engine_server(tmp_path_factory):
-    server = StandaloneEngine(tmp_path_factory.mktemp("engine"), REQUEST_TIMEOUT)
+    server = StandaloneEngine(tmp_path_factory.mktemp("engine"), REQUEST_TIMEOUT, MAX_REQUEST)
     yield server
     if server.proc.poll() is None:
         server.proc.kill()
@@ -257,12 +258,13 @@ def test_health_answers_while_the_engine_works(engine_server):
 
 HOSTILE = [  # (what the client sends, how its line on the engine's stderr reads)
     pytest.param(b"\x16\x03\x01\x02\x00garbage\x00\xff\r\n\r\n", "is not an HTTP request", id="garbage"),
-    pytest.param(b"GET /health HTTP/1.1\r\nHost: e\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n",
+    pytest.param(b"GET /health HTTP/1.1\r\nHost: e\r\nX-Big: " + b"a" * 100_000,  # a head that never ends
                  "is not an HTTP request (or a header over the size limit)", id="oversized-header"),
     pytest.param(b"POST /v1/session HTTP/1.1\r\nHost: e\r\nContent-Length: 1099511627776\r\n\r\n",
                  "announced a body of 1099511627776 bytes", id="oversized-length-header"),
     pytest.param(b"POST /v1/session HTTP/1.1\r\nHost: e\r\nTransfer-Encoding: chunked\r\n\r\n"
-                 + (b"100000\r\n" + b"x" * 0x100000 + b"\r\n") * 65, "sent a body over the limit", id="oversized-body"),
+                 + (b"10000\r\n" + b"x" * 0x10000 + b"\r\n") * 17, "sent a body over the limit of 1048576 bytes",
+                 id="oversized-body"),
     pytest.param(b"", "closed the connection without sending a request", id="connect-and-close"),
     pytest.param(None, "sent no complete request within serve.request_timeout_s=1 s", id="idle"),
     pytest.param(b"POST /v1/session HTTP/1.1\r\nHost: e\r\nContent-Length: 100\r\n\r\n{\"bu",
@@ -275,7 +277,7 @@ HOSTILE = [  # (what the client sends, how its line on the engine's stderr reads
 @pytest.mark.parametrize("sent,line", HOSTILE)
 def test_a_bad_client_is_dropped_with_one_line_and_the_engine_serves_on(engine_server, sent, line):
     port = hostile_client(engine_server.address, sent)
-    engine_server.wait_for(line, timeout=30, stderr=True)
+    engine_server.wait_for(f"client 127.0.0.1:{port}: ", timeout=30, stderr=True)
     about_it = [ln for ln in engine_server.errors if f"client 127.0.0.1:{port}:" in ln]
     assert len(about_it) == 1 and line in about_it[0], engine_server.errors
     one_update_lands(Trainer(seed=6), remote_update(engine_server.address))
@@ -380,7 +382,7 @@ def test_a_token_engine_never_runs_a_pickle_and_refuses_a_wrong_token(tmp_path, 
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("token", [None, "", "   "], ids=["unset", "empty", "blank"])
+@pytest.mark.parametrize("token", [None, " "], ids=["unset", "blank"])
 def test_an_engine_beyond_loopback_without_a_token_refuses_to_start(tmp_path, token):
     env = {k: v for k, v in cli_env().items() if k != TOKEN_ENV} | ({} if token is None else {TOKEN_ENV: token})
     result = subprocess.run([sys.executable, "-m", "rlsync.engine", "update.engine_address=0.0.0.0:0",
