@@ -153,8 +153,8 @@ def serve(cfg: EngineAppConfig) -> None:
     host, port = parse_address(address, default_port=DEFAULT_PORT)
     token = engine_token(address, host)  # before anything is built
     with StopOnSignals():  # Ctrl-C / SIGTERM: stop between (or inside) sessions, exit 130 / 143
+        sock = listen(host, port)  # a taken port fails before the model is built; trainers wait in the backlog
         engine = build_engine(cfg)
-        sock = listen(host, port)
         control = Control(engine, cfg, token=token)
         server, thread = start_server(control.app, sock, cfg.serve.request_timeout_s)
         bound = sock.getsockname()

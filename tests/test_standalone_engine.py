@@ -396,6 +396,19 @@ def test_an_engine_beyond_loopback_without_a_token_refuses_to_start(tmp_path, to
                                f"without a token ({TOKEN_ENV} is {'unset' if token is None else 'empty'})")
 
 
+def test_an_engine_on_a_taken_port_says_so_in_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        result = run_cli(f"update.engine_address={address}", f"hydra.run.dir={tmp_path}", module="rlsync.engine",
+                         timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines() == [f"rlsync: cannot listen on update.engine_address={address} "
+                                                  f"(Address already in use): pick another port (0: any free one) "
+                                                  f"or address"]
+
+
 def test_a_local_broadcast_group_listens_on_loopback_only():
     """An engine process rlsync starts itself: the store and both ends of the gloo group bind 127.0.0.1."""
     trainer = Trainer()
