@@ -77,16 +77,29 @@ class Exchange:
         self.address = address
         host, port = parse_address(address)
         self.conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+        self.sock: Optional[socket.socket] = None  # kept: http.client drops its own when a reply says "close"
 
     def send(self, method: str, path: str, body: Optional[bytes] = None, headers: Optional[dict] = None):
         headers = {**token_headers(), **(headers or {})}
         if body is not None:
             headers["Content-Type"] = "application/json"
+        self.conn.connect()
+        self.sock = self.conn.sock
         self.conn.request(method, path, body=body, headers=headers)
         return self.conn.getresponse()
 
     def local_host(self) -> str:
-        return self.conn.sock.getsockname()[0]
+        """This machine's address on the connection: the interface that reaches the engine."""
+        return self.sock.getsockname()[0]
+
+    def shutdown(self) -> None:
+        """Break the connection now (a reader blocked on it wakes up)."""
+        try:
+            if self.sock is not None:
+                self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.close()
 
     def close(self) -> None:
         self.conn.close()
@@ -197,7 +210,7 @@ class SessionWire:
         if stream is not None:
             now = time.monotonic()
             self.replies.append(("ok", "start", None, now, now, now))
-            stream_exchange.conn.sock.settimeout(timeout_s)  # the stream's silence: heartbeats come every second
+            stream_exchange.sock.settimeout(timeout_s)  # the stream's silence: heartbeats come every second
             threading.Thread(target=self._watch, name="rlsync-engine-watch", daemon=True).start()
             threading.Thread(target=self._requests, name="rlsync-engine-requests", daemon=True).start()
 
@@ -238,11 +251,7 @@ class SessionWire:
     def close(self, why: str = "closed by the trainer") -> None:
         self._closed(why)
         if self.stream_exchange is not None:
-            try:
-                self.stream_exchange.conn.sock and self.stream_exchange.conn.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self.stream_exchange.close()
+            self.stream_exchange.shutdown()
 
     # -- the threads -----------------------------------------------------------------------------
 
