@@ -120,6 +120,8 @@ class BenchConfig:
 @dataclass
 class ServeConfig:
     sessions: int = 0  # trainer sessions to serve, one after another, before exiting (0: until Ctrl-C or SIGTERM)
+    request_timeout_s: float = 10.0  # longest a client may take to send one request (head and body); slower ones are dropped
+    max_request_mb: float = 64.0  # largest request body (a plan, a generate request: well under 1 MiB for 1.7B); larger: 413, dropped
 
 
 @dataclass

@@ -1,48 +1,48 @@
-"""`python -m rlsync.engine [overrides]`: a rollout engine on its own, which trainers join over TCP.
+"""`python -m rlsync.engine [overrides]`: a rollout engine on its own, which trainers join over HTTP.
 
-    python -m rlsync.engine model=qwen3_0p6b update.engine_address=0.0.0.0:29610      # machine B
-    python -m rlsync model=qwen3_0p6b update.transport=broadcast update.engine_address=B:29610   # machine A
+    python -m rlsync.engine model=qwen3_0p6b update.engine_address=127.0.0.1:29610      # one machine
+    RLSYNC_ENGINE_TOKEN=... python -m rlsync.engine model=qwen3_0p6b update.engine_address=0.0.0.0:29610   # machine B
+    RLSYNC_ENGINE_TOKEN=... python -m rlsync model=qwen3_0p6b update.transport=broadcast update.engine_address=B:29610   # A
 
 The engine is built once from the same config groups as the runner (model, rollout, run.device;
-conf/engine.yaml), then listens at `update.engine_address` (default 127.0.0.1:29610; port 0 picks
-a free one, printed in the "listening" line). Each trainer that connects is one session, served to
-the end before the next is accepted:
+conf/engine.yaml), then serves HTTP at `update.engine_address` (default 127.0.0.1:29610; port 0
+picks a free one, printed in the "listening" line): uvicorn, a FastAPI app (rlsync/engine_app.py),
+typed JSON messages (rlsync/sync/messages.py), never pickle. Each trainer is one session, served to
+the end before the next is let in:
 
 1. the trainer sends its half of the broadcast transport: the bucket plan and its settings
    (strategy, buckets in flight, flat weights, copy threads); the engine checks that the plan names
    its own weights with their shapes and dtype, and refuses the session in one line if not;
 2. the engine joins the trainer's gloo group at the address the trainer connected from;
-3. it serves the trainer's requests (update, generate, release, resume, checksums, weights) as an
-   engine process started by the trainer would (rlsync/sync/engine_process.py), until the trainer
-   closes or goes away.
+3. it serves the trainer's requests (open, update, generate, release, resume, checksums, weights,
+   close) as an engine process started by the trainer would (rlsync/sync/engine_process.py), until
+   the trainer closes the session or goes away.
 
 The weights stay between sessions; each session starts with the engine's memory resumed and is
 filled by the trainer's first update. `serve.sessions=N` exits after N sessions; otherwise Ctrl-C or
 SIGTERM stops it (exit 130 or 143). A trainer that arrives during another's session is refused at
-once, in one line naming the trainer being served. The control connection is authenticated with RLSYNC_ENGINE_KEY
-(the same on both sides) and carries pickles: keep it on a trusted network.
+once, in one line naming the trainer being served; `GET /health` answers at any time.
+
+Beyond loopback the engine requires a shared token (RLSYNC_ENGINE_TOKEN, the same on both sides,
+compared in constant time) and refuses to start without one. A client that sends garbage, stalls
+or disconnects is dropped with one line on stderr (rlsync/engine_http.py); the engine serves on.
 """
 
 from __future__ import annotations
 
-import queue
-import sys
+import ipaddress
+import os
+import socket
 import threading
 import time
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Listener
 
 import hydra
 from omegaconf import DictConfig
 
 from rlsync.config import EngineAppConfig, register_configs
-from rlsync.errors import StopOnSignals, cli, job_errors
+from rlsync.errors import ConfigError, RlsyncError, StopOnSignals, cli, job_errors
 
 register_configs()
-
-
-def log(line: str) -> None:
-    print(f"rlsync engine: {line}", file=sys.stdout, flush=True)
 
 
 def build_engine(cfg: EngineAppConfig):
@@ -78,120 +78,94 @@ def plan_mismatch(buckets, weights: dict) -> str | None:
     return None
 
 
-def serve_session(conn, engine, trainer_host: str) -> str:
-    """One trainer, start to end (see the module docstring); returns how the session ended."""
-    from rlsync.sync.broadcast import BroadcastReceiver
-    from rlsync.sync.engine_process import EngineServer, serve_requests
-
-    op, args = conn.recv()
-    receiver = args[0] if op == "start" and args else None
-    if not isinstance(receiver, BroadcastReceiver):
-        problem = f"expected the broadcast transport's start request, got {op!r}"
-    else:
-        problem = plan_mismatch(receiver.buckets, engine.weights)
-    if problem is not None:
-        conn.send(("error", "start", f"PlanMismatch: {problem}\n"))
-        return f"refused: {problem}"
-    receiver.host = trainer_host  # the trainer's TCP store, as this engine reaches it
-    engine.resume()  # the last session may have ended with the engine's memory released
+def loopback(host: str) -> bool:
+    """Whether `host` only ever means this machine (every address it resolves to is a loopback one)."""
     try:
-        return "ended: " + serve_requests(conn, EngineServer(engine, receiver))
-    finally:
-        receiver.close()
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
-class Doorway:
-    """Accepts trainers in a thread of its own, so that one arriving while a session runs hears at
-    once that the engine is busy (and with whom) instead of waiting without a word.
+def engine_token(address: str, host: str) -> bytes | None:
+    """The token trainers must present (RLSYNC_ENGINE_TOKEN); None on loopback without one.
+    Listening beyond loopback without a token is refused (ConfigError: exit 2, before any model is built)."""
+    from rlsync.sync.remote import TOKEN_ENV
 
-    The next trainer waits in `arrivals` for the main thread; `serving` names the trainer whose
-    session is on (set here when it is let in, cleared by `done` when its session ends).
-    """
+    token = os.environ.get(TOKEN_ENV, "")
+    if token.strip():
+        if not token.isascii() or not token.isprintable():
+            raise ConfigError(TOKEN_ENV, "(hidden)", "printable ASCII characters (it travels in an HTTP header)")
+        return token.encode()
+    if loopback(host):
+        return None
+    state = "empty" if TOKEN_ENV in os.environ else "unset"
+    raise ConfigError("update.engine_address", address,
+                      f"a loopback address (127.0.0.1, ::1, localhost), or set {TOKEN_ENV} to a shared secret "
+                      f"(the same for the trainers) to listen beyond this machine",
+                      f"listens beyond loopback without a token ({TOKEN_ENV} is {state})")
 
-    REFUSE_READ_S = 5.0  # how long a refused trainer has to send its start request
-    GRACE_S = 1.0  # how long a trainer arriving during a session waits for it to end before it is refused
 
-    def __init__(self, listener: Listener):
-        self.listener = listener
-        self.arrivals: queue.Queue = queue.Queue()
-        self.serving: str | None = None
-        threading.Thread(target=self._accept, name="rlsync-engine-doorway", daemon=True).start()
+def listen(host: str, port: int) -> socket.socket:
+    """The engine's listening socket, bound to `host` only (one line if it cannot be)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as err:
+        sock.close()
+        raise RlsyncError(f"cannot listen on update.engine_address={host}:{port} ({err.strerror or err}): "
+                          f"pick another port (0: any free one) or address") from None
+    return sock
 
-    def next(self) -> tuple:
-        """The next trainer let in: (connection, (host, port)). Waits in slices, so Ctrl-C and SIGTERM stop it."""
-        while True:
-            try:
-                return self.arrivals.get(timeout=0.5)
-            except queue.Empty:
-                continue
 
-    def done(self) -> None:
-        self.serving = None
+def start_server(app, sock: socket.socket, request_timeout_s: float):
+    """uvicorn serving `app` on `sock` in a thread of its own (the main thread keeps the signals)."""
+    import uvicorn
 
-    def _accept(self) -> None:
-        from rlsync.sync.remote import WireConnection
+    from rlsync.engine_http import guarded_protocol, quiet_uvicorn
 
-        while True:
-            try:
-                raw = self.listener.accept()
-            except AuthenticationError:
-                log("refused a connection with the wrong key (RLSYNC_ENGINE_KEY)")
-                continue
-            except OSError:  # the listener was closed: the engine is exiting
-                return
-            host, port = self.listener.last_accepted[:2]
-            conn = WireConnection(raw)
-            self._grace()
-            if self.serving is not None:
-                self._refuse(conn, f"EngineBusy: this engine is serving {self.serving}; it serves one trainer at a time")
-                log(f"refused trainer {host}:{port}: busy with {self.serving}")
-                continue
-            self.serving = f"trainer {host}:{port} (since {time.strftime('%H:%M:%S')})"
-            self.arrivals.put((conn, (host, port)))
-
-    def _grace(self) -> None:
-        """A trainer arriving just as the last one leaves (its "close" answered, the session not yet
-        wound up) is let in, not refused: wait up to GRACE_S for the session to end."""
-        deadline = time.monotonic() + self.GRACE_S
-        while self.serving is not None and time.monotonic() < deadline:
-            time.sleep(0.02)
-
-    def _refuse(self, conn, line: str) -> None:
-        """Answer the trainer's start request with `line` (it raises it), then hang up."""
-        try:
-            if conn.poll(self.REFUSE_READ_S):
-                conn.recv()
-            conn.send(("error", "start", line + "\n"))
-        except (EOFError, OSError):
-            pass
-        finally:
-            conn.close()
+    quiet_uvicorn()
+    config = uvicorn.Config(app, http=guarded_protocol(request_timeout_s), ws="none", lifespan="off",
+                            log_config=None, access_log=False, timeout_keep_alive=5, timeout_graceful_shutdown=3)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="rlsync-engine-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RlsyncError(f"the engine's HTTP server did not start on {sock.getsockname()[:2]}")
+        time.sleep(0.02)
+    return server, thread
 
 
 def serve(cfg: EngineAppConfig) -> None:
-    from rlsync.sync.remote import DEFAULT_PORT, authkey, parse_address
+    from rlsync.engine_app import Control, log
+    from rlsync.sync.remote import DEFAULT_PORT, parse_address
 
-    host, port = parse_address(cfg.update.engine_address or "127.0.0.1", default_port=DEFAULT_PORT)
+    address = cfg.update.engine_address or "127.0.0.1"
+    host, port = parse_address(address, default_port=DEFAULT_PORT)
+    token = engine_token(address, host)  # before anything is built
     with StopOnSignals():  # Ctrl-C / SIGTERM: stop between (or inside) sessions, exit 130 / 143
+        sock = listen(host, port)  # a taken port fails before the model is built; trainers wait in the backlog
         engine = build_engine(cfg)
-        family = "AF_INET6" if ":" in host else "AF_INET"
-        with Listener((host, port), family=family, authkey=authkey()) as listener:
-            bound = listener.address
-            log(f"{cfg.model.name} ({cfg.rollout.engine}, {cfg.rollout.dtype}, {engine.device}) listening on "
-                f"{bound[0]}:{bound[1]}")
-            doorway = Doorway(listener)
-            served = 0
-            while cfg.serve.sessions == 0 or served < cfg.serve.sessions:
-                conn, trainer = doorway.next()
-                served += 1
-                log(f"session {served}: trainer {trainer[0]}:{trainer[1]} connected")
-                try:
-                    ended = serve_session(conn, engine, trainer[0])
-                finally:
-                    conn.close()
-                    doorway.done()
-                log(f"session {served}: {ended}")
-        log(f"served {served} session(s); exiting")
+        control = Control(engine, cfg, token=token)
+        server, thread = start_server(control.app, sock, cfg.serve.request_timeout_s)
+        bound = sock.getsockname()
+        log(f"{cfg.model.name} ({cfg.rollout.engine}, {cfg.rollout.dtype}, {engine.device}) listening on "
+            f"{bound[0]}:{bound[1]}" + (" (token required)" if token else ""))
+        try:
+            control.wait(cfg.serve.sessions)
+        finally:
+            server.should_exit = True
+            thread.join(10)
+        log(f"served {control.served} session(s); exiting")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="engine")

@@ -147,6 +147,8 @@ def value_rules() -> dict[str, Rule]:
         "bench.repeats": at_least(1),
         "bench.offload_state": one_of(OFFLOAD_STATES),
         "serve.sessions": at_least(0, "0 serves until stopped"),
+        "serve.request_timeout_s": above(0, "seconds"),
+        "serve.max_request_mb": between(0.01, 1024, "MiB"),
     }
 
 

@@ -1,17 +1,27 @@
-"""The broadcast transport across machines: `python -m rlsync.engine` started on its own, joined over TCP.
+"""The broadcast transport across machines: `python -m rlsync.engine` started on its own, joined over HTTP.
 
 Everything on localhost, with real processes: the engine is a `python -m rlsync.engine` subprocess
 listening on a free port; the trainer side is this test process (or a `python -m rlsync`
 subprocess) joining it with `update.engine_address`. Bit-exact engine weights after updates for
 each strategy, generation equal to an in-process engine's, a refused plan for another model, a
-second trainer refused while one is served, a killed trainer's session ended, a dead engine and a missing one failing in seconds,
-the whole run through the CLI, and SIGTERM.
+second trainer refused while one is served, /health answering while the engine works, a killed
+trainer's session ended, a dead engine and a missing one failing in seconds, the whole run through
+the CLI, and SIGTERM. Then the hostile cases: garbage, oversized heads and bodies, a probe that
+connects and closes, an idle or stalled client (each dropped with one line, the engine serving on),
+a trainer pointed at a listener that never answers, pickles that must never run, a token required
+beyond loopback, and the group's store listening on loopback only.
 """
 
 from __future__ import annotations
 
+import http.client
+import ipaddress
 import json
+import os
+import pickle
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -25,51 +35,56 @@ from conftest import FAST, ROOT, cli_env, read_jsonl, run_cli
 from rlsync.config import ModelConfig, UpdateConfig
 from rlsync.sync import open_engine, plan_for, update_weights
 from rlsync.sync.engine_process import EngineDied, EngineFailed
-from rlsync.sync.remote import EngineUnreachable, parse_address
+from rlsync.sync.remote import TOKEN_ENV, EngineUnreachable, parse_address
 from test_transports import BF16, CPU, SMALL_BUCKET_MB, Trainer, assert_engine_holds
 
 START_S = 120  # an engine start (imports, model build) on two busy cores
+REQUEST_TIMEOUT = "serve.request_timeout_s=1"  # idle and stalled clients are dropped after 1 s, not 10
+MAX_REQUEST = "serve.max_request_mb=1"  # an oversized body is sent in a moment
 
 
 class StandaloneEngine:
-    """`python -m rlsync.engine ...` in a subprocess; its stdout lines are collected as they come."""
+    """`python -m rlsync.engine ...` in a subprocess; its stdout and stderr lines are collected as they come."""
 
-    def __init__(self, tmp: Path, *overrides: str):
+    def __init__(self, tmp: Path, *overrides: str, env: dict | None = None):
         args = [sys.executable, "-m", "rlsync.engine", "update.engine_address=127.0.0.1:0", f"hydra.run.dir={tmp}",
                 *overrides]
-        self.proc = subprocess.Popen(args, cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen(args, cwd=ROOT, env=env or cli_env(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
-        self.reader = threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")),
-                                       daemon=True)
-        self.reader.start()
+        self.errors: list[str] = []
+        self.readers = [threading.Thread(target=lambda src=src, dst=dst: dst.extend(iter(src.readline, "")),
+                                         daemon=True)
+                        for src, dst in ((self.proc.stdout, self.lines), (self.proc.stderr, self.errors))]
+        for reader in self.readers:
+            reader.start()
         listening = self.wait_for("listening on")
-        self.address = listening.rsplit(" ", 1)[-1]
+        self.address = listening.split(" listening on ", 1)[1].split()[0]
 
-    def wait_for(self, text: str, timeout: float = START_S) -> str:
+    def wait_for(self, text: str, timeout: float = START_S, *, stderr: bool = False) -> str:
+        lines = self.errors if stderr else self.lines
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            found = [ln for ln in self.lines if text in ln]
+            found = [ln for ln in lines if text in ln]
             if found:
                 return found[-1].strip()
-            if self.proc.poll() is not None and not self.reader.is_alive():
+            if self.proc.poll() is not None and not any(r.is_alive() for r in self.readers):
                 break
             time.sleep(0.05)
-        raise AssertionError(f"the engine never printed {text!r}; stdout {self.lines}, stderr "
-                             f"{self.proc.stderr.read() if self.proc.poll() is not None else '(running)'}")
+        raise AssertionError(f"the engine never printed {text!r}; stdout {self.lines}, stderr {self.errors}")
 
     def stop(self) -> subprocess.CompletedProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        err = self.proc.stderr.read()
         code = self.proc.wait(timeout=30)
-        self.reader.join(5)
-        return subprocess.CompletedProcess(self.proc.args, code, "".join(self.lines), err)
+        for reader in self.readers:
+            reader.join(5)
+        return subprocess.CompletedProcess(self.proc.args, code, "".join(self.lines), "".join(self.errors))
 
 
 @pytest.fixture(scope="module")
 def engine_server(tmp_path_factory):
-    server = StandaloneEngine(tmp_path_factory.mktemp("engine"))
+    server = StandaloneEngine(tmp_path_factory.mktemp("engine"), REQUEST_TIMEOUT, MAX_REQUEST)
     yield server
     if server.proc.poll() is None:
         server.proc.kill()
@@ -102,6 +117,7 @@ def test_standalone_engine_receives_bit_exact_updates(engine_server, strategy, i
     engine, buckets = trainer.open(update)
     try:
         assert engine.process.pid is None  # no process of ours: the engine was started on its own
+        assert_listens_on_loopback_only(os.getpid())  # the group's store and gloo device: 127.0.0.1, where the engine is
         for source in ("device", "host", "device"):
             sent = trainer.source(source)
             metrics = update_weights(engine, sent, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
@@ -114,7 +130,7 @@ def test_standalone_engine_receives_bit_exact_updates(engine_server, strategy, i
     assert engine_server.proc.poll() is None  # the session ended, the engine serves on
 
 
-def test_generation_over_tcp_equals_an_engine_in_this_process(engine_server):
+def test_generation_over_http_equals_an_engine_in_this_process(engine_server):
     """The sampler's state travels to the engine and back, so the same weights and seed give the same answers."""
     trainer = Trainer(seed=5)
     prompts = [[1, 2, 3, 4], [5, 6, 7]]
@@ -151,7 +167,7 @@ def test_engine_refuses_a_plan_for_another_model(engine_server):
 
 
 def test_runner_joins_a_standalone_engine_and_matches_a_local_one(engine_server, tmp_path):
-    """`python -m rlsync` against the engine over TCP: verified updates, and the same run as with an
+    """`python -m rlsync` against the engine over HTTP: verified updates, and the same run as with an
     engine process started by the trainer (same seed: same answers, rewards and losses)."""
     common = [*FAST, "update.transport=broadcast", "update.verify=true", "wandb.mode=disabled"]
     remote = run_cli(*common, f"update.engine_address={engine_server.address}", f"hydra.run.dir={tmp_path / 'remote'}")
@@ -201,6 +217,7 @@ def test_a_second_trainer_is_refused_at_once_while_one_is_served(engine_server):
     update = remote_update(engine_server.address)
     first, _ = trainer.open(update)
     try:
+        assert health(engine_server.address)["busy"] is True
         start = time.monotonic()
         with pytest.raises(EngineFailed) as caught:
             trainer.open(update)
@@ -214,6 +231,56 @@ def test_a_second_trainer_is_refused_at_once_while_one_is_served(engine_server):
     second, _ = trainer.open(update)  # free again once the first has left
     second.close()
     engine_server.wait_for("busy with trainer")
+
+
+def test_health_answers_while_the_engine_works(engine_server):
+    """The engine waits inside an update for the trainer's first broadcast (its work thread blocked
+    in gloo), and /health still answers, naming that work; then the update lands bit for bit."""
+    trainer = Trainer(seed=4)
+    engine, _ = trainer.open(remote_update(engine_server.address))
+    seen = []
+    send = engine.process.send
+
+    def send_then_ask(op, *args):
+        sent = send(op, *args)
+        if op == "update":  # the broadcasts start only when this returns: the engine cannot be done
+            seen.append(health(engine_server.address, until=lambda h: h["op"] == "update"))
+        return sent
+
+    engine.process.send = send_then_ask
+    try:
+        engine.update_weights(trainer.weights)
+        assert_engine_holds(engine, trainer.weights)
+    finally:
+        engine.close()
+    assert seen == [{"status": "ok", "model": "tiny", "busy": True, "op": "update"}]
+
+
+HOSTILE = [  # (what the client sends, how its line on the engine's stderr reads)
+    pytest.param(b"\x16\x03\x01\x02\x00garbage\x00\xff\r\n\r\n", "is not an HTTP request", id="garbage"),
+    pytest.param(b"GET /health HTTP/1.1\r\nHost: e\r\nX-Big: " + b"a" * 100_000,  # a head that never ends
+                 "is not an HTTP request (or a header over the size limit)", id="oversized-header"),
+    pytest.param(b"POST /v1/session HTTP/1.1\r\nHost: e\r\nContent-Length: 1099511627776\r\n\r\n",
+                 "announced a body of 1099511627776 bytes", id="oversized-length-header"),
+    pytest.param(b"POST /v1/session HTTP/1.1\r\nHost: e\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 + (b"10000\r\n" + b"x" * 0x10000 + b"\r\n") * 17, "sent a body over the limit of 1048576 bytes",
+                 id="oversized-body"),
+    pytest.param(b"", "closed the connection without sending a request", id="connect-and-close"),
+    pytest.param(None, "sent no complete request within serve.request_timeout_s=1 s", id="idle"),
+    pytest.param(b"POST /v1/session HTTP/1.1\r\nHost: e\r\nContent-Length: 100\r\n\r\n{\"bu",
+                 "did not send its request body within serve.request_timeout_s=1 s", id="stalled-body"),
+    pytest.param(b"POST /v1/session HTTP/1.1\r\nHost: e\r\nContent-Length: 20\r\n\r\n{\"buckets\": \"all\"}  ",
+                 "sent a malformed 'session' request", id="untyped-plan"),
+]
+
+
+@pytest.mark.parametrize("sent,line", HOSTILE)
+def test_a_bad_client_is_dropped_with_one_line_and_the_engine_serves_on(engine_server, sent, line):
+    port = hostile_client(engine_server.address, sent)
+    engine_server.wait_for(f"client 127.0.0.1:{port}: ", timeout=30, stderr=True)
+    about_it = [ln for ln in engine_server.errors if f"client 127.0.0.1:{port}:" in ln]
+    assert len(about_it) == 1 and line in about_it[0], engine_server.errors
+    one_update_lands(Trainer(seed=6), remote_update(engine_server.address))
 
 
 def test_sigterm_stops_the_engine_between_sessions(engine_server):
@@ -239,37 +306,187 @@ def test_a_dead_engine_fails_the_update_within_seconds(tmp_path):
 
 
 def test_no_engine_at_the_address_is_one_clear_error():
-    import socket
-
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{probe.getsockname()[1]}"
     trainer = Trainer()
     update = remote_update(address, engine_connect_timeout_s=1)
     start = time.monotonic()
-    with pytest.raises(EngineUnreachable, match=f"no rlsync engine at update.engine_address={address} after 1 s"):
+    with pytest.raises(EngineUnreachable, match=f"no rlsync engine answered at update.engine_address={address} "
+                                                f"within 1 s"):
         trainer.open(update)
     assert time.monotonic() - start < 10
 
 
-def test_engine_exits_after_its_sessions_and_refuses_a_wrong_key(tmp_path):
-    server = StandaloneEngine(tmp_path, "serve.sessions=1")
-    trainer = Trainer()
-    update = remote_update(server.address, engine_connect_timeout_s=2)
-    import os
+def test_a_trainer_pointed_at_a_silent_listener_fails_within_its_connect_timeout(tmp_path):
+    """A port that accepts connections (the kernel does) but never answers: the run ends after
+    update.engine_connect_timeout_s with one line; run_cli's own timeout would catch a hang."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        result = run_cli(*FAST, "update.transport=broadcast", f"update.engine_address={address}",
+                         "update.engine_connect_timeout_s=2", "wandb.mode=disabled", f"hydra.run.dir={tmp_path}",
+                         timeout=120)
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"rlsync: no rlsync engine answered at update.engine_address={address} within 2 s "
+                           f"(timed out): start one there"), result.stderr
+    assert [ln for ln in result.stderr.splitlines() if ln.startswith("rlsync:")] == [last]
 
-    os.environ["RLSYNC_ENGINE_KEY"] = "not-the-engine's"
-    try:
-        with pytest.raises(EngineUnreachable, match="refused this trainer's key"):
-            trainer.open(update)
-    finally:
-        del os.environ["RLSYNC_ENGINE_KEY"]
-    server.wait_for("wrong key")
+
+class Touch:
+    """Unpickling this creates `path`: proof that a pickle was loaded."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_token_engine_never_runs_a_pickle_and_refuses_a_wrong_token(tmp_path, monkeypatch):
+    """With RLSYNC_ENGINE_TOKEN set, every request needs it; pickles, sent raw, framed as the old
+    channel framed them, or as request bodies with and without the token, are never loaded; the
+    right token's trainer is served; `serve.sessions=1` exits after it."""
+    token = "s3cret-for-this-test"
+    server = StandaloneEngine(tmp_path / "engine", "serve.sessions=1", REQUEST_TIMEOUT,
+                              env=cli_env(**{TOKEN_ENV: token}))
+    assert server.wait_for("listening on").endswith("(token required)")
+    marker = tmp_path / "pickle-ran"
+    payload = pickle.dumps(Touch(marker))
+    host, port = parse_address(server.address)
+    hostile_client(server.address, payload)
+    hostile_client(server.address, struct.pack("!i", len(payload)) + payload)  # multiprocessing.connection's frame
+    for path in ("/v1/session", "/v1/open", "/v1/generate"):
+        for headers in ({}, {"Authorization": f"Bearer {token}"}):
+            conn = http.client.HTTPConnection(host, port, timeout=30)
+            conn.request("POST", path, body=payload, headers={"Content-Type": "application/octet-stream", **headers})
+            status = conn.getresponse().status
+            conn.close()
+            assert status in ((401,) if not headers else (409, 422)), (path, headers, status)
+    assert not marker.exists()
+
+    trainer = Trainer()
+    update = remote_update(server.address, engine_connect_timeout_s=5)
+    monkeypatch.setenv(TOKEN_ENV, "not-the-engine's")
+    with pytest.raises(EngineUnreachable, match=f"refused this trainer's token: set the same {TOKEN_ENV} on both"):
+        trainer.open(update)
+    server.wait_for("no token or the wrong one", stderr=True)
+    monkeypatch.setenv(TOKEN_ENV, token)
     one_update_lands(trainer, update)
     server.proc.wait(timeout=30)  # it exits by itself after its one session
     result = server.stop()
     assert result.returncode == 0, result.stderr
     assert "served 1 session(s); exiting" in result.stdout
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("token", [None, " "], ids=["unset", "blank"])
+def test_an_engine_beyond_loopback_without_a_token_refuses_to_start(tmp_path, token):
+    env = {k: v for k, v in cli_env().items() if k != TOKEN_ENV} | ({} if token is None else {TOKEN_ENV: token})
+    result = subprocess.run([sys.executable, "-m", "rlsync.engine", "update.engine_address=0.0.0.0:0",
+                             f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "listening" not in result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("rlsync: config error: update.engine_address=0.0.0.0:0: listens beyond loopback "
+                               f"without a token ({TOKEN_ENV} is {'unset' if token is None else 'empty'})")
+
+
+def test_an_engine_on_a_taken_port_says_so_in_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        result = run_cli(f"update.engine_address={address}", f"hydra.run.dir={tmp_path}", module="rlsync.engine",
+                         timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines() == [f"rlsync: cannot listen on update.engine_address={address} "
+                                                  f"(Address already in use): pick another port (0: any free one) "
+                                                  f"or address"]
+
+
+def test_a_local_broadcast_group_listens_on_loopback_only():
+    """An engine process rlsync starts itself: the store and both ends of the gloo group bind 127.0.0.1."""
+    trainer = Trainer()
+    engine, _ = trainer.open(UpdateConfig(transport="broadcast", bucket_mb=SMALL_BUCKET_MB, engine_timeout_s=120))
+    try:
+        engine.update_weights(trainer.weights)
+        assert_engine_holds(engine, trainer.weights)
+        assert engine.store.port in assert_listens_on_loopback_only(os.getpid())
+        assert assert_listens_on_loopback_only(engine.process.pid)  # the engine's gloo device
+    finally:
+        engine.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def health(address: str, *, until=lambda h: True, timeout: float = 30) -> dict:
+    """GET /health (again, until `until(answer)`)."""
+    host, port = parse_address(address)
+    deadline = time.monotonic() + timeout
+    while True:
+        conn = http.client.HTTPConnection(host, port, timeout=timeout)
+        conn.request("GET", "/health")
+        response = conn.getresponse()
+        answer = json.loads(response.read())
+        conn.close()
+        assert response.status == 200
+        if until(answer) or time.monotonic() > deadline:
+            return answer
+        time.sleep(0.02)
+
+
+def hostile_client(address: str, sent: bytes | None) -> int:
+    """Connect, send `sent` (None: nothing), read until the engine closes the connection; our port."""
+    with socket.create_connection(parse_address(address), timeout=60) as sock:
+        port = sock.getsockname()[1]
+        try:
+            if sent:
+                sock.sendall(sent)
+            if sent == b"":
+                return port  # connect and close, as a port probe does
+            while sock.recv(65536):
+                pass
+        except (ConnectionResetError, BrokenPipeError):
+            pass  # the engine closed on us while we were still sending: dropped, as it should
+    return port
+
+
+def listening_sockets(pid: int) -> dict[int, ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """{port: address} of every TCP socket process `pid` listens on (from /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = {}
+    for table in ("tcp", "tcp6"):
+        for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            cols = row.split()
+            local, state, inode = cols[1], cols[3], cols[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            hex_addr, hex_port = local.split(":")
+            raw = bytes.fromhex(hex_addr)
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # /proc prints 32-bit words host-order
+            found[int(hex_port, 16)] = ipaddress.ip_address(raw)
+    return found
+
+
+def assert_listens_on_loopback_only(pid: int) -> dict:
+    found = listening_sockets(pid)
+    assert found and all(a.is_loopback for a in found.values()), found
+    return found
 
 
 @pytest.mark.parametrize("text,parsed", [

@@ -5,6 +5,8 @@ As in the reference system's non-colocated mode: the trainer (rank 0) and the en
 trainer hosts on a free port. The engine process is started here, or (`update.engine_address`) is
 an engine started on its own, on this machine or another (`python -m rlsync.engine`,
 sync/remote.py), which reaches the trainer's store at the address the trainer connected from. The
+store and both ends of the group listen on one address only: loopback for an engine process
+started here; for a standalone engine, each side's end of the control connection. The
 group is a standalone object, not torch.distributed's default group: a data-parallel trainer keeps
 its own, and several engines can come and go. The bucket plan is deterministic and both sides
 hold it (it travels to the engine process when it starts), so no names, shapes or dtypes go over the
@@ -26,6 +28,7 @@ NCCL would need the engine on another GPU than the trainer's; rlsync colocates t
 
 from __future__ import annotations
 
+import socket
 from collections import deque
 from datetime import timedelta
 
@@ -38,14 +41,32 @@ from rlsync.sync.engine_process import EngineProcess, ForwardsToEngineProcess
 from rlsync.sync.threads import cpu_threads
 from rlsync.timing import DeviceMemory, HostTimer, unit_timer
 
-HOST = "127.0.0.1"  # where an engine process started here finds the trainer's store
+HOST = "127.0.0.1"  # an engine process started here: the store and both ends of the group listen on loopback only
 TRAINER, ENGINE = 0, 1  # ranks
 STORE_PREFIX = "rlsync/update"  # the group's keys in the store
 
 
-def join_group(store: dist.Store, rank: int, timeout: timedelta) -> dist.ProcessGroupGloo:
-    """This side of the trainer-engine group; blocks until the other side joins too."""
-    return dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), rank, 2, timeout)
+def join_group(store: dist.Store, rank: int, timeout: timedelta, host: str) -> dist.ProcessGroupGloo:
+    """This side of the trainer-engine group, listening on `host` only (gloo's default device would
+    listen on the address the machine's hostname resolves to); blocks until the other side joins too."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), rank, 2, options)
+
+
+def listen_store(host: str, timeout: timedelta) -> dist.TCPStore:
+    """The group's TCP store, bound to `host` only: torch's own TCPStore server listens on every
+    interface, so it is handed a socket bound here (`master_listen_fd`); the store owns it from then on."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        return dist.TCPStore(host, port, world_size=2, is_master=True, wait_for_workers=False, timeout=timeout,
+                             master_listen_fd=sock.detach())
+    finally:
+        sock.close()  # after detach(): a no-op; on an error before it: frees the socket
 
 
 def resolve_backend(name: str) -> str:
@@ -82,6 +103,7 @@ class BroadcastReceiver:
         self.buckets, self.strategy, self.inflight, self.flat_weights = buckets, strategy, inflight, flat_weights
         self.copy_threads = copy_threads
         self.host, self.port, self.timeout_s = HOST, port, timeout_s  # a standalone engine sets `host`
+        self.bind_host = HOST  # where this side of the group listens (a standalone engine: its end of the session)
         self.join_timeout_s = join_timeout_s  # for reaching the trainer's store, and the group's rendezvous
         self.slots: list[torch.Tensor] = []
         self.flat: list[torch.Tensor] | None = None
@@ -90,7 +112,7 @@ class BroadcastReceiver:
     def open(self, engine) -> dict:
         store = dist.TCPStore(self.host, self.port, world_size=2, is_master=False,
                               timeout=timedelta(seconds=self.join_timeout_s))
-        self.group = join_group(store, ENGINE, timedelta(seconds=self.timeout_s))
+        self.group = join_group(store, ENGINE, timedelta(seconds=self.timeout_s), self.bind_host)
         device, dtype = engine.device, self.buckets[0].dtype
         if self.flat_weights:
             self.flat = flat.allocate(self.buckets, device)
@@ -143,8 +165,12 @@ class BroadcastEngine(ForwardsToEngineProcess):
         # Joining: an engine on another machine that cannot reach this store (a firewall, the wrong
         # interface) must fail in engine_connect_timeout_s, not after an hour of silence.
         join_timeout_s = cfg.engine_connect_timeout_s if cfg.engine_address else cfg.engine_timeout_s
-        self.store = dist.TCPStore(HOST, 0, world_size=2, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=join_timeout_s))
+        host = HOST
+        if cfg.engine_address:  # listen on the interface that reaches that engine, once it answers
+            from rlsync.sync.remote import reach
+
+            host = reach(cfg.engine_address, timeout_s=cfg.engine_connect_timeout_s)
+        self.store = listen_store(host, timedelta(seconds=join_timeout_s))
         self.slots = [flat.empty(slot_numel(buckets, cfg.strategy), buckets[0].dtype, self.device)
                       for _ in range(cfg.inflight_buckets)]
         self.engine_staging = 0
@@ -160,7 +186,7 @@ class BroadcastEngine(ForwardsToEngineProcess):
             self.process = EngineProcess(spec, receiver, strategy=cfg.strategy, timeout_s=cfg.engine_timeout_s)
         try:
             self.process.send("open")
-            self.process.join_thread(lambda: setattr(self, "group", join_group(self.store, TRAINER, timeout)),
+            self.process.join_thread(lambda: setattr(self, "group", join_group(self.store, TRAINER, timeout, host)),
                                      f"the {backend} process group")
             self.engine_staging = self.process.reply("open").result["staging_bytes"]
         except BaseException:

@@ -16,7 +16,8 @@ A dead engine never hangs the trainer: every wait polls in slices of `POLL_S` an
 process between them, raising `EngineDied` with its exit code.
 
 `EngineProcess.remote` speaks the same protocol to an engine started on its own (`python -m
-rlsync.engine`, over TCP: sync/remote.py); there the engine is alive as long as its connection is.
+rlsync.engine`, typed messages over HTTP: sync/remote.py); there the engine is alive as long as its
+session is.
 """
 
 from __future__ import annotations
@@ -134,9 +135,8 @@ def serve(conn, spec, receiver, strategy: str) -> None:
 def serve_requests(conn, server: EngineServer) -> str:
     """Answer "start", then each request in order until "close" or the trainer's side of `conn` closes.
 
-    Shared by the engine process (a pipe) and the standalone engine (`python -m rlsync.engine`, a TCP
-    connection per trainer session). Returns how the session ended; never raises for a trainer that
-    went away.
+    The engine process's loop (a pipe; the standalone engine answers the same requests over HTTP:
+    rlsync/engine_app.py). Returns how the session ended; never raises for a trainer that went away.
     """
     try:
         t_prev_send = time.monotonic()
@@ -207,20 +207,18 @@ class EngineProcess:
 
     @classmethod
     def remote(cls, address: str, receiver, *, timeout_s: float, connect_timeout_s: float) -> "EngineProcess":
-        """The engine listening at `address`: connect, hand it this trainer's receiver (the update's
-        plan and settings), and wait until it has checked that plan against its model."""
-        from rlsync.sync.remote import RemotePeer, connect
+        """The engine serving at `address` (sync/remote.py): open a session with this trainer's receiver
+        (the update's plan and settings) and wait until the engine has checked that plan against its model."""
+        from rlsync.sync.remote import RemotePeer, open_session
 
         self = cls.__new__(cls)
-        conn = connect(address, timeout_s=connect_timeout_s)
-        self._attach(conn, RemotePeer(conn), timeout_s, who=f"the engine at {address}",
-                     ended=lambda: "closed the connection (it stopped, or the network failed)",
-                     request=("start", (receiver,)))
+        wire = open_session(address, receiver, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+        self._attach(wire, RemotePeer(wire), timeout_s, who=f"the engine at {address}",
+                     ended=lambda: f"closed the connection (it stopped, or the network failed: {wire.why_closed})")
         return self
 
-    def _attach(self, conn, process, timeout_s: float, *, who: str, ended: Callable[[], str],
-                request: tuple | None = None) -> None:
-        """Wait for the engine's "start" answer (after sending `request`, for a remote engine).
+    def _attach(self, conn, process, timeout_s: float, *, who: str, ended: Callable[[], str]) -> None:
+        """Wait for the engine's "start" answer.
 
         `process`: the engine's process, or what stands in for it (sync/remote.py's RemotePeer);
         `ended()`: how it went, said once it is gone."""
@@ -229,8 +227,6 @@ class EngineProcess:
         self._sent: deque[tuple[str, float]] = deque()  # requests not answered yet, in order
         self._early: deque[tuple] = deque()  # replies read while waiting on something else
         try:
-            if request is not None:
-                self.conn.send(request)
             self._sent.append(("start", time.monotonic()))
             self.reply("start")
         except BaseException:
