@@ -347,7 +347,9 @@ def memory_record(fit: dict, device: torch.device) -> dict:
     """The estimate beside the measured peaks, for summary.json: how far off the estimate was."""
     estimate = fit["estimate"]
     peak = memory.peak_rss_bytes()
-    measured = {"peak_rss_bytes": peak, "engine_peak_rss_bytes": memory.children_peak_rss_bytes() or None}
+    measured = {"peak_rss_bytes": peak}
+    if estimate.engine_process:  # the engine process has ended (closed before the summary): its peak is known
+        measured["engine_peak_rss_bytes"] = memory.children_peak_rss_bytes()
     if device.type == "cuda":
         measured["device_peak_bytes"] = torch.cuda.max_memory_reserved(device)
     return {"estimate": estimate.as_dict(), "available": fit["available"], "measured": measured,

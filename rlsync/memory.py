@@ -11,7 +11,7 @@ the same shapes `build_model` allocates), the bucket plan from the same planner 
 Where the bytes live:
 
 - this process: the runtime already loaded (the resident set measured now, after importing what
-  the run imports), the trainer (weights, gradients, AdamW's two moments, all in trainer.dtype; a
+  the run imports) and what it grows by in the first steps (STEP_WORKSPACE, calibrated), the trainer (weights, gradients, AdamW's two moments, all in trainer.dtype; a
   frozen reference with kl_coef > 0), what the offload keeps beside the state (twin: a host copy;
   move on a CPU: one spare buffer per segment size and the slack of shared sizes), the engine's
   weights in rollout.dtype (transport=direct), the staging buffers of the update, and the largest
@@ -40,6 +40,10 @@ ADAM_MOMENTS = 2  # exp_avg, exp_avg_sq, in the parameter's dtype
 LOGIT_COPIES = 4  # logits, their float32 log-softmax, its gradient, the gathered log-probs' graph
 LAYER_ACTIVATIONS = 10  # hidden-size-wide tensors kept per layer and token for the backward (norms, q/k/v/o, residuals)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# What the runtime grows by in the first steps whatever the model's size: kernels' workspaces, thread
+# pools and the allocator's arenas. Calibrated, not derived: a tiny-model run on the CPU build grew
+# 76 MiB in step 0 and peaked about 130 MiB above the rest of this estimate.
+STEP_WORKSPACE = 128 * MIB
 
 
 def param_shapes(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
@@ -202,6 +206,7 @@ def estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
     remote = bool(cfg.update.engine_address)  # an engine on another machine: not this one's memory
     est = Estimate()
     est.process["runtime"] = runtime_bytes
+    est.process["step_workspace"] = STEP_WORKSPACE
     if not cuda:
         est.process.update({"trainer_state": trainer, "reference": reference, "offload_extra": extra,
                             "staging": staging_trainer,
@@ -209,8 +214,8 @@ def estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
         if cfg.update.transport == "direct":
             est.process["engine_weights"] = engine_weights
         elif not remote:
-            est.engine_process = {"runtime": runtime_bytes, "engine_weights": engine_weights,
-                                  "staging": staging_engine, "kv_cache": rollout_act}
+            est.engine_process = {"runtime": runtime_bytes, "step_workspace": STEP_WORKSPACE,
+                                  "engine_weights": engine_weights, "staging": staging_engine, "kv_cache": rollout_act}
     else:
         est.process.update({"offload_host": extra, "probe_pinned": pinned_bytes(min(max(trainer, PROBE_MIN), PROBE_CAP))})
         if cfg.update.transport != "direct" and not remote:
