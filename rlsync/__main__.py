@@ -1,8 +1,8 @@
 """`python -m rlsync [overrides]`: one run, or a sweep with `-m`. Hydra composes conf/ over the schema.
 
 Every error ends as one line on stderr (rlsync.errors): a bad value exits 2 before any model is
-built, a failed run 1, an interrupted run 130 (SIGINT) or 143 (SIGTERM). In a sweep a failed job
-fails alone: the others run, and the sweep exits non-zero at the end.
+built, a failed run 1, an interrupted run 130 (SIGINT), 143 (SIGTERM) or 129 (SIGHUP: the terminal
+closed). In a sweep a failed job fails alone: the others run, and the sweep exits non-zero at the end.
 """
 
 from __future__ import annotations

@@ -165,11 +165,12 @@ def open_target(cfg: BenchAppConfig, device: torch.device):
 
 
 def run_bench(cfg: BenchAppConfig, run_dir: Path, *, name: str, group: str, overrides: list[str] = ()) -> dict:
+    from rlsync.runlock import RunLock
     from rlsync.sinks import wandb_run
 
-    run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        with wandb_run(cfg.wandb, run_dir=run_dir, name=name, group=group, config=to_dict(cfg), job_type="bench") as wb:
+        with RunLock(run_dir), wandb_run(cfg.wandb, run_dir=run_dir, name=name, group=group, config=to_dict(cfg),
+                                         job_type="bench") as wb:  # one live run per directory, as the runner's
             return Bench(cfg, run_dir, overrides=list(overrides)).run(wb)
     finally:
         gc.collect()  # the next sweep job gets this one's memory back

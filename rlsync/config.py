@@ -87,6 +87,7 @@ class RunConfig:
     progress: bool = True  # progress bar over the steps
     rank_timeout_s: float = 3600.0  # data-parallel launches: longest a rank waits for the others (rank 0's rollout included)
     limit_probe: str = "every_step"  # every_step: re-measure the copy floors before each step, outside its timing (they drift with the load) | start: once, before step 0
+    memory_check: bool = True  # refuse a run whose estimated peak memory exceeds the machine's (rlsync.memory)
 
 
 @dataclass

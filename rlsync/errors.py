@@ -2,13 +2,14 @@
 
 The entry points print an error as one line on stderr and exit with its `exit_code`, never a
 traceback (RLSYNC_DEBUG=1 shows it): a bad value exits 2, a run that failed exits 1, a run
-stopped by SIGINT or SIGTERM exits 128 + the signal (130, 143), as shells report it.
+stopped by SIGINT, SIGTERM or SIGHUP exits 128 + the signal (130, 143, 129), as shells report it.
 Hydra's own composition errors (unknown key, wrong type, unknown group choice) are translated
 here into the same one-line `ConfigError`.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -78,8 +79,31 @@ class UpdateOutOfMemory(RlsyncError):
                          f"(largest bucket {largest_bucket_mb:.0f} MiB): {advice}")
 
 
+# errno -> what it means for a file we write, in words a user acts on
+WRITE_PROBLEMS = {
+    errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up", errno.EFBIG: "the file is too large "
+    "for this file system or its size limit (ulimit -f)", errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied", errno.EPERM: "permission denied", errno.ENOTDIR: "a part of the path is a "
+    "file, not a directory", errno.EISDIR: "it is a directory", errno.EEXIST: "a file of that name is in the way",
+    errno.ENOENT: "its directory does not exist", errno.EIO: "an I/O error (the disk failed)",
+}
+
+
+def os_error_text(err: OSError) -> str:
+    """An OSError as a reason: the errno's meaning for a write, else the system's own words."""
+    return WRITE_PROBLEMS.get(err.errno, err.strerror or type(err).__name__)
+
+
+class WriteFailed(RlsyncError):
+    """A file could not be written (disk full, read-only, not a directory): the line names the file."""
+
+    def __init__(self, path: Path, err: OSError, then: str = ""):
+        self.path, self.err = Path(path), err
+        super().__init__(f"cannot write {path}: {os_error_text(err)} ({err.strerror or err}){then}")
+
+
 class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM: the run stops, keeps its finished steps, and exits 128 + signal."""
+    """SIGINT, SIGTERM or SIGHUP: the run stops, keeps its finished steps, and exits 128 + signal."""
 
     def __init__(self, signum: int):
         self.signum, self.exit_code = signum, 128 + signum
@@ -87,7 +111,8 @@ class Interrupted(KeyboardInterrupt):
 
 
 class StopOnSignals:
-    """Within `with StopOnSignals() as stop:`, SIGINT and SIGTERM raise `Interrupted` in the main thread.
+    """Within `with StopOnSignals() as stop:`, SIGINT, SIGTERM and SIGHUP (a closed terminal) raise
+    `Interrupted` in the main thread.
 
     Python runs the handler between bytecodes, so the step in progress stops after its current
     operation and is dropped; the caller's `finally` keeps what finished. Inside `stop.deferred()`
@@ -96,7 +121,7 @@ class StopOnSignals:
     steps are on disk already, only the summary is lost.
     """
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __enter__(self) -> "StopOnSignals":
         self.pending: Optional[int] = None
@@ -285,7 +310,7 @@ def job_errors(run_dir: Optional[Path], *, sweep_job: Optional[str] = None, rank
         shown = from_hydra(err) or err
         ran = run_dir is not None and not isinstance(shown, BadInput)  # a run that may have kept finished steps
         line = describe(shown) + (kept(run_dir, since=started) if ran else "")
-        if run_dir is not None:
+        if run_dir is not None and getattr(shown, "writes_error_log", True):  # not in a directory another run holds
             write_error_log(run_dir, line)
         if debug_enabled():
             traceback.print_exc()

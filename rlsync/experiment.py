@@ -19,15 +19,17 @@ from pathlib import Path
 
 import torch
 
+from rlsync import memory
 from rlsync import summary as summaries
 from rlsync.config import MIB, Config, to_dict
 from rlsync.devices import device_memory_metrics, explicit_device, sampler, select_device
 from rlsync.distributed import DataParallel, Silent
-from rlsync.errors import StopOnSignals
+from rlsync.errors import StopOnSignals, WriteFailed
 from rlsync.limits import Limits
 from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.offload import Offloader, link_metrics
 from rlsync.rollout import EngineSpec, Generation, answer_ids
+from rlsync.runlock import RunLock
 from rlsync.sinks import Console, MetricsFile, WandbRun, wandb_run, write_json
 from rlsync.sync import WeightMismatch, is_out_of_memory, open_engine, out_of_memory, plan_for, update_weights
 from rlsync.tasks import Prompt, make_prompts, reward
@@ -45,15 +47,27 @@ def run_experiment(cfg: Config, run_dir: Path, *, name: str, group: str, overrid
     with DataParallel.from_env() as dp:  # a single process, or one rank of a data-parallel launch
         if not dp.is_main:  # ranks > 0 train their share and write nothing: rank 0 records every step
             return Experiment(cfg, run_dir, overrides=list(overrides), dp=dp).run(WandbRun(None))
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with wandb_run(cfg.wandb, run_dir=run_dir, name=name, group=group, config=to_dict(cfg), job_type="run") as wb:
-            result = Experiment(cfg, run_dir, overrides=list(overrides), dp=dp).run(wb)
+        with RunLock(run_dir):  # one live run per directory: a second one stops here, touching nothing
+            memory = memory_fit(cfg, dp.device(resolve_device(cfg.run.device)))  # before any model is built
+            with wandb_run(cfg.wandb, run_dir=run_dir, name=name, group=group, config=to_dict(cfg), job_type="run") as wb:
+                result = Experiment(cfg, run_dir, overrides=list(overrides), dp=dp, memory=memory).run(wb)
     return result
 
 
+def memory_fit(cfg: Config, device: torch.device) -> dict:
+    """The run's peak memory estimated from the config, and what the machine has (rlsync.memory);
+    raises DoesNotFit (exit 2) when it cannot fit, unless run.memory_check=false."""
+    memory.load_runtime(cfg)
+    estimate, available = memory.check_fits(cfg, device, memory_check=cfg.run.memory_check)
+    return {"estimate": estimate, "available": available}
+
+
 class Experiment:
-    def __init__(self, cfg: Config, run_dir: Path, *, overrides: list[str] = (), dp: DataParallel | None = None):
+    def __init__(self, cfg: Config, run_dir: Path, *, overrides: list[str] = (), dp: DataParallel | None = None,
+                 memory: dict | None = None):
         self.cfg, self.run_dir, self.overrides = cfg, run_dir, list(overrides)
+        self.memory = memory  # run_experiment's estimate: summary.json puts the measured peak beside it
+        self.summary_failure: WriteFailed | None = None
         self.dp = dp or DataParallel()
         self.rows: list[dict] = []
         self.status, self.error, self.failure = "running", None, None
@@ -102,6 +116,10 @@ class Experiment:
                     print_closing(result)
             if close_error is not None:
                 raise close_error
+            if self.summary_failure is not None:  # every step finished; only the summary is missing
+                raise WriteFailed(self.summary_failure.path, self.summary_failure.err,
+                                  f"; all {len(self.rows)} finished step(s) are kept in {metrics_file.path}") \
+                    from self.summary_failure
         return result
 
     def setup(self):
@@ -321,8 +339,13 @@ class Experiment:
                             f"the engine did not get the trainer's weights, so do not trust this run's update numbers")
         if warnings:
             result["warning"] = "; ".join(warnings)
+        if self.memory is not None:
+            result["memory"] = memory_record(self.memory, self.device)
         if self.dp.is_main:  # ranks > 0 write nothing
-            write_json(self.run_dir / "summary.json", result)
+            try:
+                write_json(self.run_dir / "summary.json", result)
+            except WriteFailed as err:  # raised by run() once the engine is closed and W&B has the numbers
+                self.summary_failure = err
         return result
 
 
@@ -334,6 +357,19 @@ def score_rollout(gen: Generation, prompts: list[Prompt], tokenizer, *, group_si
     targets = [p.target for p in prompts for _ in range(group_size)]
     rewards = torch.tensor([reward(a, t) for a, t in zip(answers, targets)], device="cpu")  # [batch]
     return rewards, group_advantages(rewards, group_size).to(device)
+
+
+def memory_record(fit: dict, device: torch.device) -> dict:
+    """The estimate beside the measured peaks, for summary.json: how far off the estimate was."""
+    estimate = fit["estimate"]
+    peak = memory.peak_rss_bytes()
+    measured = {"peak_rss_bytes": peak}
+    if estimate.engine_process:  # the engine process has ended (closed before the summary): its peak is known
+        measured["engine_peak_rss_bytes"] = memory.children_peak_rss_bytes()
+    if device.type == "cuda":
+        measured["device_peak_bytes"] = torch.cuda.max_memory_reserved(device)
+    return {"estimate": estimate.as_dict(), "available": fit["available"], "measured": measured,
+            "process_estimate_over_peak_rss": estimate.process_bytes / peak if peak else None}
 
 
 def close_engine(engine) -> BaseException | None:

@@ -43,11 +43,65 @@ def hf_config(cfg: ModelConfig):
     )
 
 
+# model.* keys a checkpoint's config.json must agree with: the engine is built from the keys, the
+# trainer from the checkpoint, and the update copies one into the other by name and shape
+ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "tie_word_embeddings", "max_position_embeddings",
+                     "rope_theta", "rms_norm_eps")
+MODEL_TYPE = "qwen3"  # what build_model and the engine build from the keys
+
+
+def checkpoint_value(ckpt: dict, key: str):
+    """`key` as a checkpoint's config.json gives it (None when it does not): transformers 5 nests
+    rope_theta in rope_parameters, and head_dim defaults to hidden_size / heads."""
+    if key == "rope_theta" and "rope_theta" not in ckpt:
+        rope = ckpt.get("rope_parameters")
+        return rope.get("rope_theta") if isinstance(rope, dict) else None
+    if key == "head_dim" and ckpt.get("head_dim") is None and ckpt.get("hidden_size") and ckpt.get("num_attention_heads"):
+        return ckpt["hidden_size"] // ckpt["num_attention_heads"]
+    return ckpt.get(key)
+
+
+def architecture_differences(cfg: ModelConfig, ckpt: dict) -> list[tuple[str, object, object]]:
+    """(key, the checkpoint's value, model.<key>) for every architecture key that differs; the model
+    type first when it is not Qwen3's. Keys the checkpoint does not give are not compared."""
+    out = []
+    if ckpt.get("model_type") not in (None, MODEL_TYPE):
+        out.append(("model_type", ckpt["model_type"], MODEL_TYPE))
+    for key in ARCHITECTURE_KEYS:
+        theirs, ours = checkpoint_value(ckpt, key), getattr(cfg, key)
+        if theirs is None:
+            continue
+        same = (abs(float(theirs) - float(ours)) <= 1e-9 * max(abs(float(ours)), 1.0)
+                if isinstance(ours, float) and isinstance(theirs, (int, float)) else theirs == ours)
+        if not same:
+            out.append((key, theirs, ours))
+    return out
+
+
+def check_architecture(cfg: ModelConfig, ckpt: dict) -> None:
+    """Raise ConfigError (one line, exit 2) naming each model.* key the checkpoint's config differs in."""
+    from rlsync.errors import ConfigError, show
+
+    diffs = architecture_differences(cfg, ckpt)
+    if not diffs:
+        return
+    if diffs[0][0] == "model_type":
+        raise ConfigError("model.pretrained", cfg.pretrained, f"a {MODEL_TYPE} checkpoint (rlsync builds Qwen3 "
+                          f"models)", f"its config.json has model_type={diffs[0][1]}")
+    differing = ", ".join(f"{k}={show(theirs)} in the checkpoint but model.{k}={show(ours)}" for k, theirs, ours in diffs)
+    fix = " ".join(f"model.{k}={show(theirs)}" for k, theirs, _ in diffs)
+    raise ConfigError("model.pretrained", cfg.pretrained, f"model.* keys that match the checkpoint: add {fix}, or "
+                      f"choose the model=... preset of that architecture", f"its architecture differs ({differing})")
+
+
 def build_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, seed: int) -> nn.Module:
     """A Qwen3 causal LM in `dtype` on `device`: from `cfg.pretrained` if set, else random."""
-    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3ForCausalLM
 
     if cfg.pretrained:
+        # a hub id's config.json arrives here first (validation checked a local one): refuse before any weight loads
+        check_architecture(cfg, AutoConfig.from_pretrained(cfg.pretrained).to_dict())
         model = AutoModelForCausalLM.from_pretrained(cfg.pretrained, dtype=dtype)
         return model.to(device)
 

@@ -30,6 +30,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from rlsync.errors import WriteFailed
 from rlsync.summary import PHASES, stats_over
 
 MIB = 2**20
@@ -172,6 +173,89 @@ def read_json(path: Path) -> Optional[dict]:
     return data if isinstance(data, dict) else None
 
 
+class Malformed(ValueError):
+    """A run record the report cannot trust (summary.json torn or of the wrong shape): a failed run."""
+
+
+def read_summary(path: Path) -> dict:
+    """summary.json as a dict ({} when there is none); Malformed when it exists but is not a run's summary."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return {}
+    except OSError as err:
+        raise Malformed(f"summary.json unreadable ({err.strerror or err})") from None
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise Malformed(f"summary.json is not valid JSON ({err}); truncated?") from None
+    if not isinstance(data, dict):
+        raise Malformed(f"summary.json holds a {type(data).__name__}, not an object")
+    problem = summary_problem(data)
+    if problem:
+        raise Malformed(f"summary.json: {problem}")
+    return data
+
+
+# what the report reads from a summary, and the types it needs (None is always allowed)
+NUMBER, TEXT, COUNT, TABLE, LIST = "a number", "a string", "an integer", "an object", "a list"
+SUMMARY_TYPES = {
+    "status": TEXT, "error": TEXT, "verdict": TEXT, "warning": TEXT, "target": TEXT, "kind": TEXT,
+    "warmup_steps": COUNT, "measured_steps": COUNT, "steps_finished": COUNT, "steps_requested": COUNT,
+    "metrics": TABLE, "share": TABLE, "setup": TABLE, "model": TABLE, "machine": TABLE, "limits": TABLE,
+    "offload": TABLE, "config": TABLE, "overrides": LIST, "memory": TABLE,
+    "model.name": TEXT, "model.params": NUMBER, "model.update_bytes": NUMBER,
+    "setup.bucket_mb": NUMBER, "setup.transport": TEXT, "setup.strategy": TEXT, "setup.device": TEXT,
+    "setup.engine": TEXT, "setup.source": TEXT, "offload.state": TEXT, "offload.mode": TEXT, "offload.memory": TEXT,
+    "config.run": TABLE, "config.update": TABLE, "config.model": TABLE, "config.rollout": TABLE,
+    "config.trainer": TABLE, "config.wandb": TABLE, "config.bench": TABLE,
+    "config.run.warmup_steps": COUNT, "config.run.verdict_threshold": NUMBER, "config.update.bucket_mb": NUMBER,
+}
+
+
+def type_fits(value: Any, kind: str) -> bool:
+    if value is None:
+        return True
+    if kind == NUMBER:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == COUNT:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, {TEXT: str, TABLE: dict, LIST: list}[kind])
+
+
+def summary_problem(summary: dict) -> Optional[str]:
+    """What makes `summary` unreadable for the report (a key of the wrong type), or None."""
+    for key, kind in SUMMARY_TYPES.items():
+        head, _, rest = key.rpartition(".")
+        parent = summary if not head else raw_dig(summary, head)
+        if not isinstance(parent, dict) or rest not in parent:
+            continue
+        if not type_fits(parent[rest], kind):
+            return f"{key} is {shown_type(parent[rest])}, not {kind}"
+    for metric, agg in (summary.get("metrics") or {}).items():
+        if not isinstance(agg, dict) or not all(type_fits(v, NUMBER) for v in agg.values()):
+            return f"metrics.{metric} is {shown_type(agg)}, not an object of numbers"
+    for phase, share in (summary.get("share") or {}).items():
+        if not type_fits(share, NUMBER):
+            return f"share.{phase} is {shown_type(share)}, not a number"
+    if not all(isinstance(o, str) for o in summary.get("overrides") or []):
+        return "overrides is not a list of strings"
+    return None
+
+
+def raw_dig(tree: Any, dotted: str) -> Any:
+    for key in dotted.split("."):
+        if not isinstance(tree, dict):
+            return None
+        tree = tree.get(key)
+    return tree
+
+
+def shown_type(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return f"{type(value).__name__} {text[:30] + '...' if len(text) > 30 else text}"
+
+
 def read_yaml(path: Path) -> Any:
     import yaml  # PyYAML, a dependency of omegaconf
 
@@ -229,10 +313,22 @@ def strip_log_prefix(line: str) -> str:
 
 
 def load_job(run_dir: Path, sweep: Optional[Path] = None) -> Run | Failure:
-    """Read one job directory into a Run (it measured something) or a Failure."""
-    summary = read_json(run_dir / "summary.json") or {}
+    """Read one job directory into a Run (it measured something) or a Failure; a record the report
+    cannot read (torn, wrong types) is a Failure with one line saying what is wrong, never a traceback."""
+    try:
+        return read_job(run_dir, sweep)
+    except Exception as err:  # noqa: BLE001 - one bad record costs its own row, never the report
+        overrides = read_yaml(run_dir / ".hydra" / "overrides.yaml")
+        overrides = [str(o) for o in overrides] if isinstance(overrides, list) else []
+        reason = str(err) if isinstance(err, Malformed) else f"unreadable run record ({type(err).__name__}: {err})"
+        return Failure(run_dir, run_dir.name, overrides, reason.splitlines()[0] if reason else "unreadable", sweep)
+
+
+def read_job(run_dir: Path, sweep: Optional[Path] = None) -> Run | Failure:
+    summary = read_summary(run_dir / "summary.json")
     rows = read_metrics(run_dir / "metrics.jsonl")
     config = summary.get("config") or read_yaml(run_dir / ".hydra" / "config.yaml") or {}
+    config = config if isinstance(config, dict) else {}
     overrides = summary.get("overrides") or read_yaml(run_dir / ".hydra" / "overrides.yaml") or []
     overrides = [str(o) for o in overrides] if isinstance(overrides, list) else []
     if not summary and not rows:
@@ -706,15 +802,21 @@ def write_report(paths: Iterable[str | Path], out_dir: Optional[str | Path] = No
     several = len(sweeps) > 1
     for item in [*runs, *failures]:
         item.job = job_label(item.path, item.sweep, several)
-    result.rows = [table_row(run) for run in runs]
+    result.rows = table_rows(result)
     result.markdown_table = markdown_table(result.rows)
     result.fits = fit_by_setup(result.rows)
 
-    out.mkdir(parents=True, exist_ok=True)
-    plots, plot_notes = report_plots.write_plots(result.rows, result.fits, out)
-    result.notes += plot_notes
-    write_markdown(out / "report.md", result, plots, paths)
-    write_csv(out / "report.csv", result.rows)
+    target = out
+    try:  # a full disk, a read-only or missing directory: one line naming the path (WriteFailed)
+        out.mkdir(parents=True, exist_ok=True)
+        plots, plot_notes = report_plots.write_plots(result.rows, result.fits, out)
+        result.notes += plot_notes
+        target = out / "report.md"
+        write_markdown(target, result, plots, paths)
+        target = out / "report.csv"
+        write_csv(target, result.rows)
+    except OSError as err:
+        raise WriteFailed(Path(err.filename) if err.filename else target, err) from err
     result.files = [out / "report.md", out / "report.csv", *plots]
 
     if log_wandb and runs:
@@ -722,6 +824,25 @@ def write_report(paths: Iterable[str | Path], out_dir: Optional[str | Path] = No
 
         result.wandb_line = wandb_report.log_report_run(result)
     return result
+
+
+def table_rows(result: ReportResult) -> list[dict[str, Any]]:
+    """One table row per run; a run whose numbers cannot be tabulated (a value of a type nothing
+    expected) moves to the failures with one line instead of stopping the report."""
+    rows, kept = [], []
+    for run in result.runs:
+        try:
+            row = table_row(run)
+            table_cells(row)  # formatting is where a wrong type would show
+        except Exception as err:  # noqa: BLE001 - one bad record costs its own row
+            result.failures.append(Failure(run.path, run.job, run.overrides,
+                                           f"malformed run record ({type(err).__name__}: {err})".splitlines()[0],
+                                           run.sweep))
+            continue
+        rows.append(row)
+        kept.append(run)
+    result.runs = kept
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -755,7 +876,27 @@ def print_result(result: ReportResult) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """The command line: every ending is one line on stderr and an exit code, never a traceback
+    (RLSYNC_DEBUG=1 prints it as well)."""
     args = parse_args(argv)
+    try:
+        return report_main(args)
+    except WriteFailed as err:
+        print(f"rlsync.report: {err}", file=sys.stderr)
+        return 1
+    except Exception as err:  # noqa: BLE001 - a bug in the report: one line, the traceback on request
+        from rlsync.errors import debug_enabled
+
+        if debug_enabled():
+            import traceback
+
+            traceback.print_exc()
+        print(f"rlsync.report: failed: {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+              f" (RLSYNC_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 1
+
+
+def report_main(args: argparse.Namespace) -> int:
     result = write_report(args.paths, out_dir=args.out, log_wandb=not args.no_wandb)
     if not result.runs and not result.failures:
         print(f"rlsync.report: no run directories found under {' '.join(map(str, args.paths))}", file=sys.stderr)

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rlsync.config import WandbConfig
+from rlsync.errors import WriteFailed
 
 STEP_COLUMNS = [  # (metric, header) of the per-step console table
     ("perf/rollout_time", "rollout"), ("perf/wake_up_time", "onload"), ("perf/log_probs_time", "logprobs"),
@@ -24,36 +25,69 @@ STEP_COLUMNS = [  # (metric, header) of the per-step console table
 class MetricsFile:
     """metrics.jsonl: one JSON line per finished step, fsynced before the next step starts.
 
-    Each run starts its record afresh: in a reused run directory (`hydra.run.dir=X` twice) appending
-    would mix two runs' steps under one run's summary.json. The previous run's files are not deleted
-    but renamed to NAME.prev (one generation; a third run replaces it): reusing a directory
-    is usually an accident, and those rows may be the only record of a long run. The report reads
-    metrics.jsonl alone, so the kept file never enters it.
+    Each run starts its record afresh: in a reused run directory (`hydra.run.dir=X` again, after the
+    first run ended: rlsync.runlock refuses a second run while the first is alive) appending would
+    mix two runs' steps under one run's summary.json. The previous runs' files are never deleted or
+    overwritten: they are renamed to NAME.prev, then NAME.prev2, NAME.prev3, ... (the first suffix
+    none of the record's files has yet, so one run's files share it): reusing a directory is usually
+    an accident, and those rows may be the only record of a long run. The report reads
+    metrics.jsonl alone, so the kept files never enter it.
     """
 
     RECORD = ("metrics.jsonl", "summary.json", "error.log")  # what one run leaves in its directory
 
     def __init__(self, run_dir: Path):
         self.path = run_dir / "metrics.jsonl"
-        for name in self.RECORD:  # the previous run's summary or error must not stand beside these rows either
-            previous = run_dir / name
-            if previous.exists():
-                previous.replace(previous.with_name(f"{name}.prev"))
-        self._f = open(self.path, "w", encoding="utf-8")
+        self.rows = 0
+        present = [run_dir / name for name in self.RECORD if (run_dir / name).exists()]
+        if present:  # the previous run's summary or error must not stand beside these rows either
+            suffix = previous_suffix(run_dir, self.RECORD)
+            for previous in present:
+                os.rename(previous, previous.with_name(previous.name + suffix))
+        try:
+            self._f = open(self.path, "w", encoding="utf-8")
+        except OSError as err:
+            raise WriteFailed(self.path, err) from err
 
     def write(self, row: dict) -> None:
-        self._f.write(json.dumps(row) + "\n")
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        try:
+            self._f.write(json.dumps(row) + "\n")
+            self._f.flush()
+            os.fsync(self._f.fileno())
+        except OSError as err:
+            raise WriteFailed(self.path, err, f"; the {self.rows} step(s) finished before are kept in it") from err
+        self.rows += 1
 
     def close(self) -> None:
-        self._f.close()
+        try:
+            self._f.close()
+        except OSError:
+            pass  # every row was flushed and fsynced by write(), or write() raised already
+
+
+def previous_suffix(run_dir: Path, names: tuple[str, ...]) -> str:
+    """.prev, .prev2, .prev3, ...: the first that none of `names` carries in `run_dir` yet."""
+    n = 1
+    while True:
+        suffix = ".prev" if n == 1 else f".prev{n}"
+        if not any((run_dir / f"{name}{suffix}").exists() for name in names):
+            return suffix
+        n += 1
 
 
 def write_json(path: Path, obj: dict) -> None:
+    """Write `obj` whole or not at all (a temporary file, then a rename); a failed write leaves no
+    temporary file and raises WriteFailed naming `path`."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n", encoding="utf-8")
-    tmp.replace(path)  # never a half-written summary
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n", encoding="utf-8")
+        tmp.replace(path)  # never a half-written summary
+    except OSError as err:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # nothing was created (its directory is gone or not a directory)
+        raise WriteFailed(path, err) from err
 
 
 class Console:

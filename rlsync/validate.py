@@ -59,6 +59,29 @@ NAME = Rule(lambda v: isinstance(v, str) and bool(v.strip()), "a non-empty strin
 OPTIONAL_NAME = Rule(lambda v: v is None or bool(v.strip()), "null or a non-empty string")
 
 
+INT64_MAX = 2**63 - 1  # torch sizes and offsets are int64
+SEED_MAX = 2**64 - 1  # torch.manual_seed takes an unsigned 64-bit seed
+WANDB_PROJECT_FORBIDDEN = "/\\#?%:"  # wandb.Settings.validate_project (wandb 0.2x/0.3x); also at most 128 chars
+WANDB_PROJECT_MAX, WANDB_TAG_MAX = 128, 64  # characters; a tag must be 1 to 64 (wandb.Settings.validate_run_tags)
+
+
+def mebibytes(why: str) -> Rule:
+    """A size in MiB that is a whole number of bytes from 1 to INT64_MAX once multiplied out (int(v * MIB))."""
+    from rlsync.config import MIB
+
+    return Rule(lambda v: number(v) and 1 <= int(v * MIB) <= INT64_MAX,
+                f"a number of MiB from {1 / MIB:.3g} (1 byte) to {INT64_MAX / MIB:.3g} (2^63 - 1 bytes){note(why)}")
+
+
+def wandb_project_ok(v) -> bool:
+    return isinstance(v, str) and bool(v.strip()) and len(v) <= WANDB_PROJECT_MAX \
+        and not any(c in v for c in WANDB_PROJECT_FORBIDDEN)
+
+
+def wandb_tags_ok(v) -> bool:
+    return isinstance(v, list) and all(isinstance(t, str) and 1 <= len(t) <= WANDB_TAG_MAX for t in v)
+
+
 def address_ok(text: str) -> bool:
     from rlsync.sync.remote import parse_address
 
@@ -96,7 +119,7 @@ def value_rules() -> dict[str, Rule]:
         "model.rms_norm_eps": above(0),
         "model.pretrained": OPTIONAL_NAME,  # and it must exist: see check_pretrained
         "update.enabled": ANY,
-        "update.bucket_mb": above(0, "MiB"),
+        "update.bucket_mb": mebibytes("the bucket's size"),
         "update.strategy": one_of(STRATEGIES),
         "update.transport": one_of(TRANSPORTS),
         "update.source": one_of(SOURCES),
@@ -123,24 +146,27 @@ def value_rules() -> dict[str, Rule]:
         "trainer.kl_coef": at_least(0),
         "trainer.offload": one_of(OFFLOAD_MODES),
         "trainer.offload_memory": one_of(OFFLOAD_MEMORY),
-        "trainer.offload_segment_mb": above(0, "MiB"),
-        "trainer.offload_pin_chunk_mb": above(0, "MiB"),
+        "trainer.offload_segment_mb": mebibytes("the largest segment"),
+        "trainer.offload_pin_chunk_mb": mebibytes("the largest pinned chunk"),
         "trainer.offload_free_device": ANY,
         "trainer.grad_clip": above(0),
         "run.steps": at_least(1),
         "run.warmup_steps": at_least(0),  # and below run.steps: see check_across
-        "run.seed": at_least(0),
+        "run.seed": Rule(lambda v: number(v) and 0 <= v <= SEED_MAX,
+                         f"0 to 2^64 - 1 = {SEED_MAX} (torch seeds are unsigned 64-bit)"),
         "run.device": Rule(lambda v: v in ("auto", "cpu") or v == "cuda" or v.startswith("cuda:"),
                            "auto, cpu, cuda, cuda:N"),  # and present: see check_device
         "run.verdict_threshold": Rule(lambda v: number(v) and 0 < v < 1, "a share of the step between 0 and 1"),
         "run.progress": ANY,
         "run.rank_timeout_s": above(0, "seconds"),
         "run.limit_probe": one_of(LIMIT_PROBES),
+        "run.memory_check": ANY,
         "wandb.mode": one_of(WANDB_MODES),
-        "wandb.project": NAME,
+        "wandb.project": Rule(wandb_project_ok, f"a non-empty name of at most {WANDB_PROJECT_MAX} characters, "
+                              f"without any of {' '.join(WANDB_PROJECT_FORBIDDEN)} (W&B refuses them)"),
         "wandb.entity": OPTIONAL_NAME,
         "wandb.group": OPTIONAL_NAME,
-        "wandb.tags": ANY,
+        "wandb.tags": Rule(wandb_tags_ok, f"a list of tags of 1 to {WANDB_TAG_MAX} characters each (W&B's limit)"),
         "wandb.init_timeout": above(0, "seconds"),
         "bench.target": one_of(TARGETS),
         "bench.warmup": at_least(0),
@@ -184,7 +210,7 @@ def validate(cfg) -> None:
             allowed = rule.allowed.replace("a number", "an integer") if hint is int else rule.allowed
             raise ConfigError(key, value, allowed, "out of range" if number(value) else "not allowed")
     check_across(cfg)
-    check_pretrained(cfg.model.pretrained)
+    check_pretrained(cfg.model)
     check_device(cfg.run.device)
     check_data_parallel(cfg)
 
@@ -264,8 +290,10 @@ def cuda_present() -> bool:
     return torch.cuda.is_available()
 
 
-def check_pretrained(path: Optional[str]) -> None:
-    """A local checkpoint directory must exist; an `org/name` that is no local path is a hub id."""
+def check_pretrained(model) -> None:
+    """A local checkpoint directory must exist and describe the model.* architecture; an `org/name`
+    that is no local path is a hub id (its config.json is checked as it arrives, in build_model)."""
+    path = model.pretrained
     if not path:
         return
     local = Path(path).expanduser()
@@ -273,11 +301,29 @@ def check_pretrained(path: Optional[str]) -> None:
         if not (local / "config.json").is_file():
             raise ConfigError("model.pretrained", path, "a checkpoint directory with config.json, or a hub id",
                               "no config.json in that directory")
+        check_checkpoint_architecture(model, local / "config.json")
         return
     if looks_like_hub_id(path) and os.environ.get("HF_HUB_OFFLINE", "") in ("", "0"):
         return
     raise ConfigError("model.pretrained", path, "an existing checkpoint directory, or a hub id such as Qwen/Qwen3-0.6B",
                       "no such directory")
+
+
+def check_checkpoint_architecture(model, config_json: Path) -> None:
+    """The engine is built from the model.* keys, the trainer from the checkpoint: they must agree."""
+    import json
+
+    from rlsync.models import check_architecture
+
+    try:
+        ckpt = json.loads(config_json.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ConfigError("model.pretrained", model.pretrained, "a checkpoint directory whose config.json is JSON",
+                          f"cannot read {config_json} ({type(err).__name__}: {err})") from None
+    if not isinstance(ckpt, dict):
+        raise ConfigError("model.pretrained", model.pretrained, "a checkpoint directory whose config.json is a "
+                          "JSON object", f"{config_json} holds a {type(ckpt).__name__}")
+    check_architecture(model, ckpt)
 
 
 def looks_like_hub_id(path: str) -> bool:

@@ -47,6 +47,12 @@ BAD_INPUTS = [
     (["run.device=cuda:99"], "run.device=cuda:99"),
     (["update.engine_address=enginehost"], "update.engine_address=enginehost"),  # no port
     (["update.engine_address=127.0.0.1:29610"], "update.transport=direct"),  # a standalone engine needs broadcast
+    (["update.bucket_mb=1e-9"], "update.bucket_mb=1e-09"),  # rounds to 0 bytes
+    (["update.bucket_mb=1e20"], "update.bucket_mb=1e+20"),  # over 2^63 bytes
+    (["trainer.offload_segment_mb=1e-9"], "trainer.offload_segment_mb=1e-09"),
+    (["run.seed=18446744073709551616"], "run.seed=18446744073709551616"),  # 2^64
+    (["wandb.project=team/rlsync"], "wandb.project=team/rlsync"),
+    ([f"wandb.tags=[ok,{'x' * 65}]"], "wandb.tags=[ok,xxxx"),
     pytest.param(["run.device=cuda"], "run.device=cuda",
                  marks=pytest.mark.skipif(CUDA, reason="this machine has CUDA: run.device=cuda is valid")),
 ]
@@ -207,7 +213,7 @@ def test_hydra_errors_become_one_config_error(override, line):
 
 @pytest.mark.parametrize("overrides,line", [
     (["+update.speed=2"], "update.speed=2: unknown key"),
-    (["update.bucket_mb=-1"], "update.bucket_mb=-1.0: out of range (allowed: a number > 0 (MiB))"),
+    (["update.bucket_mb=-1"], "update.bucket_mb=-1.0: out of range (allowed: a number of MiB from 9.54e-07"),
     (["update.bucket_mb=nan"], "update.bucket_mb=nan: not allowed"),
     (["update.bucket_mb=inf"], "update.bucket_mb=inf: not allowed"),
     (["model.num_key_value_heads=3"], "model.num_key_value_heads=3: not allowed (allowed: a divisor of"),
@@ -217,6 +223,20 @@ def test_hydra_errors_become_one_config_error(override, line):
     (["run.verdict_threshold=1.5"], "run.verdict_threshold=1.5: out of range"),
     (["wandb.project=''"], "wandb.project='': not allowed"),
     (["wandb.init_timeout=0"], "wandb.init_timeout=0.0: out of range"),
+    (["update.bucket_mb=1e-7"], "update.bucket_mb=1e-07: out of range (allowed: a number of MiB from 9.54e-07 (1 byte) "
+                                "to 8.8e+12 (2^63 - 1 bytes) (the bucket's size))"),
+    (["update.bucket_mb=1e13"], "update.bucket_mb=10000000000000.0: out of range (allowed: a number of MiB from 9.54e-07"),
+    (["trainer.offload_segment_mb=0.0000001"], "trainer.offload_segment_mb=1e-07: out of range (allowed: a number of "
+                                                "MiB from 9.54e-07"),
+    (["run.seed=18446744073709551616"], "run.seed=18446744073709551616: out of range (allowed: 0 to 2^64 - 1 = "
+                                        "18446744073709551615"),
+    (["run.seed=-1"], "run.seed=-1: out of range"),
+    (["wandb.project=a:b"], "wandb.project=a:b: not allowed (allowed: a non-empty name of at most 128 characters, "
+                            "without any of / \\ # ? % : (W&B refuses them))"),
+    ([f"wandb.project={'p' * 129}"], f"wandb.project={'p' * 129}: not allowed"),
+    ([f"wandb.tags=[{'t' * 65}]"], f"wandb.tags=[{'t' * 65}]: not allowed (allowed: a list of tags of 1 to 64 "
+                                   f"characters each (W&B's limit))"),
+    (["wandb.tags=['']"], "wandb.tags=['']: not allowed"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_more_value_rules(overrides, line):
     from hydra import compose, initialize_config_dir
@@ -231,6 +251,17 @@ def test_more_value_rules(overrides, line):
     with pytest.raises(ConfigError) as caught:
         checked_config(dcfg)
     assert str(caught.value).startswith(line), str(caught.value)
+
+
+def test_the_largest_seed_and_smallest_sizes_pass():
+    cfg = Config()
+    cfg.run.seed, cfg.update.bucket_mb, cfg.trainer.offload_segment_mb = 2**64 - 1, 1 / 2**20, 1 / 2**20
+    validate(cfg)
+    torch.Generator().manual_seed(cfg.run.seed)  # the bound is torch's: one more does not fit
+    with pytest.raises((RuntimeError, ValueError), match="Overflow"):
+        torch.Generator().manual_seed(2**64)
+    cfg.wandb.tags = ["t" * 64]
+    validate(cfg)
 
 
 def test_every_key_a_user_can_set_has_a_rule():
@@ -324,7 +355,8 @@ def test_a_failed_sweep_job_lets_hydra_go_on(capsys, tmp_path):
     assert capsys.readouterr().err.strip() == "rlsync: job 3: failed: ValueError: bad"
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129)],
+                         ids=["SIGTERM", "SIGINT", "SIGHUP"])
 def test_a_signal_stops_the_step_but_never_a_record_in_progress(sig, code):
     before = signal.getsignal(sig)
     recorded = []
@@ -437,3 +469,73 @@ def test_out_of_memory_while_opening_the_engine_names_the_bucket_size_too(monkey
     assert is_out_of_memory(RuntimeError("the engine process failed during 'update': torch.OutOfMemoryError: CUDA "
                                          "out of memory\nTraceback ..."))
     assert not is_out_of_memory(RuntimeError("the engine process failed during 'update': KeyError\nOutOfMemoryError"))
+
+
+# ----------------------------------------------------------------------------------------------
+# model.pretrained whose architecture is not the model.* keys'
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory):
+    """A Qwen3 checkpoint saved here (nothing downloaded): 2 layers, hidden 64, not the tiny preset's 4 x 256.
+
+    Its weights file is then overwritten with garbage: a run that loaded it would fail differently,
+    so a refusal naming the keys proves the check came before any weight was read."""
+    from transformers import Qwen3ForCausalLM
+
+    from rlsync.config import ModelConfig
+    from rlsync.models import hf_config
+
+    cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=32, vocab_size=512)
+    path = tmp_path_factory.mktemp("checkpoint")
+    Qwen3ForCausalLM(hf_config(cfg)).save_pretrained(path)
+    weights = next(path.glob("*.safetensors"))
+    weights.write_bytes(b"not a safetensors file")
+    return path, cfg
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_naming_the_keys(small_checkpoint, tmp_path):
+    path, _ = small_checkpoint
+    args = [sys.executable, "-m", "rlsync", "wandb.mode=disabled", f"hydra.run.dir={tmp_path}", f"model.pretrained={path}"]
+    result = subprocess.run(args, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=180)
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and "Traceback" not in result.stderr
+    line = lines[0]
+    assert line.startswith(f"rlsync: config error: model.pretrained={path}: its architecture differs (")
+    for key, theirs, ours in [("hidden_size", 64, 256), ("intermediate_size", 128, 512), ("num_hidden_layers", 2, 4),
+                              ("num_attention_heads", 2, 4), ("num_key_value_heads", 1, 2), ("head_dim", 32, 64)]:
+        assert f"{key}={theirs} in the checkpoint but model.{key}={ours}" in line
+        assert f"model.{key}={theirs}" in line.split("allowed: ")[1]  # the overrides that fix it
+    assert "vocab_size" not in line  # equal keys are not named
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_build_model_checks_the_checkpoint_before_loading_weights(small_checkpoint):
+    """A hub id's config.json is only seen when it arrives: build_model checks it before the weights."""
+    from rlsync.models import build_model
+
+    path, cfg = small_checkpoint
+    wrong = Config().model
+    wrong.pretrained = str(path)
+    with pytest.raises(ConfigError, match="its architecture differs"):
+        build_model(wrong, dtype=torch.float32, device=torch.device("cpu"), seed=0)
+    right = Config().model
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim"):
+        setattr(right, key, getattr(cfg, key))
+    right.pretrained = str(path)
+    validate(Config(model=right))  # matching keys pass; the engine is then built from the same architecture
+    with pytest.raises(Exception) as caught:  # and only then are the (garbage) weights read
+        build_model(right, dtype=torch.float32, device=torch.device("cpu"), seed=0)
+    assert not isinstance(caught.value, ConfigError)
+
+
+def test_a_checkpoint_of_another_model_type_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 256}))
+    cfg = Config()
+    cfg.model.pretrained = str(tmp_path)
+    with pytest.raises(ConfigError, match="model.pretrained=.*: its config.json has model_type=llama"):
+        validate(cfg)

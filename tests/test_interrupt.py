@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, cli_env, read_jsonl
+from conftest import FAST, ROOT, cli_env, read_jsonl
 from rlsync.sync import TRANSPORTS
 
 # Cheap steps, and many of them: the test stops the run long before the end.
@@ -179,3 +180,90 @@ def test_a_dead_engine_is_one_line_within_seconds(outcomes):
     ours = [ln for ln in lines if ln.startswith("rlsync:")]
     assert len(ours) == 1 and "EngineDied" in ours[0] and "SIGKILL" in ours[0], lines
     assert not any("Traceback" in ln for ln in lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# One run per run directory; SIGHUP; a summary that cannot be written
+# ----------------------------------------------------------------------------------------------
+
+HOLD_AND_DIE = """
+import os, signal, sys
+from pathlib import Path
+from rlsync.runlock import RunLock
+lock = RunLock(Path(sys.argv[1])).__enter__()
+print(os.getpid(), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # dies holding it: the kernel drops the flock, the holder stays written
+"""
+
+
+def wait_for_steps(run_dir: Path, proc: subprocess.Popen, n: int) -> None:
+    deadline = time.time() + WAIT_S
+    while steps_done(run_dir) < n and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert steps_done(run_dir) >= n, stderr_lines(run_dir)
+
+
+def ours(result: subprocess.CompletedProcess) -> list[str]:
+    assert "Traceback" not in result.stderr, result.stderr
+    return [ln for ln in result.stderr.splitlines() if ln.strip()]
+
+
+def test_one_live_run_per_directory_then_sighup_keeps_the_steps_and_a_dead_holder_is_taken_over(tmp_path):
+    run_dir = tmp_path / "shared"
+    run_dir.mkdir()
+    first = start(run_dir, *LONG, "wandb.mode=disabled", f"hydra.run.dir={run_dir}")
+    try:
+        wait_for_steps(run_dir, first, 1)
+        # a second run, and a benchmark, in the directory the first one holds: refused, nothing touched
+        for module in ("rlsync", "rlsync.bench"):
+            second = subprocess.run([sys.executable, "-m", module, *FAST, "wandb.mode=disabled", f"hydra.run.dir={run_dir}"],
+                                    cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=WAIT_S)
+            lines = ours(second)
+            assert second.returncode == 2, second.stderr
+            assert len(lines) == 1 and lines[0].startswith(f"rlsync: run directory {run_dir} is in use by another "
+                                                           f"run (pid {first.pid} on "), lines
+            assert ", started 20" in lines[0] and "hydra.run.dir" in lines[0]
+        assert not (run_dir / "error.log").exists() and not (run_dir / "metrics.jsonl.prev").exists()
+        assert first.poll() is None  # the first run goes on
+        wait_for_steps(run_dir, first, 2)
+        first.send_signal(signal.SIGHUP)  # its terminal closed
+        first.wait(timeout=WAIT_S)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 129, stderr_lines(run_dir)
+    summary = check_kept(run_dir, "interrupted")
+    assert summary["error"] == "Interrupted: stopped by SIGHUP"
+    assert [ln for ln in stderr_lines(run_dir) if ln.startswith("rlsync:")] == [
+        f"rlsync: interrupted: stopped by SIGHUP; {summary['steps_finished']} finished step(s) kept in {run_dir} "
+        f"(summary.json status interrupted)"]
+    first_summary, first_rows = (run_dir / "summary.json").read_text(), (run_dir / "metrics.jsonl").read_text()
+
+    # a run killed while holding the directory: the next run takes it over with a note, and keeps the first's record
+    dead = subprocess.run([sys.executable, "-c", HOLD_AND_DIE, str(run_dir)], cwd=ROOT, env=cli_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert dead.returncode == -signal.SIGKILL
+    dead_pid = int(dead.stdout.split()[0])
+    third = subprocess.run([sys.executable, "-m", "rlsync", *FAST, "wandb.mode=disabled", f"hydra.run.dir={run_dir}"],
+                           cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=WAIT_S)
+    assert third.returncode == 0, third.stderr
+    assert ours(third) == [f"rlsync: note: taking over run directory {run_dir} from a run that is no longer alive "
+                           f"(pid {dead_pid} on {socket.gethostname()}, started " + ours(third)[0].split("started ")[1]]
+    assert json.loads((run_dir / "summary.json").read_text())["steps_finished"] == 3
+    assert (run_dir / "summary.json.prev").read_text() == first_summary  # nothing of the first run lost
+    assert (run_dir / "metrics.jsonl.prev").read_text() == first_rows
+    assert (run_dir / ".rlsync.lock").read_text() == ""  # ended cleanly: no holder left
+
+
+def test_a_summary_that_cannot_be_written_says_where_the_steps_are(tmp_path):
+    """Every step finished, then the disk is full for summary.json (its temporary file leads to /dev/full)."""
+    (tmp_path / "summary.tmp").symlink_to("/dev/full")
+    result = subprocess.run([sys.executable, "-m", "rlsync", *FAST, "wandb.mode=disabled", f"hydra.run.dir={tmp_path}"],
+                            cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=WAIT_S)
+    lines = ours(result)
+    assert result.returncode == 1, result.stderr
+    assert lines == [f"rlsync: cannot write {tmp_path / 'summary.json'}: the disk is full (No space left on device); "
+                     f"all 3 finished step(s) are kept in {tmp_path / 'metrics.jsonl'}"]
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+    assert not (tmp_path / "summary.json").exists() and not (tmp_path / "summary.tmp").exists()

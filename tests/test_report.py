@@ -597,3 +597,80 @@ def test_real_two_by_two_sweep(tmp_path: Path) -> None:
         assert float(row["step_time_median"]) == metrics["perf/step_time"]["median"]
     for name in PLOTS:
         assert (sweep / name).read_bytes()[:8] == PNG_SIGNATURE, name
+
+
+# ----------------------------------------------------------------------------------------------
+# Malformed records and an output directory that cannot be written: one line, never a traceback
+# ----------------------------------------------------------------------------------------------
+
+# job name -> how its summary.json is broken (each job starts as a good finished run)
+MALFORMED = {
+    "metrics_list": lambda s: {**s, "metrics": [1, 2, 3]},
+    "metric_string": lambda s: {**s, "metrics": {"perf/step_time": {"median": "fast", "min": 1, "max": 2}}},
+    "setup_list": lambda s: {**s, "setup": ["direct"]},
+    "steps_string": lambda s: {**s, "measured_steps": "four"},
+    "share_dict": lambda s: {**s, "share": {"update_weights": {"x": 1}}},
+    "threshold_string": lambda s: {**s, "config": {**s["config"], "run": {**s["config"]["run"], "verdict_threshold": "3%"}}},
+    "model_name_list": lambda s: {**s, "model": {**s["model"], "name": ["tiny"]}},
+    "a_list": lambda s: [s],
+    "truncated": None,  # the file cut in half
+}
+
+
+def test_malformed_summaries_are_failed_runs_with_one_line_each(tmp_path: Path) -> None:
+    root = tmp_path / "sweeps" / "broken"
+    write_job(root / "0", "tiny", 1.0)  # one good run, so the report is written
+    for num, (name, breaking) in enumerate(MALFORMED.items(), start=1):
+        job = root / str(num)
+        write_job(job, "tiny", 1.0)
+        path = job / "summary.json"
+        text = path.read_text()
+        path.write_text(text[: len(text) // 2] if breaking is None else json.dumps(breaking(json.loads(text))))
+    proc = run_report(str(root), "--no-wandb")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    failed = [ln for ln in proc.stdout.splitlines() if ln.startswith("failed: ")]
+    assert len(failed) == len(MALFORMED), proc.stdout
+    for num, name in enumerate(MALFORMED, start=1):
+        line = next(ln for ln in failed if ln.startswith(f"failed: {num} "))
+        assert "summary.json" in line or "malformed run record" in line, line
+    assert "metrics is list [1, 2, 3], not an object" in proc.stdout
+    assert "measured_steps is str \"four\", not an integer" in proc.stdout
+    assert "not valid JSON" in proc.stdout and "holds a list" in proc.stdout
+    assert f"1 runs reported, {len(MALFORMED)} failed." in (root / "report.md").read_text()
+
+
+def test_an_output_path_under_a_file_ends_with_one_line_naming_it(sweep: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    proc = run_report(str(sweep), "--no-wandb", "--out", str(blocker / "report"))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"rlsync.report: cannot write {blocker / 'report'}: a part of the path is a file, not a directory "
+        f"(Not a directory)"]
+
+
+def test_a_full_disk_ends_with_one_line_naming_the_file(sweep: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.md").symlink_to("/dev/full")  # every write there fails with ENOSPC
+    proc = run_report(str(sweep), "--no-wandb", "--out", str(out))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"rlsync.report: cannot write {out / 'report.md'}: the disk is full (No space left on device)"]
+
+
+def test_a_file_size_limit_ends_with_one_line(sweep: Path, tmp_path: Path) -> None:
+    """RLIMIT_FSIZE makes the kernel refuse any write past 2 KiB (EFBIG; Python ignores SIGXFSZ)."""
+    import resource
+
+    out = tmp_path / "out"
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))  # noqa: E731
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    full_env.update({"PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"})
+    proc = subprocess.run([sys.executable, "-m", "rlsync.report", str(sweep), "--no-wandb", "--out", str(out)],
+                          capture_output=True, text=True, env=full_env, cwd=REPO, timeout=180, preexec_fn=limit)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"rlsync.report: cannot write {out}"), lines
+    assert "the file is too large" in lines[0]
