@@ -76,7 +76,7 @@ def value_rules() -> dict[str, Rule]:
     from rlsync.limits import PROBES as LIMIT_PROBES
     from rlsync.models import DTYPES
     from rlsync.offload import OFFLOAD_MEMORY, OFFLOAD_MODES
-    from rlsync.rollout import ENGINES
+    from rlsync.engines.hf import ENGINES
     from rlsync.sinks import WANDB_MODES
     from rlsync.sync import BACKENDS, SOURCES, STRATEGIES, TRANSPORTS
 

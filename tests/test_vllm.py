@@ -24,11 +24,11 @@ import torch
 from conftest import FAST, ROOT, cli_env, read_jsonl
 from rlsync.config import ModelConfig, RolloutConfig, UpdateConfig
 from rlsync.models import ByteTokenizer, build_model, named_weights
-from rlsync.rollout import EngineSpec
+from rlsync.engines.hf import EngineSpec
 from rlsync.sync import plan_for
 from rlsync.sync.direct import LocalEngine
 from rlsync.trainer import sequence_logprobs
-from rlsync.vllm_engine import FusedLayers
+from rlsync.engines.vllm import FusedLayers
 
 CPU = torch.device("cpu")
 TOKEN_TOL = 0.03  # max |engine - trainer| log-prob of one token (bf16 engine, fp32 trainer)

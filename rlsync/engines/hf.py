@@ -36,7 +36,7 @@ class EngineSpec:
 
         dtype, device = torch_dtype(self.rollout.dtype), torch.device(self.device)
         if self.rollout.engine == "vllm":
-            from rlsync.vllm_engine import VLLMEngine
+            from rlsync.engines.vllm import VLLMEngine
 
             return VLLMEngine(self.model, self.rollout, dtype=dtype, device=device, allowed_ids=self.allowed_ids,
                               eos_id=self.eos_id, pad_id=self.pad_id, strategy=strategy)

@@ -1,6 +1,6 @@
 """vLLM as the rollout engine (`rollout.engine=vllm`): the engine people deploy, measured like ours.
 
-Same interface as `rlsync.rollout.HFEngine`: `generate` returns a `Generation` (tokens and the
+Same interface as `rlsync.engines.hf.HFEngine`: `generate` returns a `Generation` (tokens and the
 engine's log-prob of each), `load_weights` takes (name, tensor) pairs in the trainer's naming,
 `release` / `resume` bracket the rollout. What differs is the engine's own loading path: vLLM fuses
 q/k/v and gate/up into one matrix each and, on the CPU, re-packs every matrix for its GEMM kernels
@@ -19,7 +19,7 @@ How it is driven, and why:
   holds back (copies) the parts of a layer split across buckets until its last part arrives.
 - vLLM returns log-probs of the distribution it sampled from once asked for processed log-probs
   (`logprobs_mode="processed_logprobs"`): after the allowed-ids mask and the temperature, the same
-  rules as `rlsync.rollout.token_logprobs`, so `train/logprob_abs_diff` compares like with like.
+  rules as `rlsync.engines.hf.token_logprobs`, so `train/logprob_abs_diff` compares like with like.
 
 On CUDA only (untested here, this machine has no GPU): release/resume through vLLM's sleep levels,
 and vLLM's own trainer-to-engine weight transfer as `update.strategy=vllm_ipc` (see the end).
@@ -35,7 +35,7 @@ from collections.abc import Iterable
 import torch
 
 from rlsync.config import ModelConfig, RolloutConfig
-from rlsync.rollout import Generation, left_pad
+from rlsync.engines.hf import Generation, left_pad
 
 PROMPT_ROOM = 1024  # tokens reserved for the prompt in vLLM's max_model_len (rlsync's prompts are ~30)
 PROMPT_ESTIMATE = 128  # tokens per prompt when sizing the KV cache (the built-in task's are ~30)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rlsync.rollout import Generation
+from rlsync.engines.hf import Generation
 from rlsync.sync import flat
 from rlsync.sync.buckets import Bucket, largest_bucket_bytes
 from rlsync.timing import Stopwatch
@@ -43,7 +43,7 @@ class LocalEngine:
         watch = Stopwatch(self.engine.device)
         rows = self.last_update_buckets = []
         staging_bytes = self.staging.numel() * self.staging.element_size() if self.staging is not None else 0
-        if self.strategy == "vllm_ipc":  # the engine's own transfer path (rlsync/vllm_engine.py)
+        if self.strategy == "vllm_ipc":  # the engine's own transfer path (rlsync/engines/vllm.py)
             return self.engine.native_update(weights, bucket_bytes=largest_bucket_bytes(self.buckets))
         if self.strategy == "per_tensor":
             for name, tensor in weights.items():

@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 POLL_S = 0.05  # liveness check interval while waiting on the engine
 CLOSE_S = 5.0  # how long close() lets the engine exit by itself before terminating it
 # What a forked engine process should find imported already (the engine's model code above all).
-PRELOAD = ("rlsync.sync.engine_process", "rlsync.sync.ipc", "rlsync.sync.broadcast", "rlsync.rollout",
+PRELOAD = ("rlsync.sync.engine_process", "rlsync.sync.ipc", "rlsync.sync.broadcast", "rlsync.engines.hf",
            "transformers.models.qwen3.modeling_qwen3")
 
 
