@@ -26,7 +26,7 @@ from rlsync.errors import StopOnSignals
 from rlsync.limits import Limits
 from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.offload import Offloader, device_memory_gb, link_metrics
-from rlsync.engines.hf import EngineSpec
+from rlsync.engines.base import EngineSpec
 from rlsync.sinks import Console, MetricsFile, WandbRun, wandb_run, write_json
 from rlsync.sync import WeightMismatch, is_out_of_memory, open_engine, out_of_memory, plan_for, update_weights
 from rlsync.tasks import make_prompts, reward

@@ -13,7 +13,7 @@ from rlsync.config import ModelConfig, TrainerConfig
 from rlsync.errors import ConfigError
 from rlsync.models import build_model
 from rlsync.offload import Offloader, plan_segments, resolve_memory
-from rlsync.engines.hf import Generation
+from rlsync.engines.base import Generation
 from rlsync.trainer import Trainer
 
 CPU = torch.device("cpu")

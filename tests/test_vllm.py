@@ -24,7 +24,7 @@ import torch
 from conftest import FAST, ROOT, cli_env, read_jsonl
 from rlsync.config import ModelConfig, RolloutConfig, UpdateConfig
 from rlsync.models import ByteTokenizer, build_model, named_weights
-from rlsync.engines.hf import EngineSpec
+from rlsync.engines.base import EngineSpec
 from rlsync.sync import plan_for
 from rlsync.sync.direct import LocalEngine
 from rlsync.trainer import sequence_logprobs

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rlsync.engines.hf import Generation
+from rlsync.engines.base import Generation
 from rlsync.sync import flat
 from rlsync.sync.buckets import Bucket, largest_bucket_bytes
 from rlsync.timing import Stopwatch
@@ -68,6 +68,9 @@ class LocalEngine:
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self.engine.weights
+
+    def checksums(self) -> dict[str, int]:
+        return self.engine.checksums()
 
     def close(self) -> None:
         self.staging = self.flat = None
