@@ -64,6 +64,18 @@ class EngineSpec:
         """The engine named by rollout.engine; `strategy` (update.strategy) picks vLLM's own transfer path."""
         return build_engine(self, strategy)
 
+    # An engine process builds from an unpickled spec: the engine's class travels with it (by
+    # reference, so pickle imports its module there), and an engine registered outside rlsync, by
+    # code that process never ran, builds there too.
+    def __getstate__(self) -> dict:
+        return {**vars(self), "engine_class": engine_class(self.rollout.engine)}
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        cls = state.pop("engine_class")
+        vars(self).update(state)
+        ENGINES.setdefault(self.rollout.engine, cls)
+
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, allowed: torch.Tensor, temperature: float):
     """Log-prob of `tokens` under softmax(logits / T) restricted to `allowed` ids.
