@@ -49,7 +49,7 @@ class UpdateTarget:
         from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
         from rlsync.offload import Offloader
         from rlsync.devices import explicit_device
-        from rlsync.rollout import EngineSpec
+        from rlsync.engines.base import EngineSpec
         from rlsync.sync import open_engine, plan_for
 
         self.cfg, self.device = cfg, device

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from rlsync.errors import RlsyncError
 from rlsync.launcher import launched
-from rlsync.rollout import Generation
+from rlsync.engines.base import Generation
 from rlsync.sync.buckets import greedy_groups
 from rlsync.timing import Stopwatch
 

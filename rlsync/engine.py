@@ -49,7 +49,7 @@ def build_engine(cfg: EngineAppConfig):
     """The engine the config describes, on this machine's device (its weights filled by the first update)."""
     from rlsync.experiment import resolve_device
     from rlsync.models import build_tokenizer
-    from rlsync.rollout import EngineSpec
+    from rlsync.engines.base import EngineSpec
 
     tokenizer = build_tokenizer(cfg.model)
     spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device=str(resolve_device(cfg.run.device)),

@@ -27,8 +27,8 @@ from rlsync.distributed import DataParallel, Silent
 from rlsync.errors import StopOnSignals, WriteFailed
 from rlsync.limits import Limits
 from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
+from rlsync.engines.base import EngineSpec, Generation, answer_ids
 from rlsync.offload import Offloader, link_metrics
-from rlsync.rollout import EngineSpec, Generation, answer_ids
 from rlsync.runlock import RunLock
 from rlsync.sinks import Console, MetricsFile, WandbRun, wandb_run, write_json
 from rlsync.sync import WeightMismatch, is_out_of_memory, open_engine, out_of_memory, plan_for, update_weights

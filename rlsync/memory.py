@@ -278,7 +278,7 @@ def device_available_bytes(device) -> int | None:
 def load_runtime(cfg: Config) -> None:
     """Import what the run imports before it builds anything, so the resident set measured next is
     the runtime the run will have (the engine process loads the same)."""
-    import rlsync.rollout  # noqa: F401
+    import rlsync.engines.hf  # noqa: F401
     import rlsync.sync  # noqa: F401
     import rlsync.trainer  # noqa: F401
     from transformers import Qwen3ForCausalLM  # noqa: F401 - the lazy module is most of it

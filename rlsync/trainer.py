@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from rlsync.config import TrainerConfig
-from rlsync.rollout import Generation, position_ids, token_logprobs
+from rlsync.engines.base import Generation, position_ids, token_logprobs
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:

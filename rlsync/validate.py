@@ -99,7 +99,7 @@ def value_rules() -> dict[str, Rule]:
     from rlsync.limits import PROBES as LIMIT_PROBES
     from rlsync.models import DTYPES
     from rlsync.offload import OFFLOAD_MEMORY, OFFLOAD_MODES
-    from rlsync.rollout import ENGINES
+    from rlsync.engines.base import engine_names
     from rlsync.sinks import WANDB_MODES
     from rlsync.sync import BACKENDS, SOURCES, STRATEGIES, TRANSPORTS
 
@@ -132,7 +132,7 @@ def value_rules() -> dict[str, Rule]:
                                       "0 lets python -m rlsync.engine pick a free one)"),
         "update.engine_connect_timeout_s": above(0, "seconds"),
         "update.copy_threads": at_least(0, "0 keeps torch's default"),
-        "rollout.engine": one_of(ENGINES),
+        "rollout.engine": one_of(engine_names()),  # the registry: rlsync/engines/base.py
         "rollout.max_response_len": at_least(1, "tokens"),
         "rollout.prompts_per_step": at_least(1),
         "rollout.samples_per_prompt": at_least(2, "GRPO normalises rewards within a group: one sample has no spread"),
@@ -257,7 +257,8 @@ def check_vllm(cfg) -> None:
     if cfg.rollout.engine != "vllm":
         if update.strategy == "vllm_ipc":
             raise ConfigError("update.strategy", update.strategy, "bucketed, per_tensor (vllm_ipc is vLLM's own "
-                              "transfer: set rollout.engine=vllm)", "not allowed with rollout.engine=hf")
+                              "transfer: set rollout.engine=vllm)",
+                              f"not allowed with rollout.engine={cfg.rollout.engine}")
         return
     import importlib.util
 
@@ -273,7 +274,7 @@ def check_vllm(cfg) -> None:
         raise ConfigError("update.transport", update.transport, "direct, ipc (vLLM takes the engine process's default "
                           "torch.distributed group, which broadcast needs for its own)", "not supported with rollout.engine=vllm")
     if update.strategy == "vllm_ipc":  # the installed vLLM's weight-transfer API, in the form rlsync calls it
-        from rlsync.vllm_engine import check_vllm_ipc_api
+        from rlsync.engines.vllm import check_vllm_ipc_api
 
         check_vllm_ipc_api()
     if update.strategy == "vllm_ipc" and (cfg.run.device == "cpu" or not cuda_present()):

@@ -87,7 +87,7 @@ GROUPS, GROUP_SIZE, PROMPT_LEN, RESPONSE_LEN = 3, 2, 5, 6  # 3 groups over 2 ran
 
 def fixed_batch():
     """A batch with uneven answer lengths, so the ranks' shares hold different token counts."""
-    from rlsync.rollout import Generation
+    from rlsync.engines.base import Generation
     from rlsync.trainer import group_advantages
 
     gen = torch.Generator().manual_seed(7)

@@ -20,7 +20,8 @@ from rlsync.devices import cuda_index_to_select, device_memory_metric_names, dev
 from rlsync.distributed import generation_rows
 from rlsync.experiment import score_rollout
 from rlsync.models import ByteTokenizer, build_model, named_weights
-from rlsync.rollout import EngineSpec, Generation, answer_ids, sample_tokens, token_logprobs
+from rlsync.engines.base import EngineSpec, Generation, answer_ids, token_logprobs
+from rlsync.engines.hf import sample_tokens
 from rlsync.sync.engine_process import generator_here
 from rlsync.tasks import make_prompts
 from rlsync.trainer import grpo_loss

@@ -8,7 +8,7 @@ import torch
 
 from rlsync.config import ModelConfig, RolloutConfig, UpdateConfig
 from rlsync.models import build_model, named_weights
-from rlsync.rollout import EngineSpec
+from rlsync.engines.base import EngineSpec
 from rlsync.sync import open_engine, plan_for
 
 CPU = torch.device("cpu")

@@ -69,7 +69,7 @@ def test_a_plan_with_a_value_outside_its_type_is_refused(field, value):
 
 
 def test_generate_request_and_reply_round_trip():
-    from rlsync.rollout import Generation
+    from rlsync.engines.base import Generation
 
     state = torch.Generator().manual_seed(3).get_state()
     body = request_body("generate", ([[1, 2], [3]], 4, 0.7, state, "cpu"))

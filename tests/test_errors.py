@@ -308,7 +308,7 @@ def test_an_existing_checkpoint_directory_passes(tmp_path):
 
 def test_out_of_memory_in_the_update_names_the_bucket_size(monkeypatch, capsys, tmp_path):
     from rlsync.models import build_model, build_tokenizer, named_weights
-    from rlsync.rollout import EngineSpec
+    from rlsync.engines.base import EngineSpec
     from rlsync.sync import flat, open_engine, plan_for, update_weights
 
     cfg, update = Config(), UpdateConfig(bucket_mb=0.05)

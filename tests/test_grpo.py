@@ -65,7 +65,7 @@ def uneven_batch():
     old_logp and ref_logp are logp perturbed in every row but the last, so ratios clip and the KL is
     non-zero there: a micro-batch holding the last row alone reads 0 for both.
     """
-    from rlsync.rollout import Generation
+    from rlsync.engines.base import Generation
 
     gen = torch.Generator().manual_seed(11)
     rows = len(ANSWER_LENS)

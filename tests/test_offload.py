@@ -12,8 +12,8 @@ from conftest import FAST, ROOT, read_jsonl, run_cli
 from rlsync.config import ModelConfig, TrainerConfig
 from rlsync.errors import ConfigError
 from rlsync.models import build_model
+from rlsync.engines.base import Generation
 from rlsync.offload import Offloader, empty_host_cache, plan_pin_chunks, plan_segments, resolve_memory
-from rlsync.rollout import Generation
 from rlsync.trainer import Trainer
 
 CPU = torch.device("cpu")

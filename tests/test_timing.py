@@ -11,7 +11,7 @@ import torch
 import rlsync.sync.direct as direct
 from rlsync.config import Config, UpdateConfig
 from rlsync.models import build_model, build_tokenizer, named_weights
-from rlsync.rollout import EngineSpec
+from rlsync.engines.base import EngineSpec
 from rlsync.sync import open_engine, plan_for, update_weights
 from rlsync.timing import EventTimer, HostTimer, unit_timer
 

@@ -25,7 +25,7 @@ from conftest import FAST, ROOT, cli_env, read_jsonl
 from rlsync.config import Config, UpdateConfig
 from rlsync.models import build_model, build_tokenizer, named_weights
 from rlsync.offload import Offloader
-from rlsync.rollout import EngineSpec
+from rlsync.engines.base import EngineSpec
 from rlsync.sync import WeightMismatch, checksum, open_engine, plan_for, update_weights
 from rlsync.sync.engine_process import EngineDied
 

@@ -5,7 +5,7 @@ import torch
 
 from rlsync.config import Config, UpdateConfig
 from rlsync.models import build_model, build_tokenizer, named_weights
-from rlsync.rollout import EngineSpec
+from rlsync.engines.base import EngineSpec
 from rlsync.sync import checksum, open_engine, plan_for, update_weights, verify, WeightMismatch
 
 CPU = torch.device("cpu")

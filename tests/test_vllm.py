@@ -24,11 +24,11 @@ import torch
 from conftest import FAST, ROOT, cli_env, read_jsonl
 from rlsync.config import ModelConfig, RolloutConfig, UpdateConfig
 from rlsync.models import ByteTokenizer, build_model, named_weights
-from rlsync.rollout import EngineSpec
+from rlsync.engines.base import EngineSpec
 from rlsync.sync import plan_for
 from rlsync.sync.direct import LocalEngine
 from rlsync.trainer import sequence_logprobs
-from rlsync.vllm_engine import FusedLayers
+from rlsync.engines.vllm import FusedLayers
 
 CPU = torch.device("cpu")
 TOKEN_TOL = 0.03  # max |engine - trainer| log-prob of one token (bf16 engine, fp32 trainer)
@@ -207,7 +207,7 @@ def test_config_rules_for_the_vllm_engine(compose):
 
 def test_gpu_memory_utilization_passes_vllms_startup_check():
     """vLLM starts only if free >= ceil(utilization x total): the utilization is a share of what is free now."""
-    from rlsync.vllm_engine import gpu_memory_utilization
+    from rlsync.engines.vllm import gpu_memory_utilization
 
     gib = 2**30
     for free, total, need in ((60 * gib, 140 * gib, 5 * gib), (3 * gib, 80 * gib, gib), (139 * gib, 140 * gib, 0)):
@@ -219,7 +219,7 @@ def test_gpu_memory_utilization_passes_vllms_startup_check():
 
 def test_gpu_memory_utilization_says_when_the_engine_cannot_fit():
     from rlsync.errors import RlsyncError
-    from rlsync.vllm_engine import gpu_memory_utilization
+    from rlsync.engines.vllm import gpu_memory_utilization
 
     with pytest.raises(RlsyncError, match=r"^rollout.engine=vllm: 2.00 GiB of 80.00 GiB are free .* about 4.00 GiB"):
         gpu_memory_utilization(2 * 2**30, 80 * 2**30, need_bytes=4 * 2**30)
@@ -227,7 +227,7 @@ def test_gpu_memory_utilization_says_when_the_engine_cannot_fit():
 
 def test_weight_bytes_counts_the_engine_weights_once():
     """The memory budget's weights: the trainer's tensors in the engine dtype, a tied embedding once."""
-    from rlsync.vllm_engine import model_config, weight_bytes
+    from rlsync.engines.vllm import model_config, weight_bytes
 
     cfg = ModelConfig()
     trainer = named_weights(trainer_model(0))
@@ -248,7 +248,7 @@ class FakeLLM:
 
 def fake_cuda_engine(release_weights: bool):
     """A VLLMEngine's release/resume logic around a recording LLM, as on CUDA (no vLLM started)."""
-    from rlsync.vllm_engine import VLLMEngine
+    from rlsync.engines.vllm import VLLMEngine
 
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.device, engine.llm, engine.asleep, engine.native = torch.device("cuda"), FakeLLM(), set(), False
@@ -299,7 +299,7 @@ def test_a_second_sleep_mode_engine_in_one_process_is_refused(monkeypatch):
     ("0.32.0", ["IPCTrainerInitInfo(packed=...)"], "the installed vllm 0.32.0 lacks IPCTrainerInitInfo\\(packed=...\\)"),
 ])
 def test_vllm_ipc_version_guard(version, missing, refused):
-    from rlsync.vllm_engine import vllm_ipc_refusal
+    from rlsync.engines.vllm import vllm_ipc_refusal
 
     reason = vllm_ipc_refusal(version, missing)
     if refused is None:
@@ -319,7 +319,7 @@ def test_installed_vllm_has_the_weight_transfer_api_and_other_versions_are_refus
 
     from rlsync.errors import ConfigError
     from rlsync.validate import validate
-    from rlsync.vllm_engine import vllm_ipc_api_missing, vllm_ipc_refusal
+    from rlsync.engines.vllm import vllm_ipc_api_missing, vllm_ipc_refusal
 
     assert vllm_ipc_api_missing() == []
     assert vllm_ipc_refusal(vllm.__version__, []) is None

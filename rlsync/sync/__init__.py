@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from rlsync.config import MIB, UpdateConfig, bucket_bytes
+from rlsync.engines.base import checksum  # the engines' weight fingerprint, which verify compares
 from rlsync.errors import UpdateOutOfMemory
 from rlsync.sync.buckets import Bucket, metas_of, plan_buckets
 from rlsync.sync.threads import cpu_threads
@@ -28,7 +29,6 @@ TRANSPORTS = ("direct", "ipc", "broadcast")
 STRATEGIES = ("bucketed", "per_tensor", "vllm_ipc")  # vllm_ipc: vLLM's own transfer (rollout.engine=vllm, CUDA)
 SOURCES = ("device", "host")
 BACKENDS = ("auto", "gloo")  # not nccl: it refuses two ranks on one GPU, where the colocated engine sits
-CHECKSUM_CHUNK = 1 << 22  # elements per step: bounds the checksum's int64 temporaries (32 MiB each)
 
 
 class WeightMismatch(RuntimeError):
@@ -77,22 +77,6 @@ def open_engine(cfg: UpdateConfig, *, spec, buckets: list[Bucket]):
     from rlsync.sync.broadcast import BroadcastEngine
 
     return BroadcastEngine(spec, buckets, cfg)
-
-
-@torch.no_grad()
-def checksum(t: torch.Tensor) -> int:
-    """Order-sensitive integer checksum of a tensor's bits (equal bits <=> equal checksum, practically).
-
-    Computed in chunks, so a 600 MiB embedding never needs gigabytes of int64 temporaries.
-    """
-    int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    bits = t.detach().contiguous().view(-1).view(int_dtype)
-    total = 0
-    for start in range(0, bits.numel(), CHECKSUM_CHUNK):
-        chunk = bits[start : start + CHECKSUM_CHUNK].to(torch.int64)
-        weights = (torch.arange(start, start + chunk.numel(), device=bits.device, dtype=torch.int64) % 65521) + 1
-        total += int((chunk * weights).sum())
-    return total
 
 
 def verify(trainer_weights: dict[str, torch.Tensor], engine_checksums: dict[str, int], dtype: torch.dtype) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rlsync.rollout import Generation
+from rlsync.engines.base import Generation
 from rlsync.sync import flat
 from rlsync.sync.buckets import Bucket, largest_bucket_bytes
 from rlsync.timing import unit_timer
@@ -45,7 +45,7 @@ class LocalEngine:
         timer = unit_timer(self.engine.device)
         rows = self.last_update_buckets = []
         staging_bytes = self.staging.numel() * self.staging.element_size() if self.staging is not None else 0
-        if self.strategy == "vllm_ipc":  # the engine's own transfer path (rlsync/vllm_engine.py)
+        if self.strategy == "vllm_ipc":  # the engine's own transfer path (rlsync/engines/vllm.py)
             return self.engine.native_update(weights, bucket_bytes=largest_bucket_bytes(self.buckets))
         if self.strategy == "per_tensor":
             for name, tensor in weights.items():
@@ -70,6 +70,9 @@ class LocalEngine:
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self.engine.weights
+
+    def checksums(self) -> dict[str, int]:
+        return self.engine.checksums()
 
     def close(self) -> None:
         self.staging = self.flat = None

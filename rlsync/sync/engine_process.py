@@ -33,12 +33,12 @@ import torch
 import torch.multiprocessing as mp
 
 from rlsync.devices import select_device
+from rlsync.engines.base import engine_class
 
 POLL_S = 0.05  # liveness check interval while waiting on the engine
 CLOSE_S = 5.0  # how long close() lets the engine exit by itself before terminating it
-# What a forked engine process should find imported already (the engine's model code above all).
-PRELOAD = ("rlsync.sync.engine_process", "rlsync.sync.ipc", "rlsync.sync.broadcast", "rlsync.rollout",
-           "transformers.models.qwen3.modeling_qwen3")
+# What a forked engine process should find imported already, beside its engine's modules (Engine.preload).
+PRELOAD = ("rlsync.sync.engine_process", "rlsync.sync.ipc", "rlsync.sync.broadcast")
 
 
 class EngineDied(RuntimeError):
@@ -89,9 +89,7 @@ class EngineServer:
         self.engine.resume()
 
     def checksums(self):
-        from rlsync.sync import checksum
-
-        return {name: checksum(t) for name, t in self.engine.weights.items()}
+        return self.engine.checksums()
 
     def weights(self):
         return {name: t.detach().to("cpu", copy=True) for name, t in self.engine.weights.items()}
@@ -164,7 +162,7 @@ def serve_requests(conn, server: EngineServer) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def start_context(device: torch.device):
+def start_context(device: torch.device, preload: tuple[str, ...] = ()):
     """How engine processes start: never a plain fork of the trainer (its threads, its CUDA state).
 
     On a GPU, spawn: a fresh interpreter, as CUDA requires. On a CPU, forkserver: a server process
@@ -175,7 +173,7 @@ def start_context(device: torch.device):
     if device.type == "cuda":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts: the first engine
+    ctx.set_forkserver_preload([*PRELOAD, *preload])  # read when the server starts: the first engine
     return ctx
 
 
@@ -197,7 +195,7 @@ class EngineProcess:
     """
 
     def __init__(self, spec, receiver, *, strategy: str, timeout_s: float):
-        ctx = start_context(torch.device(spec.device))
+        ctx = start_context(torch.device(spec.device), engine_class(spec.rollout.engine).preload_modules())
         conn, child = ctx.Pipe(duplex=True)
         process = ctx.Process(target=serve, args=(child, spec, receiver, strategy), name="rlsync-engine", daemon=True)
         process.start()

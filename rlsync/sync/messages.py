@@ -254,7 +254,7 @@ def decode_result(op: str, result: Optional[dict]):
     if isinstance(typed, (OpenResult, UpdateResult)):
         return typed.model_dump()
     if isinstance(typed, GenerateResult):
-        from rlsync.rollout import Generation
+        from rlsync.engines.base import Generation
 
         fields = {k: (v.tensor() if isinstance(v, TensorData) else v) for k, v in vars(typed.generation).items()}
         return Generation(**fields), typed.generator_state.tensor()

@@ -1,4 +1,4 @@
-"""The rollout engine: its own copy of the weights (in the rollout dtype) and sampling with a KV cache.
+"""The HF engine (`rollout.engine=hf`): its own weights (in the rollout dtype) and sampling with a KV cache.
 
 The engine never sees the trainer's tensors: the weight update writes into `engine.weights` by
 name (see rlsync/sync). Generation returns the sampled tokens and their log-probs under the
@@ -9,66 +9,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from rlsync.config import ModelConfig, RolloutConfig
-
-ENGINES = ("hf", "vllm")  # rollout.engine: transformers (embedded) | vLLM (the extra: pip install -e '.[vllm]')
-
-
-@dataclass
-class EngineSpec:
-    """Everything needed to build an engine, wherever it runs (this process or its own)."""
-
-    model: ModelConfig
-    rollout: RolloutConfig
-    device: str
-    allowed_ids: torch.Tensor  # [vocab] bool: ids generation may sample
-    eos_id: int
-    pad_id: int
-
-    def build(self, *, strategy: str = "bucketed"):
-        """The engine named by rollout.engine; `strategy` (update.strategy) picks vLLM's own transfer path."""
-        from rlsync.models import torch_dtype
-
-        dtype, device = torch_dtype(self.rollout.dtype), torch.device(self.device)
-        if self.rollout.engine == "vllm":
-            from rlsync.vllm_engine import VLLMEngine
-
-            return VLLMEngine(self.model, self.rollout, dtype=dtype, device=device, allowed_ids=self.allowed_ids,
-                              eos_id=self.eos_id, pad_id=self.pad_id, strategy=strategy)
-        if self.rollout.engine != "hf":
-            raise ValueError(f"rollout.engine={self.rollout.engine!r}: expected one of {ENGINES}")
-        return HFEngine(self.model, dtype=dtype, device=device,
-                        allowed_ids=self.allowed_ids, eos_id=self.eos_id, pad_id=self.pad_id,
-                        release_weights=self.rollout.release_weights)
-
-
-@dataclass
-class Generation:
-    sequences: torch.Tensor  # [batch, prompt_len + response_len] left-padded prompt, then answer
-    attention_mask: torch.Tensor  # [batch, prompt_len + response_len] 1 on real tokens
-    response_mask: torch.Tensor  # [batch, response_len] 1 on sampled tokens (through EOS)
-    logprobs: torch.Tensor  # [batch, response_len] engine log-prob of each sampled token, fp32
-    prompt_len: int
-    truncated: torch.Tensor  # [batch] bool: hit max_response_len without EOS
-
-    def to(self, device: torch.device) -> "Generation":
-        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
-        return Generation(**moved)
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, allowed: torch.Tensor, temperature: float):
-    """Log-prob of `tokens` under softmax(logits / T) restricted to `allowed` ids.
-
-    The trainer uses this same function, so engine and trainer score tokens identically.
-    """
-    scaled = logits.float() / (temperature if temperature > 0 else 1.0)  # [..., vocab]
-    scaled = scaled.masked_fill(~allowed, float("-inf"))
-    return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+from rlsync.config import ModelConfig
+from rlsync.engines.base import Engine, EngineSpec, Generation, left_pad, position_ids
 
 
 def sample_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -82,38 +28,16 @@ def sample_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tens
     return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
 
 
-def answer_ids(gen: Generation) -> list[list[int]]:
-    """Each row's sampled answer tokens (through EOS, without the padding after it), on the host.
-
-    Both the tokens and their mask cross to the host together: indexing a host tensor with a device
-    mask is an error on CUDA (and two small copies beat a sync per row).
-    """
-    tokens = gen.sequences[:, gen.prompt_len :].cpu()  # [batch, response_len]
-    mask = gen.response_mask.cpu().bool()  # [batch, response_len]
-    return [row[keep].tolist() for row, keep in zip(tokens, mask)]
-
-
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p) :] = torch.tensor(p)
-        mask[row, width - len(p) :] = 1
-    return ids, mask
-
-
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
-
 
 def cache_kwarg(model: nn.Module) -> str:
     """transformers renamed `past_key_values` to `cache`; accept both."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-class HFEngine:
+class HFEngine(Engine):
     """A transformers model in the rollout dtype, generating with a DynamicCache."""
+
+    preload = ("transformers.models.qwen3.modeling_qwen3",)
 
     def __init__(self, model_cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
                  allowed_ids: torch.Tensor, eos_id: int, pad_id: int, release_weights: bool = False):
@@ -136,6 +60,11 @@ class HFEngine:
         self._cache_kw = cache_kwarg(model)
         self.release_weights = release_weights
         self.released: list[tuple[torch.UntypedStorage, int]] = []  # weight storages freed by release(), their sizes
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, *, strategy: str) -> "HFEngine":
+        return cls(spec.model, dtype=spec.dtype, device=torch.device(spec.device), allowed_ids=spec.allowed_ids,
+                   eos_id=spec.eos_id, pad_id=spec.pad_id, release_weights=spec.rollout.release_weights)
 
     def release(self) -> None:
         """Give the memory back after generation, wherever the engine runs (this process or its own).

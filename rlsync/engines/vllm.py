@@ -1,6 +1,6 @@
 """vLLM as the rollout engine (`rollout.engine=vllm`): the engine people deploy, measured like ours.
 
-Same interface as `rlsync.rollout.HFEngine`: `generate` returns a `Generation` (tokens and the
+The `Engine` interface (engines/base.py), as `HFEngine`: `generate` returns a `Generation` (tokens and the
 engine's log-prob of each), `load_weights` takes (name, tensor) pairs in the trainer's naming,
 `release` / `resume` bracket the rollout. What differs is the engine's own loading path: vLLM fuses
 q/k/v and gate/up into one matrix each and, on the CPU, re-packs every matrix for its GEMM kernels
@@ -19,7 +19,7 @@ How it is driven, and why:
   holds back (copies) the parts of a layer split across buckets until its last part arrives.
 - vLLM returns log-probs of the distribution it sampled from once asked for processed log-probs
   (`logprobs_mode="processed_logprobs"`): after the allowed-ids mask and the temperature, the same
-  rules as `rlsync.rollout.token_logprobs`, so `train/logprob_abs_diff` compares like with like.
+  rules as `rlsync.engines.base.token_logprobs`, so `train/logprob_abs_diff` compares like with like.
 
 On CUDA only (verified by reading, never run: vLLM cannot be installed on the GPU machine rlsync is
 checked on): release/resume through vLLM's sleep levels, the start-up memory budget, and vLLM's own
@@ -48,7 +48,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from rlsync.config import ModelConfig, RolloutConfig
-from rlsync.rollout import Generation, left_pad
+from rlsync.engines.base import Engine, EngineSpec, Generation, left_pad
 
 PROMPT_ROOM = 1024  # tokens reserved for the prompt in vLLM's max_model_len (rlsync's prompts are ~30)
 PROMPT_ESTIMATE = 128  # tokens per prompt when sizing the KV cache (the built-in task's are ~30)
@@ -276,7 +276,7 @@ def kv_cache_bytes(config, rollout_cfg: RolloutConfig, dtype: torch.dtype) -> in
     return max(MIN_KV_CACHE_BYTES, per_token * tokens)
 
 
-class VLLMEngine:
+class VLLMEngine(Engine):
     """vLLM's `LLM` in this process, loaded by the trainer's updates, sampling like `HFEngine`."""
 
     def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, *, dtype: torch.dtype,
@@ -307,6 +307,11 @@ class VLLMEngine:
         self.llm = self._start(rollout_cfg, kv_bytes=kv_bytes, need_bytes=need)
         count_sleep_mode(device.type, self.native)
         self.fused = FusedLayers(self.llm.collective_rpc(_packed_modules)[0]) if not self.native else None
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, *, strategy: str) -> "VLLMEngine":
+        return cls(spec.model, spec.rollout, dtype=spec.dtype, device=torch.device(spec.device),
+                   allowed_ids=spec.allowed_ids, eos_id=spec.eos_id, pad_id=spec.pad_id, strategy=strategy)
 
     def _start(self, rollout_cfg: RolloutConfig, *, kv_bytes: int, need_bytes: int):
         # The transport decides the process boundary; vllm_ipc measures vLLM's own (engine core in its process).

@@ -1,0 +1,233 @@
+"""What every rollout engine is: the `Engine` interface, what it returns, and the registry of engines.
+
+An engine holds its own copy of the weights (in the rollout dtype) and samples with them. It never
+sees the trainer's tensors: a weight update hands it (name, tensor) pairs (`load_weights`), and
+`generate` returns the sampled tokens with their log-probs under the engine's weights, which the
+trainer compares against its own (`train/logprob_abs_diff`).
+
+The registry maps `rollout.engine` to an engine class; the config rule for that key offers its
+names. Adding an engine is one module holding an `Engine` subclass and one line:
+
+    register_engine("mine", "mypackage.mine:MyEngine")   # resolved on first use: no import now
+    register_engine("mine", MyEngine)                    # or the class itself
+
+`register_engine("mine")` also works as a class decorator. Built-in engines are registered by their
+"module:Class" path (below), so `import rlsync` never imports an engine's heavy dependencies (vLLM).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Union
+
+import torch
+
+from rlsync.config import ModelConfig, RolloutConfig
+from rlsync.models import torch_dtype
+
+CHECKSUM_CHUNK = 1 << 22  # elements per step: bounds the checksum's int64 temporaries (32 MiB each)
+
+
+@dataclass
+class Generation:
+    sequences: torch.Tensor  # [batch, prompt_len + response_len] left-padded prompt, then answer
+    attention_mask: torch.Tensor  # [batch, prompt_len + response_len] 1 on real tokens
+    response_mask: torch.Tensor  # [batch, response_len] 1 on sampled tokens (through EOS)
+    logprobs: torch.Tensor  # [batch, response_len] engine log-prob of each sampled token, fp32
+    prompt_len: int
+    truncated: torch.Tensor  # [batch] bool: hit max_response_len without EOS
+
+    def to(self, device: torch.device) -> "Generation":
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        return Generation(**moved)
+
+
+@dataclass
+class EngineSpec:
+    """Everything needed to build an engine, wherever it runs (this process or its own)."""
+
+    model: ModelConfig
+    rollout: RolloutConfig
+    device: str
+    allowed_ids: torch.Tensor  # [vocab] bool: ids generation may sample
+    eos_id: int
+    pad_id: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.rollout.dtype)
+
+    def build(self, *, strategy: str = "bucketed") -> "Engine":
+        """The engine named by rollout.engine; `strategy` (update.strategy) picks vLLM's own transfer path."""
+        return build_engine(self, strategy)
+
+    # An engine process builds from an unpickled spec: the engine's class travels with it (by
+    # reference, so pickle imports its module there), and an engine registered outside rlsync, by
+    # code that process never ran, builds there too.
+    def __getstate__(self) -> dict:
+        return {**vars(self), "engine_class": engine_class(self.rollout.engine)}
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        cls = state.pop("engine_class")
+        vars(self).update(state)
+        ENGINES.setdefault(self.rollout.engine, cls)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, allowed: torch.Tensor, temperature: float):
+    """Log-prob of `tokens` under softmax(logits / T) restricted to `allowed` ids.
+
+    The trainer uses this same function, so engine and trainer score tokens identically.
+    """
+    scaled = logits.float() / (temperature if temperature > 0 else 1.0)  # [..., vocab]
+    scaled = scaled.masked_fill(~allowed, float("-inf"))
+    return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    return ids, mask
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def checksum(t: torch.Tensor) -> int:
+    """Order-sensitive integer checksum of a tensor's bits (equal bits <=> equal checksum, practically).
+
+    Computed in chunks, so a 600 MiB embedding never needs gigabytes of int64 temporaries.
+    """
+    int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    bits = t.detach().contiguous().view(-1).view(int_dtype)
+    total = 0
+    for start in range(0, bits.numel(), CHECKSUM_CHUNK):
+        chunk = bits[start : start + CHECKSUM_CHUNK].to(torch.int64)
+        weights = (torch.arange(start, start + chunk.numel(), device=bits.device, dtype=torch.int64) % 65521) + 1
+        total += int((chunk * weights).sum())
+    return total
+
+
+class Engine(ABC):
+    """A rollout engine, as the step loop and every transport drive it.
+
+    The loop's order: `resume` (memory back), the weight update (`load_weights`, one call per
+    bucket or tensor), `generate`, `release` (memory to the trainer). `weights` and `checksums`
+    serve verification (update.verify) and the flat-weights layout; `close` frees what the engine
+    holds beyond its tensors (processes, files).
+    """
+
+    device: torch.device  # where the engine's weights live and generation runs
+    dtype: torch.dtype  # the weights' dtype (rollout.dtype): what an update casts to
+    # Modules beyond its own (its model code) that a forked engine process imports once, before the
+    # first engine starts: each engine process then starts without paying those imports.
+    preload: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def preload_modules(cls) -> tuple[str, ...]:
+        """What an engine process imports before its first engine: this class's module (which registers
+        an engine defined outside rlsync there too) and `preload`."""
+        return (cls.__module__, *cls.preload)
+
+    @classmethod
+    @abstractmethod
+    def from_spec(cls, spec: EngineSpec, *, strategy: str) -> "Engine":
+        """Build the engine `spec` describes; `strategy` is update.strategy (an engine may have its own path)."""
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                 generator: torch.Generator) -> Generation:
+        """Sample an answer to each prompt (token ids), seeded from `generator`, on `device`."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Give memory back after generation (the trainer's turn); no `generate` until `resume`."""
+
+    @abstractmethod
+    def resume(self) -> None:
+        """Take the memory back before the update and the rollout; idempotent."""
+
+    @abstractmethod
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Where updates land: (name, tensor) pairs in the trainer's naming, in any grouping."""
+
+    @property
+    @abstractmethod
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The engine's weights by the trainer's names (raise if the engine cannot expose them)."""
+
+    def checksums(self) -> dict[str, int]:
+        """One checksum per weight (update.verify compares them with the trainer's)."""
+        return {name: checksum(t) for name, t in self.weights.items()}
+
+    def native_update(self, weights: dict[str, torch.Tensor], *, bucket_bytes: int) -> dict[str, float]:
+        """An engine's own trainer-to-engine transfer (update.strategy=vllm_ipc); most engines have none."""
+        raise NotImplementedError(f"{type(self).__name__} has no transfer of its own; use update.strategy=bucketed")
+
+    def close(self) -> None:
+        """Free what the engine holds beyond its tensors; nothing by default."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The registry: rollout.engine -> engine class
+# ----------------------------------------------------------------------------------------------
+
+EngineRef = Union[type[Engine], str]  # the class, or "module:Class" imported on first use
+
+ENGINES: dict[str, EngineRef] = {
+    "hf": "rlsync.engines.hf:HFEngine",  # transformers, embedded
+    "vllm": "rlsync.engines.vllm:VLLMEngine",  # vLLM in this process (the extra: pip install -e '.[vllm]')
+}
+
+
+def register_engine(name: str, engine: EngineRef | None = None) -> Callable[[type[Engine]], type[Engine]] | None:
+    """Make `rollout.engine=name` build `engine` (a class or "module:Class"); without `engine`, a decorator."""
+    if engine is not None:
+        ENGINES[name] = engine
+        return None
+
+    def decorate(cls: type[Engine]) -> type[Engine]:
+        ENGINES[name] = cls
+        return cls
+
+    return decorate
+
+
+def engine_names() -> tuple[str, ...]:
+    """The values rollout.engine accepts, in registration order."""
+    return tuple(ENGINES)
+
+
+def engine_class(name: str) -> type[Engine]:
+    """The class registered as `name`, importing its module the first time."""
+    if name not in ENGINES:
+        raise ValueError(f"rollout.engine={name!r}: expected one of {', '.join(ENGINES)}")
+    ref = ENGINES[name]
+    if isinstance(ref, str):
+        module, _, qualname = ref.partition(":")
+        ref = ENGINES[name] = getattr(importlib.import_module(module), qualname)
+    return ref
+
+
+def build_engine(spec: EngineSpec, strategy: str = "bucketed") -> Engine:
+    """The engine named by `spec.rollout.engine`, built from `spec`."""
+    return engine_class(spec.rollout.engine).from_spec(spec, strategy=strategy)
+
+def answer_ids(gen: Generation) -> list[list[int]]:
+    """Each row's sampled answer tokens (through EOS, without the padding after it), on the host.
+
+    Both the tokens and their mask cross to the host together: indexing a host tensor with a device
+    mask is an error on CUDA (and two small copies beat a sync per row).
+    """
+    tokens = gen.sequences[:, gen.prompt_len :].cpu()  # [batch, response_len]
+    mask = gen.response_mask.cpu().bool()  # [batch, response_len]
+    return [row[keep].tolist() for row, keep in zip(tokens, mask)]
