@@ -23,6 +23,7 @@ from rlsync import summary as summaries
 from rlsync.config import MIB, Config, to_dict
 from rlsync.distributed import DataParallel, Silent
 from rlsync.errors import StopOnSignals
+from rlsync.fmt import error_line
 from rlsync.limits import Limits
 from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.offload import Offloader, device_memory_gb, link_metrics
@@ -86,7 +87,7 @@ class Experiment:
                     self.status, self.error, self.failure = "failed", str(cause), cause
                     raise cause from err
                 self.status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
-                self.error, self.failure = f"{type(err).__name__}: {err}".splitlines()[0], err
+                self.error, self.failure = error_line(err), err
                 raise
             finally:
                 console.close()
