@@ -573,12 +573,13 @@ def phase_table(rows: list[dict[str, Any]]) -> str:
     if not timed:
         return "No run timed the parts of a step (a bench times its target alone)."
 
-    def cell(row: dict[str, Any], name: str) -> str:
-        seconds = row.get(f"{name}_time_median")
-        return f"{fmt_seconds(seconds)} ({fmt_share(seconds / row['step_time_median'])})" if is_number(seconds) else "n/a"
+    def cell(row: dict[str, Any], phase: metrics.Phase) -> str:
+        seconds = row.get(f"{phase.name}_time_median")
+        share = fmt_share(seconds / row["step_time_median"]) if is_number(seconds) else ""
+        return f"{phase.metric.show(seconds)} ({share})" if share else "n/a"
 
     common = common_overrides(rows)
-    cells = [[run_label(r, common), *(cell(r, p.name) for p in timed), fmt_seconds(r["step_time_median"])] for r in rows]
+    cells = [[run_label(r, common), *(cell(r, p) for p in timed), fmt_seconds(r["step_time_median"])] for r in rows]
     return table_markdown(["run", *(p.label for p in timed), "step (median)"], cells)
 
 

@@ -99,8 +99,9 @@ class WandbRun:
             self._call(self._summarize, summary)
 
     def _summarize(self, summary: dict) -> None:
-        for key, s in summary.get("metrics", {}).items():
-            self.run.summary[key] = s["median"]
+        declared = metrics.declared()
+        for key, s in summary.get("metrics", {}).items():  # each by the stat the report shows (a peak by its max)
+            self.run.summary[key] = s[declared[key].stat if key in declared else "median"]
             self.run.summary[f"{key}.min"], self.run.summary[f"{key}.max"] = s["min"], s["max"]
         for phase, share in summary.get("share", {}).items():
             self.run.summary[f"share/{phase}"] = share

@@ -202,22 +202,6 @@ def sweep(tmp_path: Path) -> Path:
     return root
 
 
-@pytest.fixture
-def drawn(monkeypatch: pytest.MonkeyPatch) -> dict:
-    """The figures report_plots saves, by file name: what a plot drew, beyond the PNG's existence."""
-    from rlsync import report_plots
-
-    figures = {}
-    save = report_plots.save
-
-    def keep(fig, path: Path) -> None:
-        figures[path.name] = fig
-        save(fig, path)
-
-    monkeypatch.setattr(report_plots, "save", keep)
-    return figures
-
-
 def set_wandb_config(sweep: Path, **values: str) -> None:
     """Rewrite `wandb.*` in the resolved config of every job of `sweep` that has a summary."""
     for path in sweep.glob("*/summary.json"):
