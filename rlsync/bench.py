@@ -32,11 +32,10 @@ from omegaconf import DictConfig
 
 from rlsync.config import BenchAppConfig, register_configs, to_dict
 from rlsync.errors import cli, job_errors
+from rlsync.fmt import MIB, error_line, fmt_bytes, fmt_seconds, fmt_spread, markdown_table
 from rlsync.launcher import hydra_job
 
 register_configs()
-
-MIB = 2**20
 
 
 class UpdateTarget:
@@ -210,7 +209,7 @@ class Bench:
             self.status = "finished"
         except BaseException as err:
             self.status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
-            self.error = f"{type(err).__name__}: {err}".splitlines()[0]
+            self.error = error_line(err)
             raise
         finally:
             metrics_file.close()
@@ -293,51 +292,34 @@ def target_table(target: str):
     return closing_table
 
 
-def fmt_s(seconds: float | None) -> str:
-    if seconds is None:
-        return "n/a"
-    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.3g} s"
-
-
-def fmt_bytes(n: float | None) -> str:
-    return "n/a" if n is None else f"{n / MIB:.0f} MiB" if n >= MIB else f"{n / 1024:.0f} KiB"
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
 def closing_table(result: dict) -> str:
     m, s = result["metrics"], result["setup"]
 
     def med(key: str, which: str = "median"):
         return m.get(key, {}).get(which)
 
-    t = m.get("perf/update_weights_time", {})
-    spread = f" ({fmt_s(t.get('min'))} to {fmt_s(t.get('max'))})" if t else ""
     eff = med("perf/update_weights_efficiency")
     head = ["model", "transport", "strategy", "bucket", "source", "time (median, min to max)", "limit",
             "time / limit", "efficiency", "GB/s", "peak bytes", "pack", "transfer", "load"]
     engine = "" if s.get("engine", "hf") == "hf" else f" ({s['engine']})"  # the engine, where not the default
     row = [result["model"]["name"], s["transport"] + (" flat" if s["flat_engine_weights"] else "") + engine, s["strategy"],
            f"{s['bucket_mb']:g} MiB x{s['buckets']}" if s["strategy"] == "bucketed" else f"per tensor x{s['tensors']}",
-           s["source"], fmt_s(med("perf/update_weights_time")) + spread,
-           fmt_s(med("perf/update_weights_limit_time")), f"{1 / eff:.2f}x" if eff else "n/a",
+           s["source"], fmt_spread(*(med("perf/update_weights_time", w) for w in ("median", "min", "max"))),
+           fmt_seconds(med("perf/update_weights_limit_time")), f"{1 / eff:.2f}x" if eff else "n/a",
            f"{eff:.2f}" if eff else "n/a", f"{med('perf/update_weights_gbps') or 0:.1f}",
            fmt_bytes(med("perf/update_weights_peak_bytes", "max")),
-           *(fmt_s(med(f"perf/update_weights_{k}_time")) if med(f"perf/update_weights_{k}_time") is not None else "-"
+           *(fmt_seconds(med(f"perf/update_weights_{k}_time")) if med(f"perf/update_weights_{k}_time") is not None else "-"
              for k in ("pack", "transfer", "load"))]
     out = [f"\nWeight update alone: {result['measured_steps']} timed repeats after {result['warmup_steps']} warm-up",
-           table(head, [row])]
+           markdown_table(head, [row])]
     buckets = result["buckets"]
     if buckets and s["strategy"] == "bucketed":
         shown = buckets if len(buckets) <= 12 else buckets[:6] + buckets[-6:]
         out.append(f"\nPer bucket (median over repeats){'' if len(shown) == len(buckets) else ', first and last 6'}:")
-        out.append(table(["bucket", "bytes", "pack", "transfer", "load"],
-                         [[str(b["bucket"]), fmt_bytes(b["bytes"]),
-                           *(fmt_s(b[k]) if k in b else "-" for k in ("pack_time", "transfer_time", "load_time"))]
-                          for b in shown]))
+        out.append(markdown_table(["bucket", "bytes", "pack", "transfer", "load"],
+                                  [[str(b["bucket"]), fmt_bytes(b["bytes"]),
+                                    *(fmt_seconds(b[k]) if k in b else "-" for k in ("pack_time", "transfer_time", "load_time"))]
+                                   for b in shown]))
     return "\n".join(out)
 
 

@@ -26,14 +26,16 @@ from types import SimpleNamespace
 
 import torch
 
-from rlsync.config import MIB, ModelConfig
+from rlsync.config import ModelConfig
 from rlsync.devices import device_memory_metrics
+from rlsync.fmt import MIB, fmt_bytes, fmt_seconds, fmt_spread, markdown_table
+from rlsync.metrics import phase_named
 from rlsync.offload import PIN_CHUNK_BYTES, Offloader, empty_host_cache, link_metrics
 from rlsync.timing import Stopwatch, synchronize
 
 STATES = ("trainer", "params")
 PROBE_BYTES = 256 * 2**20  # 8x this machine's L3: a DRAM copy, and little memory beside a 19 GB state
-PHASES = (("sleep", "offload"), ("wake_up", "onload"))  # metric name, what the table calls it
+PHASES = (phase_named("sleep"), phase_named("wake_up"))  # the table calls each by its short name
 
 
 class LinkProbe:
@@ -157,7 +159,7 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
     """Per direction (sleep, wake_up): bytes, median/min/max seconds, GB/s at the median, the median limit
     and the median efficiency (each repeat against the limit probed beside it)."""
     out = {}
-    for phase, _ in PHASES:
+    for phase in (p.name for p in PHASES):
         times = [r[f"perf/{phase}_time"] for r in rows]
         median, nbytes = statistics.median(times), rows[0][f"perf/{phase}_bytes"]
         efficiency = statistics.median(r[f"perf/{phase}_efficiency"] for r in rows)  # each against its own probe
@@ -170,19 +172,17 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
 
 def table(summaries: list[dict]) -> str:
     """Markdown: one row per (model, direction) of `bench_offload` summaries."""
-    head = ["model", "state", "mode", "memory", "direction", "GiB", "time (median, min to max)", "limit", "time / limit",
+    head = ["model", "state", "mode", "memory", "direction", "bytes", "time (median, min to max)", "limit", "time / limit",
             "GB/s", "first touch"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for s in summaries:
         o = s["offload"]
-        touch = o.get("host_first_touch_time")
-        for phase, label in PHASES:
-            d = s[phase]
-            lines.append("| " + " | ".join([
-                s["model"], o.get("state", "?"), o.get("mode", "?"), o.get("memory", "?"), label, f"{d['bytes'] / 2**30:.2f}",
-                f"{d['time']:.3f} s ({d['min']:.3f} to {d['max']:.3f})", f"{d['limit_time']:.3f} s",
-                f"{d['time_over_limit']:.2f}x", f"{d['gbps']:.1f}", f"{touch:.2f} s" if touch is not None else "n/a"]) + " |")
-    return "\n".join(lines)
+        for phase in PHASES:
+            d = s[phase.name]
+            rows.append([s["model"], o.get("state", "?"), o.get("mode", "?"), o.get("memory", "?"), phase.short,
+                         fmt_bytes(d["bytes"]), fmt_spread(d["time"], d["min"], d["max"]), fmt_seconds(d["limit_time"]),
+                         f"{d['time_over_limit']:.2f}x", f"{d['gbps']:.1f}", fmt_seconds(o.get("host_first_touch_time"))])
+    return markdown_table(head, rows)
 
 
 class OffloadTarget:
@@ -216,7 +216,7 @@ class OffloadTarget:
             return m.get(key, {}).get(which, float("nan"))
 
         summary = {"model": result["model"]["name"], "offload": result.get("offload") or {}}
-        for phase, label in PHASES:
+        for phase in (p.name for p in PHASES):
             summary[phase] = {"bytes": median(f"perf/{phase}_bytes"), "time": median(f"perf/{phase}_time"),
                               "min": median(f"perf/{phase}_time", "min"), "max": median(f"perf/{phase}_time", "max"),
                               "gbps": median(f"perf/{phase}_gbps"), "limit_time": median(f"perf/{phase}_limit_time"),

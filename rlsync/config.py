@@ -14,7 +14,7 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-MIB = 2**20
+from rlsync.fmt import MIB
 
 
 @dataclass

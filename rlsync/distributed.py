@@ -26,15 +26,15 @@ import torch
 import torch.distributed as dist
 
 from rlsync.errors import RlsyncError
+from rlsync.fmt import error_line
 from rlsync.launcher import launched
 from rlsync.engines.base import Generation
+from rlsync.metrics import Merge, merge_rule
 from rlsync.sync.buckets import greedy_groups
 from rlsync.timing import Stopwatch
 
 FAILURES = "rlsync/failed_ranks"  # store prefix: rank -> the error line it failed with
 GRAD_BUCKET_BYTES = 64 << 20  # gradients all-reduced in flat buckets: one call per bucket, bounded extra memory
-SUMMED = ("train/loss",)  # each rank's loss is its share of the batch's token mean: the sum is the batch's
-TOKEN_MEANS = ("train/logprob_abs_diff", "train/clip_frac", "train/kl")  # per token: weighted by each rank's tokens
 
 
 class RankFailed(RlsyncError):
@@ -53,7 +53,8 @@ def generation_rows(gen: Generation, rows: slice) -> Generation:
 
 
 def merge_ranks(rows: list[dict], tokens: list[float]) -> dict:
-    """One step's metrics of every rank (rank 0 first) -> the row rank 0 records.
+    """One step's metrics of every rank (rank 0 first) -> the row rank 0 records, each key merged as
+    the catalogue (rlsync/metrics.py) says.
 
     A phase time measured on several ranks becomes the slowest rank's (what the step waits for),
     with `_rank_min` and `_rank_max` beside it; the loss is summed, per-token averages weighted by
@@ -65,22 +66,19 @@ def merge_ranks(rows: list[dict], tokens: list[float]) -> dict:
     total_tokens = sum(tokens) or 1.0
     for key in keys:
         values = [r[key] for r in rows if key in r]
-        if key in SUMMED:
+        rule = merge_rule(key)
+        if rule is Merge.SUM:
             merged[key] = sum(values)
-        elif key in TOKEN_MEANS:
+        elif rule is Merge.TOKEN_MEAN:
             merged[key] = sum(r[key] * n for r, n in zip(rows, tokens) if key in r) / total_tokens
-        elif is_phase_time(key) and len(values) > 1:
+        elif rule is Merge.SLOWEST and len(values) > 1:
             merged[key] = max(values)
             merged[f"{key}_rank_min"], merged[f"{key}_rank_max"] = min(values), max(values)
-        elif key.endswith("_gb"):  # device memory after a phase: each rank has its own device
+        elif rule is Merge.LARGEST:  # device memory after a phase: each rank has its own device
             merged[key] = max(values)
         else:
             merged.setdefault(key, values[0])
     return merged
-
-
-def is_phase_time(key: str) -> bool:
-    return key.startswith("perf/") and key.endswith("_time") and not key.endswith("_limit_time")
 
 
 def grad_buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
@@ -153,7 +151,7 @@ class DataParallel:
         try:
             if not self.is_main:
                 if not isinstance(err, KeyboardInterrupt):  # an interruption is the launcher's, not a failure
-                    self.failures.set(str(self.rank), f"{type(err).__name__}: {str(err).strip()}".splitlines()[0])
+                    self.failures.set(str(self.rank), error_line(err))
                 return None
             for rank in range(1, self.world):
                 if self.failures.check([str(rank)]):

@@ -20,6 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from rlsync.fmt import error_line, first_line
+
 DEBUG_ENV = "RLSYNC_DEBUG"  # =1: print the full traceback as well
 
 
@@ -198,11 +200,6 @@ def from_hydra(err: BaseException) -> Optional[BadInput]:
     return None
 
 
-def first_line(text: Any) -> str:
-    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
-    return lines[0] if lines else ""
-
-
 def override_value(err: BaseException, key: str, fallback: Any) -> Any:
     """The value the user typed for `key` (the override in Hydra's message), else `fallback`."""
     for text in (str(err), str(err.__cause__ or "")):
@@ -266,7 +263,7 @@ def describe(err: BaseException) -> str:
         return f"interrupted: {err if isinstance(err, Interrupted) else 'stopped by SIGINT'}"
     if isinstance(err, RlsyncError):
         return str(err)
-    return f"failed: {type(err).__name__}: {first_line(err)}"
+    return f"failed: {error_line(err)}"
 
 
 def exit_code(err: BaseException) -> int:

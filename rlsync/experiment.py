@@ -25,6 +25,7 @@ from rlsync.config import MIB, Config, to_dict
 from rlsync.devices import device_memory_metrics, explicit_device, sampler, select_device
 from rlsync.distributed import DataParallel, Silent
 from rlsync.errors import StopOnSignals, WriteFailed
+from rlsync.fmt import error_line
 from rlsync.limits import Limits
 from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.engines.base import EngineSpec, Generation, answer_ids
@@ -102,7 +103,7 @@ class Experiment:
                     self.status, self.error, self.failure = "failed", str(cause), cause
                     raise cause from err
                 self.status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
-                self.error, self.failure = f"{type(err).__name__}: {err}".splitlines()[0], err
+                self.error, self.failure = error_line(err), err
                 raise
             finally:
                 console.close()

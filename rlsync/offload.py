@@ -54,12 +54,12 @@ from functools import partial
 import torch
 from torch import nn
 
+from rlsync.fmt import MIB
 from rlsync.sync.buckets import greedy_groups
 from rlsync.timing import synchronize
 
 OFFLOAD_MODES = ("none", "full", "drop_grads")
 OFFLOAD_MEMORY = ("auto", "twin", "move")
-MIB = 2**20
 PIN_CHUNK_BYTES = 1024 * MIB  # a power of two: the caching host allocator rounds each chunk up to one
 
 

@@ -30,26 +30,34 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from rlsync import metrics
 from rlsync.errors import WriteFailed
-from rlsync.summary import PHASES, stats_over
+from rlsync.fmt import fmt_bytes, fmt_mib, fmt_range, fmt_seconds, fmt_share, markdown_table as table_markdown
+from rlsync.summary import stats_over
 
-MIB = 2**20
 DEFAULT_WARMUP_STEPS = 2
 DEFAULT_VERDICT_THRESHOLD = 0.03  # update share of the step above which tuning it pays (design.md)
 
-# report.csv columns: raw seconds, bytes and ratios (never formatted strings).
-CSV_FIELDS = (
+# report.csv columns: raw seconds, bytes and ratios (never formatted strings); between these two,
+# each of the step's parts (the catalogue's, rlsync/metrics.py) as <phase>_time_median: see csv_fields().
+CSV_HEAD = (
     "job", "overrides", "status", "model", "params", "engine", "transport", "strategy", "bucket_mb",
     "device", "measured_steps",
     "update_time_min", "update_time_median", "update_time_max",
     "sleep_time_min", "sleep_time_median", "sleep_time_max",
     "wake_up_time_min", "wake_up_time_median", "wake_up_time_max",
-    "rollout_time_median", "log_probs_time_median", "train_time_median", "step_time_median",
-    "engine_release_time_median", "ref_log_probs_time_median", "engine_resume_time_median",
+)  # fmt: skip
+CSV_TAIL = (
     "update_share", "update_efficiency_median", "update_limit_time_median", "update_gbps_median",
     "update_bytes", "update_buckets_median", "update_peak_bytes_max",
     "verdict",
 )  # fmt: skip
+
+
+def csv_fields() -> tuple[str, ...]:
+    """report.csv's columns: the setup, the headline ranges, the median of every part of the step, the update's."""
+    phases = [f"{p.name}_time_median" for p in metrics.step_phases()]
+    return tuple(dict.fromkeys([*CSV_HEAD, *phases, "step_time_median", *CSV_TAIL]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -428,8 +436,8 @@ def table_row(run: Run) -> dict[str, Any]:
     for stem, name in (("update_weights", "update"), ("sleep", "sleep"), ("wake_up", "wake_up")):
         for which in ("min", "median", "max"):
             row[f"{name}_time_{which}"] = run.stat(f"perf/{stem}_time", which)
-    for phase in PHASES:  # medians of every phase, for the step breakdown
-        row[f"{phase}_time_median"] = run.stat(f"perf/{phase}_time")
+    for phase in metrics.step_phases():  # medians of every part of the step, for the breakdown
+        row[f"{phase.name}_time_median"] = run.stat(phase.metric.name)
     row["step_time_median"] = run.stat("perf/step_time")
     row["update_share"] = update_share(run)
     row["update_efficiency_median"] = run.stat("perf/update_weights_efficiency")
@@ -532,7 +540,7 @@ def bench_setup(run: Run, target: str) -> str:
         mode = offload.get("mode") or run.cfg("trainer.offload", "n/a")
         memory = offload.get("memory") or run.cfg("trainer.offload_memory", "n/a")
         moved = run.stat("perf/sleep_bytes")
-        size = f", {moved / 2**30:.2f} GiB" if moved is not None else ""
+        size = f", {fmt_bytes(moved)}" if moved is not None else ""
         return f"{state} state, offload {mode}, memory {memory}{size}"
     setup = run.summary.get("setup") or {}
     transport = setup.get("transport") or run.cfg("update.transport", "n/a")
@@ -598,52 +606,11 @@ def fit_lines(groups: list[FitGroup]) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 
 
-def time_unit(seconds: float) -> tuple[float, str, int]:
-    """Scale, unit and decimals that show `seconds` with about three significant digits."""
-    x = abs(seconds)
-    if x >= 0.1:
-        return 1.0, "s", 2 if x < 100 else 1  # "0.63 s", "152.6 s", as in the reference tables
-    scale, unit = (1e3, "ms") if x >= 1e-4 else (1e6, "µs")
-    magnitude = math.floor(math.log10(x * scale)) if x > 0 else 0
-    return scale, unit, max(0, 2 - magnitude)
-
-
-def fmt_seconds(x: Optional[float]) -> str:
-    if x is None:
-        return "n/a"
-    scale, unit, decimals = time_unit(x)
-    return f"{x * scale:.{decimals}f} {unit}"
-
-
-def fmt_range(lo: Optional[float], hi: Optional[float]) -> str:
-    """"0.63 to 0.66 s": both ends in the unit and precision of the larger one."""
-    if lo is None or hi is None:
-        return "n/a"
-    if lo == hi:
-        return fmt_seconds(lo)
-    scale, unit, decimals = time_unit(max(abs(lo), abs(hi)))
-    return f"{lo * scale:.{decimals}f} to {hi * scale:.{decimals}f} {unit}"
-
-
-def fmt_share(share: Optional[float]) -> str:
-    if share is None:
-        return "n/a"
-    pct = share * 100
-    return f"{pct:.1f} %" if pct >= 10 else f"{pct:.2f} %" if pct >= 0.01 else f"{pct:.1e} %"
-
-
 def fmt_efficiency(eff: Optional[float]) -> str:
     """"0.82 (1.22x limit)": limit / time, and how many times the limit the update took."""
     if eff is None or eff <= 0:
         return "n/a"
     return f"{eff:.2f} ({1 / eff:.2f}x limit)"
-
-
-def fmt_mib(nbytes: Optional[float]) -> str:
-    if nbytes is None:
-        return "n/a"
-    mib = nbytes / MIB
-    return f"{mib:.1f}" if mib >= 10 else f"{mib:.3g}"
 
 
 def fmt_bucket(bucket_mb: Any) -> str:
@@ -690,14 +657,26 @@ def table_cells(row: dict[str, Any], common: Iterable[str] = ()) -> list[str]:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    def line(cells: Iterable[str]) -> str:
-        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
-
     common = common_overrides(rows)
     out = [f"Overrides of every run: {' '.join(common)}", ""] if common else []
-    out += [line(TABLE_HEADER), line("---" for _ in TABLE_HEADER)]
-    out += [line(table_cells(row, common)) for row in rows]
-    return "\n".join(out)
+    return "\n".join([*out, table_markdown(TABLE_HEADER, [table_cells(row, common) for row in rows])])
+
+
+def phase_table(rows: list[dict[str, Any]]) -> str:
+    """Per run with a step: the median of each part of the step (the catalogue's), with its share of the median step."""
+    rows = [r for r in rows if is_number(r.get("step_time_median")) and r["step_time_median"] > 0]
+    timed = [p for p in metrics.step_phases() if any(is_number(r.get(f"{p.name}_time_median")) for r in rows)]
+    if not timed:
+        return "No run timed the parts of a step (a bench times its target alone)."
+
+    def cell(row: dict[str, Any], phase: metrics.Phase) -> str:
+        seconds = row.get(f"{phase.name}_time_median")
+        share = fmt_share(seconds / row["step_time_median"]) if is_number(seconds) else ""
+        return f"{phase.metric.show(seconds)} ({share})" if share else "n/a"
+
+    common = common_overrides(rows)
+    cells = [[run_label(r, common), *(cell(r, p) for p in timed), fmt_seconds(r["step_time_median"])] for r in rows]
+    return table_markdown(["run", *(p.label for p in timed), "step (median)"], cells)
 
 
 def machine_line(runs: list[Run]) -> str:
@@ -749,6 +728,8 @@ def write_markdown(path: Path, result: ReportResult, plots: list[Path], sources:
         "",
     ]
     out += [result.markdown_table if result.rows else "No run measured a step.", ""]
+    out += ["## Step by phase", "", "Median per phase (its share of the median step).", ""]
+    out += [phase_table(result.rows), ""]
     out += ["## Verdicts", ""]
     common = common_overrides(result.rows)
     out += [f"- **{run_label(row, common)}**: {row['verdict']}" for row in result.rows]
@@ -764,10 +745,11 @@ def write_markdown(path: Path, result: ReportResult, plots: list[Path], sources:
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        fields = csv_fields()
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: "" if row.get(k) is None else row[k] for k in CSV_FIELDS})
+            writer.writerow({k: "" if row.get(k) is None else row[k] for k in fields})
 
 
 def choose_out_dir(paths: list[Path], sweeps: list[Path], out_dir: Optional[Path]) -> Path:

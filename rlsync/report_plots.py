@@ -13,27 +13,16 @@ import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from rlsync import fmt, metrics
+from rlsync.fmt import MIB
+
 if TYPE_CHECKING:
     from rlsync.report import Fit, FitGroup
 
-MIB = 2**20
 Row = dict[str, Any]
 TIMELINE_MAX_RUNS = 8  # more lines than this no longer read apart in one panel
 TIMELINE_LABEL_WIDTH = 38  # characters per legend line
 
-# Stacked in the order the step runs them (design.md, "The problem"); "other" is the rest of the step.
-PHASE_COLORS = {
-    "rollout": "#4c72b0",
-    "engine_release": "#64b5cd",
-    "wake_up": "#dd8452",
-    "log_probs": "#55a868",
-    "ref_log_probs": "#8c8c8c",
-    "train": "#c44e52",
-    "update_weights": "#8172b3",
-    "sleep": "#937860",
-    "engine_resume": "#da8bc3",
-    "other": "#dddddd",
-}
 
 
 def number(value: Any) -> Optional[float]:
@@ -42,8 +31,8 @@ def number(value: Any) -> Optional[float]:
 
 def time_unit(seconds: list[float]) -> tuple[float, str]:
     """Scale and unit so that the largest time reads as a plain number."""
-    top = max(seconds, default=1.0)
-    return (1.0, "s") if top >= 0.1 else (1e3, "ms") if top >= 1e-4 else (1e6, "µs")
+    scale, unit, _ = fmt.time_unit(max(seconds, default=1.0))
+    return scale, unit
 
 
 def by_model(rows: list[Row], x_key: str, y_key: str) -> dict[str, list[Row]]:
@@ -185,8 +174,8 @@ def draw_fit_per_group(ax, fits: list[FitGroup], xs: list[float], scale: float, 
 
 
 def step_parts(row: Row) -> dict[str, float]:
-    """Median seconds per phase, plus "other" for what the step spends outside them."""
-    parts = {p: number(row.get(f"{p}_time_median")) for p in PHASE_COLORS if p != "other"}
+    """Median seconds per part of the step (the catalogue's), plus "other" for what the step spends outside them."""
+    parts = {p.name: number(row.get(f"{p.name}_time_median")) for p in metrics.step_phases()}
     parts = {p: v for p, v in parts.items() if v is not None}
     step = number(row.get("step_time_median"))
     if step is not None and step > sum(parts.values()):
@@ -208,10 +197,10 @@ def plot_step_breakdown(rows: list[Row], fits: list[FitGroup], path: Path) -> Op
     fig, ax = new_axes("Median step by phase")
     labels = [f"{row['job']}\n{row.get('model') or ''}\n{bucket_label(row)}" for row, _ in bars]
     bottoms = [0.0] * len(bars)
-    for phase, color in PHASE_COLORS.items():
-        heights = [parts.get(phase, 0.0) * scale for _, parts in bars]
+    for phase in (*metrics.step_phases(), metrics.OTHER):  # stacked in the order the step runs them
+        heights = [parts.get(phase.name, 0.0) * scale for _, parts in bars]
         if any(heights):
-            ax.bar(labels, heights, bottom=bottoms, color=color, label=phase)
+            ax.bar(labels, heights, bottom=bottoms, color=phase.color or None, label=phase.label)
             bottoms = [b + h for b, h in zip(bottoms, heights)]
     for x, ((row, parts), top) in enumerate(zip(bars, bottoms)):
         if "update_weights" in parts and sum(parts.values()) > 0:

@@ -12,14 +12,10 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+from rlsync import metrics
 from rlsync.config import WandbConfig
 from rlsync.errors import WriteFailed
-
-STEP_COLUMNS = [  # (metric, header) of the per-step console table
-    ("perf/rollout_time", "rollout"), ("perf/wake_up_time", "onload"), ("perf/log_probs_time", "logprobs"),
-    ("perf/train_time", "train"), ("perf/update_weights_time", "update"), ("perf/sleep_time", "offload"),
-    ("perf/step_time", "step"), ("train/logprob_abs_diff", "lp_diff"), ("rollout/reward_mean", "reward"),
-]
+from rlsync.fmt import first_line
 
 
 class MetricsFile:
@@ -99,14 +95,15 @@ class Console:
         self.bar = tqdm(total=steps, desc="steps", unit="step", file=sys.stderr, disable=not enabled, leave=False)
         self.warmup_steps = warmup_steps
         self.header_done = False
+        self.columns = [(m.name, m.console) for m in metrics.console_columns()]  # (metric, header)
 
     def step(self, row: dict) -> None:
         from tqdm import tqdm
 
         if not self.header_done:
-            tqdm.write("step " + " ".join(f"{h:>9}" for _, h in STEP_COLUMNS))
+            tqdm.write("step " + " ".join(f"{h:>9}" for _, h in self.columns))
             self.header_done = True
-        cells = [f"{row[k]:9.4f}" if isinstance(row.get(k), (int, float)) else f"{'-':>9}" for k, _ in STEP_COLUMNS]
+        cells = [f"{row[k]:9.4f}" if isinstance(row.get(k), (int, float)) else f"{'-':>9}" for k, _ in self.columns]
         tag = " (warm-up)" if row["step"] < self.warmup_steps else ""
         tqdm.write(f"{row['step']:>4} " + " ".join(cells) + tag)
         self.bar.update(1)
@@ -136,8 +133,9 @@ class WandbRun:
             self._call(self._summarize, summary)
 
     def _summarize(self, summary: dict) -> None:
-        for key, s in summary.get("metrics", {}).items():
-            self.run.summary[key] = s["median"]
+        declared = metrics.declared()
+        for key, s in summary.get("metrics", {}).items():  # each by the stat the report shows (a peak by its max)
+            self.run.summary[key] = s[declared[key].stat if key in declared else "median"]
             self.run.summary[f"{key}.min"], self.run.summary[f"{key}.max"] = s["min"], s["max"]
         for phase, share in summary.get("share", {}).items():
             self.run.summary[f"share/{phase}"] = share
@@ -149,7 +147,7 @@ class WandbRun:
         try:
             fn(arg)
         except Exception as err:  # noqa: BLE001 - W&B must never cost the run or its files
-            print(f"rlsync: W&B failed mid-run ({first_line(err)}); logging to local files only", file=sys.stderr)
+            print(f"rlsync: W&B failed mid-run ({first_line(err, type(err).__name__)}); logging to local files only", file=sys.stderr)
             self.run = None
 
     def finish(self, exit_code: int) -> None:
@@ -161,11 +159,6 @@ class WandbRun:
 def define_step_metric(run) -> None:
     run.define_metric("step")
     run.define_metric("*", step_metric="step")
-
-
-def first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def start_wandb(cfg: WandbConfig, *, run_dir: Path, **kwargs):
@@ -182,7 +175,7 @@ def start_wandb(cfg: WandbConfig, *, run_dir: Path, **kwargs):
             return wandb.init(mode=mode, settings=settings, dir=str(run_dir), **kwargs)
         except Exception as err:  # noqa: BLE001 - no login, no network, no service: the run goes on
             then = f"logging offline under {run_dir}/wandb" if mode == "online" else "logging to local files only"
-            print(f"rlsync: W&B {mode} failed ({first_line(err)}); {then}", file=sys.stderr)
+            print(f"rlsync: W&B {mode} failed ({first_line(err, type(err).__name__)}); {then}", file=sys.stderr)
     return None
 
 

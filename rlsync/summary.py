@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import statistics
 
-# The step's phases in the order they run; each is timed as perf/<phase>_time.
-PHASES = ("rollout", "engine_release", "wake_up", "log_probs", "ref_log_probs", "train",
-          "update_weights", "sleep", "engine_resume")
+from rlsync import metrics
+from rlsync.fmt import fmt_range, markdown_table
 
 
 def stats_over(rows: list[dict], warmup_steps: int) -> dict[str, dict[str, float]]:
@@ -26,7 +25,8 @@ def shares(stats: dict[str, dict[str, float]]) -> dict[str, float]:
     step = stats.get("perf/step_time", {}).get("median")
     if not step:
         return {}
-    return {p: stats[f"perf/{p}_time"]["median"] / step for p in PHASES if f"perf/{p}_time" in stats}
+    timed = [p for p in metrics.step_phases() if p.metric.name in stats]
+    return {p.name: stats[p.metric.name]["median"] / step for p in timed}
 
 
 def verdict(share: dict[str, float], stats: dict, *, threshold: float, setup: dict) -> str:
@@ -45,21 +45,10 @@ def verdict(share: dict[str, float], stats: dict, *, threshold: float, setup: di
             f"({stats['perf/update_weights_buckets']['median']:.0f} buckets){at_limit}.")
 
 
-def seconds_range(stats: dict, key: str) -> str:
-    s = stats.get(key)
-    if not s:
-        return "n/a"
-    return f"{s['min']:.3g} to {s['max']:.3g} s" if s["min"] != s["max"] else f"{s['min']:.3g} s"
-
-
 def closing_table(model: str, stats: dict, share: dict) -> str:
-    header = ["model", "weight update", "trainer offload", "trainer onload", "step", "update share of step"]
-    row = [
-        model,
-        seconds_range(stats, "perf/update_weights_time"),
-        seconds_range(stats, "perf/sleep_time"),
-        seconds_range(stats, "perf/wake_up_time"),
-        seconds_range(stats, "perf/step_time"),
-        f"{share['update_weights']:.1%}" if "update_weights" in share else "n/a",
-    ]
-    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header), "| " + " | ".join(row) + " |"])
+    """The run's closing table: the headline phases' ranges over the measured steps, and the update's share."""
+    headline = [metrics.phase_named(name) for name in metrics.HEADLINE]
+    ranges = [fmt_range(stats[p.metric.name]["min"], stats[p.metric.name]["max"]) if p.metric.name in stats else "n/a"
+              for p in headline]
+    update = f"{share['update_weights']:.1%}" if "update_weights" in share else "n/a"
+    return markdown_table(["model", *(p.label for p in headline), "update share of step"], [[model, *ranges, update]])

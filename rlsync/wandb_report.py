@@ -24,22 +24,14 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlsync import metrics
+from rlsync.fmt import error_line
+
 if TYPE_CHECKING:
     from rlsync.report import ReportResult
 
 REPORT_JOB_TYPE = "report"
 UPDATE_METRIC = "perf/update_weights_time"
-PHASE_METRICS = [  # the step's phases, in the order they run (engine_* only when the engine releases memory)
-    "perf/rollout_time",
-    "perf/engine_release_time",
-    "perf/wake_up_time",
-    "perf/log_probs_time",
-    "perf/ref_log_probs_time",
-    "perf/train_time",
-    "perf/update_weights_time",
-    "perf/sleep_time",
-    "perf/engine_resume_time",
-]
 STEP_AXIS = "step"  # the runner's explicit step metric (define_metric("*", step_metric="step"))
 BUCKET_CONFIG = "update.bucket_mb"
 OFFLINE_MODES = {"offline", "dryrun", "disabled"}
@@ -115,7 +107,7 @@ def log_report_run(result: ReportResult) -> str:
             run.summary.update(report_summary(result))
             run_dir = Path(run.dir).parent  # run.dir is <run dir>/files
     except Exception as exc:  # any W&B problem: say so once, the local files stand
-        return f"rlsync.report: W&B logging failed ({one_line(exc)}); the local report is in {result.out_dir}"
+        return f"rlsync.report: W&B logging failed ({error_line(exc)}); the local report is in {result.out_dir}"
     if mode == "online":
         return f"W&B: report run logged online in group {result.group}{note}"
     return f"W&B: report run logged {mode} to {run_dir}{note}; share it with `wandb sync {run_dir}`"
@@ -132,12 +124,12 @@ def report_config(result: ReportResult) -> dict[str, Any]:
 
 def report_payload(result: ReportResult, wandb: Any) -> dict[str, Any]:
     """The table twice (as in report.md, and raw numbers as in report.csv) and every plot."""
-    from rlsync.report import CSV_FIELDS, TABLE_HEADER, common_overrides, table_cells
+    from rlsync.report import TABLE_HEADER, common_overrides, csv_fields, table_cells
 
-    common = common_overrides(result.rows)
+    common, fields = common_overrides(result.rows), csv_fields()
     payload: dict[str, Any] = {
         "report/table": wandb.Table(columns=list(TABLE_HEADER), data=[table_cells(r, common) for r in result.rows]),
-        "report/numbers": wandb.Table(columns=list(CSV_FIELDS), data=[[r.get(c) for c in CSV_FIELDS] for r in result.rows]),
+        "report/numbers": wandb.Table(columns=list(fields), data=[[r.get(c) for c in fields] for r in result.rows]),
     }
     for path in result.files:
         if path.suffix == ".png":
@@ -155,11 +147,6 @@ def report_summary(result: ReportResult) -> dict[str, Any]:
         if group.fit.bandwidth_gbps:
             summary[f"{prefix}_bandwidth_gbps"] = group.fit.bandwidth_gbps
     return summary
-
-
-def one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,11 +187,10 @@ def build_report_blocks(
         wr.BarPlot(title="Weight update time per run (s)", metrics=[UPDATE_METRIC], layout=layout(0, 0)),
         wr.LinePlot(title="Weight update time per step (s)", x=STEP_AXIS, y=[UPDATE_METRIC], layout=layout(12, 0)),
     )
+    phases = phase_metrics()
     phase_grid = grid(
-        wr.BarPlot(title="Step by phase per run (s)", metrics=list(PHASE_METRICS), layout=layout(0, 0)),
-        wr.LinePlot(
-            title="Phases per step (s)", x=STEP_AXIS, y=list(PHASE_METRICS), plot_type="stacked-area", layout=layout(12, 0)
-        ),
+        wr.BarPlot(title="Step by phase per run (s)", metrics=phases, layout=layout(0, 0)),
+        wr.LinePlot(title="Phases per step (s)", x=STEP_AXIS, y=phases, plot_type="stacked-area", layout=layout(12, 0)),
     )
     bucket_grid = grid(
         wr.ScatterPlot(
@@ -245,6 +231,11 @@ def build_report_blocks(
         blocks=blocks,
         width="fluid",
     )
+
+
+def phase_metrics() -> list[str]:
+    """The step's parts, in the order they run (the catalogue's; a phase a run did not time draws nothing)."""
+    return [p.metric.name for p in metrics.step_phases()]
 
 
 def intro_markdown(group: str, runs: list[dict[str, Any]]) -> str:
@@ -290,7 +281,7 @@ def publish_report(result: ReportResult) -> str:
     except ReportUnavailable:
         raise
     except Exception as exc:
-        raise ReportUnavailable(f"{needs}; publishing failed ({one_line(exc)})") from None
+        raise ReportUnavailable(f"{needs}; publishing failed ({error_line(exc)})") from None
 
 
 def default_entity() -> str:

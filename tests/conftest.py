@@ -46,3 +46,19 @@ def compose():
             return to_config(hydra_compose(config_name="config", overrides=list(overrides)))
 
     return _compose
+
+
+@pytest.fixture
+def drawn(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """The figures report_plots saves, by file name: what a plot drew, beyond the PNG's existence."""
+    from rlsync import report_plots
+
+    figures = {}
+    save = report_plots.save
+
+    def keep(fig, path: Path) -> None:
+        figures[path.name] = fig
+        save(fig, path)
+
+    monkeypatch.setattr(report_plots, "save", keep)
+    return figures

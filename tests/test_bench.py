@@ -75,5 +75,5 @@ def test_bucket_medians_and_the_closing_table():
                     "perf/update_weights_peak_bytes": stat(512 * 2**20), "perf/update_weights_pack_time": stat(0.12)},
     }
     text = closing_table(result)
-    assert "| qwen3_0p6b | ipc | bucketed | 512 MiB x2 | device | 200.0 ms (200.0 ms to 200.0 ms) | 100.0 ms | 2.00x | 0.50 |" in text
+    assert "| qwen3_0p6b | ipc | bucketed | 512 MiB x2 | device | 0.20 s | 0.10 s | 2.00x | 0.50 |" in text
     assert "512 MiB |" in text and "Per bucket" in text

@@ -202,22 +202,6 @@ def sweep(tmp_path: Path) -> Path:
     return root
 
 
-@pytest.fixture
-def drawn(monkeypatch: pytest.MonkeyPatch) -> dict:
-    """The figures report_plots saves, by file name: what a plot drew, beyond the PNG's existence."""
-    from rlsync import report_plots
-
-    figures = {}
-    save = report_plots.save
-
-    def keep(fig, path: Path) -> None:
-        figures[path.name] = fig
-        save(fig, path)
-
-    monkeypatch.setattr(report_plots, "save", keep)
-    return figures
-
-
 def set_wandb_config(sweep: Path, **values: str) -> None:
     """Rewrite `wandb.*` in the resolved config of every job of `sweep` that has a summary."""
     for path in sweep.glob("*/summary.json"):
@@ -254,7 +238,8 @@ def test_cli_writes_table_csv_plots_and_failures(sweep: Path) -> None:
     assert "Traceback" not in proc.stderr
 
     md = (sweep / "report.md").read_text()
-    table_rows = [line for line in md.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    runs_section = md.split("## Runs")[1].split("\n## ")[0]  # (the step-by-phase table has a row per run too)
+    table_rows = [line for line in runs_section.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(table_rows) == 4
     for num, (model, bucket) in enumerate((m, b) for m in MODELS for b in BUCKETS):
         row = next(r for r in table_rows if r.startswith(f"| {num}: "))
@@ -352,7 +337,8 @@ def test_write_report_api_without_wandb(sweep: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("target", ["update", "offload"])
 def test_bench_verdict_is_its_time_against_the_copy_floor(tmp_path: Path, target: str) -> None:
     """A bench has no step: its verdict is the median of what it timed, against the copy floor."""
-    from rlsync.report import fmt_seconds, load_job, table_row
+    from rlsync.fmt import fmt_bytes, fmt_seconds
+    from rlsync.report import load_job, table_row
 
     job = tmp_path / "runs" / "bench"
     write_bench_job(job, "tiny", "direct", target)
@@ -365,8 +351,8 @@ def test_bench_verdict_is_its_time_against_the_copy_floor(tmp_path: Path, target
         limit = metrics[f"perf/{stem}_limit_time"]["median"]
         ratio = 1 / metrics[f"perf/{stem}_efficiency"]["median"]
         assert f"{label}: {fmt_seconds(seconds)} median, {ratio:.2f}x the copy floor of {fmt_seconds(limit)}" in verdict
-    state_gib = MODELS["tiny"] * 8 / 2**30  # what bench_rows offloads
-    setup = "(transport direct, bucketed, 512 MiB)" if target == "update" else f"(trainer state, offload full, memory move, {state_gib:.2f} GiB)"
+    state = fmt_bytes(MODELS["tiny"] * 8)  # what bench_rows offloads
+    setup = "(transport direct, bucketed, 512 MiB)" if target == "update" else f"(trainer state, offload full, memory move, {state})"
     assert verdict.endswith(setup), verdict
 
 
@@ -523,7 +509,7 @@ def test_build_report_blocks_offline(sweep: Path) -> None:
     from wandb_workspaces import expr
 
     from rlsync.report import write_report
-    from rlsync.wandb_report import PHASE_METRICS, build_report_blocks
+    from rlsync.wandb_report import build_report_blocks, phase_metrics
 
     result = write_report([sweep], log_wandb=False)
     report = build_report_blocks("sweep-7", "rlsync-test", "someone", result.rows, table_markdown=result.markdown_table)
@@ -545,6 +531,7 @@ def test_build_report_blocks_offline(sweep: Path) -> None:
     bars = [p for p in panels if isinstance(p, wr.BarPlot)]
     assert any(p.metrics == ["perf/update_weights_time"] for p in bars)
     lines = [p for p in panels if isinstance(p, wr.LinePlot)]
+    PHASE_METRICS = phase_metrics()
     assert any(set(PHASE_METRICS) <= set(p.metrics) for p in bars)
     assert any(set(PHASE_METRICS) <= set(p.y) for p in lines)
     assert {"perf/rollout_time", "perf/train_time", "perf/sleep_time", "perf/wake_up_time"} <= set(PHASE_METRICS)
