@@ -110,6 +110,9 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
+BENCH_TARGETS = ("update", "offload")  # bench.target: what python -m rlsync.bench times
+
+
 @dataclass
 class BenchConfig:
     target: str = "update"  # what is timed: update (the weight update alone) | offload (trainer sleep + wake-up, trainer.offload)

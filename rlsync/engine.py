@@ -58,26 +58,6 @@ def build_engine(cfg: EngineAppConfig):
     return spec.build(strategy=cfg.update.strategy)
 
 
-def plan_mismatch(buckets, weights: dict) -> str | None:
-    """Why a trainer's bucket plan cannot land in these weights (one line), or None if it can."""
-    planned = {s.meta.name: s.meta for b in buckets for s in b.slots}
-    missing = sorted(set(planned) - set(weights))
-    if missing:
-        return (f"the trainer's update names {len(missing)} tensor(s) this engine's model lacks (first: {missing[0]!r}); "
-                f"start the engine with the trainer's model settings")
-    for name, meta in planned.items():
-        tensor = weights[name]
-        if tuple(tensor.shape) != tuple(meta.shape) or tensor.dtype != meta.dtype:
-            return (f"tensor {name!r} is {tuple(tensor.shape)} {tensor.dtype} in this engine but "
-                    f"{tuple(meta.shape)} {meta.dtype} in the trainer's update; start the engine with the trainer's "
-                    f"model and rollout.dtype settings")
-    unfilled = sorted(set(weights) - set(planned))
-    if unfilled:
-        return (f"the trainer's update leaves {len(unfilled)} of this engine's tensor(s) unfilled (first: "
-                f"{unfilled[0]!r}); start the engine with the trainer's model settings")
-    return None
-
-
 def loopback(host: str) -> bool:
     """Whether `host` only ever means this machine (every address it resolves to is a loopback one)."""
     try:

@@ -197,7 +197,6 @@ class Control:
     def _admit(self, session: Session, plan: Plan, request: Request) -> Optional[str]:
         """(work thread) Check the trainer's plan against this engine's weights and get ready to
         receive: the problem in one line, or None."""
-        from rlsync.engine import plan_mismatch
         from rlsync.sync.broadcast import BroadcastReceiver
         from rlsync.sync.engine_process import EngineServer
 
@@ -303,3 +302,23 @@ def bad_request(request: Request, op: str, err: Exception) -> Response:
         why = str(err)
     drop_line(request.client, f"sent a malformed {op!r} request ({why[:200]})")
     return json_response(422, Failure(op=op, error=f"BadRequest: malformed {op!r} request: {why[:500]}"), close=True)
+
+
+def plan_mismatch(buckets, weights: dict) -> str | None:
+    """Why a trainer's bucket plan cannot land in these weights (one line), or None if it can."""
+    planned = {s.meta.name: s.meta for b in buckets for s in b.slots}
+    missing = sorted(set(planned) - set(weights))
+    if missing:
+        return (f"the trainer's update names {len(missing)} tensor(s) this engine's model lacks (first: {missing[0]!r}); "
+                f"start the engine with the trainer's model settings")
+    for name, meta in planned.items():
+        tensor = weights[name]
+        if tuple(tensor.shape) != tuple(meta.shape) or tensor.dtype != meta.dtype:
+            return (f"tensor {name!r} is {tuple(tensor.shape)} {tensor.dtype} in this engine but "
+                    f"{tuple(meta.shape)} {meta.dtype} in the trainer's update; start the engine with the trainer's "
+                    f"model and rollout.dtype settings")
+    unfilled = sorted(set(weights) - set(planned))
+    if unfilled:
+        return (f"the trainer's update leaves {len(unfilled)} of this engine's tensor(s) unfilled (first: "
+                f"{unfilled[0]!r}); start the engine with the trainer's model settings")
+    return None

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlsync.config import Config, to_config
+from rlsync.config import BENCH_TARGETS, Config, to_config
 from rlsync.errors import ConfigError
 from rlsync.launcher import check_data_parallel
 
@@ -94,7 +94,6 @@ def address_ok(text: str) -> bool:
 
 def value_rules() -> dict[str, Rule]:
     """One rule per config key a user can set (dotted key -> rule)."""
-    from rlsync.bench import TARGETS
     from rlsync.bench_offload import STATES as OFFLOAD_STATES
     from rlsync.limits import PROBES as LIMIT_PROBES
     from rlsync.models import DTYPES
@@ -168,7 +167,7 @@ def value_rules() -> dict[str, Rule]:
         "wandb.group": OPTIONAL_NAME,
         "wandb.tags": Rule(wandb_tags_ok, f"a list of tags of 1 to {WANDB_TAG_MAX} characters each (W&B's limit)"),
         "wandb.init_timeout": above(0, "seconds"),
-        "bench.target": one_of(TARGETS),
+        "bench.target": one_of(BENCH_TARGETS),
         "bench.warmup": at_least(0),
         "bench.repeats": at_least(1),
         "bench.offload_state": one_of(OFFLOAD_STATES),

@@ -77,3 +77,10 @@ def test_bucket_medians_and_the_closing_table():
     text = closing_table(result)
     assert "| qwen3_0p6b | ipc | bucketed | 512 MiB x2 | device | 0.20 s | 0.10 s | 2.00x | 0.50 |" in text
     assert "512 MiB |" in text and "Per bucket" in text
+
+
+def test_bench_targets_declared_in_the_config_are_the_ones_the_bench_opens():
+    from rlsync.bench import TARGETS
+    from rlsync.config import BENCH_TARGETS
+
+    assert tuple(TARGETS) == BENCH_TARGETS
