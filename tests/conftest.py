@@ -51,7 +51,7 @@ def compose():
 @pytest.fixture
 def drawn(monkeypatch: pytest.MonkeyPatch) -> dict:
     """The figures report_plots saves, by file name: what a plot drew, beyond the PNG's existence."""
-    from rlsync import report_plots
+    from rlsync.report import plots as report_plots
 
     figures = {}
     save = report_plots.save

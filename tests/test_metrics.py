@@ -44,7 +44,7 @@ def test_a_declared_phase_reaches_every_sink(my_phase, compose, tmp_path, capsys
     from rlsync.distributed import merge_ranks
     from rlsync.experiment import run_experiment
     from rlsync.report import write_report
-    from rlsync.wandb_report import phase_metrics
+    from rlsync.report.wandb_report import phase_metrics
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "run"

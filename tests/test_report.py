@@ -373,7 +373,7 @@ def test_fit_per_transport(tmp_path: Path, drawn: dict) -> None:
         assert fits[f"transport {transport}"].fixed_s == pytest.approx(fixed * MEASURED_JITTER)
         assert fits[f"transport {transport}"].bandwidth_gbps == pytest.approx(bandwidth / MEASURED_JITTER / 1e9)
     assert fits["transport ipc"] is None and result.fit is None  # one size only; no single line over all
-    from rlsync.wandb_report import report_summary
+    from rlsync.report.wandb_report import report_summary
 
     summary = report_summary(result)  # the report's W&B run: one fit per transport
     assert summary["report/fit/transport_direct_fixed_s"] == pytest.approx(fits["transport direct"].fixed_s)
@@ -400,7 +400,7 @@ def test_single_transport_keeps_one_fit(sweep: Path) -> None:
 
     result = write_report([sweep], log_wandb=False)
     assert len(result.fits) == 1 and result.fits[0].label == "" and result.fit is result.fits[0].fit
-    from rlsync.wandb_report import report_summary
+    from rlsync.report.wandb_report import report_summary
 
     assert report_summary(result)["report/fit_fixed_s"] == result.fit.fixed_s
     md = (sweep / "report.md").read_text()
@@ -509,7 +509,7 @@ def test_build_report_blocks_offline(sweep: Path) -> None:
     from wandb_workspaces import expr
 
     from rlsync.report import write_report
-    from rlsync.wandb_report import build_report_blocks, phase_metrics
+    from rlsync.report.wandb_report import build_report_blocks, phase_metrics
 
     result = write_report([sweep], log_wandb=False)
     report = build_report_blocks("sweep-7", "rlsync-test", "someone", result.rows, table_markdown=result.markdown_table)

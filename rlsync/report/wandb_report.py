@@ -28,7 +28,7 @@ from rlsync import metrics
 from rlsync.fmt import error_line
 
 if TYPE_CHECKING:
-    from rlsync.report import ReportResult
+    from rlsync.report.table import ReportResult
 
 REPORT_JOB_TYPE = "report"
 UPDATE_METRIC = "perf/update_weights_time"
@@ -124,7 +124,7 @@ def report_config(result: ReportResult) -> dict[str, Any]:
 
 def report_payload(result: ReportResult, wandb: Any) -> dict[str, Any]:
     """The table twice (as in report.md, and raw numbers as in report.csv) and every plot."""
-    from rlsync.report import TABLE_HEADER, common_overrides, csv_fields, table_cells
+    from rlsync.report.table import TABLE_HEADER, common_overrides, csv_fields, table_cells
 
     common, fields = common_overrides(result.rows), csv_fields()
     payload: dict[str, Any] = {

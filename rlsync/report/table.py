@@ -1,37 +1,20 @@
-"""Many runs -> one comparison: a table, plots and a W&B copy of both.
+"""The report's table model: runs read back from their files, one row per run, the fits, the cells.
 
-    python -m rlsync.report outputs/sweeps/2026-11-29_08-00-00            # a sweep (Hydra multirun)
-    python -m rlsync.report outputs/runs/A outputs/runs/B --out cmp/      # run directories
-    python -m rlsync.report SWEEP --no-wandb                               # local files only
-    python -m rlsync.report SWEEP --wandb-report                           # also a W&B Report (online)
-
-Everything is read back from the files each job leaves on disk (summary.json, metrics.jsonl,
-.hydra/), so a partly failed sweep still reports: Hydra skips `on_multirun_end` when a job fails.
-A job with metrics.jsonl but no summary.json is reported as "incomplete" (its medians computed here);
-a job with neither is listed under "Failed runs" with the error line of its log.
-
-Written next to the runs (the sweep directory, or the first PATH, or --out):
-report.md (the table, verdicts, a fit per transport, plots, failures), report.csv (the table's raw
-numbers) and the PNG plots of `report_plots`. Exit status: 0 when at least one run was reported,
-1 when none was, 3 when `--wandb-report` could not publish (the local report is written anyway).
+Everything here is plain data and pure functions; the renderers (markdown.py, plots.py,
+wandb_report.py) import it, never the reverse.
 """
 
 from __future__ import annotations
 
-import argparse
-import csv
 import json
 import math
 import os
 import platform
-import sys
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from rlsync import metrics
-from rlsync.errors import WriteFailed
 from rlsync.fmt import fmt_bytes, fmt_mib, fmt_range, fmt_seconds, fmt_share, markdown_table as table_markdown
 from rlsync.summary import stats_over
 
@@ -707,197 +690,3 @@ def machine_line(runs: list[Run]) -> str:
 
 def table_row_device(run: Run) -> Any:
     return (run.summary.get("setup") or {}).get("device") or run.cfg("run.device") or "n/a"
-
-
-# ----------------------------------------------------------------------------------------------
-# Files
-# ----------------------------------------------------------------------------------------------
-
-
-def write_markdown(path: Path, result: ReportResult, plots: list[Path], sources: list[Path]) -> None:
-    out = [f"# rlsync report: {result.group}", ""]
-    out += [machine_line(result.runs), ""]
-    out += [f"Sources: {', '.join(str(s) for s in sources)}. Written {datetime.now():%Y-%m-%d %H:%M:%S}.", ""]
-    out += [f"{len(result.runs)} runs reported, {len(result.failures)} failed.", ""]
-    out += ["## Runs", ""]
-    out += [
-        "Update, offload and onload: range over the measured steps (warm-up steps left out); "
-        "step: median; update share: of the median step; efficiency: median of "
-        "perf/update_weights_efficiency (the copy floor over the update time); "
-        "peak update: max of perf/update_weights_peak_bytes.",
-        "",
-    ]
-    out += [result.markdown_table if result.rows else "No run measured a step.", ""]
-    out += ["## Step by phase", "", "Median per phase (its share of the median step).", ""]
-    out += [phase_table(result.rows), ""]
-    out += ["## Verdicts", ""]
-    common = common_overrides(result.rows)
-    out += [f"- **{run_label(row, common)}**: {row['verdict']}" for row in result.rows]
-    out += ["", "## Update time against bytes", ""]
-    out += [*fit_lines(result.fits), ""]
-    out += ["## Plots", ""]
-    out += [f"![{p.stem.replace('_', ' ')}]({p.name})" for p in plots]
-    out += [f"- {note}" for note in result.notes]
-    out += ["", "## Failed runs", ""]
-    out += [f"- **{f.job}** ({' '.join(f.overrides) or 'defaults'}): {f.error}" for f in result.failures] or ["None."]
-    path.write_text("\n".join(out) + "\n")
-
-
-def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    with path.open("w", newline="") as f:
-        fields = csv_fields()
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: "" if row.get(k) is None else row[k] for k in fields})
-
-
-def choose_out_dir(paths: list[Path], sweeps: list[Path], out_dir: Optional[Path]) -> Path:
-    if out_dir is not None:
-        return out_dir
-    if len(sweeps) == 1 and all(p == sweeps[0] for p in paths):
-        return sweeps[0]
-    return paths[0]
-
-
-def choose_group(runs: list[Run], out_dir: Path) -> str:
-    """The runs' W&B group, named as the runner names it: wandb.group, else the sweep (or run) directory."""
-    groups = {str(run.cfg("wandb.group") or (run.sweep or run.path).name) for run in runs}
-    return groups.pop() if len(groups) == 1 else out_dir.resolve().name
-
-
-def write_report(paths: Iterable[str | Path], out_dir: Optional[str | Path] = None, log_wandb: bool = True) -> ReportResult:
-    """Read every run under `paths`, write report.md, report.csv and the plots, log to W&B.
-
-    Never raises for a bad run or a W&B problem: those end up in `result.failures`, `result.notes`
-    and `result.wandb_line`. Nothing is written when no job directory is found at all.
-    """
-    from rlsync import report_plots
-
-    paths = [Path(p) for p in paths]
-    runs, failures, sweeps, notes = collect(paths)
-    out = choose_out_dir(paths, sweeps, Path(out_dir) if out_dir is not None else None)
-    result = ReportResult(out_dir=out, group=choose_group(runs, out), runs=runs, failures=failures, notes=notes)
-    if not runs and not failures:
-        return result
-
-    several = len(sweeps) > 1
-    for item in [*runs, *failures]:
-        item.job = job_label(item.path, item.sweep, several)
-    result.rows = table_rows(result)
-    result.markdown_table = markdown_table(result.rows)
-    result.fits = fit_by_setup(result.rows)
-
-    target = out
-    try:  # a full disk, a read-only or missing directory: one line naming the path (WriteFailed)
-        out.mkdir(parents=True, exist_ok=True)
-        plots, plot_notes = report_plots.write_plots(result.rows, result.fits, out)
-        result.notes += plot_notes
-        target = out / "report.md"
-        write_markdown(target, result, plots, paths)
-        target = out / "report.csv"
-        write_csv(target, result.rows)
-    except OSError as err:
-        raise WriteFailed(Path(err.filename) if err.filename else target, err) from err
-    result.files = [out / "report.md", out / "report.csv", *plots]
-
-    if log_wandb and runs:
-        from rlsync import wandb_report
-
-        result.wandb_line = wandb_report.log_report_run(result)
-    return result
-
-
-def table_rows(result: ReportResult) -> list[dict[str, Any]]:
-    """One table row per run; a run whose numbers cannot be tabulated (a value of a type nothing
-    expected) moves to the failures with one line instead of stopping the report."""
-    rows, kept = [], []
-    for run in result.runs:
-        try:
-            row = table_row(run)
-            table_cells(row)  # formatting is where a wrong type would show
-        except Exception as err:  # noqa: BLE001 - one bad record costs its own row
-            result.failures.append(Failure(run.path, run.job, run.overrides,
-                                           f"malformed run record ({type(err).__name__}: {err})".splitlines()[0],
-                                           run.sweep))
-            continue
-        rows.append(row)
-        kept.append(run)
-    result.runs = kept
-    return rows
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------
-
-
-def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m rlsync.report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("paths", nargs="+", type=Path, help="sweep directories and/or run directories")
-    parser.add_argument("--out", type=Path, default=None, help="where to write (default: the sweep, or the first PATH)")
-    parser.add_argument("--no-wandb", action="store_true", help="do not log the comparison to W&B")
-    parser.add_argument("--wandb-report", action="store_true", help="also publish a W&B Report (needs W&B online)")
-    return parser.parse_args(argv)
-
-
-def print_result(result: ReportResult) -> None:
-    print(f"rlsync report: {result.group} ({len(result.runs)} runs, {len(result.failures)} failed)")
-    if result.rows:
-        print(result.markdown_table)
-    if any(group.fit for group in result.fits):
-        print("\n".join(fit_lines(result.fits)))
-    for note in result.notes:
-        print(f"note: {note}")
-    for failure in result.failures:
-        print(f"failed: {failure.job} ({' '.join(failure.overrides) or 'defaults'}): {failure.error}")
-    if result.wandb_line:
-        print(result.wandb_line)
-    for path in result.files:
-        print(f"wrote {path}")
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """The command line: every ending is one line on stderr and an exit code, never a traceback
-    (RLSYNC_DEBUG=1 prints it as well)."""
-    args = parse_args(argv)
-    try:
-        return report_main(args)
-    except WriteFailed as err:
-        print(f"rlsync.report: {err}", file=sys.stderr)
-        return 1
-    except Exception as err:  # noqa: BLE001 - a bug in the report: one line, the traceback on request
-        from rlsync.errors import debug_enabled
-
-        if debug_enabled():
-            import traceback
-
-            traceback.print_exc()
-        print(f"rlsync.report: failed: {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-              f" (RLSYNC_DEBUG=1 shows the traceback)", file=sys.stderr)
-        return 1
-
-
-def report_main(args: argparse.Namespace) -> int:
-    result = write_report(args.paths, out_dir=args.out, log_wandb=not args.no_wandb)
-    if not result.runs and not result.failures:
-        print(f"rlsync.report: no run directories found under {' '.join(map(str, args.paths))}", file=sys.stderr)
-        return 1
-    print_result(result)
-    if not result.ok:
-        print(f"rlsync.report: no run measured a step ({len(result.failures)} failed); see {result.out_dir / 'report.md'}", file=sys.stderr)
-        return 1
-    if args.wandb_report:
-        from rlsync import wandb_report
-
-        try:
-            url = wandb_report.publish_report(result)
-        except wandb_report.ReportUnavailable as exc:
-            print(f"rlsync.report: {exc}; the local report was written to {result.out_dir}", file=sys.stderr)
-            return 3
-        print(f"W&B report: {url}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,7 +17,7 @@ from rlsync import fmt, metrics
 from rlsync.fmt import MIB
 
 if TYPE_CHECKING:
-    from rlsync.report import Fit, FitGroup
+    from rlsync.report.table import Fit, FitGroup
 
 Row = dict[str, Any]
 TIMELINE_MAX_RUNS = 8  # more lines than this no longer read apart in one panel
@@ -244,7 +244,7 @@ def log_axis_labels(axis) -> None:
 
 def timeline_label(row: Row, drawn: list[Row]) -> str:
     """The run's own overrides (what sets it apart from the other lines), else its model, transport, bucket."""
-    from rlsync.report import common_overrides
+    from rlsync.report.table import common_overrides
 
     common = set(common_overrides(drawn))
     own = [o for o in row.get("override_list", []) if o not in common]

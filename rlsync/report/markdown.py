@@ -1,0 +1,49 @@
+"""report.md and report.csv, rendered from the table model."""
+
+from __future__ import annotations
+
+import csv
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from rlsync.report.table import (ReportResult, common_overrides, csv_fields, fit_lines, machine_line, phase_table,
+                                 run_label)
+
+
+def write_markdown(path: Path, result: ReportResult, plots: list[Path], sources: list[Path]) -> None:
+    out = [f"# rlsync report: {result.group}", ""]
+    out += [machine_line(result.runs), ""]
+    out += [f"Sources: {', '.join(str(s) for s in sources)}. Written {datetime.now():%Y-%m-%d %H:%M:%S}.", ""]
+    out += [f"{len(result.runs)} runs reported, {len(result.failures)} failed.", ""]
+    out += ["## Runs", ""]
+    out += [
+        "Update, offload and onload: range over the measured steps (warm-up steps left out); "
+        "step: median; update share: of the median step; efficiency: median of "
+        "perf/update_weights_efficiency (the copy floor over the update time); "
+        "peak update: max of perf/update_weights_peak_bytes.",
+        "",
+    ]
+    out += [result.markdown_table if result.rows else "No run measured a step.", ""]
+    out += ["## Step by phase", "", "Median per phase (its share of the median step).", ""]
+    out += [phase_table(result.rows), ""]
+    out += ["## Verdicts", ""]
+    common = common_overrides(result.rows)
+    out += [f"- **{run_label(row, common)}**: {row['verdict']}" for row in result.rows]
+    out += ["", "## Update time against bytes", ""]
+    out += [*fit_lines(result.fits), ""]
+    out += ["## Plots", ""]
+    out += [f"![{p.stem.replace('_', ' ')}]({p.name})" for p in plots]
+    out += [f"- {note}" for note in result.notes]
+    out += ["", "## Failed runs", ""]
+    out += [f"- **{f.job}** ({' '.join(f.overrides) or 'defaults'}): {f.error}" for f in result.failures] or ["None."]
+    path.write_text("\n".join(out) + "\n")
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    with path.open("w", newline="") as f:
+        fields = csv_fields()
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "" if row.get(k) is None else row[k] for k in fields})
