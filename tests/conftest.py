@@ -62,3 +62,14 @@ def drawn(monkeypatch: pytest.MonkeyPatch) -> dict:
 
     monkeypatch.setattr(report_plots, "save", keep)
     return figures
+
+
+@pytest.fixture(autouse=True)
+def torch_threads():
+    """Each test starts with the process's thread count and leaves it so: a test that pins torch to one
+    thread must not change the float reductions (and so the bf16 results) of the tests after it."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import read_jsonl, run_cli
-from rlsync.bench import bucket_medians, closing_table, open_target
+from rlsync.bench import bucket_medians, closing_table
 from rlsync.config import BenchAppConfig
 
 
@@ -51,13 +51,14 @@ def test_bench_sweep_writes_runs_files_for_each_transport(tmp_path):
         assert reached["perf/update_weights_time"] == pytest.approx(summary["metrics"]["perf/update_weights_time"]["median"])
 
 
-def test_an_unknown_target_is_a_config_error():
+def test_an_unknown_target_is_a_config_error_before_anything_is_built():
     from rlsync.errors import ConfigError
+    from rlsync.validate import validate
 
     cfg = BenchAppConfig()
     cfg.bench.target = "offlaod"
-    with pytest.raises(ConfigError, match="bench.target"):
-        open_target(cfg, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="bench.target.*update, offload"):
+        validate(cfg)  # checked once, with every other key, before any model is built
 
 
 def test_bucket_medians_and_the_closing_table():

@@ -272,7 +272,7 @@ def test_sleep_levels_and_the_wake_before_the_update(release_weights, level):
 
 
 def test_a_second_sleep_mode_engine_in_one_process_is_refused(monkeypatch):
-    import rlsync.vllm_engine as ve
+    import rlsync.engines.vllm as ve
     from rlsync.errors import BadInput
 
     monkeypatch.setattr(ve, "_sleep_mode_engines", 0)
