@@ -1,9 +1,16 @@
-"""The typed config tree.
+"""The typed config tree: every key, its default, its value rule and a one-line comment.
 
 Hydra composes YAML from conf/ on top of the `Config` schema registered here, so a wrong type or an
-unknown key is rejected while composing. `to_config` turns the composed DictConfig into plain
-dataclasses once, at the entry point; the rest of the code only reads attributes of that tree
-(no `cfg.update` surprises: on a DictConfig that is the `update` method, not the node).
+unknown key is rejected while composing. Each key's value rule sits beside it (`key(default, rule)`,
+rlsync/rules.py), and a rule that ties keys together is the `check(root)` method of the node it is
+about; rlsync/validate.py applies them all, once, before any model is built. `to_config` turns the
+composed DictConfig into plain dataclasses once, at the entry point; the rest of the code only
+reads attributes of that tree (no `cfg.update` surprises: on a DictConfig that is the `update`
+method, not the node).
+
+Choices an implementation owns are named by import path (`choices("rlsync.engines.base:engine_names")`)
+and looked up when checked: this module imports nothing of rlsync but the rules, the formatters and
+the error type.
 """
 
 from __future__ import annotations
@@ -14,90 +21,173 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from rlsync.errors import ConfigError
 from rlsync.fmt import MIB
+from rlsync.rules import (ANY, NAME, OPTIONAL_NAME, Rule, above, at_least, between, choices, key, mebibytes, number,
+                          one_of, or_null, parsed_by, resolve)
+
+SEED_MAX = 2**64 - 1  # torch.manual_seed takes an unsigned 64-bit seed
+WANDB_PROJECT_FORBIDDEN = "/\\#?%:"  # wandb.Settings.validate_project (wandb 0.2x/0.3x); also at most 128 chars
+WANDB_PROJECT_MAX, WANDB_TAG_MAX = 128, 64  # characters; a tag must be 1 to 64 (wandb.Settings.validate_run_tags)
+DTYPE = choices("rlsync.models:DTYPES")
+SECONDS = above(0, "seconds")
+COUNT = at_least(1)
 
 
 @dataclass
 class ModelConfig:
-    name: str = "tiny"  # label used in tables and run names
-    hidden_size: int = 256
-    intermediate_size: int = 512  # MLP width
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2  # grouped-query attention
-    head_dim: int = 64
-    vocab_size: int = 512  # >= 259 for the byte tokenizer; Qwen3 uses 151936
-    tie_word_embeddings: bool = True  # lm_head shares the embedding (sent once in the update)
-    max_position_embeddings: int = 40960
-    rope_theta: float = 1_000_000.0
-    rms_norm_eps: float = 1e-6
-    pretrained: Optional[str] = None  # local dir or hub id: load real weights + tokenizer instead
+    name: str = key("tiny", NAME)  # label used in tables and run names
+    hidden_size: int = key(256, COUNT)
+    intermediate_size: int = key(512, COUNT)  # MLP width
+    num_hidden_layers: int = key(4, COUNT)
+    num_attention_heads: int = key(4, COUNT)
+    num_key_value_heads: int = key(2, COUNT)  # grouped-query attention
+    head_dim: int = key(64, COUNT)
+    vocab_size: int = key(512, COUNT)  # >= 259 for the byte tokenizer; Qwen3 uses 151936
+    tie_word_embeddings: bool = key(True, ANY)  # lm_head shares the embedding (sent once in the update)
+    max_position_embeddings: int = key(40960, COUNT)
+    rope_theta: float = key(1_000_000.0, above(0))
+    rms_norm_eps: float = key(1e-6, above(0))
+    pretrained: Optional[str] = key(None, OPTIONAL_NAME)  # local dir or hub id: load real weights + tokenizer instead (and it must exist: rlsync.validate)
+
+    def check(self, root: Config) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("model.num_key_value_heads", self.num_key_value_heads,
+                              f"a divisor of model.num_attention_heads={self.num_attention_heads}", "not allowed")
+        byte_ids = resolve("rlsync.models:ByteTokenizer.size")
+        if not self.pretrained and self.vocab_size < byte_ids:
+            raise ConfigError("model.vocab_size", self.vocab_size,
+                              f">= {byte_ids} (the byte tokenizer's ids) unless model.pretrained is set", "out of range")
 
 
 @dataclass
 class UpdateConfig:
-    enabled: bool = True  # false: skip the update (baseline step; stale engine for the log-prob check)
-    bucket_mb: float = 512.0  # bucket size in MiB (512 = --update-weight-buffer-size 536870912)
-    strategy: str = "bucketed"  # bucketed: flat buffer per bucket | per_tensor: one copy per tensor
-    transport: str = "direct"  # direct: engine in the trainer's process | ipc: own process, shared buffers | broadcast: own process, torch.distributed
-    source: str = "device"  # device: from live trainer weights | host: from the offloaded copy
-    inflight_buckets: int = 1  # staging buffers in flight (2 overlaps pack and load)
-    verify: bool = False  # checksum every engine tensor against the trainer after each update
-    flat_engine_weights: bool = False  # engine weights are views into bucket-laid-out flat buffers: packing writes them (one copy)
-    backend: str = "auto"  # broadcast's torch.distributed backend: auto = gloo (NCCL refuses two ranks on one GPU)
-    engine_timeout_s: float = 3600.0  # longest wait for one engine reply (start, generate, load); a dead engine fails at once
-    engine_address: Optional[str] = None  # broadcast: HOST:PORT of an engine started on its own (python -m rlsync.engine listens there); null: start it here
-    engine_connect_timeout_s: float = 120.0  # with engine_address: how long to retry while that engine is not listening yet
-    copy_threads: int = 1  # torch CPU threads for the update's copies, per process (0: torch's default); 1 reaches memcpy speed
+    enabled: bool = key(True, ANY)  # false: skip the update (baseline step; stale engine for the log-prob check)
+    bucket_mb: float = key(512.0, mebibytes("the bucket's size"))  # bucket size in MiB (512 = --update-weight-buffer-size 536870912)
+    strategy: str = key("bucketed", choices("rlsync.sync:STRATEGIES"))  # bucketed: flat buffer per bucket | per_tensor: one copy per tensor
+    transport: str = key("direct", choices("rlsync.sync:TRANSPORTS"))  # direct: engine in the trainer's process | ipc: own process, shared buffers | broadcast: own process, torch.distributed
+    source: str = key("device", choices("rlsync.sync:SOURCES"))  # device: from live trainer weights | host: from the offloaded copy
+    inflight_buckets: int = key(1, between(1, 2, "2 overlaps packing one bucket with loading the other"))  # staging buffers in flight (2 overlaps pack and load)
+    verify: bool = key(False, ANY)  # checksum every engine tensor against the trainer after each update
+    flat_engine_weights: bool = key(False, ANY)  # engine weights are views into bucket-laid-out flat buffers: packing writes them (one copy)
+    backend: str = key("auto", choices("rlsync.sync:BACKENDS"))  # broadcast's torch.distributed backend: auto = gloo (NCCL refuses two ranks on one GPU)
+    engine_timeout_s: float = key(3600.0, SECONDS)  # longest wait for one engine reply (start, generate, load); a dead engine fails at once
+    engine_address: Optional[str] = key(None, or_null(parsed_by("rlsync.sync.remote:parse_address", "HOST:PORT (port 1 to "
+                                        "65535; 0 lets python -m rlsync.engine pick a free one)")))  # broadcast: HOST:PORT of an engine started on its own (python -m rlsync.engine listens there); null: start it here
+    engine_connect_timeout_s: float = key(120.0, SECONDS)  # with engine_address: how long to retry while that engine is not listening yet
+    copy_threads: int = key(1, at_least(0, "0 keeps torch's default"))  # torch CPU threads for the update's copies, per process (0: torch's default); 1 reaches memcpy speed
+
+    def check(self, root: Config) -> None:
+        rollout = root.rollout
+        if self.source == "host" and root.trainer.offload == "none":
+            raise ConfigError("update.source", "host", "device (source=host sends from the offloaded copy, "
+                              "which trainer.offload=none never makes)", "not allowed with trainer.offload=none")
+        if self.transport == "ipc" and self.flat_engine_weights and rollout.release_weights:
+            raise ConfigError("update.flat_engine_weights", True, "false with rollout.release_weights=true (with ipc "
+                              "the engine's weights are then shared memory, which the engine cannot free)",
+                              "not allowed with rollout.release_weights=true")
+        if self.engine_address and self.transport != "broadcast":
+            raise ConfigError("update.transport", self.transport, "broadcast (an engine started on its own, at "
+                              "update.engine_address, is joined through the broadcast transport)",
+                              "not allowed with update.engine_address")
+        self.check_vllm(rollout.engine)
+
+    def check_vllm(self, engine: str) -> None:
+        """What vLLM's engine cannot do: expose its weights by trainer name (it fuses and re-packs them).
+        Whether this machine can run it (installed, its API, CUDA) is rlsync.validate's."""
+        if engine != "vllm":
+            if self.strategy == "vllm_ipc":
+                raise ConfigError("update.strategy", self.strategy, "bucketed, per_tensor (vllm_ipc is vLLM's own "
+                                  "transfer: set rollout.engine=vllm)", f"not allowed with rollout.engine={engine}")
+            return
+        for name in ("verify", "flat_engine_weights"):
+            if getattr(self, name):
+                raise ConfigError(f"update.{name}", True, "false (vLLM fuses q/k/v and gate/up and re-packs its "
+                                  "weights: they cannot be checked or bound by trainer name; train/logprob_abs_diff "
+                                  "checks the update)", "not supported with rollout.engine=vllm")
+        if self.transport == "broadcast":
+            raise ConfigError("update.transport", self.transport, "direct, ipc (vLLM takes the engine process's "
+                              "default torch.distributed group, which broadcast needs for its own)",
+                              "not supported with rollout.engine=vllm")
+        if self.strategy == "vllm_ipc" and self.transport != "direct":
+            raise ConfigError("update.transport", self.transport, "direct (vllm_ipc runs vLLM's engine core in its "
+                              "own process already)", "not allowed with update.strategy=vllm_ipc")
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = "hf"  # hf: transformers model with a KV cache | vllm: vLLM in this process (the vllm extra)
-    max_response_len: int = 32  # answers are cut here (tokens)
-    prompts_per_step: int = 4
-    samples_per_prompt: int = 4  # the GRPO group size (>= 2)
-    temperature: float = 1.0
-    dtype: str = "bfloat16"  # engine weights dtype
-    release_weights: bool = False  # engine frees its weights after generation (KV cache always); re-allocated before the update, which refills them
+    engine: str = key("hf", choices("rlsync.engines.base:engine_names"))  # hf: transformers model with a KV cache | vllm: vLLM in this process (the vllm extra)
+    max_response_len: int = key(32, at_least(1, "tokens"))  # answers are cut here (tokens)
+    prompts_per_step: int = key(4, COUNT)
+    samples_per_prompt: int = key(4, at_least(2, "GRPO normalises rewards within a group: one sample has no spread"))  # the GRPO group size (>= 2)
+    temperature: float = key(1.0, at_least(0, "0 is greedy"))
+    dtype: str = key("bfloat16", DTYPE)  # engine weights dtype
+    release_weights: bool = key(False, ANY)  # engine frees its weights after generation (KV cache always); re-allocated before the update, which refills them
+
+    def check(self, root: Config) -> None:
+        limit = root.model.max_position_embeddings
+        if self.max_response_len >= limit:
+            raise ConfigError("rollout.max_response_len", self.max_response_len,
+                              f"< model.max_position_embeddings={limit}", "out of range")
+        if self.release_weights and not root.update.enabled:
+            raise ConfigError("rollout.release_weights", True, "false (released weights are refilled only by the "
+                              "weight update, which update.enabled=false skips)", "not allowed with update.enabled=false")
 
 
 @dataclass
 class TrainerConfig:
-    lr: float = 1e-5  # AdamW learning rate
-    dtype: str = "float32"  # parameter (master weight) dtype
-    micro_batch_size: int = 8  # sequences per forward/backward
-    clip_eps: float = 0.2  # PPO clip range of the ratio
-    kl_coef: float = 0.0  # > 0 keeps a frozen reference model and times its log-probs
-    offload: str = "full"  # full: params, grads, optimizer state to host after the step | drop_grads: not the grads (zeroed on wake-up) | none
-    offload_memory: str = "auto"  # twin: persistent (pinned) host copy, on a CPU the state twice | move: segment by segment, the state once | auto: move on a CPU, twin on CUDA
-    offload_segment_mb: float = 128.0  # move: largest segment in MiB (a bigger tensor is its own); one spare buffer per segment size
-    offload_pin_chunk_mb: float = 1024.0  # twin: the host copy is allocated (pinned on CUDA) in chunks of at most this many MiB (a bigger tensor is its own); a power of two wastes nothing to torch's rounding
-    offload_free_device: Optional[bool] = None  # free what stays on the device while asleep (twin: its copy; move: dropped grads); null: on CUDA only (re-faulting CPU pages costs more than the copy)
-    grad_clip: float = 1.0  # max grad norm
+    lr: float = key(1e-5, at_least(0))  # AdamW learning rate
+    dtype: str = key("float32", DTYPE)  # parameter (master weight) dtype
+    micro_batch_size: int = key(8, COUNT)  # sequences per forward/backward
+    clip_eps: float = key(0.2, above(0))  # PPO clip range of the ratio
+    kl_coef: float = key(0.0, at_least(0))  # > 0 keeps a frozen reference model and times its log-probs
+    offload: str = key("full", choices("rlsync.offload:OFFLOAD_MODES"))  # full: params, grads, optimizer state to host after the step | drop_grads: not the grads (zeroed on wake-up) | none
+    offload_memory: str = key("auto", choices("rlsync.offload:OFFLOAD_MEMORY"))  # twin: persistent (pinned) host copy, on a CPU the state twice | move: segment by segment, the state once | auto: move on a CPU, twin on CUDA
+    offload_segment_mb: float = key(128.0, mebibytes("the largest segment"))  # move: largest segment in MiB (a bigger tensor is its own); one spare buffer per segment size
+    offload_pin_chunk_mb: float = key(1024.0, mebibytes("the largest pinned chunk"))  # twin: the host copy is allocated (pinned on CUDA) in chunks of at most this many MiB (a bigger tensor is its own); a power of two wastes nothing to torch's rounding
+    offload_free_device: Optional[bool] = key(None, ANY)  # free what stays on the device while asleep (twin: its copy; move: dropped grads); null: on CUDA only (re-faulting CPU pages costs more than the copy)
+    grad_clip: float = key(1.0, above(0))  # max grad norm
 
 
 @dataclass
 class RunConfig:
-    steps: int = 6
-    warmup_steps: int = 2  # left out of every summary
-    seed: int = 0
-    device: str = "auto"  # auto: cuda when available, else cpu
-    verdict_threshold: float = 0.03  # update share of the step above which it is worth tuning
-    progress: bool = True  # progress bar over the steps
-    rank_timeout_s: float = 3600.0  # data-parallel launches: longest a rank waits for the others (rank 0's rollout included)
-    limit_probe: str = "every_step"  # every_step: re-measure the copy floors before each step, outside its timing (they drift with the load) | start: once, before step 0
-    memory_check: bool = True  # refuse a run whose estimated peak memory exceeds the machine's (rlsync.memory)
+    steps: int = key(6, COUNT)
+    warmup_steps: int = key(2, at_least(0))  # left out of every summary
+    seed: int = key(0, Rule(lambda v: number(v) and 0 <= v <= SEED_MAX,
+                            f"0 to 2^64 - 1 = {SEED_MAX} (torch seeds are unsigned 64-bit)"))
+    device: str = key("auto", Rule(lambda v: v in ("auto", "cpu") or v == "cuda" or v.startswith("cuda:"),
+                                   "auto, cpu, cuda, cuda:N"))  # auto: cuda when available, else cpu (and present: rlsync.validate)
+    verdict_threshold: float = key(0.03, Rule(lambda v: number(v) and 0 < v < 1, "a share of the step between 0 and 1"))  # update share of the step above which it is worth tuning
+    progress: bool = key(True, ANY)  # progress bar over the steps
+    rank_timeout_s: float = key(3600.0, SECONDS)  # data-parallel launches: longest a rank waits for the others (rank 0's rollout included)
+    limit_probe: str = key("every_step", choices("rlsync.limits:PROBES"))  # every_step: re-measure the copy floors before each step, outside its timing (they drift with the load) | start: once, before step 0
+    memory_check: bool = key(True, ANY)  # refuse a run whose estimated peak memory exceeds the machine's (rlsync.memory)
+
+    def check(self, root: Config) -> None:
+        if self.warmup_steps >= self.steps:
+            raise ConfigError("run.warmup_steps", self.warmup_steps,
+                              f"0 to run.steps - 1 = {self.steps - 1}, so that a step is measured",
+                              "leaves no step to measure")
+
+
+def wandb_project_ok(v) -> bool:
+    return isinstance(v, str) and bool(v.strip()) and len(v) <= WANDB_PROJECT_MAX \
+        and not any(c in v for c in WANDB_PROJECT_FORBIDDEN)
+
+
+def wandb_tags_ok(v) -> bool:
+    return isinstance(v, list) and all(isinstance(t, str) and 1 <= len(t) <= WANDB_TAG_MAX for t in v)
 
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"  # offline (sync later) | online | disabled
-    project: str = "rlsync"
-    entity: Optional[str] = None
-    group: Optional[str] = None  # default: the sweep (or run) directory name
-    tags: list[str] = field(default_factory=list)
-    init_timeout: float = 60.0  # seconds W&B may take to start; then the run logs offline (online) or locally only
+    mode: str = key("offline", choices("rlsync.sinks:WANDB_MODES"))  # offline (sync later) | online | disabled
+    project: str = key("rlsync", Rule(wandb_project_ok, f"a non-empty name of at most {WANDB_PROJECT_MAX} characters, "
+                                      f"without any of {' '.join(WANDB_PROJECT_FORBIDDEN)} (W&B refuses them)"))
+    entity: Optional[str] = key(None, OPTIONAL_NAME)
+    group: Optional[str] = key(None, OPTIONAL_NAME)  # default: the sweep (or run) directory name
+    tags: list[str] = key([], Rule(wandb_tags_ok, f"a list of tags of 1 to {WANDB_TAG_MAX} characters each (W&B's limit)"))
+    init_timeout: float = key(60.0, SECONDS)  # seconds W&B may take to start; then the run logs offline (online) or locally only
 
 
 @dataclass
@@ -110,22 +200,23 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
-BENCH_TARGETS = ("update", "offload")  # bench.target: what python -m rlsync.bench times
-
-
 @dataclass
 class BenchConfig:
-    target: str = "update"  # what is timed: update (the weight update alone) | offload (trainer sleep + wake-up, trainer.offload)
-    offload_state: str = "trainer"  # offload target: trainer (params, grads, AdamW state) | params (weights alone: 1.7B on 24 GiB)
-    warmup: int = 2  # untimed repeats first (page faults, allocator, thread pools)
-    repeats: int = 10  # timed repeats; the summary gives median, min and max over them
+    target: str = key("update", choices("rlsync.bench:TARGETS"))  # what is timed: update (the weight update alone) | offload (trainer sleep + wake-up, trainer.offload)
+    offload_state: str = key("trainer", choices("rlsync.bench_offload:STATES"))  # offload target: trainer (params, grads, AdamW state) | params (weights alone: 1.7B on 24 GiB)
+    warmup: int = key(2, at_least(0))  # untimed repeats first (page faults, allocator, thread pools)
+    repeats: int = key(10, COUNT)  # timed repeats; the summary gives median, min and max over them
+
+    def check(self, root: BenchAppConfig) -> None:
+        if self.target == "offload" and root.trainer.offload == "none":
+            raise ConfigError("trainer.offload", "none", "full, drop_grads (the offload benchmark needs something to move)")
 
 
 @dataclass
 class ServeConfig:
-    sessions: int = 0  # trainer sessions to serve, one after another, before exiting (0: until Ctrl-C or SIGTERM)
-    request_timeout_s: float = 10.0  # longest a client may take to send one request (head and body); slower ones are dropped
-    max_request_mb: float = 64.0  # largest request body (a plan, a generate request: well under 1 MiB for 1.7B); larger: 413, dropped
+    sessions: int = key(0, at_least(0, "0 serves until stopped"))  # trainer sessions to serve, one after another, before exiting (0: until Ctrl-C or SIGTERM)
+    request_timeout_s: float = key(10.0, SECONDS)  # longest a client may take to send one request (head and body); slower ones are dropped
+    max_request_mb: float = key(64.0, between(0.01, 1024, "MiB"))  # largest request body (a plan, a generate request: well under 1 MiB for 1.7B); larger: 413, dropped
 
 
 @dataclass

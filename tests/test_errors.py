@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ import torch
 from conftest import ROOT, cli_env, read_jsonl
 from rlsync.config import BenchAppConfig, Config, EngineAppConfig, UpdateConfig
 from rlsync.errors import ConfigError, Interrupted, JobFailed, StopOnSignals, UpdateOutOfMemory, job_errors
-from rlsync.validate import leaves, validate, value_rules
+from rlsync.rules import ANY, Choices, Rule
+from rlsync.validate import leaves, validate
 
 CUDA = torch.cuda.is_available()
 
@@ -265,10 +267,25 @@ def test_the_largest_seed_and_smallest_sizes_pass():
 
 
 def test_every_key_a_user_can_set_has_a_rule():
-    keys = {key for schema in (BenchAppConfig, EngineAppConfig) for key, _, _ in leaves(schema())}
-    rules = set(value_rules())
-    assert keys - rules == set(), "config keys without a value rule in rlsync/validate.py"
-    assert rules - keys == set(), "rules for keys the schema no longer has"
+    """Each leaf of every entry point's schema declares its value rule beside it (`key(default, rule)` in
+    rlsync/config.py; `ANY` says so explicitly), so a key cannot be added without one."""
+    for schema in (Config, BenchAppConfig, EngineAppConfig):
+        missing = [key for key, _, _, rule in leaves(schema()) if not isinstance(rule, (Rule, Choices))]
+        assert missing == [], f"{schema.__name__} keys without a rule: use key(default, rule) in rlsync/config.py"
+    # ANY only where the type says everything (a switch): a number or a name always has a range or choices
+    anything = [(key, hint) for key, _, hint, rule in leaves(BenchAppConfig()) if rule is ANY]
+    assert anything and all(hint in (bool, Optional[bool]) for _, hint in anything), anything
+
+
+def test_choices_are_looked_up_when_checked(monkeypatch):
+    """A choice an implementation owns is named by import path and resolved at check time: the schema imports
+    nothing above it, and a name the implementation gains later is accepted."""
+    from rlsync import sync
+
+    rule = next(rule for key, _, _, rule in leaves(Config()) if key == "update.transport")
+    assert isinstance(rule, Choices) and rule.allowed == ", ".join(sync.TRANSPORTS) and not rule.ok("pigeon")
+    monkeypatch.setattr(sync, "TRANSPORTS", (*sync.TRANSPORTS, "pigeon"))
+    assert rule.ok("pigeon") and rule.allowed.endswith(", pigeon")
 
 
 PRESETS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
@@ -389,6 +406,7 @@ def test_an_interrupted_job_exits_128_plus_the_signal(capsys, tmp_path):
 WANDB_SNIPPET = """
 import sys
 from pathlib import Path
+from typing import Optional
 from rlsync.config import WandbConfig
 from rlsync.sinks import MetricsFile, wandb_run
 
