@@ -147,7 +147,7 @@ def _offload_target(cfg: BenchAppConfig, device: torch.device):
     return OffloadTarget(cfg, device)
 
 
-TARGETS = {"update": UpdateTarget, "offload": _offload_target}  # keyed as config.BENCH_TARGETS (checked there)
+TARGETS = {"update": UpdateTarget, "offload": _offload_target}  # bench.target's choices (its rule in rlsync/config.py)
 
 
 def open_target(cfg: BenchAppConfig, device: torch.device):

@@ -58,25 +58,13 @@ from rlsync.fmt import MIB
 from rlsync.sync.buckets import greedy_groups
 from rlsync.timing import synchronize
 
-OFFLOAD_MODES = ("none", "full", "drop_grads")
-OFFLOAD_MEMORY = ("auto", "twin", "move")
+OFFLOAD_MODES = ("none", "full", "drop_grads")  # trainer.offload's choices (its rule in rlsync/config.py names them)
+OFFLOAD_MEMORY = ("auto", "twin", "move")  # trainer.offload_memory's choices
 PIN_CHUNK_BYTES = 1024 * MIB  # a power of two: the caching host allocator rounds each chunk up to one
-
-
-def validate_mode(mode: str) -> str:
-    if mode not in OFFLOAD_MODES:
-        from rlsync.errors import ConfigError
-
-        raise ConfigError("trainer.offload", mode, ", ".join(OFFLOAD_MODES))
-    return mode
 
 
 def resolve_memory(memory: str, device: torch.device) -> str:
     """twin or move: `auto` is move where the device is host memory (a CPU run), twin on CUDA."""
-    if memory not in OFFLOAD_MEMORY:
-        from rlsync.errors import ConfigError
-
-        raise ConfigError("trainer.offload_memory", memory, ", ".join(OFFLOAD_MEMORY))
     if memory == "auto":
         return "move" if device.type == "cpu" else "twin"
     return memory
@@ -234,18 +222,9 @@ class Offloader:
                  device: torch.device, memory: str = "auto", segment_bytes: int = 128 * MIB,
                  free_device: bool | None = None, pin_chunk_bytes: int = PIN_CHUNK_BYTES):
         self.model, self.optimizer, self.device = model, optimizer, device
-        self.mode = validate_mode(mode)
+        self.mode = mode  # trainer.offload* values are checked once, before any model is built (rlsync/config.py)
         self.memory = resolve_memory(memory, device)
-        if segment_bytes <= 0:
-            from rlsync.errors import ConfigError
-
-            raise ConfigError("trainer.offload_segment_mb", segment_bytes / MIB, "a number > 0 (MiB)", "out of range")
-        self.segment_bytes = segment_bytes
-        if pin_chunk_bytes <= 0:
-            from rlsync.errors import ConfigError
-
-            raise ConfigError("trainer.offload_pin_chunk_mb", pin_chunk_bytes / MIB, "a number > 0 (MiB)", "out of range")
-        self.pin_chunk_bytes = pin_chunk_bytes
+        self.segment_bytes, self.pin_chunk_bytes = segment_bytes, pin_chunk_bytes
         # what does not travel (twin: the whole device side; move: dropped gradients) is freed while asleep
         self.free_device = device.type == "cuda" if free_device is None else free_device
         self.pinned = device.type == "cuda" and self.memory == "twin"

@@ -61,6 +61,20 @@ def test_an_unknown_target_is_a_config_error_before_anything_is_built():
         validate(cfg)  # checked once, with every other key, before any model is built
 
 
+def test_the_offload_target_refuses_nothing_to_move_and_unknown_states():
+    from rlsync.errors import ConfigError
+    from rlsync.validate import validate
+
+    cfg = BenchAppConfig()
+    cfg.bench.target, cfg.trainer.offload = "offload", "none"
+    with pytest.raises(ConfigError, match=r"^trainer.offload=none: not allowed \(allowed: full, drop_grads \(the "
+                                          r"offload benchmark needs something to move\)\)$"):
+        validate(cfg)
+    cfg.trainer.offload, cfg.bench.offload_state = "full", "optimizer"
+    with pytest.raises(ConfigError, match=r"^bench.offload_state=optimizer: not allowed \(allowed: trainer, params\)$"):
+        validate(cfg)
+
+
 def test_bucket_medians_and_the_closing_table():
     breakdowns = [[{"bytes": 100, "pack_time": t, "load_time": 2 * t}, {"bytes": 50, "pack_time": t}] for t in (1, 3, 2)]
     medians = bucket_medians(breakdowns)

@@ -280,8 +280,13 @@ def test_memory_auto_is_move_on_a_cpu_and_twin_on_cuda():
     assert resolve_memory("twin", CPU) == "twin"
     trainer = make_trainer()
     assert Offloader(trainer.model, trainer.optimizer, mode="full", device=CPU).info["memory"] == "move"
+
+
+def test_bad_memory_names_the_choices(compose):
+    from rlsync.validate import validate  # checked once, before any model is built: not by the Offloader
+
     with pytest.raises(ConfigError, match=r"trainer.offload_memory=halfway.*auto, twin, move"):
-        Offloader(trainer.model, trainer.optimizer, mode="full", device=CPU, memory="halfway")
+        validate(compose("trainer.offload_memory=halfway"))
 
 
 def test_offload_none_copies_nothing_and_touches_nothing():
@@ -295,10 +300,11 @@ def test_offload_none_copies_nothing_and_touches_nothing():
         offloader.host_weights(dict(trainer.model.named_parameters()))
 
 
-def test_bad_mode_names_the_key():
-    trainer = make_trainer()
+def test_bad_mode_names_the_key(compose):
+    from rlsync.validate import validate  # checked once, before any model is built: not by the Offloader
+
     with pytest.raises(ConfigError, match=r"trainer.offload=half.*none, full, drop_grads"):
-        Offloader(trainer.model, trainer.optimizer, mode="half", device=CPU)
+        validate(compose("trainer.offload=half"))
 
 
 def test_bench_offload_reports_bytes_time_and_limit():
