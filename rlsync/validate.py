@@ -12,6 +12,7 @@ then what this machine must offer (the device, the checkpoint, vLLM). It raises 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import typing
 from dataclasses import fields, is_dataclass
@@ -77,7 +78,7 @@ def check_vllm_here(cfg) -> None:
                           "(see pyproject.toml)", "vllm is not installed")
     if cfg.update.strategy != "vllm_ipc":
         return
-    from rlsync.engines.vllm import check_vllm_ipc_api  # imports torch: only when vLLM is asked for
+    from rlsync.engines.vllm import check_vllm_ipc_api  # the vLLM engine module (torch): only when vLLM is asked for
 
     check_vllm_ipc_api()
     if cfg.run.device == "cpu" or not cuda_present():
@@ -86,7 +87,7 @@ def check_vllm_here(cfg) -> None:
 
 
 def cuda_present() -> bool:
-    import torch
+    import torch  # here, not at the top: importing this module (python -m rlsync --help) stays light
 
     return torch.cuda.is_available()
 
@@ -112,9 +113,7 @@ def check_pretrained(model) -> None:
 
 def check_checkpoint_architecture(model, config_json: Path) -> None:
     """The engine is built from the model.* keys, the trainer from the checkpoint: they must agree."""
-    import json
-
-    from rlsync.models import check_architecture
+    from rlsync.models import check_architecture  # imports torch: only when a checkpoint is named
 
     try:
         ckpt = json.loads(config_json.read_text(encoding="utf-8"))
