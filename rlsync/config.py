@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlsync.errors import ConfigError
 from rlsync.fmt import MIB
 from rlsync.rules import (ANY, NAME, OPTIONAL_NAME, Rule, above, at_least, between, choices, key, mebibytes, number,
-                          one_of, or_null, parsed_by, resolve)
+                          or_null, parsed_by, resolve)
 
 SEED_MAX = 2**64 - 1  # torch.manual_seed takes an unsigned 64-bit seed
 WANDB_PROJECT_FORBIDDEN = "/\\#?%:"  # wandb.Settings.validate_project (wandb 0.2x/0.3x); also at most 128 chars
