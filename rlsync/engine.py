@@ -37,20 +37,24 @@ import threading
 import time
 
 import hydra
+import uvicorn
 from omegaconf import DictConfig
 
 from rlsync.config import EngineAppConfig, register_configs
+from rlsync.engine_app import Control, log
+from rlsync.engine_http import guarded_protocol, quiet_uvicorn
+from rlsync.engines.base import EngineSpec
 from rlsync.errors import ConfigError, RlsyncError, StopOnSignals, cli, job_errors
+from rlsync.experiment import resolve_device
+from rlsync.models import build_tokenizer
+from rlsync.sync.remote import DEFAULT_PORT, TOKEN_ENV, parse_address
+from rlsync.validate import checked_config
 
 register_configs()
 
 
 def build_engine(cfg: EngineAppConfig):
     """The engine the config describes, on this machine's device (its weights filled by the first update)."""
-    from rlsync.experiment import resolve_device
-    from rlsync.models import build_tokenizer
-    from rlsync.engines.base import EngineSpec
-
     tokenizer = build_tokenizer(cfg.model)
     spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device=str(resolve_device(cfg.run.device)),
                       allowed_ids=tokenizer.allowed_ids(cfg.model.vocab_size), eos_id=tokenizer.eos_id,
@@ -74,7 +78,6 @@ def loopback(host: str) -> bool:
 def engine_token(address: str, host: str) -> bytes | None:
     """The token trainers must present (RLSYNC_ENGINE_TOKEN); None on loopback without one.
     Listening beyond loopback without a token is refused (ConfigError: exit 2, before any model is built)."""
-    from rlsync.sync.remote import TOKEN_ENV
 
     token = os.environ.get(TOKEN_ENV, "")
     if token.strip():
@@ -107,10 +110,6 @@ def listen(host: str, port: int) -> socket.socket:
 
 def start_server(app, sock: socket.socket, request_timeout_s: float):
     """uvicorn serving `app` on `sock` in a thread of its own (the main thread keeps the signals)."""
-    import uvicorn
-
-    from rlsync.engine_http import guarded_protocol, quiet_uvicorn
-
     quiet_uvicorn()
     config = uvicorn.Config(app, http=guarded_protocol(request_timeout_s), ws="none", lifespan="off",
                             log_config=None, access_log=False, timeout_keep_alive=5, timeout_graceful_shutdown=3)
@@ -126,9 +125,6 @@ def start_server(app, sock: socket.socket, request_timeout_s: float):
 
 
 def serve(cfg: EngineAppConfig) -> None:
-    from rlsync.engine_app import Control, log
-    from rlsync.sync.remote import DEFAULT_PORT, parse_address
-
     address = cfg.update.engine_address or "127.0.0.1"
     host, port = parse_address(address, default_port=DEFAULT_PORT)
     token = engine_token(address, host)  # before anything is built
@@ -150,8 +146,6 @@ def serve(cfg: EngineAppConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="engine")
 def hydra_main(dcfg: DictConfig) -> None:
-    from rlsync.validate import checked_config
-
     with job_errors(None):
         serve(checked_config(dcfg, EngineAppConfig))
 

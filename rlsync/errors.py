@@ -10,6 +10,7 @@ here into the same one-line `ConfigError`.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import sys
@@ -17,8 +18,12 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from rlsync.fmt import error_line, first_line
 
@@ -168,9 +173,6 @@ class StopOnSignals:
 
 def from_hydra(err: BaseException) -> Optional[BadInput]:
     """The ConfigError (or BadInput) a Hydra/OmegaConf composition error stands for; None for anything else."""
-    from hydra.errors import MissingConfigException, OverrideParseException
-    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
-
     if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
         group, _, choice = err.missing_cfg_file.rpartition("/")
         return ConfigError(group.replace("/", "."), choice, ", ".join(err.options or []) or "no options",
@@ -193,8 +195,6 @@ def from_hydra(err: BaseException) -> Optional[BadInput]:
         group = message.split("'")[1] if "'" in message else message
         return ConfigError(group, override_value(err, group, ""), "a config group in conf/, or key.subkey=value",
                            "unknown config group")
-    from hydra.errors import HydraException
-
     if isinstance(err, HydraException) or isinstance(cause, OmegaConfBaseException):
         return BadInput(f"bad config: {message}" + (f": {first_line(cause)}" if cause is not None else ""))
     return None
@@ -214,8 +214,6 @@ def sibling_keys(cause) -> str:
     """The keys that do exist next to the unknown one."""
     node = getattr(cause, "parent_node", None)
     if node is None and getattr(cause, "object_type", None) is not None:
-        from dataclasses import fields, is_dataclass
-
         if is_dataclass(cause.object_type):
             return ", ".join(f.name for f in fields(cause.object_type))
     try:
@@ -276,8 +274,6 @@ def exit_code(err: BaseException) -> int:
 
 def kept(run_dir: Path, *, since: float) -> str:
     """What a stopped run left on disk (a summary.json written since `since`), for the end of its error line."""
-    import json
-
     path = run_dir / "summary.json"
     try:
         if path.stat().st_mtime < since:

@@ -28,11 +28,18 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import resource
 from dataclasses import dataclass, field
 
-from rlsync.config import MIB, Config, ModelConfig
+import torch
+
+from rlsync.config import MIB, Config, ModelConfig, bucket_bytes
 from rlsync.errors import BadInput
+from rlsync.models import torch_dtype
+from rlsync.offload import plan_segments, resolve_memory
+from rlsync.sync.buckets import TensorMeta, plan_buckets
+from rlsync.tasks import make_prompts
 
 GIB = 2**30
 PROBE_MIN, PROBE_CAP = MIB, GIB  # rlsync.limits.copy_bandwidth clamps its buffers to this range
@@ -105,10 +112,6 @@ class Estimate:
 def prompt_tokens() -> int:
     """Tokens of the longest prompt the task makes, with the byte tokenizer (BOS + one per byte);
     a checkpoint's own tokenizer needs fewer."""
-    import random
-
-    from rlsync.tasks import make_prompts
-
     return 1 + max(len(p.text.encode("utf-8")) for p in make_prompts(4, rng=random.Random(0)))
 
 
@@ -117,10 +120,6 @@ def offload_extra(cfg: Config, shapes: list[tuple[str, tuple[int, ...]]], cuda: 
     t = cfg.trainer
     if t.offload == "none":
         return 0
-    from rlsync.offload import plan_segments, resolve_memory
-
-    import torch
-
     memory = resolve_memory(t.offload_memory, torch.device("cuda" if cuda else "cpu"))
     itemsize = DTYPE_BYTES[t.dtype]
     params = [numel(s) * itemsize for _, s in shapes]
@@ -146,10 +145,6 @@ def pinned_bytes(nbytes: int) -> int:
 
 def largest_bucket_bytes(cfg: Config, shapes: list[tuple[str, tuple[int, ...]]]) -> int:
     """The update's largest bucket, planned by the planner the update uses (rlsync.sync.buckets)."""
-    from rlsync.config import bucket_bytes
-    from rlsync.models import torch_dtype
-    from rlsync.sync.buckets import TensorMeta, plan_buckets
-
     dtype = torch_dtype(cfg.rollout.dtype)
     buckets = plan_buckets([TensorMeta(n, s, dtype) for n, s in shapes], bucket_bytes(cfg.update))
     return max(b.nbytes for b in buckets)
@@ -251,7 +246,7 @@ def children_peak_rss_bytes() -> int:
 def host_available_bytes() -> int | None:
     """MemAvailable (free plus reclaimable), psutil's figure when installed, else /proc/meminfo."""
     try:
-        import psutil
+        import psutil  # optional: not a dependency of rlsync
 
         return int(psutil.virtual_memory().available)
     except ImportError:
@@ -267,8 +262,6 @@ def host_available_bytes() -> int | None:
 
 
 def device_available_bytes(device) -> int | None:
-    import torch
-
     if device.type != "cuda":
         return None
     free, _total = torch.cuda.mem_get_info(device)
@@ -320,8 +313,6 @@ def check_fits(cfg: Config, device, *, memory_check: bool = True) -> tuple[Estim
     Call after `load_runtime` and before any model is built."""
     cuda = device.type == "cuda"
     if cuda:
-        import torch
-
         torch.cuda.init()  # its host-side context is part of the runtime
     est = estimate(cfg, cuda=cuda, runtime_bytes=rss_bytes())
     available = {"host_bytes": host_available_bytes(), "device_bytes": device_available_bytes(device)}

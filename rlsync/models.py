@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from rlsync.config import ModelConfig
+from rlsync.errors import ConfigError, show
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INIT_STD = 0.02
@@ -22,6 +23,10 @@ NOISE_POOL = 1_000_003  # elements; prime
 
 def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
+
+
+# transformers takes seconds to import: it is imported where a model or tokenizer is built, so that
+# --help, validation and the report start fast.
 
 
 def hf_config(cfg: ModelConfig):
@@ -81,8 +86,6 @@ def architecture_differences(cfg: ModelConfig, ckpt: dict) -> list[tuple[str, ob
 
 def check_architecture(cfg: ModelConfig, ckpt: dict) -> None:
     """Raise ConfigError (one line, exit 2) naming each model.* key the checkpoint's config differs in."""
-    from rlsync.errors import ConfigError, show
-
     diffs = architecture_differences(cfg, ckpt)
     if not diffs:
         return
