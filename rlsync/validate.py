@@ -100,7 +100,7 @@ def value_rules() -> dict[str, Rule]:
     from rlsync.offload import OFFLOAD_MEMORY, OFFLOAD_MODES
     from rlsync.engines.base import engine_names
     from rlsync.sinks import WANDB_MODES
-    from rlsync.sync import BACKENDS, SOURCES, STRATEGIES, TRANSPORTS
+    from rlsync.sync.base import BACKENDS, SOURCES, STRATEGIES, transport_names
 
     dtypes = one_of(DTYPES)
     return {
@@ -120,7 +120,7 @@ def value_rules() -> dict[str, Rule]:
         "update.enabled": ANY,
         "update.bucket_mb": mebibytes("the bucket's size"),
         "update.strategy": one_of(STRATEGIES),
-        "update.transport": one_of(TRANSPORTS),
+        "update.transport": one_of(transport_names()),  # the registry: rlsync/sync/base.py
         "update.source": one_of(SOURCES),
         "update.inflight_buckets": between(1, 2, "2 overlaps packing one bucket with loading the other"),
         "update.verify": ANY,
