@@ -9,8 +9,8 @@ one at a time, in order:
 
 `t_*` are CLOCK_MONOTONIC stamps (`time.monotonic`), one system-wide clock on Linux, so the trainer
 can tell a request's handoff latency from the engine's work on it. A transport plugs its engine-side
-half in as a `receiver` (`open(engine)`, `handle(engine, request)`, `close()`): `ipc` loads from
-shared staging buffers, `broadcast` receives from a process group.
+half in as a `Receiver` (sync/base.py: `open(engine)`, `handle(engine, request)`, `close()`): `ipc`
+loads from shared staging buffers, `broadcast` receives from a process group.
 
 A dead engine never hangs the trainer: every wait polls in slices of `POLL_S` and checks the
 process between them, raising `EngineDied` with its exit code.
