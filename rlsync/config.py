@@ -64,13 +64,13 @@ class ModelConfig:
 class UpdateConfig:
     enabled: bool = key(True, ANY)  # false: skip the update (baseline step; stale engine for the log-prob check)
     bucket_mb: float = key(512.0, mebibytes("the bucket's size"))  # bucket size in MiB (512 = --update-weight-buffer-size 536870912)
-    strategy: str = key("bucketed", choices("rlsync.sync:STRATEGIES"))  # bucketed: flat buffer per bucket | per_tensor: one copy per tensor
-    transport: str = key("direct", choices("rlsync.sync:TRANSPORTS"))  # direct: engine in the trainer's process | ipc: own process, shared buffers | broadcast: own process, torch.distributed
-    source: str = key("device", choices("rlsync.sync:SOURCES"))  # device: from live trainer weights | host: from the offloaded copy
+    strategy: str = key("bucketed", choices("rlsync.sync.base:STRATEGIES"))  # bucketed: flat buffer per bucket | per_tensor: one copy per tensor
+    transport: str = key("direct", choices("rlsync.sync.base:transport_names"))  # direct: engine in the trainer's process | ipc: own process, shared buffers | broadcast: own process, torch.distributed
+    source: str = key("device", choices("rlsync.sync.base:SOURCES"))  # device: from live trainer weights | host: from the offloaded copy
     inflight_buckets: int = key(1, between(1, 2, "2 overlaps packing one bucket with loading the other"))  # staging buffers in flight (2 overlaps pack and load)
     verify: bool = key(False, ANY)  # checksum every engine tensor against the trainer after each update
     flat_engine_weights: bool = key(False, ANY)  # engine weights are views into bucket-laid-out flat buffers: packing writes them (one copy)
-    backend: str = key("auto", choices("rlsync.sync:BACKENDS"))  # broadcast's torch.distributed backend: auto = gloo (NCCL refuses two ranks on one GPU)
+    backend: str = key("auto", choices("rlsync.sync.base:BACKENDS"))  # broadcast's torch.distributed backend: auto = gloo (NCCL refuses two ranks on one GPU)
     engine_timeout_s: float = key(3600.0, SECONDS)  # longest wait for one engine reply (start, generate, load); a dead engine fails at once
     engine_address: Optional[str] = key(None, or_null(parsed_by("rlsync.sync.remote:parse_address", "HOST:PORT (port 1 to "
                                         "65535; 0 lets python -m rlsync.engine pick a free one)")))  # broadcast: HOST:PORT of an engine started on its own (python -m rlsync.engine listens there); null: start it here

@@ -1,7 +1,7 @@
 """The vocabulary of config value rules, declared beside each key in rlsync/config.py.
 
     bucket_mb: float = key(512.0, mebibytes("the bucket's size"))  # bucket size in MiB
-    transport: str = key("direct", choices("rlsync.sync:TRANSPORTS"))  # ...
+    transport: str = key("direct", choices("rlsync.sync.base:transport_names"))  # ...
 
 `key(default, rule)` is a dataclass field whose metadata holds the rule; rlsync/validate.py walks the
 schema and applies each leaf's rule (`ok(value)`; `allowed` is what the error offers instead).

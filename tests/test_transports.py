@@ -245,18 +245,6 @@ def test_broadcast_leaves_the_default_process_group_alone():
         dist.destroy_process_group()
 
 
-def test_flat_ipc_weights_cannot_be_released():
-    from rlsync.errors import ConfigError
-
-    cfg = Config()
-    cfg.rollout.release_weights = True
-    tok = build_tokenizer(cfg.model)
-    spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device="cpu", allowed_ids=tok.allowed_ids(512),
-                      eos_id=tok.eos_id, pad_id=tok.pad_id)
-    with pytest.raises(ConfigError, match="update.flat_engine_weights"):
-        open_engine(UpdateConfig(transport="ipc", flat_engine_weights=True), spec=spec, buckets=[])
-
-
 # ----------------------------------------------------------------------------------------------
 # The whole step through the CLI
 # ----------------------------------------------------------------------------------------------

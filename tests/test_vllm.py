@@ -60,7 +60,8 @@ def load(engine, model, strategy: str = "bucketed", bucket_mb: float = 512.0) ->
     """The direct transport's update of `model`'s weights into the shared engine."""
     weights = named_weights(model)
     update = UpdateConfig(strategy=strategy, bucket_mb=bucket_mb)
-    return LocalEngine(engine, plan_for(weights, update, torch.bfloat16), strategy=strategy).update_weights(weights)
+    transport = LocalEngine(engine, plan_for(weights, update, torch.bfloat16), strategy=strategy)
+    return transport.update_weights(weights).split_metrics()
 
 
 PROMPTS = ["Repeat after me: abcde\nAnswer: ", "hello", "x" * 40]

@@ -17,16 +17,16 @@ names. Adding an engine is one module holding an `Engine` subclass and one line:
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Union
+from typing import ClassVar
 
 import torch
 
 from rlsync.config import ModelConfig, RolloutConfig
 from rlsync.models import torch_dtype
+from rlsync.registry import Registry
 
 CHECKSUM_CHUNK = 1 << 22  # elements per step: bounds the checksum's int64 temporaries (32 MiB each)
 
@@ -169,8 +169,11 @@ class Engine(ABC):
         """One checksum per weight (update.verify compares them with the trainer's)."""
         return {name: checksum(t) for name, t in self.weights.items()}
 
-    def native_update(self, weights: dict[str, torch.Tensor], *, bucket_bytes: int) -> dict[str, float]:
-        """An engine's own trainer-to-engine transfer (update.strategy=vllm_ipc); most engines have none."""
+    def native_update(self, weights: dict[str, torch.Tensor], *,
+                      bucket_bytes: int) -> tuple[dict[str, float], int]:
+        """An engine's own trainer-to-engine transfer (update.strategy=vllm_ipc); most engines have none.
+
+        Returns the seconds per phase it can tell apart ("pack", "load") and the staging bytes it held."""
         raise NotImplementedError(f"{type(self).__name__} has no transfer of its own; use update.strategy=bucketed")
 
     def close(self) -> None:
@@ -181,41 +184,13 @@ class Engine(ABC):
 # The registry: rollout.engine -> engine class
 # ----------------------------------------------------------------------------------------------
 
-EngineRef = Union[type[Engine], str]  # the class, or "module:Class" imported on first use
-
-ENGINES: dict[str, EngineRef] = {
+ENGINES: Registry[Engine] = Registry("rollout.engine", {
     "hf": "rlsync.engines.hf:HFEngine",  # transformers, embedded
     "vllm": "rlsync.engines.vllm:VLLMEngine",  # vLLM in this process (the extra: pip install -e '.[vllm]')
-}
-
-
-def register_engine(name: str, engine: EngineRef | None = None) -> Callable[[type[Engine]], type[Engine]] | None:
-    """Make `rollout.engine=name` build `engine` (a class or "module:Class"); without `engine`, a decorator."""
-    if engine is not None:
-        ENGINES[name] = engine
-        return None
-
-    def decorate(cls: type[Engine]) -> type[Engine]:
-        ENGINES[name] = cls
-        return cls
-
-    return decorate
-
-
-def engine_names() -> tuple[str, ...]:
-    """The values rollout.engine accepts, in registration order."""
-    return tuple(ENGINES)
-
-
-def engine_class(name: str) -> type[Engine]:
-    """The class registered as `name`, importing its module the first time."""
-    if name not in ENGINES:
-        raise ValueError(f"rollout.engine={name!r}: expected one of {', '.join(ENGINES)}")
-    ref = ENGINES[name]
-    if isinstance(ref, str):
-        module, _, qualname = ref.partition(":")
-        ref = ENGINES[name] = getattr(importlib.import_module(module), qualname)
-    return ref
+})
+register_engine = ENGINES.register  # register_engine("mine", "mypackage.mine:MyEngine"), or as a decorator
+engine_names = ENGINES.names  # the values rollout.engine accepts, in registration order
+engine_class = ENGINES.resolve  # the class registered under a name, imported the first time
 
 
 def build_engine(spec: EngineSpec, strategy: str = "bucketed") -> Engine:

@@ -411,7 +411,7 @@ class VLLMEngine(Engine):
             "re-packs matrices for its kernels, so update.verify=true and update.flat_engine_weights=true are "
             "not supported for vllm; check an update with train/logprob_abs_diff instead")
 
-    def native_update(self, weights: dict[str, torch.Tensor], *, bucket_bytes: int) -> dict[str, float]:
+    def native_update(self, weights: dict[str, torch.Tensor], *, bucket_bytes: int) -> tuple[dict[str, float], int]:
         """update.strategy=vllm_ipc: vLLM's own transfer (CUDA IPC, packed buckets of `bucket_bytes`)."""
         self._wake_weights()
         return vllm_ipc_update(self, weights, bucket_bytes=bucket_bytes)
@@ -456,7 +456,8 @@ class _TimedClient:
             self.llm.finish_weight_update()
 
 
-def vllm_ipc_update(engine: VLLMEngine, weights: dict[str, torch.Tensor], *, bucket_bytes: int) -> dict[str, float]:
+def vllm_ipc_update(engine: VLLMEngine, weights: dict[str, torch.Tensor], *,
+                    bucket_bytes: int) -> tuple[dict[str, float], int]:
     """The trainer side of vLLM's `ipc` backend: pack into a CUDA IPC buffer, the engine process loads.
 
     The split: `load` is the time inside the engine's RPCs (open handles, load, re-pack); `pack` the rest
@@ -484,5 +485,4 @@ def vllm_ipc_update(engine: VLLMEngine, weights: dict[str, torch.Tensor], *, buc
             IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=bucket_bytes, rank=0), client=client, source=Source())
         transfer.send_weights()
     load = watch.seconds.get("load", 0.0)
-    return {"perf/update_weights_pack_time": watch.seconds["total"] - load, "perf/update_weights_load_time": load,
-            "perf/update_weights_staging_bytes": bucket_bytes}
+    return {"pack": watch.seconds["total"] - load, "load": load}, bucket_bytes  # staging: the one packed buffer

@@ -36,6 +36,9 @@ import torch
 import torch.distributed as dist
 
 import rlsync.sync.flat as flat
+from rlsync.config import UpdateConfig
+from rlsync.engines.base import Engine, EngineSpec
+from rlsync.sync.base import Receiver, UpdateResult
 from rlsync.sync.buckets import Bucket, Slot, largest_bucket_bytes
 from rlsync.sync.engine_process import EngineProcess, ForwardsToEngineProcess
 from rlsync.sync.threads import cpu_threads
@@ -89,7 +92,7 @@ def slot_numel(buckets: list[Bucket], strategy: str) -> int:
     return max(s.meta.numel for b in buckets for s in b.slots)
 
 
-class BroadcastReceiver:
+class BroadcastReceiver(Receiver):
     """The engine-side half: joins the group, receives each broadcast and loads it (pickled to the engine)."""
 
     def __init__(self, buckets: list[Bucket], *, strategy: str, inflight: int, flat_weights: bool, port: int,
@@ -103,7 +106,7 @@ class BroadcastReceiver:
         self.flat: list[torch.Tensor] | None = None
         self.group = None
 
-    def open(self, engine) -> dict:
+    def open(self, engine: Engine) -> dict:
         store = dist.TCPStore(self.host, self.port, world_size=2, is_master=False,
                               timeout=timedelta(seconds=self.join_timeout_s))
         self.group = join_group(store, ENGINE, timedelta(seconds=self.timeout_s), self.bind_host)
@@ -123,7 +126,7 @@ class BroadcastReceiver:
         return self.slots[k % len(self.slots)][:numel]
 
     @torch.no_grad()
-    def handle(self, engine, request: tuple) -> dict:
+    def handle(self, engine: Engine, request: tuple) -> dict:
         device = engine.device
         timer, memory = unit_timer(device), DeviceMemory(device)
         units = units_of(self.buckets, self.strategy)
@@ -149,7 +152,7 @@ class BroadcastReceiver:
 
 
 class BroadcastEngine(ForwardsToEngineProcess):
-    def __init__(self, spec, buckets: list[Bucket], cfg):
+    def __init__(self, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig):
         self.group = None
         self.device = torch.device(spec.device)
         self.buckets, self.strategy, self.inflight = buckets, cfg.strategy, cfg.inflight_buckets
@@ -168,7 +171,6 @@ class BroadcastEngine(ForwardsToEngineProcess):
         self.slots = [flat.empty(slot_numel(buckets, cfg.strategy), buckets[0].dtype, self.device)
                       for _ in range(cfg.inflight_buckets)]
         self.engine_staging = 0
-        self.last_update_buckets: list[dict] = []
         receiver = BroadcastReceiver(buckets, strategy=cfg.strategy, inflight=cfg.inflight_buckets,
                                      flat_weights=cfg.flat_engine_weights, port=self.store.port,
                                      timeout_s=cfg.engine_timeout_s, join_timeout_s=join_timeout_s,
@@ -188,9 +190,9 @@ class BroadcastEngine(ForwardsToEngineProcess):
             raise
 
     @torch.no_grad()
-    def update_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, float]:
+    def send_weights(self, weights: dict[str, torch.Tensor]) -> UpdateResult:
         timer, waits = unit_timer(self.device), HostTimer()  # pack: on the device; transfer: a host wait
-        rows = self.last_update_buckets = []
+        rows: list[dict] = []
         self.process.send("update", ("update",))
         in_flight: deque = deque()  # (row, work)
         for k, (unit, numel) in enumerate(self.units):
@@ -208,11 +210,10 @@ class BroadcastEngine(ForwardsToEngineProcess):
         for row, load in zip(rows, reply.result["load_times"], strict=True):
             row["load_time"] = load
         trainer_staging = sum(s.numel() * s.element_size() for s in self.slots)
-        return {"perf/update_weights_pack_time": timer.seconds["pack"],
-                "perf/update_weights_transfer_time": waits.seconds["transfer"],
-                "perf/update_weights_load_time": sum(reply.result["load_times"]),
-                "perf/update_weights_staging_bytes": trainer_staging + self.engine_staging,
-                "perf/update_weights_engine_peak_bytes": reply.result["peak_extra"]}
+        return UpdateResult({"pack": timer.seconds["pack"], "transfer": waits.seconds["transfer"],
+                             "load": sum(reply.result["load_times"])}, rows,
+                            staging_bytes=trainer_staging + self.engine_staging,
+                            engine_peak_bytes=reply.result["peak_extra"])
 
     def _wait(self, row: dict, work, waits: HostTimer) -> None:
         with waits("transfer", row):

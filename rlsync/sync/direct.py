@@ -10,24 +10,31 @@ from __future__ import annotations
 
 import torch
 
-from rlsync.engines.base import Generation
+from rlsync.config import UpdateConfig
+from rlsync.engines.base import Engine, EngineSpec, Generation
 from rlsync.sync import flat
+from rlsync.sync.base import Transport, UpdateResult
 from rlsync.sync.buckets import Bucket, largest_bucket_bytes
 from rlsync.timing import unit_timer
 
 
-class LocalEngine:
-    def __init__(self, engine, buckets: list[Bucket], *, strategy: str, flat_weights: bool = False):
+class LocalEngine(Transport):
+    """`engine`, built in this process, behind the update `buckets` plans (`open` builds it from the spec)."""
+
+    def __init__(self, engine: Engine, buckets: list[Bucket], *, strategy: str, flat_weights: bool = False):
         self.engine, self.buckets, self.strategy = engine, buckets, strategy
         self.staging = None
         self.flat = None  # the engine's weights, one flat buffer per bucket (flat_weights)
-        self.last_update_buckets: list[dict] = []  # per bucket (or tensor): bytes and pack/transfer/load seconds
         if flat_weights:
             self.flat = flat.allocate(buckets, engine.device)
             flat.bind(engine.weights, buckets, self.flat)
         elif strategy == "bucketed":
             numel = largest_bucket_bytes(buckets) // engine.dtype.itemsize
             self.staging = torch.empty(numel, dtype=engine.dtype, device=engine.device)
+
+    @classmethod
+    def open(cls, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig) -> "LocalEngine":
+        return cls(spec.build(strategy=cfg.strategy), buckets, strategy=cfg.strategy, flat_weights=cfg.flat_engine_weights)
 
     def generate(self, prompts: list[list[int]], **kwargs) -> Generation:
         return self.engine.generate(prompts, **kwargs)
@@ -39,14 +46,15 @@ class LocalEngine:
         self.engine.resume()
 
     @torch.no_grad()
-    def update_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, float]:
+    def send_weights(self, weights: dict[str, torch.Tensor]) -> UpdateResult:
         """Per-unit seconds come from `unit_timer`: on CUDA events, resolved by one sync at the end
         (the rows and totals are filled then), so `per_tensor` does not time 2 syncs per tensor."""
         timer = unit_timer(self.engine.device)
-        rows = self.last_update_buckets = []
+        rows: list[dict] = []
         staging_bytes = self.staging.numel() * self.staging.element_size() if self.staging is not None else 0
         if self.strategy == "vllm_ipc":  # the engine's own transfer path (rlsync/engines/vllm.py)
-            return self.engine.native_update(weights, bucket_bytes=largest_bucket_bytes(self.buckets))
+            seconds, staging_bytes = self.engine.native_update(weights, bucket_bytes=largest_bucket_bytes(self.buckets))
+            return UpdateResult(seconds, staging_bytes=staging_bytes)
         if self.strategy == "per_tensor":
             for name, tensor in weights.items():
                 rows.append({"bytes": tensor.numel() * self.engine.dtype.itemsize})
@@ -66,7 +74,7 @@ class LocalEngine:
                 with timer("load", rows[-1]):  # same stream: the load follows the pack without a sync
                     self.engine.load_weights(flat.views(bucket, buffer))
         timer.resolve()
-        return {**timer.totals("perf/update_weights_{}_time"), "perf/update_weights_staging_bytes": staging_bytes}
+        return UpdateResult(dict(timer.seconds), rows, staging_bytes=staging_bytes)
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self.engine.weights
@@ -76,6 +84,4 @@ class LocalEngine:
 
     def close(self) -> None:
         self.staging = self.flat = None
-        close_engine = getattr(self.engine, "close", None)  # an engine with resources of its own (vLLM)
-        if close_engine is not None:
-            close_engine()
+        self.engine.close()  # an engine with resources of its own (vLLM) frees them

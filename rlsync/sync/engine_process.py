@@ -9,8 +9,8 @@ one at a time, in order:
 
 `t_*` are CLOCK_MONOTONIC stamps (`time.monotonic`), one system-wide clock on Linux, so the trainer
 can tell a request's handoff latency from the engine's work on it. A transport plugs its engine-side
-half in as a `receiver` (`open(engine)`, `handle(engine, request)`, `close()`): `ipc` loads from
-shared staging buffers, `broadcast` receives from a process group.
+half in as a `Receiver` (sync/base.py: `open(engine)`, `handle(engine, request)`, `close()`): `ipc`
+loads from shared staging buffers, `broadcast` receives from a process group.
 
 A dead engine never hangs the trainer: every wait polls in slices of `POLL_S` and checks the
 process between them, raising `EngineDied` with its exit code.
@@ -33,12 +33,14 @@ import torch
 import torch.multiprocessing as mp
 
 from rlsync.devices import select_device
-from rlsync.engines.base import engine_class
+from rlsync.engines.base import Engine, EngineSpec, engine_class
+from rlsync.sync.base import Receiver, Transport
 
 POLL_S = 0.05  # liveness check interval while waiting on the engine
 CLOSE_S = 5.0  # how long close() lets the engine exit by itself before terminating it
-# What a forked engine process should find imported already, beside its engine's modules (Engine.preload).
-PRELOAD = ("rlsync.sync.engine_process", "rlsync.sync.ipc", "rlsync.sync.broadcast")
+# What a forked engine process should find imported already, beside its engine's and its transport's
+# receiver's modules (Engine.preload_modules, Receiver.preload_modules).
+PRELOAD = (__name__,)
 
 
 class EngineDied(RuntimeError):
@@ -66,7 +68,7 @@ def exit_description(code: int | None) -> str:
 class EngineServer:
     """The requests an engine process answers; `op` names a method."""
 
-    def __init__(self, engine, receiver):
+    def __init__(self, engine: Engine, receiver: Receiver):
         self.engine, self.receiver = engine, receiver
 
     def open(self):
@@ -105,7 +107,7 @@ def generator_here(sent: torch.device, engine_device: torch.device) -> torch.dev
     return engine_device if sent.type == engine_device.type else sent
 
 
-def serve(conn, spec, receiver, strategy: str) -> None:
+def serve(conn, spec: EngineSpec, receiver: Receiver, strategy: str) -> None:
     """Entry point of the engine process: build, answer "start", then serve until "close" or EOF.
 
     The trainer owns the engine's lifetime: a Ctrl-C or SIGTERM sent to the whole process group must
@@ -194,8 +196,9 @@ class EngineProcess:
     `EngineProcess.remote(address, ...)` talks the same way to an engine started on its own.
     """
 
-    def __init__(self, spec, receiver, *, strategy: str, timeout_s: float):
-        ctx = start_context(torch.device(spec.device), engine_class(spec.rollout.engine).preload_modules())
+    def __init__(self, spec: EngineSpec, receiver: Receiver, *, strategy: str, timeout_s: float):
+        preload = (*engine_class(spec.rollout.engine).preload_modules(), *receiver.preload_modules())
+        ctx = start_context(torch.device(spec.device), preload)
         conn, child = ctx.Pipe(duplex=True)
         process = ctx.Process(target=serve, args=(child, spec, receiver, strategy), name="rlsync-engine", daemon=True)
         process.start()
@@ -204,7 +207,7 @@ class EngineProcess:
                      ended=lambda: f"died with {exit_description(process.exitcode)}")
 
     @classmethod
-    def remote(cls, address: str, receiver, *, timeout_s: float, connect_timeout_s: float) -> "EngineProcess":
+    def remote(cls, address: str, receiver: Receiver, *, timeout_s: float, connect_timeout_s: float) -> "EngineProcess":
         """The engine serving at `address` (sync/remote.py): open a session with this trainer's receiver
         (the update's plan and settings) and wait until the engine has checked that plan against its model."""
         from rlsync.sync.remote import RemotePeer, open_session
@@ -385,7 +388,7 @@ class EngineProcess:
         raise EngineDied(self._death(what)) from None
 
 
-class ForwardsToEngineProcess:
+class ForwardsToEngineProcess(Transport):
     """The engine-handle calls that only forward to the engine process (`self.process`); the ipc and
     broadcast handles differ in how weights travel, not in these."""
 

@@ -23,28 +23,31 @@ from collections import deque
 
 import torch
 
+from rlsync.config import UpdateConfig
+from rlsync.engines.base import Engine, EngineSpec
 from rlsync.sync import flat
+from rlsync.sync.base import Receiver, UpdateResult
 from rlsync.sync.buckets import Bucket, largest_bucket_bytes
 from rlsync.sync.engine_process import EngineProcess, ForwardsToEngineProcess
 from rlsync.sync.threads import cpu_threads
 from rlsync.timing import DeviceMemory, unit_timer
 
 
-class IpcReceiver:
+class IpcReceiver(Receiver):
     """The engine-side half: loads named views of a shared staging buffer (pickled to the engine process)."""
 
     def __init__(self, buckets: list[Bucket], *, slots: list[torch.Tensor], flat_weights: list[torch.Tensor] | None,
                  copy_threads: int):
         self.buckets, self.slots, self.flat, self.copy_threads = buckets, slots, flat_weights, copy_threads
 
-    def open(self, engine) -> dict:
+    def open(self, engine: Engine) -> dict:
         self.metas = {s.meta.name: s.meta for b in self.buckets for s in b.slots}
         if self.flat is not None:
             flat.bind(engine.weights, self.buckets, self.flat)
         return {}
 
     @torch.no_grad()
-    def handle(self, engine, request: tuple) -> dict:
+    def handle(self, engine: Engine, request: tuple) -> dict:
         kind, key, slot = request
         device = engine.device
         timer, memory, row = unit_timer(device), DeviceMemory(device), {}
@@ -65,7 +68,7 @@ class IpcReceiver:
 
 
 class IpcEngine(ForwardsToEngineProcess):
-    def __init__(self, spec, buckets: list[Bucket], cfg):
+    def __init__(self, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig):
         self.device = torch.device(spec.device)
         self.buckets, self.strategy = buckets, cfg.strategy
         self.dtype = buckets[0].dtype
@@ -78,7 +81,6 @@ class IpcEngine(ForwardsToEngineProcess):
             slot_numel = max(s.meta.numel for b in buckets for s in b.slots)
         count = cfg.inflight_buckets if slot_numel else 0
         self.slots = [flat.empty(slot_numel, self.dtype, self.device, shared=True) for _ in range(count)]
-        self.last_update_buckets: list[dict] = []
         receiver = IpcReceiver(buckets, slots=self.slots, flat_weights=self.flat, copy_threads=cfg.copy_threads)
         self.process = EngineProcess(spec, receiver, strategy=cfg.strategy, timeout_s=cfg.engine_timeout_s)
         try:
@@ -94,9 +96,9 @@ class IpcEngine(ForwardsToEngineProcess):
         return [(("tensor", name), t.numel(), name) for name, t in weights.items()]
 
     @torch.no_grad()
-    def update_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, float]:
+    def send_weights(self, weights: dict[str, torch.Tensor]) -> UpdateResult:
         timer = unit_timer(self.device)
-        rows = self.last_update_buckets = []
+        rows: list[dict] = []
         engine_peak = 0
         if not self.slots:  # flat engine weights: pack into them, then one message
             for bucket, buffer in zip(self.buckets, self.flat):
@@ -129,9 +131,8 @@ class IpcEngine(ForwardsToEngineProcess):
             load = sum(r["load_time"] for r in rows)
         timer.resolve()
         staging = sum(s.numel() * s.element_size() for s in self.slots)  # shared: the same pages on both sides
-        return {"perf/update_weights_pack_time": timer.seconds["pack"], "perf/update_weights_transfer_time": transfer,
-                "perf/update_weights_load_time": load, "perf/update_weights_staging_bytes": staging,
-                "perf/update_weights_engine_peak_bytes": engine_peak}
+        return UpdateResult({"pack": timer.seconds["pack"], "transfer": transfer, "load": load}, rows,
+                            staging_bytes=staging, engine_peak_bytes=engine_peak)
 
     def _finish(self, row: dict) -> int:
         reply = self.process.reply("update")

@@ -1,0 +1,143 @@
+"""What every transport is: the `Transport` handle, what an update returns, the engine-process half
+(`Receiver`), and the registry of transports.
+
+A transport is the engine as the step loop sees it: `generate`, `release`, `resume`, `update_weights`
+(the trainer's weights into the engine, returning an `UpdateResult`), `weights`, `checksums`, `close`.
+Where the engine lives (this process, its own) and how the weights travel are the transport's.
+
+The registry maps `update.transport` to a transport class; the config rule for that key offers its
+names. Adding a transport is one module holding a `Transport` subclass and one line:
+
+    register_transport("mine", "mypackage.mine:MyTransport")   # resolved on first use: no import now
+    register_transport("mine", MyTransport)                    # or the class itself
+
+`register_transport("mine")` also works as a class decorator. A transport whose engine runs in its
+own process plugs its engine-side half into `rlsync.sync.engine_process` as a `Receiver`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from rlsync.config import UpdateConfig
+from rlsync.engines.base import Engine, EngineSpec, Generation, checksum
+from rlsync.registry import Registry
+from rlsync.sync.buckets import Bucket
+
+STRATEGIES = ("bucketed", "per_tensor", "vllm_ipc")  # vllm_ipc: vLLM's own transfer (rollout.engine=vllm, CUDA)
+SOURCES = ("device", "host")
+BACKENDS = ("auto", "gloo")  # not nccl: it refuses two ranks on one GPU, where the colocated engine sits
+
+
+@dataclass
+class UpdateResult:
+    """What one weight update measured, beside the time the caller takes around it."""
+
+    seconds: dict[str, float]  # per phase a transport can tell apart: "pack", "transfer", "load"
+    buckets: list[dict] = field(default_factory=list)  # per bucket (or tensor): "bytes" and "<phase>_time"
+    staging_bytes: int = 0  # staging buffers held for the update, both sides of a process boundary, each once
+    engine_peak_bytes: int = 0  # what the engine process's allocator handed out beyond them (CUDA)
+
+    def split_metrics(self) -> dict[str, float]:
+        """`perf/update_weights_<phase>_time` per phase."""
+        return {f"perf/update_weights_{phase}_time": s for phase, s in self.seconds.items()}
+
+
+class Transport(ABC):
+    """The rollout engine behind one way of moving weights to it, as the step loop drives it.
+
+    `open` builds it from the run's engine spec, the bucket plan and update config (every transport
+    the same way); `update_weights` returns what the update measured and keeps it as `last_update`.
+    """
+
+    last_update: UpdateResult | None = None
+
+    @classmethod
+    def open(cls, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig) -> "Transport":
+        """Start the engine `spec` describes behind this transport, for the update `buckets` plans."""
+        return cls(spec, buckets, cfg)
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                 generator: torch.Generator) -> Generation:
+        """The engine's `generate`, wherever it runs; `generator` comes back advanced as if it ran here."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """The engine gives its memory back (the trainer's turn)."""
+
+    @abstractmethod
+    def resume(self) -> None:
+        """The engine takes its memory back (before the update and the rollout)."""
+
+    def update_weights(self, weights: dict[str, torch.Tensor]) -> UpdateResult:
+        """The trainer's `weights` (trainer names and dtype) into the engine, by the bucket plan."""
+        self.last_update = self.send_weights(weights)
+        return self.last_update
+
+    @abstractmethod
+    def send_weights(self, weights: dict[str, torch.Tensor]) -> UpdateResult:
+        """The transport's update: what `update_weights` does, without keeping the result."""
+
+    @property
+    def last_update_buckets(self) -> list[dict]:
+        """The last update's rows, per bucket (or tensor): bytes and seconds per phase."""
+        return self.last_update.buckets if self.last_update is not None else []
+
+    @abstractmethod
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The engine's weights by the trainer's names (an engine in its own process: CPU copies)."""
+
+    def checksums(self) -> dict[str, int]:
+        """One checksum per engine weight (update.verify); a transport may compute them where the engine is."""
+        return {name: checksum(t) for name, t in self.weights().items()}
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the engine and free what the transport holds; safe to call twice."""
+
+
+class Receiver(ABC):
+    """The engine-side half of a transport whose engine runs in its own process (sync/engine_process.py).
+
+    It is pickled to the engine process, which calls `open` once the engine is built, `handle` for each
+    update request, and `close` on its way out. Results travel back to the trainer as plain dicts.
+    """
+
+    # Modules beyond its own that a forked engine process imports before its first engine (as Engine.preload).
+    preload: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def preload_modules(cls) -> tuple[str, ...]:
+        """What an engine process imports before its first engine: this class's module and `preload`."""
+        return (cls.__module__, *cls.preload)
+
+    @abstractmethod
+    def open(self, engine: Engine) -> dict:
+        """Set up this side of the transport for `engine` (buffers, a process group); the reply's result."""
+
+    @abstractmethod
+    def handle(self, engine: Engine, request: tuple) -> dict:
+        """One update request from the trainer's side, into `engine`; the reply's result."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Free what `open` took; called once, as the engine process ends."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The registry: update.transport -> transport class
+# ----------------------------------------------------------------------------------------------
+
+TRANSPORTS: Registry[Transport] = Registry("update.transport", {
+    "direct": "rlsync.sync.direct:LocalEngine",  # the engine in the trainer's process
+    "ipc": "rlsync.sync.ipc:IpcEngine",  # the engine in its own process; buckets through shared staging buffers
+    "broadcast": "rlsync.sync.broadcast:BroadcastEngine",  # the engine in its own process; one broadcast per bucket
+})
+register_transport = TRANSPORTS.register  # register_transport("mine", "mypackage.mine:Mine"), or as a decorator
+transport_names = TRANSPORTS.names  # the values update.transport accepts, in registration order
+transport_class = TRANSPORTS.resolve  # the class registered under a name, imported the first time

@@ -1,0 +1,104 @@
+"""An engine and a transport registered from this file alone (no rlsync file names them) carry whole
+steps of the real runner, with update.verify=true passing; validation offers their names."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import FAST, read_jsonl
+from rlsync.config import UpdateConfig
+from rlsync.engines.base import ENGINES, EngineSpec, register_engine
+from rlsync.engines.hf import HFEngine
+from rlsync.errors import ConfigError
+from rlsync.experiment import run_experiment
+from rlsync.sync.base import TRANSPORTS, Transport, UpdateResult, register_transport
+from rlsync.sync.buckets import Bucket
+from rlsync.timing import HostTimer
+from rlsync.validate import validate
+
+SMALL_MODEL = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2", "model.head_dim=16",
+               "model.vocab_size=300"]
+
+
+class ToyEngine(HFEngine):
+    """The HF engine, counting the tensors it is handed."""
+
+    loaded = 0
+
+    def load_weights(self, named) -> None:
+        named = list(named)
+        type(self).loaded += len(named)
+        super().load_weights(named)
+
+
+class ToyTransport(Transport):
+    """The engine in this process, its weights handed over one tensor at a time: no buckets, no staging.
+
+    It keeps `Transport`'s own `checksums` (computed from `weights()`), which update.verify compares."""
+
+    updates = 0
+
+    def __init__(self, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig):
+        self.engine = spec.build(strategy=cfg.strategy)
+
+    def generate(self, prompts, **kwargs):
+        return self.engine.generate(prompts, **kwargs)
+
+    def release(self) -> None:
+        self.engine.release()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def send_weights(self, weights: dict[str, torch.Tensor]) -> UpdateResult:
+        type(self).updates += 1
+        timer, rows = HostTimer(), []
+        for name, tensor in weights.items():
+            rows.append({"bytes": tensor.numel() * self.engine.dtype.itemsize})
+            with timer("load", rows[-1]):
+                self.engine.load_weights([(name, tensor)])
+        return UpdateResult(dict(timer.seconds), rows)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.engine.weights
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+@pytest.fixture
+def toys():
+    """`rollout.engine=toy` and `update.transport=toy`, registered for one test."""
+    register_engine("toy", ToyEngine)
+    register_transport("toy", ToyTransport)
+    ToyEngine.loaded = ToyTransport.updates = 0
+    yield "toy"
+    ENGINES.pop("toy")
+    TRANSPORTS.pop("toy")
+
+
+def test_a_registered_engine_and_transport_run_whole_steps_with_verify_passing(compose, toys, tmp_path):
+    cfg = compose(*FAST, *SMALL_MODEL, "wandb.mode=disabled", f"rollout.engine={toys}", f"update.transport={toys}",
+                  "update.verify=true")
+    validate(cfg)
+    run_experiment(cfg, tmp_path, name="test", group="test")
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["verification"] == "passed"
+    assert summary["setup"]["transport"] == toys and summary["setup"]["engine"] == toys
+    assert len(rows) == 3
+    assert all(r["perf/update_weights_bytes"] > 0 and r["perf/update_weights_load_time"] > 0 for r in rows)
+    assert all("perf/update_weights_pack_time" not in r for r in rows)  # only the phases it reports
+    tensors = summary["model"]["tensors"]
+    assert ToyTransport.updates == 4  # the first sync, then one update per step
+    assert ToyEngine.loaded == 4 * tensors  # tensor by tensor
+
+
+def test_an_unknown_transport_is_one_line_naming_the_registered_ones(compose, toys):
+    with pytest.raises(ConfigError) as caught:
+        validate(compose("update.transport=nccl"))
+    assert str(caught.value) == "update.transport=nccl: not allowed (allowed: direct, ipc, broadcast, toy)"
+    validate(compose(f"update.transport={toys}"))  # the registered name passes the same rule
