@@ -47,7 +47,7 @@ register_configs()
 
 def build_engine(cfg: EngineAppConfig):
     """The engine the config describes, on this machine's device (its weights filled by the first update)."""
-    from rlsync.experiment import resolve_device
+    from rlsync.devices import resolve_device
     from rlsync.models import build_tokenizer
     from rlsync.engines.base import EngineSpec
 
