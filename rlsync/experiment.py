@@ -212,7 +212,7 @@ class Experiment:
             engine.release()  # ... and hands it to the trainer until the next rollout
         rewards, advantages = score_rollout(gen, prompts, self.tokenizer, group_size=cfg.rollout.samples_per_prompt,
                                             device=self.device)
-        return gen, advantages, rollout_metrics(gen, rewards)
+        return gen, advantages, rollout_stats(gen, rewards)
 
     def update_source(self) -> dict[str, torch.Tensor]:
         """The trainer's weights by name: live on the device, or their offloaded host copies."""
@@ -240,6 +240,7 @@ class Experiment:
                 self.offloader.close()
 
     def summary(self) -> dict:
+        """summary.json from what the recorder kept and what setup() found."""
         return run_summary(self.cfg, self.recorder, setup_info=self.setup_info, device=self.device, ranks=self.dp.world,
                            memory=self.memory)
 
@@ -259,7 +260,7 @@ def score_rollout(gen: Generation, prompts: list[Prompt], tokenizer, *, group_si
     return rewards, group_advantages(rewards, group_size).to(device)
 
 
-def rollout_metrics(gen: Generation, rewards: torch.Tensor) -> dict[str, float]:
+def rollout_stats(gen: Generation, rewards: torch.Tensor) -> dict[str, float]:
     """The rollout's mean reward, mean answer length and share of answers cut at max_response_len."""
     return {
         "rollout/reward_mean": rewards.mean().item(),
