@@ -30,10 +30,20 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from rlsync.bench_offload import OffloadTarget
 from rlsync.config import BenchAppConfig, register_configs, to_dict
+from rlsync.devices import explicit_device, resolve_device, select_device
+from rlsync.engines.base import EngineSpec
 from rlsync.errors import cli, job_errors
-from rlsync.fmt import MIB, error_line, fmt_bytes, fmt_seconds, fmt_spread, markdown_table
+from rlsync.fmt import MIB, fmt_bytes, fmt_seconds, fmt_spread, markdown_table
 from rlsync.launcher import hydra_job
+from rlsync.limits import Limits
+from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
+from rlsync.offload import Offloader
+from rlsync.recorder import Recorder, machine_info
+from rlsync.summary import stats_over
+from rlsync.sync import open_engine, plan_for, update_weights
+from rlsync.validate import checked_config
 
 register_configs()
 
@@ -44,13 +54,6 @@ class UpdateTarget:
     name = "update"
 
     def __init__(self, cfg: BenchAppConfig, device: torch.device):
-        from rlsync.limits import Limits
-        from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
-        from rlsync.offload import Offloader
-        from rlsync.devices import explicit_device
-        from rlsync.engines.base import EngineSpec
-        from rlsync.sync import open_engine, plan_for
-
         self.cfg, self.device = cfg, device
         self.engine = self.offloader = None
         t0 = time.perf_counter()
@@ -72,9 +75,10 @@ class UpdateTarget:
 
         update_bytes = sum(b.nbytes for b in self.buckets)
         read_bytes = sum(t.numel() * t.element_size() for t in self.weights.values())
-        self.limits = Limits(device, update_bytes=update_bytes, state_bytes=read_bytes)
-        self.limit_time = self.limits.update_time(read_bytes, update_bytes, source=cfg.update.source)
-        self.probe = CopyProbe(device, update_bytes=update_bytes, read_bytes=read_bytes, source=cfg.update.source)
+        self.limits = Limits(device, update_bytes=update_bytes, state_bytes=read_bytes, read_bytes=read_bytes,
+                             source=cfg.update.source)
+        self.limit_time = self.limits.update_limit
+        self.probe = self.limits.update_probe()  # the same floor, re-timed beside each repeat (a shared machine drifts)
         self.setup = {
             "build_time": build_time, "update_bytes": update_bytes, "read_bytes": read_bytes,
             "tensors": len(self.weights), "params": sum(t.numel() for t in self.weights.values()),
@@ -83,8 +87,6 @@ class UpdateTarget:
         }
 
     def repeat(self) -> dict[str, float]:
-        from rlsync.sync import update_weights
-
         return update_weights(self.engine, self.source, buckets=self.buckets, cfg=self.cfg.update, device=self.device,
                               limit_time=self.probe.limit_time())
 
@@ -102,52 +104,7 @@ class UpdateTarget:
             self.offloader = None
 
 
-class CopyProbe:
-    """The plain copy the limit is made of, re-timed right before every repeat.
-
-    On a shared machine the memory bandwidth drifts with the neighbours' load (the limit measured
-    once at setup varied 2x between runs here), so each repeat is compared with a copy timed next
-    to it: the ratio then speaks about the update, not about the load. Same formulas as
-    rlsync.limits (read + written bytes over the same-memory copy bandwidth; the host copy's bytes,
-    as they cross the link, over the host->device bandwidth for `source=host` on a GPU); buffers
-    allocated and touched once.
-    """
-
-    def __init__(self, device: torch.device, *, update_bytes: int, read_bytes: int, source: str):
-        from rlsync.limits import PROBE_CAP_BYTES, crosses_host_link, update_floor_bytes
-
-        self.device = device
-        host_link = crosses_host_link(source, device.type)
-        n = max(MIB, min(update_bytes, PROBE_CAP_BYTES))
-        self.src = torch.empty(n, dtype=torch.uint8, device="cpu" if host_link else device, pin_memory=host_link)
-        self.src.fill_(1)
-        self.dst = torch.empty(n, dtype=torch.uint8, device=device)
-        self.dst.copy_(self.src)
-        self.moved = n if host_link else 2 * n  # bytes per copy, counted as the bandwidth is
-        self.floor_bytes = update_floor_bytes(read_bytes, update_bytes, source=source, device_type=device.type)
-
-    def limit_time(self, tries: int = 3) -> float:
-        from rlsync.sync.threads import cpu_threads
-        from rlsync.timing import synchronize
-
-        best = float("inf")
-        with cpu_threads(1, self.device):  # one thread reaches memcpy speed (rlsync.sync.threads)
-            for _ in range(tries):
-                synchronize(self.device)
-                start = time.perf_counter()
-                self.dst.copy_(self.src, non_blocking=True)
-                synchronize(self.device)
-                best = min(best, time.perf_counter() - start)
-        return self.floor_bytes / (self.moved / best)
-
-
-def _offload_target(cfg: BenchAppConfig, device: torch.device):
-    from rlsync.bench_offload import OffloadTarget  # the trainer's sleep + wake-up (rlsync/bench_offload.py)
-
-    return OffloadTarget(cfg, device)
-
-
-TARGETS = {"update": UpdateTarget, "offload": _offload_target}  # bench.target's choices (its rule in rlsync/config.py)
+TARGETS = {"update": UpdateTarget, "offload": OffloadTarget}  # bench.target's choices (its rule in rlsync/config.py)
 
 
 def open_target(cfg: BenchAppConfig, device: torch.device):
@@ -160,81 +117,53 @@ def open_target(cfg: BenchAppConfig, device: torch.device):
 
 
 def run_bench(cfg: BenchAppConfig, run_dir: Path, *, name: str, group: str, overrides: list[str] = ()) -> dict:
-    from rlsync.runlock import RunLock
-    from rlsync.sinks import wandb_run
-
     try:
-        with RunLock(run_dir), wandb_run(cfg.wandb, run_dir=run_dir, name=name, group=group, config=to_dict(cfg),
-                                         job_type="bench") as wb:  # one live run per directory, as the runner's
-            return Bench(cfg, run_dir, overrides=list(overrides)).run(wb)
+        with Recorder(run_dir, cfg.wandb, name=name, group=group, job_type="bench", config=to_dict(cfg),
+                      overrides=overrides) as recorder:  # one live run per directory, as the runner's
+            recorder.start()  # W&B and metrics.jsonl; no per-repeat console lines: the table at the end
+            return Bench(cfg, recorder).run()
     finally:
         gc.collect()  # the next sweep job gets this one's memory back
 
 
 class Bench:
-    def __init__(self, cfg: BenchAppConfig, run_dir: Path, *, overrides: list[str]):
-        from rlsync.experiment import resolve_device
-
-        self.cfg, self.run_dir, self.overrides = cfg, run_dir, overrides
+    def __init__(self, cfg: BenchAppConfig, recorder: Recorder):
+        self.cfg, self.recorder = cfg, recorder
         self.device = resolve_device(cfg.run.device)
-        self.rows: list[dict] = []
         self.breakdowns: list[list[dict]] = []  # per timed repeat
-        self.status, self.error = "running", None
         self.setup: dict = {}
+        self.target = None
 
-    def run(self, wb) -> dict:
-        from rlsync.sinks import MetricsFile
-
-        from rlsync.devices import select_device
-
+    def run(self) -> dict:
+        """`bench.warmup` untimed repeats, then `bench.repeats` timed ones, each recorded; the summary
+        however the benchmark ends, the closing table when every repeat finished."""
         cfg = self.cfg
         select_device(self.device)  # cuda:N: N current before any CUDA work (syncs, events, the allocator)
         torch.manual_seed(cfg.run.seed)
-        metrics_file = MetricsFile(self.run_dir)
-        target = None
-        try:
-            target = open_target(cfg, self.device)
+        with self.recorder.steps(release=self.close, summarize=self.summary, closing=self.print_table) as record:
+            self.target = target = open_target(cfg, self.device)
             self.setup = target.setup
             for step in range(cfg.bench.warmup + cfg.bench.repeats):
                 row = {"step": step, **target.repeat()}
                 if step >= cfg.bench.warmup:
                     self.breakdowns.append(target.breakdown())
-                self.rows.append(row)
-                metrics_file.write(row)
-                wb.log(row)
-            self.status = "finished"
-        except BaseException as err:
-            self.status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
-            self.error = error_line(err)
-            raise
-        finally:
-            metrics_file.close()
-            try:
-                if target is not None:
-                    target.close()
-            finally:
-                result = self.write_summary()
-                wb.summarize(result)
-                if self.status == "finished":
-                    print(target_table(cfg.bench.target)(result))
-        return result
+                record(row)
+        return self.recorder.result
 
-    def write_summary(self) -> dict:
-        from rlsync.experiment import machine_info
-        from rlsync.sinks import write_json
-        from rlsync.summary import stats_over
+    def close(self) -> None:
+        if self.target is not None:
+            self.target.close()
 
-        cfg, update = self.cfg, self.cfg.update
-        measured = sum(1 for r in self.rows if r["step"] >= cfg.bench.warmup)
+    def print_table(self, result: dict) -> None:
+        if result["status"] == "finished":
+            print(target_table(self.cfg.bench.target)(result))
+
+    def summary(self) -> dict:
+        cfg, update, recorder = self.cfg, self.cfg.update, self.recorder
         result = {
             "kind": "bench",
             "target": cfg.bench.target,
-            "status": self.status,
-            "error": self.error,
-            "steps_requested": cfg.bench.warmup + cfg.bench.repeats,
-            "steps_finished": len(self.rows),
-            "warmup_steps": cfg.bench.warmup,
-            "measured_steps": measured,
+            **recorder.progress(steps=cfg.bench.warmup + cfg.bench.repeats, warmup_steps=cfg.bench.warmup),
             "model": {"name": cfg.model.name, **{k: self.setup.get(k) for k in ("params", "tensors", "update_bytes")}},
             "setup": {"transport": update.transport, "strategy": update.strategy, "bucket_mb": update.bucket_mb,
                       "source": update.source, "inflight_buckets": update.inflight_buckets,
@@ -246,15 +175,15 @@ class Bench:
                       "build_time": self.setup.get("build_time")},
             "limits": self.setup.get("limits"),
             "offload": self.setup.get("offload"),  # bench.target=offload: state, bytes, first-touch cost
-            "metrics": stats_over(self.rows, cfg.bench.warmup),
+            "metrics": stats_over(recorder.rows, cfg.bench.warmup),
             "buckets": bucket_medians(self.breakdowns),
             "machine": machine_info(self.device),
-            "overrides": self.overrides,
+            "overrides": recorder.overrides,
             "config": to_dict(cfg),
         }
-        if measured < cfg.bench.repeats:
-            result["warning"] = f"only {measured} of {cfg.bench.repeats} timed repeats finished ({self.status})"
-        write_json(self.run_dir / "summary.json", result)
+        if result["measured_steps"] < cfg.bench.repeats:
+            result["warning"] = (f"only {result['measured_steps']} of {cfg.bench.repeats} timed repeats finished "
+                                 f"({recorder.status})")
         return result
 
 
@@ -282,8 +211,6 @@ def bucket_medians(breakdowns: list[list[dict]]) -> list[dict]:
 def target_table(target: str):
     """The closing table of a target: its own where it has one."""
     if target == "offload":
-        from rlsync.bench_offload import OffloadTarget
-
         return OffloadTarget.closing_table
     return closing_table
 
@@ -326,8 +253,6 @@ def closing_table(result: dict) -> str:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench")
 def hydra_main(dcfg: DictConfig) -> None:
-    from rlsync.validate import checked_config
-
     hc = HydraConfig.get()
     run_dir, sweep_dir, name = hydra_job(hc)
     with job_errors(run_dir, sweep_job=f"{hc.job.num} ({name})" if hc.mode == RunMode.MULTIRUN else None):

@@ -29,9 +29,11 @@ import torch
 from rlsync.config import ModelConfig
 from rlsync.devices import device_memory_metrics
 from rlsync.fmt import MIB, fmt_bytes, fmt_seconds, fmt_spread, markdown_table
+from rlsync.limits import Limits, best_copy_seconds
 from rlsync.metrics import phase_named
+from rlsync.models import build_model, torch_dtype
 from rlsync.offload import PIN_CHUNK_BYTES, Offloader, empty_host_cache, link_metrics
-from rlsync.timing import Stopwatch, synchronize
+from rlsync.timing import Stopwatch
 
 STATES = ("trainer", "params")
 PROBE_BYTES = 256 * 2**20  # 8x this machine's L3: a DRAM copy, and little memory beside a 19 GB state
@@ -53,14 +55,7 @@ class LinkProbe:
 
     def bandwidth(self, dst: torch.Tensor, src: torch.Tensor, tries: int = 3) -> float:
         """Payload bytes per second, one way."""
-        best = float("inf")
-        for _ in range(tries):
-            synchronize(self.device)
-            start = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            synchronize(self.device)
-            best = min(best, time.perf_counter() - start)
-        return PROBE_BYTES / best
+        return PROBE_BYTES / best_copy_seconds(dst, src, tries, budget_s=0.0, warm_up=False)  # touched at init
 
     def to_host(self) -> float:
         return self.bandwidth(self.on_host, self.on_device)
@@ -75,9 +70,6 @@ class OffloadState:
     def __init__(self, model_cfg: ModelConfig, *, device: torch.device, trainer_dtype: str = "float32",
                  mode: str = "full", state: str = "trainer", memory: str = "auto", segment_bytes: int = 128 * MIB,
                  free_device: bool | None = None, seed: int = 0, pin_chunk_bytes: int = PIN_CHUNK_BYTES):
-        from rlsync.limits import Limits
-        from rlsync.models import build_model, torch_dtype
-
         self.device = device
         t0 = time.perf_counter()
         self.model = build_model(model_cfg, dtype=torch_dtype(trainer_dtype), device=device, seed=seed)

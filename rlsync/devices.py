@@ -14,6 +14,13 @@ import torch
 GB = 1e9
 
 
+def resolve_device(name: str) -> torch.device:
+    """run.device: "auto" (CUDA when there is one, else the CPU) or a device name as torch spells it."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def cuda_index_to_select(device: torch.device) -> int | None:
     """The CUDA device index to make current for work on `device`; None: nothing to select.
 

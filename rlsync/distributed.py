@@ -245,17 +245,3 @@ class DataParallel:
             if differing:
                 raise WeightMismatch(f"data-parallel rank {rank} holds different trainer weights from rank 0 after "
                                      f"the step ({len(differing)} tensors, first {differing[0]!r})")
-
-
-class Silent:
-    """The console and metrics file of ranks > 0: rank 0 records every step, merged."""
-
-    def write(self, row: dict) -> None:
-        pass
-
-    def step(self, row: dict) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-

@@ -45,7 +45,7 @@ from rlsync.engine_app import Control, log
 from rlsync.engine_http import guarded_protocol, quiet_uvicorn
 from rlsync.engines.base import EngineSpec
 from rlsync.errors import ConfigError, RlsyncError, StopOnSignals, cli, job_errors
-from rlsync.experiment import resolve_device
+from rlsync.devices import resolve_device
 from rlsync.models import build_tokenizer
 from rlsync.sync.remote import DEFAULT_PORT, TOKEN_ENV, parse_address
 from rlsync.validate import checked_config

@@ -11,7 +11,6 @@ Every phase is timed with the device synchronized at its boundaries.
 
 from __future__ import annotations
 
-import platform
 import random
 import sys
 import time
@@ -22,37 +21,28 @@ import torch
 from rlsync import memory
 from rlsync import summary as summaries
 from rlsync.config import MIB, Config, to_dict
-from rlsync.devices import device_memory_metrics, explicit_device, sampler, select_device
-from rlsync.distributed import DataParallel, Silent
-from rlsync.errors import StopOnSignals, WriteFailed
-from rlsync.fmt import error_line
+from rlsync.devices import device_memory_metrics, explicit_device, resolve_device, sampler, select_device
+from rlsync.distributed import DataParallel
 from rlsync.limits import Limits
 from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.engines.base import EngineSpec, Generation, answer_ids
 from rlsync.offload import Offloader, link_metrics
-from rlsync.runlock import RunLock
-from rlsync.sinks import Console, MetricsFile, WandbRun, wandb_run, write_json
+from rlsync.recorder import Recorder, machine_info
 from rlsync.sync import WeightMismatch, is_out_of_memory, open_engine, out_of_memory, plan_for, update_weights
 from rlsync.tasks import Prompt, make_prompts, reward
 from rlsync.timing import Stopwatch
 from rlsync.trainer import Trainer, group_advantages
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def run_experiment(cfg: Config, run_dir: Path, *, name: str, group: str, overrides: list[str] = ()) -> dict:
     with DataParallel.from_env() as dp:  # a single process, or one rank of a data-parallel launch
-        if not dp.is_main:  # ranks > 0 train their share and write nothing: rank 0 records every step
-            return Experiment(cfg, run_dir, overrides=list(overrides), dp=dp).run(WandbRun(None))
-        with RunLock(run_dir):  # one live run per directory: a second one stops here, touching nothing
-            memory = memory_fit(cfg, dp.device(resolve_device(cfg.run.device)))  # before any model is built
-            with wandb_run(cfg.wandb, run_dir=run_dir, name=name, group=group, config=to_dict(cfg), job_type="run") as wb:
-                result = Experiment(cfg, run_dir, overrides=list(overrides), dp=dp, memory=memory).run(wb)
-    return result
+        # Ranks > 0 train their share and write nothing: rank 0 records every step. Rank 0 holds the
+        # run directory: a second live run in it stops here, touching nothing.
+        with Recorder(run_dir, cfg.wandb, name=name, group=group, job_type="run", config=to_dict(cfg),
+                      overrides=overrides, enabled=dp.is_main) as recorder:
+            memory = memory_fit(cfg, dp.device(resolve_device(cfg.run.device))) if dp.is_main else None  # before any model
+            recorder.start(console_steps=cfg.run.steps, progress=cfg.run.progress, warmup_steps=cfg.run.warmup_steps)
+            return Experiment(cfg, recorder, dp=dp, memory=memory).run()
 
 
 def memory_fit(cfg: Config, device: torch.device) -> dict:
@@ -64,64 +54,30 @@ def memory_fit(cfg: Config, device: torch.device) -> dict:
 
 
 class Experiment:
-    def __init__(self, cfg: Config, run_dir: Path, *, overrides: list[str] = (), dp: DataParallel | None = None,
+    def __init__(self, cfg: Config, recorder: Recorder | None = None, *, dp: DataParallel | None = None,
                  memory: dict | None = None):
-        self.cfg, self.run_dir, self.overrides = cfg, run_dir, list(overrides)
+        self.cfg = cfg
+        self.recorder = recorder or Recorder(Path("."), enabled=False)  # run dir, files, W&B, signals, summary.json
         self.memory = memory  # run_experiment's estimate: summary.json puts the measured peak beside it
-        self.summary_failure: WriteFailed | None = None
         self.dp = dp or DataParallel()
-        self.rows: list[dict] = []
-        self.status, self.error, self.failure = "running", None, None
         self.engine = None  # set by setup() as soon as the engine is open
         self.device = self.dp.device(resolve_device(cfg.run.device))
         self.setup_info: dict = {}
         self.limits: Limits | None = None  # the copy floors, measured by rank 0 in setup()
         self.offloader: Offloader | None = None  # set by setup()
 
-    def run(self, wb) -> dict:
-        cfg = self.cfg
-        recording = self.dp.is_main  # ranks > 0 write nothing
-        metrics_file = MetricsFile(self.run_dir) if recording else Silent()
-        console = (Console(cfg.run.steps, enabled=cfg.run.progress, warmup_steps=cfg.run.warmup_steps)
-                   if recording else Silent())
-        # SIGINT / SIGTERM raise Interrupted here: the step in progress is dropped, the finished ones kept.
-        with StopOnSignals() as stop:
-            try:
-                engine = self.setup()
-                for step in range(cfg.run.steps):
-                    self.measure_limits(step)
-                    row = {"step": step, **self.step(step, engine)}
-                    with stop.deferred():  # a finished step is recorded whole (file, W&B, console) or not at all
-                        self.rows.append(row)
-                        metrics_file.write(row)
-                        wb.log(row)
-                        console.step(row)
-                self.status = "finished"
-            except BaseException as err:
-                cause = self.dp.failed_rank(err)  # data parallel: stopped by another rank's failure?
-                if cause is not None:
-                    self.status, self.error, self.failure = "failed", str(cause), cause
-                    raise cause from err
-                self.status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
-                self.error, self.failure = error_line(err), err
-                raise
-            finally:
-                console.close()
-                metrics_file.close()
-                close_error = close_engine(self.engine)
-                if self.offloader is not None:  # its pinned twin goes back: a sweep's next job pins its own
-                    self.offloader.close()
-                result = self.write_summary()
-                wb.summarize(result)
-                if self.rows and recording:
-                    print_closing(result)
-            if close_error is not None:
-                raise close_error
-            if self.summary_failure is not None:  # every step finished; only the summary is missing
-                raise WriteFailed(self.summary_failure.path, self.summary_failure.err,
-                                  f"; all {len(self.rows)} finished step(s) are kept in {metrics_file.path}") \
-                    from self.summary_failure
-        return result
+    def run(self) -> dict:
+        """Set up, then the steps, each recorded once finished; the summary however the run ends.
+
+        SIGINT / SIGTERM raise Interrupted here: the step in progress is dropped, the finished ones kept."""
+        with self.recorder.steps(release=self.close, summarize=self.summary, closing=print_closing,
+                                 cause=self.dp.failed_rank) as record:  # data parallel: stopped by another rank?
+            engine = self.setup()
+            for step in range(self.cfg.run.steps):
+                if step > 0 and self.limits is not None and self.cfg.run.limit_probe == "every_step":  # rank 0's
+                    self.limits.measure()  # the copy floors as the machine is now, outside the step's timing
+                record({"step": step, **self.step(step, engine)})
+        return self.recorder.result
 
     def setup(self):
         """Build trainer and engine, measure the copy limits, do the first update, put the trainer to sleep.
@@ -151,16 +107,16 @@ class Experiment:
         engine = self.open_engine(allowed) if self.dp.is_main else None  # rank 0 owns the engine and the update
         build_time = time.perf_counter() - t0
 
-        read_bytes = self.read_bytes = sum(t.numel() * t.element_size() for t in self.weights.values())
+        read_bytes = sum(t.numel() * t.element_size() for t in self.weights.values())
         self.setup_info = {"build_time": build_time, "tensors": len(self.weights),
                            "params": sum(t.numel() for t in self.weights.values())}
         if engine is not None:
             update_bytes = sum(b.nbytes for b in self.buckets)
-            self.limits = Limits(device, update_bytes=update_bytes,
-                                 state_bytes=self.offloader.state_bytes or 2 * read_bytes)
+            self.limits = Limits(device, update_bytes=update_bytes, state_bytes=self.offloader.state_bytes or 2 * read_bytes,
+                                 read_bytes=read_bytes, source=cfg.update.source)
             engine.update_weights(self.weights)  # the engine starts from the trainer's weights
             self.setup_info.update({"update_bytes": update_bytes, "buckets": len(self.buckets),
-                                    "limits": self.limits.as_dict(), "update_limit_time": self.update_limit})
+                                    "limits": self.limits.as_dict(), "update_limit_time": self.limits.update_limit})
         self.dp.broadcast_weights(model)  # data parallel: every rank starts from rank 0's weights
         # The first sleep moves the whole laid-out state (grads and optimizer state exist, as zeros), so
         # it warms every page of both sides: steps 0 and 1 then cost what later steps cost.
@@ -183,18 +139,6 @@ class Experiment:
                 raise out_of_memory(self.buckets, cfg.update, "opening the engine and its update buffers") from err
             raise
         return self.engine  # run() closes it, even if the rest of the setup fails
-
-    def measure_limits(self, step: int) -> None:
-        """Before a step, outside its timing: probe the copy floors again (run.limit_probe=every_step),
-        so each step's efficiencies compare it with the machine as it is now. Step 0 uses set-up's."""
-        if step == 0 or self.cfg.run.limit_probe != "every_step" or self.limits is None:
-            return  # data-parallel ranks > 0 hold no engine and report no limits
-        self.limits.measure()
-
-    @property
-    def update_limit(self) -> float:
-        """The update's floor: its bytes over the copy bandwidth last probed (rank 0)."""
-        return self.limits.update_time(self.read_bytes, self.limits.update_bytes, source=self.cfg.update.source)
 
     def step(self, step: int, engine) -> dict:
         cfg, watch, dp = self.cfg, Stopwatch(self.device), self.dp
@@ -234,7 +178,7 @@ class Experiment:
                         engine.resume()
                 with watch("update_weights"):
                     metrics.update(update_weights(engine, self.update_source(), buckets=self.buckets, cfg=cfg.update,
-                                                  device=self.device, limit_time=self.update_limit))
+                                                  device=self.device, limit_time=self.limits.update_limit))
             if cfg.update.source == "device":
                 self.trainer_sleep(watch, metrics)
 
@@ -268,12 +212,7 @@ class Experiment:
             engine.release()  # ... and hands it to the trainer until the next rollout
         rewards, advantages = score_rollout(gen, prompts, self.tokenizer, group_size=cfg.rollout.samples_per_prompt,
                                             device=self.device)
-        rollout_metrics = {
-            "rollout/reward_mean": rewards.mean().item(),
-            "rollout/response_len_mean": gen.response_mask.float().sum(1).mean().item(),
-            "rollout/truncated_ratio": gen.truncated.float().mean().item(),
-        }
-        return gen, advantages, rollout_metrics
+        return gen, advantages, rollout_stats(gen, rewards)
 
     def update_source(self) -> dict[str, torch.Tensor]:
         """The trainer's weights by name: live on the device, or their offloaded host copies."""
@@ -291,63 +230,24 @@ class Experiment:
         bandwidth measured in this run; memcpy on a CPU) and the efficiency (limit / time)."""
         return link_metrics(m, self.limits)
 
-    def verification(self) -> str:
-        """off | passed | failed: whether every update was checked to land the trainer's weights."""
-        if isinstance(self.failure, WeightMismatch):
-            return "failed"
-        if not (self.cfg.update.verify and self.cfg.update.enabled):
-            return "off"
-        return "passed" if self.rows else "not run"
+    def close(self) -> None:
+        """The engine (its process too), then the trainer's pinned twin: a sweep's next job pins its own."""
+        try:
+            if self.engine is not None:
+                self.engine.close()
+        finally:
+            if self.offloader is not None:
+                self.offloader.close()
 
-    def write_summary(self) -> dict:
-        cfg = self.cfg
-        stats = summaries.stats_over(self.rows, cfg.run.warmup_steps)
-        share = summaries.shares(stats)
-        setup = {"transport": cfg.update.transport, "strategy": cfg.update.strategy, "bucket_mb": cfg.update.bucket_mb,
-                 "source": cfg.update.source, "device": str(self.device), "engine": cfg.rollout.engine,
-                 "engine_address": cfg.update.engine_address,  # null: the engine ran on this machine, started by the run
-                 "max_response_len": cfg.rollout.max_response_len, "offload": cfg.trainer.offload,
-                 "ranks": self.dp.world,  # data-parallel trainer ranks (rank 0 holds the engine)
-                 "limit_probe": cfg.run.limit_probe}
-        measured = sum(1 for r in self.rows if r["step"] >= cfg.run.warmup_steps)
-        result = {
-            "kind": "run",
-            "status": self.status,
-            "error": self.error,
-            "steps_requested": cfg.run.steps,
-            "steps_finished": len(self.rows),
-            "warmup_steps": cfg.run.warmup_steps,
-            "measured_steps": measured,
-            "model": {"name": cfg.model.name, **{k: self.setup_info.get(k) for k in ("params", "tensors", "update_bytes")}},
-            "setup": setup,
-            "limits": self.setup_info.get("limits"),  # at start-up; per step: perf/*_limit_time
-            "build_time": self.setup_info.get("build_time"),
-            "offload": self.setup_info.get("offload"),  # layout, bytes, the buffers' first-touch cost
-            "metrics": stats,
-            "share": share,
-            "verdict": summaries.verdict(share, stats, threshold=cfg.run.verdict_threshold, setup=setup),
-            "machine": machine_info(self.device),
-            "overrides": self.overrides,
-            "config": to_dict(cfg),
-        }
-        result["verification"] = self.verification()
-        warnings = []
-        if measured < cfg.run.steps - cfg.run.warmup_steps:
-            warnings.append(f"only {measured} of {cfg.run.steps - cfg.run.warmup_steps} measured steps finished "
-                            f"({self.status}): these numbers are partial")
-        if result["verification"] == "failed":
-            warnings.append(f"the weight update's verification failed at step {len(self.rows)} ({self.failure}): "
-                            f"the engine did not get the trainer's weights, so do not trust this run's update numbers")
-        if warnings:
-            result["warning"] = "; ".join(warnings)
-        if self.memory is not None:
-            result["memory"] = memory_record(self.memory, self.device)
-        if self.dp.is_main:  # ranks > 0 write nothing
-            try:
-                write_json(self.run_dir / "summary.json", result)
-            except WriteFailed as err:  # raised by run() once the engine is closed and W&B has the numbers
-                self.summary_failure = err
-        return result
+    def summary(self) -> dict:
+        """summary.json from what the recorder kept and what setup() found."""
+        return run_summary(self.cfg, self.recorder, setup_info=self.setup_info, device=self.device, ranks=self.dp.world,
+                           memory=self.memory)
+
+
+# ----------------------------------------------------------------------------------------------
+# Scoring a rollout
+# ----------------------------------------------------------------------------------------------
 
 
 def score_rollout(gen: Generation, prompts: list[Prompt], tokenizer, *, group_size: int,
@@ -358,6 +258,71 @@ def score_rollout(gen: Generation, prompts: list[Prompt], tokenizer, *, group_si
     targets = [p.target for p in prompts for _ in range(group_size)]
     rewards = torch.tensor([reward(a, t) for a, t in zip(answers, targets)], device="cpu")  # [batch]
     return rewards, group_advantages(rewards, group_size).to(device)
+
+
+def rollout_stats(gen: Generation, rewards: torch.Tensor) -> dict[str, float]:
+    """The rollout's mean reward, mean answer length and share of answers cut at max_response_len."""
+    return {
+        "rollout/reward_mean": rewards.mean().item(),
+        "rollout/response_len_mean": gen.response_mask.float().sum(1).mean().item(),
+        "rollout/truncated_ratio": gen.truncated.float().mean().item(),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# The run's summary.json and closing lines
+# ----------------------------------------------------------------------------------------------
+
+
+def run_summary(cfg: Config, recorder: Recorder, *, setup_info: dict, device: torch.device, ranks: int = 1,
+                memory: dict | None = None) -> dict:
+    """summary.json of a run (kind "run"): medians after warm-up, shares, verdict, verification, warnings."""
+    rows, status = recorder.rows, recorder.status
+    stats = summaries.stats_over(rows, cfg.run.warmup_steps)
+    share = summaries.shares(stats)
+    setup = {"transport": cfg.update.transport, "strategy": cfg.update.strategy, "bucket_mb": cfg.update.bucket_mb,
+             "source": cfg.update.source, "device": str(device), "engine": cfg.rollout.engine,
+             "engine_address": cfg.update.engine_address,  # null: the engine ran on this machine, started by the run
+             "max_response_len": cfg.rollout.max_response_len, "offload": cfg.trainer.offload,
+             "ranks": ranks,  # data-parallel trainer ranks (rank 0 holds the engine)
+             "limit_probe": cfg.run.limit_probe}
+    result = {
+        "kind": "run",
+        **recorder.progress(steps=cfg.run.steps, warmup_steps=cfg.run.warmup_steps),
+        "model": {"name": cfg.model.name, **{k: setup_info.get(k) for k in ("params", "tensors", "update_bytes")}},
+        "setup": setup,
+        "limits": setup_info.get("limits"),  # at start-up; per step: perf/*_limit_time
+        "build_time": setup_info.get("build_time"),
+        "offload": setup_info.get("offload"),  # layout, bytes, the buffers' first-touch cost
+        "metrics": stats,
+        "share": share,
+        "verdict": summaries.verdict(share, stats, threshold=cfg.run.verdict_threshold, setup=setup),
+        "machine": machine_info(device),
+        "overrides": recorder.overrides,
+        "config": to_dict(cfg),
+    }
+    result["verification"] = verification(cfg, recorder)
+    warnings = []
+    measured, planned = result["measured_steps"], cfg.run.steps - cfg.run.warmup_steps
+    if measured < planned:
+        warnings.append(f"only {measured} of {planned} measured steps finished ({status}): these numbers are partial")
+    if result["verification"] == "failed":
+        warnings.append(f"the weight update's verification failed at step {len(rows)} ({recorder.failure}): "
+                        f"the engine did not get the trainer's weights, so do not trust this run's update numbers")
+    if warnings:
+        result["warning"] = "; ".join(warnings)
+    if memory is not None:
+        result["memory"] = memory_record(memory, device)
+    return result
+
+
+def verification(cfg: Config, recorder: Recorder) -> str:
+    """off | passed | failed | not run: whether every update was checked to land the trainer's weights."""
+    if isinstance(recorder.failure, WeightMismatch):
+        return "failed"
+    if not (cfg.update.verify and cfg.update.enabled):
+        return "off"
+    return "passed" if recorder.rows else "not run"
 
 
 def memory_record(fit: dict, device: torch.device) -> dict:
@@ -373,26 +338,10 @@ def memory_record(fit: dict, device: torch.device) -> dict:
             "process_estimate_over_peak_rss": estimate.process_bytes / peak if peak else None}
 
 
-def close_engine(engine) -> BaseException | None:
-    """Close the engine (its process too); return the error instead of raising, so the summary is still written."""
-    if engine is None:
-        return None
-    try:
-        engine.close()
-    except Exception as err:  # noqa: BLE001 - a dead engine's close must not cost the finished steps
-        return err
-    return None
-
-
-def machine_info(device: torch.device) -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpus": torch.get_num_threads(), "device": str(device)}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
-
-
 def print_closing(result: dict) -> None:
+    """After the last step: the measured steps, the closing table, any warning and the verdict (none if no step finished)."""
+    if not result["steps_finished"]:
+        return
     out = sys.stdout
     warmup = f"warm-up steps 0-{result['warmup_steps'] - 1} left out" if result["warmup_steps"] else "no warm-up"
     planned = result["steps_requested"] - result["warmup_steps"]

@@ -15,19 +15,23 @@ import time
 
 import torch
 
+from rlsync.sync.threads import cpu_threads
 from rlsync.timing import synchronize
 
 PROBE_CAP_BYTES = 1 << 30  # buffers above this give the same bandwidth; spare the memory
 
 
-def _best_copy_seconds(dst: torch.Tensor, src: torch.Tensor, repeats: int, budget_s: float = 0.5) -> float:
+def best_copy_seconds(dst: torch.Tensor, src: torch.Tensor, repeats: int, budget_s: float = 0.5, *,
+                      warm_up: bool = True) -> float:
     """Best of at least `repeats` copies, repeating for up to `budget_s`.
 
     The first copies after an allocation can be 100x slow (page faults, in a VM also the host's),
-    so one or two tries are not enough to see the bandwidth.
+    so one or two tries are not enough to see the bandwidth: a fresh pair of buffers is copied once
+    first (`warm_up`); buffers touched already (a held probe's) need not be.
     """
     devices = {dst.device, src.device}
-    dst.copy_(src)  # first touch and warm-up
+    if warm_up:
+        dst.copy_(src)  # first touch and warm-up
     best, spent, tries = float("inf"), 0.0, 0
     while tries < repeats or (spent < budget_s and tries < 50):
         tries += 1
@@ -49,16 +53,12 @@ def copy_bandwidth(nbytes: int, *, src: torch.device, dst: torch.device, repeats
     a = torch.empty(n, dtype=torch.uint8, device=src, pin_memory=pin and src.type == "cpu")
     a.fill_(1)
     b = torch.empty(n, dtype=torch.uint8, device=dst, pin_memory=pin and dst.type == "cpu")
-    seconds = _best_copy_seconds(b, a, repeats)
+    seconds = best_copy_seconds(b, a, repeats)
     if src.type == dst.type == "cpu" and torch.get_num_threads() != 1:
         # memcpy needs one thread; with more, a busy core stalls every copy at its barrier. Keep the
         # faster, so the floor is the machine's, not the thread pool's.
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            seconds = min(seconds, _best_copy_seconds(b, a, repeats))
-        finally:
-            torch.set_num_threads(before)
+        with cpu_threads(1, src):
+            seconds = min(seconds, best_copy_seconds(b, a, repeats))
     moved = 2 * n if src == dst else n
     del a, b
     if "cuda" in (src.type, dst.type):  # probed between steps: leave no device memory cached for the engine
@@ -97,8 +97,10 @@ class Limits:
     makes it look faster than the floor). The runner re-measures before each step (run.limit_probe).
     """
 
-    def __init__(self, device: torch.device, *, update_bytes: int, state_bytes: int):
+    def __init__(self, device: torch.device, *, update_bytes: int, state_bytes: int, read_bytes: int | None = None,
+                 source: str = "device"):
         self.device, self.update_bytes, self.state_bytes = device, update_bytes, state_bytes
+        self.read_bytes, self.source = read_bytes, source  # the update's: the trainer's bytes, and where they are read
         self.measure()
 
     def measure(self) -> None:
@@ -120,6 +122,43 @@ class Limits:
         nbytes = update_floor_bytes(read_bytes, written_bytes, source=source, device_type=self.device.type)
         return nbytes / (self.to_device if crosses_host_link(source, self.device.type) else self.device_copy)
 
+    @property
+    def update_limit(self) -> float:
+        """The update's floor (`update_time` of its read and written bytes) at the bandwidth last measured."""
+        return self.update_time(self.read_bytes, self.update_bytes, source=self.source)
+
+    def update_probe(self) -> "CopyProbe":
+        """The update's floor re-timed on demand, beside each repeat of a benchmark (CopyProbe)."""
+        return CopyProbe(self.device, update_bytes=self.update_bytes, read_bytes=self.read_bytes, source=self.source)
+
     def as_dict(self) -> dict[str, float]:
         return {"device_copy_gbps": self.device_copy / 1e9, "to_host_gbps": self.to_host / 1e9,
                 "to_device_gbps": self.to_device / 1e9}
+
+
+class CopyProbe:
+    """The plain copy the update's limit is made of, held and re-timed right before every repeat.
+
+    On a shared machine the memory bandwidth drifts with the neighbours' load (the limit measured
+    once at setup varied 2x between runs here), so each repeat is compared with a copy timed next
+    to it: the ratio then speaks about the update, not about the load. Same formulas as `Limits`
+    (read + written bytes over the same-memory copy bandwidth; the host copy's bytes, as they cross
+    the link, over the host->device bandwidth for `source=host` on a GPU); buffers allocated and
+    touched once, each probe the best of `tries` copies on one CPU thread.
+    """
+
+    def __init__(self, device: torch.device, *, update_bytes: int, read_bytes: int, source: str):
+        self.device = device
+        host_link = crosses_host_link(source, device.type)
+        n = max(1 << 20, min(update_bytes, PROBE_CAP_BYTES))
+        self.src = torch.empty(n, dtype=torch.uint8, device="cpu" if host_link else device, pin_memory=host_link)
+        self.src.fill_(1)
+        self.dst = torch.empty(n, dtype=torch.uint8, device=device)
+        self.dst.copy_(self.src)
+        self.moved = n if host_link else 2 * n  # bytes per copy, counted as the bandwidth is
+        self.floor_bytes = update_floor_bytes(read_bytes, update_bytes, source=source, device_type=device.type)
+
+    def limit_time(self, tries: int = 3) -> float:
+        with cpu_threads(1, self.device):  # one thread reaches memcpy speed (rlsync.sync.threads)
+            best = best_copy_seconds(self.dst, self.src, tries, budget_s=0.0, warm_up=False)
+        return self.floor_bytes / (self.moved / best)

@@ -12,6 +12,8 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+from tqdm import tqdm
+
 from rlsync import metrics
 from rlsync.config import WandbConfig
 from rlsync.errors import WriteFailed
@@ -90,16 +92,12 @@ class Console:
     """A progress bar over the steps and one table row per finished step."""
 
     def __init__(self, steps: int, *, enabled: bool, warmup_steps: int):
-        from tqdm import tqdm
-
         self.bar = tqdm(total=steps, desc="steps", unit="step", file=sys.stderr, disable=not enabled, leave=False)
         self.warmup_steps = warmup_steps
         self.header_done = False
         self.columns = [(m.name, m.console) for m in metrics.console_columns()]  # (metric, header)
 
     def step(self, row: dict) -> None:
-        from tqdm import tqdm
-
         if not self.header_done:
             tqdm.write("step " + " ".join(f"{h:>9}" for _, h in self.columns))
             self.header_done = True

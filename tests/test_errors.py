@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -451,15 +450,18 @@ def test_wandb_failing_falls_back_and_keeps_the_files(tmp_path, mode, env, expec
 
 def test_a_failed_verification_is_said_in_the_summary_and_the_closing_table(tmp_path, capsys):
     from rlsync.experiment import Experiment, print_closing
+    from rlsync.recorder import Recorder
     from rlsync.sync import WeightMismatch
 
     cfg = Config()
     cfg.run.steps, cfg.run.warmup_steps, cfg.update.verify = 4, 1, True
-    experiment = Experiment(cfg, tmp_path)
-    experiment.rows = [{"step": s, "perf/step_time": 1.0 + s, "perf/update_weights_time": 0.1,
-                        "perf/update_weights_buckets": 2} for s in range(3)]
-    experiment.status, experiment.failure = "failed", WeightMismatch("engine tensor 'lm_head.weight' differs")
-    summary = experiment.write_summary()
+    recorder = Recorder(tmp_path)
+    experiment = Experiment(cfg, recorder)
+    recorder.rows = [{"step": s, "perf/step_time": 1.0 + s, "perf/update_weights_time": 0.1,
+                      "perf/update_weights_buckets": 2} for s in range(3)]
+    recorder.status, recorder.failure = "failed", WeightMismatch("engine tensor 'lm_head.weight' differs")
+    summary = experiment.summary()
+    recorder.write_summary(summary)
     assert summary["verification"] == "failed"
     assert "verification failed at step 3" in summary["warning"] and "only 2 of 3" in summary["warning"]
     assert json.loads((tmp_path / "summary.json").read_text())["verification"] == "failed"
@@ -467,10 +469,10 @@ def test_a_failed_verification_is_said_in_the_summary_and_the_closing_table(tmp_
     out = capsys.readouterr().out
     assert "Measured steps: 2 of 3, failed" in out and "WARNING: " in out and "verification failed" in out
 
-    experiment.status, experiment.failure = "finished", None
-    assert experiment.write_summary()["verification"] == "passed"
+    recorder.status, recorder.failure = "finished", None
+    assert experiment.summary()["verification"] == "passed"
     cfg.update.verify = False
-    assert experiment.write_summary()["verification"] == "off"
+    assert experiment.summary()["verification"] == "off"
 
 
 def test_out_of_memory_while_opening_the_engine_names_the_bucket_size_too(monkeypatch):
@@ -482,7 +484,7 @@ def test_out_of_memory_while_opening_the_engine_names_the_bucket_size_too(monkey
 
     monkeypatch.setattr(experiment, "open_engine", out_of_memory)
     with pytest.raises(UpdateOutOfMemory, match=r"opening the engine and its update buffers with update.bucket_mb=512"):
-        experiment.Experiment(Config(), Path("unused")).setup()
+        experiment.Experiment(Config()).setup()
     # an engine process's OOM arrives as its own error type, named in the first line
     assert is_out_of_memory(RuntimeError("the engine process failed during 'update': torch.OutOfMemoryError: CUDA "
                                          "out of memory\nTraceback ..."))
