@@ -26,8 +26,8 @@ from typing import Any, Iterable, Optional
 from rlsync.errors import WriteFailed
 from rlsync.report.plots import write_plots
 from rlsync.report.markdown import write_csv, write_markdown
-from rlsync.report.table import (Failure, ReportResult, Run, collect, fit_by_setup, fit_lines, job_label, load_job,
-                                 markdown_table, table_cells, table_row)
+from rlsync.report.table import (Failure, ReportResult, Run, best_settings, collect, fit_by_setup, fit_lines, job_label,
+                                 load_job, markdown_table, table_cells, table_row)
 
 __all__ = ["load_job", "main", "print_result", "table_row", "write_report"]
 
@@ -123,7 +123,8 @@ def print_result(result: ReportResult) -> None:
     print(f"rlsync report: {result.group} ({len(result.runs)} runs, {len(result.failures)} failed)")
     if result.rows:
         print(result.markdown_table)
-    if any(group.fit for group in result.fits):
+        for best in best_settings(result.rows):  # the same sentences as report.md's "Best setting"
+            print(f"best: {best.describe()}")
         print("\n".join(fit_lines(result.fits)))
     for note in result.notes:
         print(f"note: {note}")
