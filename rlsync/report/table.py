@@ -579,7 +579,7 @@ def fit_problem(rows: list[dict[str, Any]]) -> Optional[str]:
         return f"{len(timed)} runs, all of one update size; a line needs {MIN_FIT_SIZES} sizes, or 2 whose times stand apart"
     few = [r["job"] for r in timed if (r.get("measured_steps") or 0) < MIN_MEASURED]
     if few:
-        return (f"two update sizes only, and runs {', '.join(few)} measured fewer than {MIN_MEASURED} steps: "
+        return (f"two update sizes only, and runs {', '.join(few)} measured fewer than {MIN_MEASURED} steps or repeats: "
                 f"a line through two noisy points is not shown; add a third size or more steps")
     spans = [time_span([r for r in timed if float(r["update_bytes"]) == size]) for size in sizes]
     if spans_overlap(*spans):
@@ -681,9 +681,8 @@ class Best:
         if other is None:
             return f"{what}: {self.run_text(best)}; the only run with this time, nothing to compare"
         lead, second = best[f"{self.stem}_time_median"], other[f"{self.stem}_time_median"]
-        ratio = fmt_ratio(second / lead) if lead > 0 else "n/a"
-        line = (f"{what}: {self.run_text(best)}; {ratio} faster ({fmt_seconds(second - lead)} less) than the runner-up "
-                f"{self.run_text(other)}.")
+        line = (f"{what}: {self.run_text(best)}; {fmt_lead(lead, second)} faster ({fmt_seconds(second - lead)} less) "
+                f"than the runner-up {self.run_text(other)}.")
         return f"{line} Warning: {self.warning}" if self.warning else f"{line} The ranges do not overlap: the difference is real."
 
     def run_text(self, row: dict[str, Any]) -> str:
@@ -693,16 +692,25 @@ class Best:
         return f"run {row['job']} ({setup_label(row)}) {spread} over {row.get('measured_steps')} {measured_unit(row)}"
 
 
+def fmt_lead(best: float, other: float) -> str:
+    """How much faster best is than other: "1.52x"; under 1.1x as a percentage ("0.27 %"), which a
+    ratio would round to "1.00x"."""
+    if best <= 0:
+        return "n/a"
+    ratio = other / best
+    return fmt_ratio(ratio) if ratio >= 1.1 else fmt_share(ratio - 1)
+
+
 def ranking_warning(best: dict[str, Any], other: dict[str, Any], stem: str) -> str:
     """Why best may not really beat other: too few samples, or min-max ranges that overlap; "" otherwise."""
+    more = " or ".join(dict.fromkeys("bench.repeats" if r.get("bench") else "run.steps" for r in (best, other)))
     few = [r for r in (best, other) if (r.get("measured_steps") or 0) < MIN_MEASURED]
     if few:
         named = " and ".join(f"run {r['job']} measured {r.get('measured_steps') or 0} {measured_unit(r)}" for r in few)
-        return (f"{named}, fewer than {MIN_MEASURED}: too few to tell a real difference from noise "
-                f"(raise bench.repeats or run.steps).")
+        return f"{named}, fewer than {MIN_MEASURED}: too few to tell a real difference from noise (raise {more})."
     if spans_overlap(time_span([best], stem), time_span([other], stem)):
         return (f"the min-max ranges of runs {best['job']} and {other['job']} overlap: the difference may be noise "
-                f"(raise bench.repeats or run.steps).")
+                f"(raise {more}).")
     return ""
 
 
