@@ -187,3 +187,14 @@ def test_real_bench_sweep_reported_twice_keeps_one_wandb_report_run(tmp_path: Pa
     assert run_id.startswith("report-") and first_run.name.endswith(run_id) and run_dir != first_run
     state = json.loads(leet("--summary", "--json", str(run_dir)))
     assert state["state"] == "finished" and state["summary"]["report/best"] == [best.removeprefix("best: ")]
+
+
+def test_step_runs_rank_the_step_too_and_equal_medians_tie(tmp_path: Path) -> None:
+    """Runs of the step loop: a fastest-step line beside the fastest-update one; the fake buckets cost nothing, so they tie."""
+    sweep = tmp_path / "sweep"
+    for num, bucket in enumerate(BUCKETS):
+        write_job(sweep / str(num), "tiny", bucket)
+    lines = [best.describe() for best in best_settings(write_report([sweep], log_wandb=False).rows)]
+    assert [line.split(":")[0] for line in lines] == ["tiny, fastest update", "tiny, fastest step"]
+    assert all("a tie between run 0 (direct, bucket 1 MiB)" in line and "over 4 steps" in line for line in lines)
+    assert all("(raise run.steps)" in line for line in lines)  # equal ranges overlap

@@ -11,9 +11,11 @@ A job with metrics.jsonl but no summary.json is reported as "incomplete" (its me
 a job with neither is listed under "Failed runs" with the error line of its log.
 
 Written next to the runs (the sweep directory, or the first PATH, or --out):
-report.md (the table, verdicts, a fit per transport, plots, failures), report.csv (the table's raw
-numbers) and the PNG plots of `report.plots`. Exit status: 0 when at least one run was reported,
-1 when none was, 3 when `--wandb-report` could not publish (the local report is written anyway).
+report.md (the best setting per model and whether it beats the runner-up beyond the noise, the
+table with each run's spread, verdicts, a fit per transport where it means something, plots,
+failures), report.csv (the table's raw numbers) and the PNG plots of `report.plots`. Exit status:
+0 when at least one run was reported, 1 when none was, 3 when `--wandb-report` could not publish
+(the local report is written anyway).
 """
 
 from __future__ import annotations

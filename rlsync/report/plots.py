@@ -50,7 +50,8 @@ def per_tensor_levels(ax, rows: list[Row], y_key: str, scale: float, colors_used
     levels = by_setup([r for r in rows if r.get("strategy") == PER_TENSOR], y_key, y_key)
     for index, (label, rs) in enumerate(levels.items()):
         for row in rs:  # one per run; several runs of one setup share the colour and the label
-            ax.axhline(row[y_key] * scale, color=f"C{colors_used + index}", linestyle=":", label=label if row is rs[0] else None)
+            ax.axhline(row[y_key] * scale, color=f"C{colors_used + index}", linestyle=":",
+                       label=label if row is rs[0] else None)
     return len(levels)
 
 

@@ -576,15 +576,16 @@ def fit_problem(rows: list[dict[str, Any]]) -> Optional[str]:
     if len(sizes) >= MIN_FIT_SIZES:
         return None
     if len(sizes) < 2:
-        return f"{len(timed)} runs, all of one update size; a line needs {MIN_FIT_SIZES} sizes, or 2 whose times stand apart"
+        return (f"{len(timed)} runs, all of one update size; a line needs {MIN_FIT_SIZES} sizes, "
+                "or 2 whose times stand apart")
     few = [r["job"] for r in timed if (r.get("measured_steps") or 0) < MIN_MEASURED]
     if few:
-        return (f"two update sizes only, and runs {', '.join(few)} measured fewer than {MIN_MEASURED} steps or repeats: "
-                f"a line through two noisy points is not shown; add a third size or more steps")
+        return (f"two update sizes only, and runs {', '.join(few)} measured fewer than {MIN_MEASURED} steps or "
+                "repeats: a line through two noisy points is not shown; add a third size or more steps")
     spans = [time_span([r for r in timed if float(r["update_bytes"]) == size]) for size in sizes]
     if spans_overlap(*spans):
         return ("two update sizes only, and their update times overlap (min to max): the slope would be noise; "
-                f"add a third size or more steps")
+                "add a third size or more steps")
     return None
 
 
@@ -614,7 +615,8 @@ def fit_by_setup(rows: list[dict[str, Any]]) -> list[FitGroup]:
     groups: dict[str, list[dict[str, Any]]] = {}
     for row in timed:
         groups.setdefault(", ".join(f"{key} {row.get(key) or 'n/a'}" for key in differing), []).append(row)
-    return [FitGroup(label, members, fit_update_time(members), fit_problem(members) or "") for label, members in groups.items()]
+    return [FitGroup(label, members, fit_update_time(members), fit_problem(members) or "")
+            for label, members in groups.items()]
 
 
 def fit_lines(groups: list[FitGroup]) -> list[str]:
@@ -681,8 +683,11 @@ class Best:
         if other is None:
             return f"{what}: {self.run_text(best)}; the only run with this time, nothing to compare"
         lead, second = best[f"{self.stem}_time_median"], other[f"{self.stem}_time_median"]
-        line = (f"{what}: {self.run_text(best)}; {fmt_lead(lead, second)} faster ({fmt_seconds(second - lead)} less) "
-                f"than the runner-up {self.run_text(other)}.")
+        if second == lead:
+            line = f"{what}: a tie between {self.run_text(best)} and {self.run_text(other)} (equal medians)."
+        else:
+            line = (f"{what}: {self.run_text(best)}; {fmt_lead(lead, second)} faster ({fmt_seconds(second - lead)} less) "
+                    f"than the runner-up {self.run_text(other)}.")
         return f"{line} Warning: {self.warning}" if self.warning else f"{line} The ranges do not overlap: the difference is real."
 
     def run_text(self, row: dict[str, Any]) -> str:
