@@ -46,12 +46,29 @@ def fmt_spread(median: Optional[float], lo: Optional[float], hi: Optional[float]
     return fmt_seconds(median) + ("" if lo is None or hi is None or lo == hi else f" ({fmt_range(lo, hi)})")
 
 
+def fmt_sig(x: Optional[float], decimals: int = 2, sig: int = 2) -> str:
+    """`x` with `decimals` decimals, or as many more as show `sig` significant digits, never in
+    e-notation: "0.82", "0.0034" (not "0.00"), "12.50"; "0" for zero, "n/a" for None."""
+    if x is None:
+        return "n/a"
+    if x == 0 or not math.isfinite(x):
+        return "0" if x == 0 else str(x)
+    return f"{x:.{max(decimals, sig - 1 - math.floor(math.log10(abs(x))))}f}"
+
+
 def fmt_share(share: Optional[float]) -> str:
-    """A share of the step in percent, with more digits the smaller it is: "12.3 %", "0.12 %"."""
+    """A share of the step in percent, with more digits the smaller it is: "12.3 %", "0.12 %",
+    "0.04 %", "0.003 %": never "0.00 %" for a share that is not zero. Every printed share (the
+    report's table, its console lines, its plots) goes through here so that they agree."""
     if share is None:
         return "n/a"
     pct = share * 100
-    return f"{pct:.1f} %" if pct >= 10 else f"{pct:.2f} %" if pct >= 0.01 else f"{pct:.1e} %"
+    return f"{fmt_sig(pct, decimals=1 if abs(pct) >= 10 else 2, sig=1)} %"
+
+
+def fmt_ratio(x: Optional[float]) -> str:
+    """"1.35x", "12.0x", "0.0030x": a ratio of two times, never rounded to zero."""
+    return "n/a" if x is None else f"{fmt_sig(x, decimals=2 if abs(x) < 10 else 1)}x"
 
 
 def fmt_bytes(n: Optional[float]) -> str:

@@ -139,14 +139,18 @@ def timed(stem: str, nbytes: int, seconds: float, limit: float) -> dict:
     }
 
 
-def bench_rows(target: str, update_bytes: int, transport: str) -> list[dict]:
-    """metrics.jsonl of a bench: one row per repeat (warm-up ones first), its target's metrics, no step."""
+def bench_rows(target: str, update_bytes: int, transport: str, repeats: int = STEPS - WARMUP, noise: float = 0.01,
+               per_bucket_s: float = 0.0, bucket_mb: float = 512.0, peak_bytes: int | None = None) -> list[dict]:
+    """metrics.jsonl of a bench: one row per repeat (warm-up ones first), its target's metrics, no step.
+    Repeat i takes (1 + noise * i) times the base time; each bucket adds per_bucket_s."""
     rows = []
-    for step in range(STEPS):
-        slow = (3.0 if step < WARMUP else 1.0) * (1 + 0.01 * step)
+    for step in range(WARMUP + repeats):
+        slow = (3.0 if step < WARMUP else 1.0) * (1 + noise * step)
         if target == "update":
             fixed, bandwidth = TRANSPORT_COST[transport]
+            fixed += per_bucket_s * -(-update_bytes // int(bucket_mb * 2**20))  # ceil: the bucket count
             metrics = timed("update_weights", update_bytes, (fixed + update_bytes / bandwidth) * slow, update_bytes * 2 / 20e9)
+            metrics.update({"perf/update_weights_peak_bytes": peak_bytes} if peak_bytes else {})
         else:
             state_bytes = update_bytes * 8  # float32 weights, grads and two AdamW moments
             metrics = timed("sleep", state_bytes, state_bytes / 4e9 * slow, state_bytes / 5e9)
@@ -155,14 +159,20 @@ def bench_rows(target: str, update_bytes: int, transport: str) -> list[dict]:
     return rows
 
 
-def write_bench_job(job: Path, model: str, transport: str = "direct", target: str = "update") -> None:
+def write_bench_job(job: Path, model: str, transport: str = "direct", target: str = "update", *, bucket_mb: float = 512.0,
+                    strategy: str = "bucketed", repeats: int = STEPS - WARMUP, noise: float = 0.01,
+                    per_bucket_s: float = 0.0, update_bytes: int | None = None) -> None:
     """A finished `python -m rlsync.bench` job: summary.json of kind "bench" (no step, share or verdict)."""
+    update_bytes = update_bytes or MODELS[model]
     overrides = [f"model={model}", f"update.transport={transport}", f"bench.target={target}"]
-    config = config_for(model, 512.0)
-    config["update"]["transport"] = transport
-    config["bench"] = {"target": target, "offload_state": "trainer", "warmup": WARMUP, "repeats": STEPS - WARMUP}
+    overrides += [f"update.bucket_mb={bucket_mb:g}"] if bucket_mb != 512.0 else []
+    overrides += [f"update.strategy={strategy}"] if strategy != "bucketed" else []
+    config = config_for(model, bucket_mb)
+    config["update"].update(transport=transport, strategy=strategy)
+    config["bench"] = {"target": target, "offload_state": "trainer", "warmup": WARMUP, "repeats": repeats}
     write_hydra(job, overrides, config)
-    rows = bench_rows(target, MODELS[model], transport)
+    peak = update_bytes // 24 if strategy == "per_tensor" else int(min(bucket_mb * 2**20, update_bytes))  # 24 tensors
+    rows = bench_rows(target, update_bytes, transport, repeats, noise, per_bucket_s, bucket_mb, peak)
     (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = {
         "kind": "bench",
@@ -170,9 +180,9 @@ def write_bench_job(job: Path, model: str, transport: str = "direct", target: st
         "status": "finished",
         "error": None,
         "warmup_steps": WARMUP,
-        "measured_steps": STEPS - WARMUP,
-        "model": {"name": model, "params": MODELS[model] // 2, "update_bytes": MODELS[model], "tensors": 24},
-        "setup": {"transport": transport, "strategy": "bucketed", "bucket_mb": 512.0, "source": "device", "flat_engine_weights": False, "device": "cpu", "engine": "hf"},
+        "measured_steps": repeats,
+        "model": {"name": model, "params": update_bytes // 2, "update_bytes": update_bytes, "tensors": 24},
+        "setup": {"transport": transport, "strategy": strategy, "bucket_mb": bucket_mb, "source": "device", "flat_engine_weights": False, "device": "cpu", "engine": "hf"},
         "offload": {"state": "trainer", "mode": "full", "memory": "move"} if target == "offload" else None,
         "metrics": measured_stats([r for r in rows if r["step"] >= WARMUP]),
         "overrides": overrides,
@@ -583,7 +593,13 @@ def test_real_two_by_two_sweep(tmp_path: Path) -> None:
         assert float(row["update_time_median"]) == metrics["perf/update_weights_time"]["median"]
         assert float(row["step_time_median"]) == metrics["perf/step_time"]["median"]
     for name in PLOTS:
-        assert (sweep / name).read_bytes()[:8] == PNG_SIGNATURE, name
+        if name != "update_time_vs_bytes.png":
+            assert (sweep / name).read_bytes()[:8] == PNG_SIGNATURE, name
+    # one measured step per run and two update sizes: a line through them would be noise, and the report says so
+    md = (sweep / "report.md").read_text()
+    assert "No fit: two update sizes only, and runs 0, 1, 2, 3 measured fewer than 3 steps" in md
+    assert "update_time_vs_bytes.png skipped" in md and not (sweep / "update_time_vs_bytes.png").exists()
+    assert "too few to tell a real difference from noise (raise run.steps)" in md  # the best-setting warning
 
 
 # ----------------------------------------------------------------------------------------------

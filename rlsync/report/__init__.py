@@ -11,9 +11,11 @@ A job with metrics.jsonl but no summary.json is reported as "incomplete" (its me
 a job with neither is listed under "Failed runs" with the error line of its log.
 
 Written next to the runs (the sweep directory, or the first PATH, or --out):
-report.md (the table, verdicts, a fit per transport, plots, failures), report.csv (the table's raw
-numbers) and the PNG plots of `report.plots`. Exit status: 0 when at least one run was reported,
-1 when none was, 3 when `--wandb-report` could not publish (the local report is written anyway).
+report.md (the best setting per model and whether it beats the runner-up beyond the noise, the
+table with each run's spread, verdicts, a fit per transport where it means something, plots,
+failures), report.csv (the table's raw numbers) and the PNG plots of `report.plots`. Exit status:
+0 when at least one run was reported, 1 when none was, 3 when `--wandb-report` could not publish
+(the local report is written anyway).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from typing import Any, Iterable, Optional
 from rlsync.errors import WriteFailed
 from rlsync.report.plots import write_plots
 from rlsync.report.markdown import write_csv, write_markdown
-from rlsync.report.table import (Failure, ReportResult, Run, collect, fit_by_setup, fit_lines, job_label, load_job,
-                                 markdown_table, table_cells, table_row)
+from rlsync.report.table import (Failure, ReportResult, Run, best_settings, collect, fit_by_setup, fit_lines, job_label,
+                                 load_job, markdown_table, table_cells, table_row)
 
 __all__ = ["load_job", "main", "print_result", "table_row", "write_report"]
 
@@ -123,7 +125,8 @@ def print_result(result: ReportResult) -> None:
     print(f"rlsync report: {result.group} ({len(result.runs)} runs, {len(result.failures)} failed)")
     if result.rows:
         print(result.markdown_table)
-    if any(group.fit for group in result.fits):
+        for best in best_settings(result.rows):  # the same sentences as report.md's "Best setting"
+            print(f"best: {best.describe()}")
         print("\n".join(fit_lines(result.fits)))
     for note in result.notes:
         print(f"note: {note}")

@@ -7,8 +7,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from rlsync.report.table import (ReportResult, common_overrides, csv_fields, fit_lines, machine_line, phase_table,
-                                 run_label)
+from rlsync.report.table import (TABLE_NOTE, ReportResult, best_settings, common_overrides, csv_fields, fit_lines,
+                                 machine_line, phase_table, run_label)
 
 
 def write_markdown(path: Path, result: ReportResult, plots: list[Path], sources: list[Path]) -> None:
@@ -16,14 +16,9 @@ def write_markdown(path: Path, result: ReportResult, plots: list[Path], sources:
     out += [machine_line(result.runs), ""]
     out += [f"Sources: {', '.join(str(s) for s in sources)}. Written {datetime.now():%Y-%m-%d %H:%M:%S}.", ""]
     out += [f"{len(result.runs)} runs reported, {len(result.failures)} failed.", ""]
-    out += ["## Runs", ""]
-    out += [
-        "Update, offload and onload: range over the measured steps (warm-up steps left out); "
-        "step: median; update share: of the median step; efficiency: median of "
-        "perf/update_weights_efficiency (the copy floor over the update time); "
-        "peak update: max of perf/update_weights_peak_bytes.",
-        "",
-    ]
+    out += ["## Best setting", ""]
+    out += [f"- {best.describe()}" for best in best_settings(result.rows)] or ["No run measured a time to compare."]
+    out += ["", "## Runs", "", TABLE_NOTE, ""]
     out += [result.markdown_table if result.rows else "No run measured a step.", ""]
     out += ["## Step by phase", "", "Median per phase (its share of the median step).", ""]
     out += [phase_table(result.rows), ""]

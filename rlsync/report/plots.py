@@ -11,13 +11,11 @@ import importlib.util
 import math
 import textwrap
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 from rlsync import fmt, metrics
 from rlsync.fmt import MIB
-
-if TYPE_CHECKING:
-    from rlsync.report.table import Fit, FitGroup
+from rlsync.report.table import PER_TENSOR, Fit, FitGroup, common_overrides, model_label, setup_label
 
 Row = dict[str, Any]
 TIMELINE_MAX_RUNS = 8  # more lines than this no longer read apart in one panel
@@ -35,23 +33,26 @@ def time_unit(seconds: list[float]) -> tuple[float, str]:
     return scale, unit
 
 
-def by_model(rows: list[Row], x_key: str, y_key: str) -> dict[str, list[Row]]:
-    """Rows with both values, one series per model, sorted along x.
-
-    A model name that comes with several update sizes (say `model.num_hidden_layers` swept under
-    one name) is split by size, so that each line is one model.
-    """
+def by_setup(rows: list[Row], x_key: str, y_key: str) -> dict[str, list[Row]]:
+    """Rows with both values, one series per model and transport/strategy (engine), sorted along x:
+    a line joins only runs that differ in x. Labelled "tiny, direct, bucketed", "tiny, ipc, per_tensor"
+    (a model name that comes with several update sizes is split by size, so each line is one model)."""
     rows = [r for r in rows if number(r.get(x_key)) is not None and number(r.get(y_key)) is not None]
-    sizes: dict[str, set] = {}
-    for row in rows:
-        sizes.setdefault(str(row.get("model") or "n/a"), set()).add(row.get("update_bytes"))
     series: dict[str, list[Row]] = {}
     for row in rows:
-        model = str(row.get("model") or "n/a")
-        size = number(row.get("update_bytes"))
-        label = f"{model} ({size / MIB:.3g} MiB)" if len(sizes[model]) > 1 and size is not None else model
-        series.setdefault(label, []).append(row)
+        series.setdefault(f"{model_label(row, rows)}, {setup_label(row, bucket=False)}", []).append(row)
     return {m: sorted(rs, key=lambda r: r[x_key]) for m, rs in sorted(series.items())}
+
+
+def per_tensor_levels(ax, rows: list[Row], y_key: str, scale: float, colors_used: int) -> int:
+    """per_tensor runs on a bucket-size axis: a bucket size does not apply to them, so each setup is a
+    dotted level across the axis, labelled "<model>, <transport>, per_tensor". Returns how many it drew."""
+    levels = by_setup([r for r in rows if r.get("strategy") == PER_TENSOR], y_key, y_key)
+    for index, (label, rs) in enumerate(levels.items()):
+        for row in rs:  # one per run; several runs of one setup share the colour and the label
+            ax.axhline(row[y_key] * scale, color=f"C{colors_used + index}", linestyle=":",
+                       label=label if row is rs[0] else None)
+    return len(levels)
 
 
 def pyplot():
@@ -102,27 +103,29 @@ def min_max_bars(rows: list[Row], scale: float) -> list[list[float]]:
 
 
 def plot_update_time_vs_bucket(rows: list[Row], fits: list[FitGroup], path: Path) -> Optional[str]:
-    series = by_model(rows, "bucket_mb", "update_time_median")
+    series = by_setup(rows, "bucket_mb", "update_time_median")
     buckets = {r["bucket_mb"] for rs in series.values() for r in rs}
     if len(buckets) < 2:
         return f"{path.name} skipped: needs runs with at least two bucket sizes (found {len(buckets)})"
-    scale, unit = time_unit([number(r.get("update_time_max")) or r["update_time_median"] for rs in series.values() for r in rs])
+    timed = [r for r in rows if number(r.get("update_time_median")) is not None]
+    scale, unit = time_unit([number(r.get("update_time_max")) or r["update_time_median"] for r in timed])
     fig, ax = new_axes("Weight update time vs bucket size (median, bars: min to max)")
-    for model, rs in series.items():
+    for index, (label, rs) in enumerate(series.items()):
         xs = [r["bucket_mb"] for r in rs]
         ys = [r["update_time_median"] * scale for r in rs]
-        ax.errorbar(xs, ys, yerr=min_max_bars(rs, scale), marker="o", capsize=3, label=model)
+        ax.errorbar(xs, ys, yerr=min_max_bars(rs, scale), marker="o", capsize=3, color=f"C{index}", label=label)
+    per_tensor_levels(ax, timed, "update_time_median", scale, len(series))
     bucket_axis(ax, sorted(buckets))
     ax.set_ylim(bottom=0)
     ax.set_ylabel(f"perf/update_weights_time ({unit})")
-    ax.legend(title="model")
+    ax.legend(title="model, transport, strategy", fontsize="small")
     save(fig, path)
     return None
 
 
 def plot_update_time_vs_bytes(rows: list[Row], fits: list[FitGroup], path: Path) -> Optional[str]:
     if not any(group.fit for group in fits):
-        return f"{path.name} skipped: the fit needs runs of one transport with at least two distinct update sizes"
+        return f"{path.name} skipped: no setup has a meaningful fit of update time against bytes (see the fit lines)"
     points = [r for group in fits for r in group.rows]
     scale, unit = time_unit([r["update_time_median"] for r in points])
     fig, ax = new_axes("Weight update time vs bytes sent")
@@ -144,9 +147,9 @@ def fit_line(ax, fit: Fit, xs: list[float], scale: float, **style) -> None:
 
 
 def draw_single_fit(ax, group: FitGroup, xs: list[float], scale: float, unit: str) -> None:
-    """Every run on one line: points by model, the line in black, its numbers in a box."""
+    """Every run on one line: points by model and setup, the line in black, its numbers in a box."""
     fit = group.fit
-    for model, rs in by_model(group.rows, "update_bytes", "update_time_median").items():
+    for model, rs in by_setup(group.rows, "update_bytes", "update_time_median").items():
         ax.scatter([r["update_bytes"] / MIB for r in rs], [r["update_time_median"] * scale for r in rs], label=model, zorder=3)
     fit_line(ax, fit, xs, scale, color="k", linestyle="--", label="fit")
     bandwidth = fit.bandwidth_gbps
@@ -184,6 +187,9 @@ def step_parts(row: Row) -> dict[str, float]:
 
 
 def bucket_label(row: Row) -> str:
+    """"512 MiB"; "per_tensor" for a run without buckets; "" when the bucket size is not known."""
+    if row.get("strategy") == PER_TENSOR:
+        return PER_TENSOR
     bucket = number(row.get("bucket_mb"))
     return f"{bucket:g} MiB" if bucket is not None else ""
 
@@ -205,7 +211,7 @@ def plot_step_breakdown(rows: list[Row], fits: list[FitGroup], path: Path) -> Op
     for x, ((row, parts), top) in enumerate(zip(bars, bottoms)):
         if "update_weights" in parts and sum(parts.values()) > 0:
             share = parts["update_weights"] / sum(parts.values())
-            ax.annotate(f"update {share:.2%}", (x, top), ha="center", va="bottom", fontsize="small")
+            ax.annotate(f"update {fmt.fmt_share(share)}", (x, top), ha="center", va="bottom", fontsize="small")
     ax.margins(y=0.08)
     ax.set_ylabel(f"seconds per step ({unit})")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -215,17 +221,20 @@ def plot_step_breakdown(rows: list[Row], fits: list[FitGroup], path: Path) -> Op
 
 
 def plot_peak_memory_vs_bucket(rows: list[Row], fits: list[FitGroup], path: Path) -> Optional[str]:
-    series = by_model(rows, "bucket_mb", "update_peak_bytes_max")
+    series = by_setup(rows, "bucket_mb", "update_peak_bytes_max")
     buckets = {r["bucket_mb"] for rs in series.values() for r in rs}
     if len(buckets) < 2:
         return f"{path.name} skipped: needs runs with perf/update_weights_peak_bytes at two or more bucket sizes"
     fig, ax = new_axes("Peak update memory vs bucket size")
-    for model, rs in series.items():
-        ax.plot([r["bucket_mb"] for r in rs], [r["update_peak_bytes_max"] / MIB for r in rs], marker="o", label=model)
+    for index, (label, rs) in enumerate(series.items()):
+        ax.plot([r["bucket_mb"] for r in rs], [r["update_peak_bytes_max"] / MIB for r in rs], marker="o",
+                color=f"C{index}", label=label)
+    per_tensor_levels(ax, [r for r in rows if number(r.get("update_peak_bytes_max")) is not None],
+                      "update_peak_bytes_max", 1 / MIB, len(series))
     bucket_axis(ax, sorted(buckets))
     ax.set_ylim(bottom=0)
     ax.set_ylabel("perf/update_weights_peak_bytes, max (MiB)")
-    ax.legend(title="model")
+    ax.legend(title="model, transport, strategy", fontsize="small")
     save(fig, path)
     return None
 
@@ -244,8 +253,6 @@ def log_axis_labels(axis) -> None:
 
 def timeline_label(row: Row, drawn: list[Row]) -> str:
     """The run's own overrides (what sets it apart from the other lines), else its model, transport, bucket."""
-    from rlsync.report.table import common_overrides
-
     common = set(common_overrides(drawn))
     own = [o for o in row.get("override_list", []) if o not in common]
     if own and len(drawn) > 1:  # wrapped: a long legend would squeeze the panels beside it
@@ -316,7 +323,7 @@ def plot_step_timeline(rows: list[Row], fits: list[FitGroup], path: Path) -> Opt
     return None
 
 
-PLOTS: dict[str, Callable[[list[Row], list["FitGroup"], Path], Optional[str]]] = {
+PLOTS: dict[str, Callable[[list[Row], list[FitGroup], Path], Optional[str]]] = {
     "update_time_vs_bucket.png": plot_update_time_vs_bucket,
     "update_time_vs_bytes.png": plot_update_time_vs_bytes,
     "step_breakdown.png": plot_step_breakdown,

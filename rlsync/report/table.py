@@ -10,16 +10,21 @@ import json
 import math
 import os
 import platform
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from rlsync import metrics
-from rlsync.fmt import fmt_bytes, fmt_mib, fmt_range, fmt_seconds, fmt_share, markdown_table as table_markdown
+from rlsync.fmt import (MIB, fmt_bytes, fmt_mib, fmt_range, fmt_ratio, fmt_seconds, fmt_share, fmt_sig, fmt_spread,
+                        markdown_table as table_markdown)
 from rlsync.summary import stats_over
 
 DEFAULT_WARMUP_STEPS = 2
 DEFAULT_VERDICT_THRESHOLD = 0.03  # update share of the step above which tuning it pays (design.md)
+MIN_MEASURED = 3  # fewer measured steps (or bench repeats) than this and a min-max range says little
+MIN_FIT_SIZES = 3  # distinct update sizes that make a line of time against bytes meaningful by themselves
+PER_TENSOR = "per_tensor"  # the strategy to which a bucket size does not apply
 
 # report.csv columns: raw seconds, bytes and ratios (never formatted strings); between these two,
 # each of the step's parts (the catalogue's, rlsync/metrics.py) as <phase>_time_median: see csv_fields().
@@ -27,6 +32,7 @@ CSV_HEAD = (
     "job", "overrides", "status", "model", "params", "engine", "transport", "strategy", "bucket_mb",
     "device", "measured_steps",
     "update_time_min", "update_time_median", "update_time_max",
+    "step_time_min", "step_time_max",
     "sleep_time_min", "sleep_time_median", "sleep_time_max",
     "wake_up_time_min", "wake_up_time_median", "wake_up_time_max",
 )  # fmt: skip
@@ -113,12 +119,12 @@ class FitGroup:
     label: str  # "transport ipc"; "" when every run shares the setup, so one line fits them all
     rows: list[dict[str, Any]]  # table rows with an update time and bytes
     fit: Optional[Fit]
+    why_not: str = ""  # when fit is None: why no line is shown
 
     def describe(self) -> str:
-        head = f"{self.label}: " if self.label else ""
         if self.fit:
-            return head + self.fit.describe()
-        return head + f"no fit ({len(self.rows)} runs, all of one update size; a line needs two)"
+            return (f"{self.label}: " if self.label else "") + self.fit.describe()
+        return f"{self.label}: no fit ({self.why_not})" if self.label else f"No fit: {self.why_not}."
 
 
 @dataclass
@@ -412,16 +418,19 @@ def table_row(run: Run) -> dict[str, Any]:
         "engine": setup.get("engine") or run.cfg("rollout.engine", "hf"),
         "transport": setup.get("transport") or run.cfg("update.transport"),
         "strategy": setup.get("strategy") or run.cfg("update.strategy"),
-        "bucket_mb": setup.get("bucket_mb", run.cfg("update.bucket_mb")),
+        "bucket_mb": setup.get("bucket_mb", run.cfg("update.bucket_mb")),  # None for per_tensor, below
         "device": setup.get("device") or run.cfg("run.device"),
         "measured_steps": run.measured_steps,
     }
+    if row["strategy"] == PER_TENSOR:  # one copy per tensor: no bucket, whatever update.bucket_mb says
+        row["bucket_mb"] = None
     for stem, name in (("update_weights", "update"), ("sleep", "sleep"), ("wake_up", "wake_up")):
         for which in ("min", "median", "max"):
             row[f"{name}_time_{which}"] = run.stat(f"perf/{stem}_time", which)
     for phase in metrics.step_phases():  # medians of every part of the step, for the breakdown
         row[f"{phase.name}_time_median"] = run.stat(phase.metric.name)
     row["step_time_median"] = run.stat("perf/step_time")
+    row["step_time_min"], row["step_time_max"] = run.stat("perf/step_time", "min"), run.stat("perf/step_time", "max")
     row["update_share"] = update_share(run)
     row["update_efficiency_median"] = run.stat("perf/update_weights_efficiency")
     row["update_limit_time_median"] = run.stat("perf/update_weights_limit_time")
@@ -430,6 +439,7 @@ def table_row(run: Run) -> dict[str, Any]:
     row["update_buckets_median"] = run.stat("perf/update_weights_buckets")
     row["update_peak_bytes_max"] = run.stat("perf/update_weights_peak_bytes", "max")
     row["verdict"] = verdict(run, row["update_share"])
+    row["bench"] = bench_target(run)  # its measured rows are repeats of the target, not steps
     row["warmup_steps"] = run.warmup_steps
     row["timeline"] = timeline(run)
     return row
@@ -540,21 +550,54 @@ def bench_setup(run: Run, target: str) -> str:
 
 
 def fit_update_time(rows: list[dict[str, Any]]) -> Optional[Fit]:
-    """time = fixed + bytes * seconds_per_byte over the runs' medians; needs >= 2 distinct sizes."""
-    points = [
-        (float(r["update_bytes"]), float(r["update_time_median"]))
-        for r in rows
-        if is_number(r.get("update_bytes")) and is_number(r.get("update_time_median"))
-    ]
-    sizes = {b for b, _ in points}
-    if len(sizes) < 2:
+    """time = fixed + bytes * seconds_per_byte, least squares over the runs' medians; None when the
+    line says nothing (see `fit_problem`)."""
+    if fit_problem(rows):
         return None
-    n = len(points)
-    mean_b = sum(b for b, _ in points) / n
-    mean_t = sum(t for _, t in points) / n
-    var_b = sum((b - mean_b) ** 2 for b, _ in points)
-    slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / var_b
-    return Fit(fixed_s=mean_t - slope * mean_b, seconds_per_byte=slope, points=n, distinct_sizes=len(sizes))
+    sizes = [float(r["update_bytes"]) for r in timed_rows(rows)]
+    slope, intercept = statistics.linear_regression(sizes, [float(r["update_time_median"]) for r in timed_rows(rows)])
+    return Fit(fixed_s=intercept, seconds_per_byte=slope, points=len(sizes), distinct_sizes=len(set(sizes)))
+
+
+def timed_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows with an update time and its bytes: the points of a fit."""
+    return [r for r in rows if is_number(r.get("update_bytes")) and is_number(r.get("update_time_median"))]
+
+
+def fit_problem(rows: list[dict[str, Any]]) -> Optional[str]:
+    """Why a line of time against bytes through these runs would say nothing, or None when it can be drawn.
+
+    Three distinct sizes or more: the line is checked by the third point. Two sizes: only when every
+    run measured at least MIN_MEASURED steps and the two sizes' time ranges (min to max) stay apart,
+    else the slope is noise (two noisy points make "time does not grow with bytes" as readily as a bandwidth).
+    """
+    timed = timed_rows(rows)
+    sizes = sorted({float(r["update_bytes"]) for r in timed})
+    if len(sizes) >= MIN_FIT_SIZES:
+        return None
+    if len(sizes) < 2:
+        return (f"{len(timed)} runs, all of one update size; a line needs {MIN_FIT_SIZES} sizes, "
+                "or 2 whose times stand apart")
+    few = [r["job"] for r in timed if (r.get("measured_steps") or 0) < MIN_MEASURED]
+    if few:
+        return (f"two update sizes only, and runs {', '.join(few)} measured fewer than {MIN_MEASURED} steps or "
+                "repeats: a line through two noisy points is not shown; add a third size or more steps")
+    spans = [time_span([r for r in timed if float(r["update_bytes"]) == size]) for size in sizes]
+    if spans_overlap(*spans):
+        return ("two update sizes only, and their update times overlap (min to max): the slope would be noise; "
+                "add a third size or more steps")
+    return None
+
+
+def time_span(rows: list[dict[str, Any]], stem: str = "update") -> tuple[float, float]:
+    """The lowest min and the highest max of `<stem>_time` over `rows` (the median where a run has no range)."""
+    lows = [r[f"{stem}_time_min"] if is_number(r.get(f"{stem}_time_min")) else r[f"{stem}_time_median"] for r in rows]
+    highs = [r[f"{stem}_time_max"] if is_number(r.get(f"{stem}_time_max")) else r[f"{stem}_time_median"] for r in rows]
+    return min(lows), max(highs)
+
+
+def spans_overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    return a[0] <= b[1] and b[0] <= a[1]
 
 
 FIT_KEYS = ("transport", "strategy", "engine")  # each makes its own line of time against bytes
@@ -567,21 +610,128 @@ def fit_by_setup(rows: list[dict[str, Any]]) -> list[FitGroup]:
     describes neither. The groups are labelled only by the keys that differ; when none does, there
     is one group with an empty label, the single fit over every run.
     """
-    timed = [r for r in rows if is_number(r.get("update_bytes")) and is_number(r.get("update_time_median"))]
+    timed = timed_rows(rows)
     differing = [key for key in FIT_KEYS if len({r.get(key) for r in timed}) > 1]
     groups: dict[str, list[dict[str, Any]]] = {}
     for row in timed:
         groups.setdefault(", ".join(f"{key} {row.get(key) or 'n/a'}" for key in differing), []).append(row)
-    return [FitGroup(label, members, fit_update_time(members)) for label, members in groups.items()]
+    return [FitGroup(label, members, fit_update_time(members), fit_problem(members) or "")
+            for label, members in groups.items()]
 
 
 def fit_lines(groups: list[FitGroup]) -> list[str]:
-    """The fit section of report.md: one line, or one bullet per transport when the runs differ in it."""
+    """The fit section of report.md: one line, or one bullet per transport when the runs differ in it;
+    where no line is meaningful, one line saying why."""
     if len(groups) > 1:
         return [f"- {group.describe()}" for group in groups]
-    if groups and groups[0].fit:
-        return [groups[0].fit.describe()]
-    return ["No fit: it needs runs with at least two distinct update sizes."]
+    if groups:
+        return [groups[0].describe()]
+    return ["No fit: no run timed the update with its bytes."]
+
+
+# ----------------------------------------------------------------------------------------------
+# Which setting won
+# ----------------------------------------------------------------------------------------------
+
+
+def model_label(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The row's model; with its update size when the same name comes with several sizes among `rows`
+    (say `model.num_hidden_layers` swept under one name), so that each label is one model."""
+    model = str(row.get("model") or "n/a")
+    sizes = {r.get("update_bytes") for r in rows if str(r.get("model") or "n/a") == model}
+    size = row.get("update_bytes")
+    return f"{model} ({size / MIB:.3g} MiB)" if len(sizes) > 1 and is_number(size) else model
+
+
+def setup_label(row: dict[str, Any], bucket: bool = True) -> str:
+    """"direct, bucket 512 MiB", "ipc, per_tensor", "direct (vllm), vllm_ipc": how the run updated.
+    A per_tensor run has no bucket size, whatever update.bucket_mb said."""
+    transport = str(row.get("transport") or "n/a") + ("" if row.get("engine") in (None, "hf") else f" ({row['engine']})")
+    strategy = row.get("strategy")
+    if strategy in (None, "bucketed"):
+        how = f"bucket {fmt_bucket(row.get('bucket_mb'))} MiB" if bucket else "bucketed"
+    else:
+        how = str(strategy)
+    return f"{transport}, {how}"
+
+
+def measured_unit(row: dict[str, Any]) -> str:
+    """What a run's measured samples are: a bench's timed repeats, or steps."""
+    return "repeats" if row.get("bench") else "steps"
+
+
+@dataclass
+class Best:
+    """The fastest run of one model by one time, against the runner-up, and whether the gap is real."""
+
+    model: str
+    stem: str  # "update" | "step": which <stem>_time_* the runs are ranked by
+    ranked: list[dict[str, Any]]  # the model's rows with that time, fastest median first
+    warning: str = ""  # why the ranking may be noise ("" when the ranges stand apart, with enough samples)
+
+    @property
+    def best(self) -> dict[str, Any]:
+        return self.ranked[0]
+
+    @property
+    def runner_up(self) -> Optional[dict[str, Any]]:
+        return self.ranked[1] if len(self.ranked) > 1 else None
+
+    def describe(self) -> str:
+        what = f"{self.model}, fastest {'update' if self.stem == 'update' else 'step'}"
+        best, other = self.best, self.runner_up
+        if other is None:
+            return f"{what}: {self.run_text(best)}; the only run with this time, nothing to compare"
+        lead, second = best[f"{self.stem}_time_median"], other[f"{self.stem}_time_median"]
+        if second == lead:
+            line = f"{what}: a tie between {self.run_text(best)} and {self.run_text(other)} (equal medians)."
+        else:
+            line = (f"{what}: {self.run_text(best)}; {fmt_lead(lead, second)} faster ({fmt_seconds(second - lead)} less) "
+                    f"than the runner-up {self.run_text(other)}.")
+        return f"{line} Warning: {self.warning}" if self.warning else f"{line} The ranges do not overlap: the difference is real."
+
+    def run_text(self, row: dict[str, Any]) -> str:
+        """"run 2 (ipc, bucket 512 MiB) 1.21 ms median (1.18 to 1.30 ms over 3 repeats)"."""
+        stem = self.stem
+        spread = fmt_spread(row[f"{stem}_time_median"], row.get(f"{stem}_time_min"), row.get(f"{stem}_time_max"))
+        return f"run {row['job']} ({setup_label(row)}) {spread} over {row.get('measured_steps')} {measured_unit(row)}"
+
+
+def fmt_lead(best: float, other: float) -> str:
+    """How much faster best is than other: "1.52x"; under 1.1x as a percentage ("0.27 %"), which a
+    ratio would round to "1.00x"."""
+    if best <= 0:
+        return "n/a"
+    ratio = other / best
+    return fmt_ratio(ratio) if ratio >= 1.1 else fmt_share(ratio - 1)
+
+
+def ranking_warning(best: dict[str, Any], other: dict[str, Any], stem: str) -> str:
+    """Why best may not really beat other: too few samples, or min-max ranges that overlap; "" otherwise."""
+    more = " or ".join(dict.fromkeys("bench.repeats" if r.get("bench") else "run.steps" for r in (best, other)))
+    few = [r for r in (best, other) if (r.get("measured_steps") or 0) < MIN_MEASURED]
+    if few:
+        named = " and ".join(f"run {r['job']} measured {r.get('measured_steps') or 0} {measured_unit(r)}" for r in few)
+        return f"{named}, fewer than {MIN_MEASURED}: too few to tell a real difference from noise (raise {more})."
+    if spans_overlap(time_span([best], stem), time_span([other], stem)):
+        return (f"the min-max ranges of runs {best['job']} and {other['job']} overlap: the difference may be noise "
+                f"(raise {more}).")
+    return ""
+
+
+def best_settings(rows: list[dict[str, Any]]) -> list[Best]:
+    """Per model: the fastest update, and the fastest step where steps ran, each against its runner-up."""
+    out = []
+    for stem in ("update", "step"):
+        timed = [r for r in rows if is_number(r.get(f"{stem}_time_median"))]
+        models: dict[str, list[dict[str, Any]]] = {}
+        for row in timed:
+            models.setdefault(model_label(row, timed), []).append(row)
+        for model, members in models.items():
+            ranked = sorted(members, key=lambda r: r[f"{stem}_time_median"])  # stable: ties keep the run order
+            warning = ranking_warning(ranked[0], ranked[1], stem) if len(ranked) > 1 else ""
+            out.append(Best(model, stem, ranked, warning))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -590,20 +740,31 @@ def fit_lines(groups: list[FitGroup]) -> list[str]:
 
 
 def fmt_efficiency(eff: Optional[float]) -> str:
-    """"0.82 (1.22x limit)": limit / time, and how many times the limit the update took."""
+    """"0.82 (1.22x limit)", "0.0031 (323x limit)": limit / time, and how many times the limit the update took."""
     if eff is None or eff <= 0:
         return "n/a"
-    return f"{eff:.2f} ({1 / eff:.2f}x limit)"
+    return f"{fmt_sig(eff)} ({fmt_ratio(1 / eff)} limit)"
 
 
 def fmt_bucket(bucket_mb: Any) -> str:
     return f"{bucket_mb:g}" if is_number(bucket_mb) else "n/a" if bucket_mb is None else str(bucket_mb)
 
 
+def bucket_cell(row: dict[str, Any]) -> str:
+    """The bucket size in MiB; "per_tensor" for a run that sends one tensor at a time (no bucket)."""
+    return PER_TENSOR if row.get("strategy") == PER_TENSOR else fmt_bucket(row.get("bucket_mb"))
+
+
 TABLE_HEADER = (
-    "run", "model", "transport", "bucket (MiB)", "update", "offload (sleep)", "onload (wake_up)",
-    "step (median)", "update share", "efficiency (limit/time)", "peak update (MiB)",
+    "run", "model", "transport", "bucket (MiB)", "n", "update", "offload (sleep)", "onload (wake_up)",
+    "step", "update share", "efficiency (limit/time)", "peak update (MiB)",
 )  # fmt: skip
+TABLE_NOTE = (
+    "n: measured steps (a bench: timed repeats; warm-up left out). Update and step: median (min to max over "
+    f"the n); offload and onload: min to max. With n under {MIN_MEASURED} a range says little. Update share: "
+    "of the median step; efficiency: median of perf/update_weights_efficiency (the copy floor over the update "
+    "time); peak update: max of perf/update_weights_peak_bytes."
+)
 
 
 def common_overrides(rows: list[dict[str, Any]]) -> list[str]:
@@ -628,11 +789,12 @@ def table_cells(row: dict[str, Any], common: Iterable[str] = ()) -> list[str]:
         run,
         str(row["model"] or "n/a"),
         str(row["transport"] or "n/a") + ("" if row["engine"] in (None, "hf") else f" ({row['engine']})"),  # engine if not hf
-        fmt_bucket(row["bucket_mb"]),
-        fmt_range(row["update_time_min"], row["update_time_max"]),
+        bucket_cell(row),
+        str(row["measured_steps"]),
+        fmt_spread(row["update_time_median"], row["update_time_min"], row["update_time_max"]),
         fmt_range(row["sleep_time_min"], row["sleep_time_max"]),
         fmt_range(row["wake_up_time_min"], row["wake_up_time_max"]),
-        fmt_seconds(row["step_time_median"]),
+        fmt_spread(row["step_time_median"], row["step_time_min"], row["step_time_max"]),
         fmt_share(row["update_share"]),
         fmt_efficiency(row["update_efficiency_median"]),
         fmt_mib(row["update_peak_bytes_max"]),

@@ -3,6 +3,7 @@
 1. `log_report_run`: one run in the sweep's group holding the comparison table (wandb.Table) and the
    plots (wandb.Image), so that `wandb sync` of the sweep shares the comparison with the runs.
    Offline by default, like the runs; a W&B problem costs one printed line, never the local files.
+   Its id is stable per sweep, so rerunning the report replaces its run instead of adding one.
 2. `build_report_blocks`: the W&B Report (wandb-workspaces) for the group: an intro with the table,
    then panel grids filtered to the group: update time per run, the step's phases, and the
    bucket-size sweep. Pure: it builds objects and touches no network, so tests check it offline.
@@ -19,16 +20,16 @@ wandb and wandb_workspaces are imported inside the functions: `--no-wandb` needs
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
+import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlsync import metrics
 from rlsync.fmt import error_line
-
-if TYPE_CHECKING:
-    from rlsync.report.table import ReportResult
+from rlsync.report.table import TABLE_HEADER, ReportResult, best_settings, common_overrides, csv_fields, table_cells
 
 REPORT_JOB_TYPE = "report"
 UPDATE_METRIC = "perf/update_weights_time"
@@ -78,24 +79,48 @@ def has_credentials() -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
+def report_run_id(result: ReportResult) -> str:
+    """The report run's W&B id, the same on every rerun over the same runs: a hash of the resolved
+    source directories (the sweep). A rerun so replaces its report run instead of adding one."""
+    sources = "\n".join(report_config(result)["sources"])
+    return f"report-{hashlib.sha256(sources.encode()).hexdigest()[:16]}"
+
+
+def drop_earlier_offline_runs(wandb_dir: Path, run_id: str) -> None:
+    """Delete the offline copies an earlier report left of this same run (offline-run-<time>-<id>),
+    so that `wandb sync .../wandb/offline-run-*` finds one report run, the latest."""
+    for old in wandb_dir.glob(f"offline-run-*-{run_id}"):
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def log_report_run(result: ReportResult) -> str:
-    """Log the table and plots as a job_type=report run in the sweep's group; returns one line."""
+    """Log the table and plots as a job_type=report run in the sweep's group; returns one line.
+
+    The run's id is stable per sweep (`report_run_id`): a rerun resumes that run online (its summary,
+    table and plots replaced by the new ones) and replaces its offline copy on disk.
+    """
     settings = wandb_settings(result)
     if settings["mode"] == "disabled" or os.environ.get("WANDB_MODE") == "disabled":
         return "W&B: not logged (wandb.mode=disabled)"
     try:
-        import wandb
+        import wandb  # only when logging: --no-wandb and wandb.mode=disabled need no wandb
 
         mode = os.environ.get("WANDB_MODE") or settings["mode"]
         note = ""
         if mode == "online" and not has_credentials():
             mode, note = "offline", " (no W&B login: logged offline instead)"
+        run_id = report_run_id(result)
+        if mode != "online":
+            drop_earlier_offline_runs(result.out_dir / "wandb", run_id)
         with wandb.init(
             project=settings["project"],
             entity=settings["entity"],
             group=result.group,
             job_type=REPORT_JOB_TYPE,
             name=f"report {result.group}",
+            id=run_id,
+            resume="allow",  # online: the rerun continues the same run; offline: a fresh copy under the same id
             tags=[REPORT_JOB_TYPE],
             mode=mode,
             dir=str(result.out_dir),
@@ -124,8 +149,6 @@ def report_config(result: ReportResult) -> dict[str, Any]:
 
 def report_payload(result: ReportResult, wandb: Any) -> dict[str, Any]:
     """The table twice (as in report.md, and raw numbers as in report.csv) and every plot."""
-    from rlsync.report.table import TABLE_HEADER, common_overrides, csv_fields, table_cells
-
     common, fields = common_overrides(result.rows), csv_fields()
     payload: dict[str, Any] = {
         "report/table": wandb.Table(columns=list(TABLE_HEADER), data=[table_cells(r, common) for r in result.rows]),
@@ -139,6 +162,7 @@ def report_payload(result: ReportResult, wandb: Any) -> dict[str, Any]:
 
 def report_summary(result: ReportResult) -> dict[str, Any]:
     summary: dict[str, Any] = {"report/runs": len(result.runs), "report/failed": len(result.failures)}
+    summary["report/best"] = [best.describe() for best in best_settings(result.rows)]  # report.md's "Best setting"
     for group in result.fits:  # one line per transport; report/fit_* alone when every run shares one
         if group.fit is None:
             continue
@@ -161,6 +185,7 @@ def build_report_blocks(
     runs: list[dict[str, Any]],
     table_markdown: str = "",
     fit_line: str = "",
+    best_lines: tuple[str, ...] = (),
 ):
     """The unsaved W&B Report for one sweep group.
 
@@ -214,6 +239,7 @@ def build_report_blocks(
     )
     blocks = [
         wr.MarkdownBlock(intro_markdown(group, runs)),
+        *([wr.MarkdownBlock("\n".join(f"- {line}" for line in best_lines))] if best_lines else []),
         *([wr.MarkdownBlock(table_markdown)] if table_markdown else []),
         *([wr.P(fit_line)] if fit_line else []),
         wr.H2("Weight update per run"),
@@ -275,6 +301,7 @@ def publish_report(result: ReportResult) -> str:
                 result.rows,
                 table_markdown=result.markdown_table,
                 fit_line="; ".join(group.describe() for group in result.fits),
+                best_lines=tuple(best.describe() for best in best_settings(result.rows)),
             )
             report.save()
             return report.url

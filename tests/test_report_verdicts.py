@@ -1,0 +1,200 @@
+"""The report answers the sweep's question: which setting won, by how much, and whether it is real.
+
+Most runs here are the fake job directories of test_report.py (bench jobs with chosen times and
+noise); one test runs a real tiny bench sweep, reports it twice with W&B offline, and checks the
+best-setting line, the spreads, one plot series per transport and a single W&B report run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_report import PNG_SIGNATURE, REPO, leet, offline_env, run_report, write_bench_job, write_job
+
+from rlsync.fmt import fmt_seconds, fmt_share, fmt_spread
+from rlsync.report import write_report
+from rlsync.report.table import best_settings, fmt_efficiency, fmt_lead
+
+BUCKETS = (1.0, 4.0)  # MiB
+PER_BUCKET_S = 1e-4  # what each bucket adds to a fake update: bigger buckets win
+
+
+def transport_sweep(root: Path, noise: float = 0.01, repeats: int = 4) -> Path:
+    """Two transports x two bucket sizes of one model, as bench jobs 0-3 (direct 1, direct 4, ipc 1, ipc 4)."""
+    jobs = [(t, b) for t in ("direct", "ipc") for b in BUCKETS]
+    for num, (transport, bucket) in enumerate(jobs):
+        write_bench_job(root / str(num), "tiny", transport, bucket_mb=bucket, noise=noise, repeats=repeats,
+                        per_bucket_s=PER_BUCKET_S)
+    return root
+
+
+def section(md: str, title: str) -> str:
+    return md.split(f"## {title}\n")[1].split("\n## ")[0]
+
+
+def test_best_setting_says_who_won_by_how_much_and_that_it_is_real(tmp_path: Path, drawn: dict) -> None:
+    sweep = transport_sweep(tmp_path / "sweep")
+    result = write_report([sweep], log_wandb=False)
+    rows = {row["job"]: row for row in result.rows}
+    best, second = rows["1"], rows["0"]  # direct with 4 MiB buckets, then direct with 1 MiB
+    lead = fmt_lead(best["update_time_median"], second["update_time_median"])
+    md = (sweep / "report.md").read_text()
+
+    (line,) = [ln for ln in section(md, "Best setting").splitlines() if ln.startswith("- ")]
+    assert line.startswith("- tiny, fastest update: run 1 (direct, bucket 4 MiB) "), line
+    assert lead.endswith(" %")  # 9 % faster: a ratio would read "1.09x"
+    assert f"{lead} faster ({fmt_seconds(second['update_time_median'] - best['update_time_median'])} less)" in line
+    assert "runner-up run 0 (direct, bucket 1 MiB)" in line and "over 4 repeats" in line
+    assert "the difference is real" in line and "Warning" not in line
+    assert "fastest step" not in md  # a bench has no step
+
+    # the spread of every run: n, median (min to max) in report.md, min/median/max in the CSV
+    table = section(md, "Runs")
+    for job, row in rows.items():
+        spread = fmt_spread(row["update_time_median"], row["update_time_min"], row["update_time_max"])
+        assert row["update_time_min"] < row["update_time_median"] < row["update_time_max"]
+        assert f"| 4 | {spread} |" in next(ln for ln in table.splitlines() if ln.startswith(f"| {job}: ")), job
+    with (sweep / "report.csv").open() as f:
+        for row in csv.DictReader(f):
+            assert float(row["update_time_min"]) == rows[row["job"]]["update_time_min"]
+            assert float(row["update_time_max"]) == rows[row["job"]]["update_time_max"]
+            assert row["measured_steps"] == "4"
+
+    # one series per transport on the bucket axis, each through its own two bucket sizes
+    ax = drawn["update_time_vs_bucket.png"].axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["tiny, direct, bucketed", "tiny, ipc, bucketed"]
+    lines = [container.lines[0] for container in ax.containers]  # each errorbar's data line
+    assert [list(ln.get_xdata()) for ln in lines] == [list(BUCKETS)] * 2
+    assert lines[0].get_ydata()[1] * 1e-3 == pytest.approx(best["update_time_median"])  # ms on the axis
+
+
+def test_overlapping_ranges_warn_that_the_difference_may_be_noise(tmp_path: Path) -> None:
+    sweep = transport_sweep(tmp_path / "sweep", noise=0.5)  # each repeat 50 % slower than the one before
+    result = write_report([sweep], log_wandb=False)
+    (line,) = [best.describe() for best in best_settings(result.rows)]
+    assert "Warning: the min-max ranges of runs 1 and 0 overlap: the difference may be noise" in line
+    assert "the difference is real" not in line
+    assert f"- {line}" in (sweep / "report.md").read_text()
+
+
+def test_too_few_repeats_warn_naming_the_runs(tmp_path: Path) -> None:
+    sweep = transport_sweep(tmp_path / "sweep", repeats=2)
+    proc = run_report(str(sweep), "--no-wandb")
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("best: ")]  # the console says it too
+    assert ("Warning: run 1 measured 2 repeats and run 0 measured 2 repeats, fewer than 3: too few to tell a real "
+            "difference from noise") in line
+    assert line.removeprefix("best: ") in (sweep / "report.md").read_text()
+    assert "| 2 |" in proc.stdout  # the table's n column
+
+
+def test_fit_needs_three_sizes_or_two_clearly_apart(tmp_path: Path) -> None:
+    sizes = (5_000_000, 10_000_000, 20_000_000)
+    for count, repeats in ((2, 2), (3, 2)):
+        sweep = tmp_path / f"sweep{count}"
+        for num, size in enumerate(sizes[:count]):
+            write_bench_job(sweep / str(num), "tiny", update_bytes=size, repeats=repeats)
+        result = write_report([sweep], log_wandb=False)
+        fit_section = section((sweep / "report.md").read_text(), "Update time against bytes")
+        if count == 2:  # two sizes, 2 repeats each: no line, and why
+            assert result.fit is None and not (sweep / "update_time_vs_bytes.png").exists()
+            assert "No fit: two update sizes only, and runs 0, 1 measured fewer than 3 steps or repeats" in fit_section
+        else:  # three sizes: the line, with its bandwidth
+            assert result.fit is not None and result.fit.distinct_sizes == 3
+            assert result.fit.bandwidth_gbps == pytest.approx(5, rel=0.05)  # bench_rows' direct: 5e9 bytes/s
+            assert (sweep / "update_time_vs_bytes.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_per_tensor_has_no_bucket_size_and_its_own_series(tmp_path: Path, drawn: dict) -> None:
+    sweep = transport_sweep(tmp_path / "sweep")
+    write_bench_job(sweep / "4", "tiny", "direct", bucket_mb=512.0, strategy="per_tensor", per_bucket_s=PER_BUCKET_S)
+    result = write_report([sweep], log_wandb=False)
+    row = next(r for r in result.rows if r["job"] == "4")
+    assert row["bucket_mb"] is None and row["strategy"] == "per_tensor"
+    assert "| tiny | direct | per_tensor | 4 |" in (sweep / "report.md").read_text()
+    with (sweep / "report.csv").open() as f:
+        assert next(r for r in csv.DictReader(f) if r["job"] == "4")["bucket_mb"] == ""
+    for name in ("update_time_vs_bucket.png", "peak_memory_vs_bucket.png"):
+        ax = drawn[name].axes[0]
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert sorted(labels) == ["tiny, direct, bucketed", "tiny, direct, per_tensor", "tiny, ipc, bucketed"], name
+
+
+def test_numbers_never_round_to_zero() -> None:
+    assert fmt_share(0.0004) == "0.04 %" and fmt_share(0.00004) == "0.004 %" and fmt_share(0.123) == "12.3 %"
+    assert fmt_share(0) == "0 %"
+    assert fmt_efficiency(0.003) == "0.0030 (333.3x limit)"
+    assert fmt_efficiency(0.82) == "0.82 (1.22x limit)"
+    assert fmt_lead(0.87, 0.8724) == "0.28 %" and fmt_lead(1, 1.05) == "5.00 %" and fmt_lead(1, 1.52) == "1.52x"
+
+
+def test_verdict_and_table_share_agree(tmp_path: Path) -> None:
+    """A run without the runner's verdict: the report's own verdict and the table print one share."""
+    job = tmp_path / "runs" / "A"
+    write_job(job, "tiny", 4.0)
+    summary = json.loads((job / "summary.json").read_text())
+    summary.pop("verdict")
+    summary["share"]["update_weights"] = 0.0004
+    (job / "summary.json").write_text(json.dumps(summary))
+    proc = run_report(str(job), "--no-wandb")
+    assert proc.returncode == 0, proc.stderr
+    md = (job / "report.md").read_text()
+    assert "| 0.04 % |" in proc.stdout and "| 0.04 % |" in md
+    assert "update is 0.04 % of the step" in md
+
+
+@pytest.mark.skipif(not (REPO / "rlsync" / "bench.py").exists(), reason="the bench is not written yet")
+def test_real_bench_sweep_reported_twice_keeps_one_wandb_report_run(tmp_path: Path, drawn: dict) -> None:
+    """A real tiny bench sweep over two transports and two bucket sizes: its callback reports it (W&B
+    offline), then the report is run again by hand; one report run remains, holding the best line."""
+    sweep = tmp_path / "sweep"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {"PYTHONPATH": str(REPO)}
+    env |= offline_env(tmp_path)
+    cmd = [
+        sys.executable, "-m", "rlsync.bench", "-m", "model=tiny", "update.transport=direct,ipc",
+        "update.bucket_mb=0.25,512", "bench.warmup=1", "bench.repeats=3", "wandb.mode=offline",
+        f"hydra.sweep.dir={sweep}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "best: tiny, fastest update: run " in proc.stdout  # the sweep callback's report
+    (first_run,) = (sweep / "wandb").glob("offline-run-*")  # the callback's report run
+
+    result = write_report([sweep], log_wandb=False)  # in this process, so `drawn` sees the plots
+    ax = drawn["update_time_vs_bucket.png"].axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["tiny, direct, bucketed", "tiny, ipc, bucketed"]
+    assert {r["transport"] for r in result.rows} == {"direct", "ipc"}
+
+    report = run_report(str(sweep), env=offline_env(tmp_path))
+    assert report.returncode == 0, report.stderr
+    (best,) = [ln for ln in report.stdout.splitlines() if ln.startswith("best: ")]
+    assert " faster (" in best and "than the runner-up run " in best and "over 3 repeats" in best
+    md = (sweep / "report.md").read_text()
+    assert best.removeprefix("best: ") in md
+    with (sweep / "report.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and all(r["measured_steps"] == "3" for r in rows)
+    assert all(float(r["update_time_min"]) <= float(r["update_time_median"]) <= float(r["update_time_max"]) for r in rows)
+
+    (run_dir,) = (sweep / "wandb").glob("offline-run-*")  # one report run: the rerun replaced the callback's
+    run_id = run_dir.name.split("-", 3)[-1]  # offline-run-<time>-<id>
+    assert run_id.startswith("report-") and first_run.name.endswith(run_id) and run_dir != first_run
+    state = json.loads(leet("--summary", "--json", str(run_dir)))
+    assert state["state"] == "finished" and state["summary"]["report/best"] == [best.removeprefix("best: ")]
+
+
+def test_step_runs_rank_the_step_too_and_equal_medians_tie(tmp_path: Path) -> None:
+    """Runs of the step loop: a fastest-step line beside the fastest-update one; the fake buckets cost nothing, so they tie."""
+    sweep = tmp_path / "sweep"
+    for num, bucket in enumerate(BUCKETS):
+        write_job(sweep / str(num), "tiny", bucket)
+    lines = [best.describe() for best in best_settings(write_report([sweep], log_wandb=False).rows)]
+    assert [line.split(":")[0] for line in lines] == ["tiny, fastest update", "tiny, fastest step"]
+    assert all("a tie between run 0 (direct, bucket 1 MiB)" in line and "over 4 steps" in line for line in lines)
+    assert all("(raise run.steps)" in line for line in lines)  # equal ranges overlap
