@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 
 from rlsync import metrics
-from rlsync.fmt import fmt_range, markdown_table
+from rlsync.fmt import fmt_range, fmt_share, fmt_sig, markdown_table
 
 
 def stats_over(rows: list[dict], warmup_steps: int) -> dict[str, dict[str, float]]:
@@ -36,13 +36,15 @@ def verdict(share: dict[str, float], stats: dict, *, threshold: float, setup: di
     others = {p: s for p, s in share.items() if p != "update_weights"}
     largest = max(others, key=others.get) if others else "update_weights"
     if update < threshold:
-        return (f"The weight update is {update:.1%} of the step (under {threshold:.0%}): not the step to tune; "
-                f"the largest phase is {largest} ({others.get(largest, 0):.0%} of the step).")
+        return (f"The weight update is {fmt_share(update)} of the step (under {fmt_share(threshold)}): not the step "
+                f"to tune; the largest phase is {largest} ({fmt_share(others.get(largest, 0))} of the step).")
     efficiency = stats.get("perf/update_weights_efficiency", {}).get("median")
-    at_limit = f", at {efficiency:.2f} of the copy limit" if efficiency else ""
-    return (f"The weight update is {update:.1%} of the step (over {threshold:.0%}): worth tuning. This run used "
-            f"transport={setup['transport']}, strategy={setup['strategy']}, bucket {setup['bucket_mb']:g} MiB "
-            f"({stats['perf/update_weights_buckets']['median']:.0f} buckets){at_limit}.")
+    at_limit = f", at {fmt_sig(efficiency)} of the copy limit" if efficiency else ""
+    units = stats["perf/update_weights_buckets"]["median"]
+    how = (f"strategy=per_tensor ({units:.0f} tensors, one copy each)" if setup["strategy"] == "per_tensor"
+           else f"strategy={setup['strategy']}, bucket {setup['bucket_mb']:g} MiB ({units:.0f} buckets)")
+    return (f"The weight update is {fmt_share(update)} of the step (over {fmt_share(threshold)}): worth tuning. "
+            f"This run used transport={setup['transport']}, {how}{at_limit}.")
 
 
 def closing_table(model: str, stats: dict, share: dict) -> str:
@@ -50,5 +52,5 @@ def closing_table(model: str, stats: dict, share: dict) -> str:
     headline = [metrics.phase_named(name) for name in metrics.HEADLINE]
     ranges = [fmt_range(stats[p.metric.name]["min"], stats[p.metric.name]["max"]) if p.metric.name in stats else "n/a"
               for p in headline]
-    update = f"{share['update_weights']:.1%}" if "update_weights" in share else "n/a"
+    update = fmt_share(share.get("update_weights"))
     return markdown_table(["model", *(p.label for p in headline), "update share of step"], [[model, *ranges, update]])
