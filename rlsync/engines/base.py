@@ -117,7 +117,38 @@ def checksum(t: torch.Tensor) -> int:
     return total
 
 
-class Engine(ABC):
+class Preloaded:
+    """A class whose module (and `preload`) a forked engine process imports once, before its first
+    engine starts: each engine process then starts without paying those imports."""
+
+    preload: ClassVar[tuple[str, ...]] = ()  # modules beyond the class's own (its model code, its buffers)
+
+    @classmethod
+    def preload_modules(cls) -> tuple[str, ...]:
+        """This class's module (which registers a class defined outside rlsync there too) and `preload`."""
+        return (cls.__module__, *cls.preload)
+
+
+class Rollout(ABC):
+    """What the step loop drives on the rollout side: an `Engine`, or a transport (the engine behind
+    the way weights reach it, rlsync.sync.base.Transport), which forwards these to its engine."""
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                 generator: torch.Generator) -> Generation:
+        """Sample an answer to each prompt (token ids), seeded from `generator`, which comes back
+        advanced as if the sampling ran here (wherever the engine runs)."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Give memory back after generation (the trainer's turn); no `generate` until `resume`."""
+
+    @abstractmethod
+    def resume(self) -> None:
+        """Take the memory back before the update and the rollout; idempotent."""
+
+
+class Engine(Preloaded, Rollout):
     """A rollout engine, as the step loop and every transport drive it.
 
     The loop's order: `resume` (memory back), the weight update (`load_weights`, one call per
@@ -128,33 +159,11 @@ class Engine(ABC):
 
     device: torch.device  # where the engine's weights live and generation runs
     dtype: torch.dtype  # the weights' dtype (rollout.dtype): what an update casts to
-    # Modules beyond its own (its model code) that a forked engine process imports once, before the
-    # first engine starts: each engine process then starts without paying those imports.
-    preload: ClassVar[tuple[str, ...]] = ()
-
-    @classmethod
-    def preload_modules(cls) -> tuple[str, ...]:
-        """What an engine process imports before its first engine: this class's module (which registers
-        an engine defined outside rlsync there too) and `preload`."""
-        return (cls.__module__, *cls.preload)
 
     @classmethod
     @abstractmethod
     def from_spec(cls, spec: EngineSpec, *, strategy: str) -> "Engine":
         """Build the engine `spec` describes; `strategy` is update.strategy (an engine may have its own path)."""
-
-    @abstractmethod
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
-                 generator: torch.Generator) -> Generation:
-        """Sample an answer to each prompt (token ids), seeded from `generator`, on `device`."""
-
-    @abstractmethod
-    def release(self) -> None:
-        """Give memory back after generation (the trainer's turn); no `generate` until `resume`."""
-
-    @abstractmethod
-    def resume(self) -> None:
-        """Take the memory back before the update and the rollout; idempotent."""
 
     @abstractmethod
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:

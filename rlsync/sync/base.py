@@ -19,12 +19,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 
 from rlsync.config import UpdateConfig
-from rlsync.engines.base import Engine, EngineSpec, Generation, checksum
+from rlsync.engines.base import Engine, EngineSpec, Preloaded, Rollout, checksum
 from rlsync.registry import Registry
 from rlsync.sync.buckets import Bucket
 
@@ -47,11 +46,12 @@ class UpdateResult:
         return {f"perf/update_weights_{phase}_time": s for phase, s in self.seconds.items()}
 
 
-class Transport(ABC):
+class Transport(Rollout):
     """The rollout engine behind one way of moving weights to it, as the step loop drives it.
 
     `open` builds it from the run's engine spec, the bucket plan and update config (every transport
-    the same way); `update_weights` returns what the update measured and keeps it as `last_update`.
+    the same way); `generate`, `release` and `resume` are the engine's (`Rollout`), wherever it runs;
+    `update_weights` returns what the update measured and keeps it as `last_update`.
     """
 
     last_update: UpdateResult | None = None
@@ -60,19 +60,6 @@ class Transport(ABC):
     def open(cls, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig) -> "Transport":
         """Start the engine `spec` describes behind this transport, for the update `buckets` plans."""
         return cls(spec, buckets, cfg)
-
-    @abstractmethod
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
-                 generator: torch.Generator) -> Generation:
-        """The engine's `generate`, wherever it runs; `generator` comes back advanced as if it ran here."""
-
-    @abstractmethod
-    def release(self) -> None:
-        """The engine gives its memory back (the trainer's turn)."""
-
-    @abstractmethod
-    def resume(self) -> None:
-        """The engine takes its memory back (before the update and the rollout)."""
 
     def update_weights(self, weights: dict[str, torch.Tensor]) -> UpdateResult:
         """The trainer's `weights` (trainer names and dtype) into the engine, by the bucket plan."""
@@ -101,20 +88,12 @@ class Transport(ABC):
         """Stop the engine and free what the transport holds; safe to call twice."""
 
 
-class Receiver(ABC):
+class Receiver(Preloaded, ABC):
     """The engine-side half of a transport whose engine runs in its own process (sync/engine_process.py).
 
     It is pickled to the engine process, which calls `open` once the engine is built, `handle` for each
     update request, and `close` on its way out. Results travel back to the trainer as plain dicts.
     """
-
-    # Modules beyond its own that a forked engine process imports before its first engine (as Engine.preload).
-    preload: ClassVar[tuple[str, ...]] = ()
-
-    @classmethod
-    def preload_modules(cls) -> tuple[str, ...]:
-        """What an engine process imports before its first engine: this class's module and `preload`."""
-        return (cls.__module__, *cls.preload)
 
     @abstractmethod
     def open(self, engine: Engine) -> dict:
