@@ -24,12 +24,14 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous
 
-from rlsync.errors import RlsyncError
+from rlsync.errors import ConfigError, RlsyncError
 from rlsync.fmt import error_line
 from rlsync.launcher import launched
 from rlsync.engines.base import Generation
 from rlsync.metrics import Merge, merge_rule
+from rlsync.sync import WeightMismatch, checksum
 from rlsync.sync.buckets import greedy_groups
 from rlsync.timing import Stopwatch
 
@@ -113,8 +115,6 @@ class DataParallel:
         """Each rank trains on its own GPU (cuda:LOCAL_RANK); on a CPU they share the host."""
         if self.enabled and device.type == "cuda":
             if self.local_rank >= torch.cuda.device_count():  # NCCL refuses two ranks on one GPU
-                from rlsync.errors import ConfigError
-
                 raise ConfigError("run.device", str(device), f"cpu, or one GPU per rank (local rank {self.local_rank}, "
                                   f"{torch.cuda.device_count()} GPUs here)", "not enough GPUs for the ranks")
             return torch.device("cuda", self.local_rank)
@@ -124,8 +124,6 @@ class DataParallel:
         """Join the process group: NCCL between GPUs, gloo on a CPU (and for objects everywhere)."""
         if not self.enabled or self.started:
             return
-        from torch.distributed.rendezvous import rendezvous
-
         timeout = timedelta(seconds=timeout_s)
         store, _, _ = next(rendezvous("env://", timeout=timeout))  # the launcher's store (torchrun's agent hosts it)
         self.failures = dist.PrefixStore(FAILURES, store)
@@ -235,8 +233,6 @@ class DataParallel:
 
     def check_same_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """update.verify: every rank must hold rank 0's trainer weights, or rank 0's update would speak for it alone."""
-        from rlsync.sync import WeightMismatch, checksum
-
         mine = {name: checksum(t) for name, t in weights.items()}
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, mine, group=self.object_group)

@@ -28,12 +28,15 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from rlsync.config import MIB
 from rlsync.engine_http import BodyLimit, drop_line
+from rlsync.sync.broadcast import BroadcastReceiver
+from rlsync.sync.engine_process import EngineServer
 from rlsync.sync.messages import (OPS, REQUESTS, SESSION_HEADER, Failure, Health, Plan, Reply, SessionEvent, WireError,
                                   encode_result, request_args)
 
@@ -66,8 +69,6 @@ class WorkThread:
 
     def _run(self) -> None:
         if self.device.type == "cuda":  # the current device is per thread: this one works on the engine's
-            import torch
-
             torch.cuda.set_device(self.device)
         while True:
             op, job, future = self.jobs.get()
@@ -197,9 +198,6 @@ class Control:
     def _admit(self, session: Session, plan: Plan, request: Request) -> Optional[str]:
         """(work thread) Check the trainer's plan against this engine's weights and get ready to
         receive: the problem in one line, or None."""
-        from rlsync.sync.broadcast import BroadcastReceiver
-        from rlsync.sync.engine_process import EngineServer
-
         try:
             buckets = plan.bucket_plan()
         except WireError as err:

@@ -8,6 +8,11 @@ overrides that keep them from writing anything. The collectives live in rlsync/d
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+from hydra.types import RunMode
+
+from rlsync.errors import BadInput, ConfigError
 
 # Hydra overrides of ranks > 0: no .hydra/ dir, no log file, no dated run dir of their own
 QUIET_HYDRA = ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
@@ -23,8 +28,6 @@ def launched() -> tuple[int, int, int]:
 
 def rank_argv(argv: list[str]) -> list[str]:
     """The command line Hydra parses in this rank: ranks > 0 get overrides that keep their output away."""
-    from rlsync.errors import BadInput
-
     rank, world, _ = launched()
     if world > 1 and any(a in ("-m", "--multirun") for a in argv[1:]):
         raise BadInput(f"a sweep (-m) cannot run under a data-parallel launch ({world} ranks): "
@@ -34,8 +37,6 @@ def rank_argv(argv: list[str]) -> list[str]:
 
 def check_data_parallel(cfg) -> None:
     """What a data-parallel launch needs from the config; nothing to check in a single process."""
-    from rlsync.errors import ConfigError
-
     _, world, _ = launched()
     if world <= 1:
         return
@@ -53,10 +54,6 @@ def check_data_parallel(cfg) -> None:
 def hydra_job(hc):
     """(run dir, sweep dir, run name) of the Hydra job `hc` (HydraConfig.get()): the sweep dir is the
     run dir outside a multirun; the name is the job's overrides, as W&B and the report show it."""
-    from pathlib import Path
-
-    from hydra.types import RunMode
-
     run_dir = Path(hc.runtime.output_dir)
     sweep_dir = Path(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else run_dir
     return run_dir, sweep_dir, ",".join(hc.overrides.task) or "defaults"

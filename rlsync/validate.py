@@ -134,7 +134,7 @@ def looks_like_hub_id(path: str) -> bool:
 def check_device(name: str) -> None:
     if name in ("auto", "cpu"):
         return
-    import torch
+    import torch  # as in cuda_present: --help and config-only validation stay light
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:

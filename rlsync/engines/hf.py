@@ -15,6 +15,7 @@ from torch import nn
 
 from rlsync.config import ModelConfig
 from rlsync.engines.base import Engine, EngineSpec, Generation, left_pad, position_ids
+from rlsync.models import hf_config
 
 
 def sample_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -41,9 +42,7 @@ class HFEngine(Engine):
 
     def __init__(self, model_cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
                  allowed_ids: torch.Tensor, eos_id: int, pad_id: int, release_weights: bool = False):
-        from transformers import Qwen3ForCausalLM
-
-        from rlsync.models import hf_config
+        from transformers import Qwen3ForCausalLM  # seconds to import: only where a model is built (models.py)
 
         config = hf_config(model_cfg)
         config.dtype = dtype
@@ -116,7 +115,7 @@ class HFEngine(Engine):
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
                  generator: torch.Generator) -> Generation:
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # loaded with the model already (models.py: transformers stays lazy)
 
         ids, mask = left_pad(prompts, self.pad_id)
         ids, mask = ids.to(self.device), mask.to(self.device)

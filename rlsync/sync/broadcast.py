@@ -164,7 +164,7 @@ class BroadcastEngine(ForwardsToEngineProcess):
         join_timeout_s = cfg.engine_connect_timeout_s if cfg.engine_address else cfg.engine_timeout_s
         host = HOST
         if cfg.engine_address:  # listen on the interface that reaches that engine, once it answers
-            from rlsync.sync.remote import reach
+            from rlsync.sync.remote import reach  # lazy: ~0.2 s (pydantic) in every engine process, see engine_process
 
             host = reach(cfg.engine_address, timeout_s=cfg.engine_connect_timeout_s)
         self.store = listen_store(host, timedelta(seconds=join_timeout_s))

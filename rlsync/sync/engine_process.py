@@ -210,6 +210,8 @@ class EngineProcess:
     def remote(cls, address: str, receiver: Receiver, *, timeout_s: float, connect_timeout_s: float) -> "EngineProcess":
         """The engine serving at `address` (sync/remote.py): open a session with this trainer's receiver
         (the update's plan and settings) and wait until the engine has checked that plan against its model."""
+        # Here, not at the top: this module is preloaded in every engine process (forkserver, spawn), which
+        # would pay ~0.2 s for pydantic and the HTTP client only a trainer joining a standalone engine uses.
         from rlsync.sync.remote import RemotePeer, open_session
 
         self = cls.__new__(cls)

@@ -23,6 +23,7 @@ from typing import Literal, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rlsync.engines.base import Generation
 from rlsync.sync.buckets import Bucket, Slot, TensorMeta
 
 # Every dtype that may cross the wire, by name (never looked up on torch by a name we were sent).
@@ -254,8 +255,6 @@ def decode_result(op: str, result: Optional[dict]):
     if isinstance(typed, (OpenResult, UpdateResult)):
         return typed.model_dump()
     if isinstance(typed, GenerateResult):
-        from rlsync.engines.base import Generation
-
         fields = {k: (v.tensor() if isinstance(v, TensorData) else v) for k, v in vars(typed.generation).items()}
         return Generation(**fields), typed.generator_state.tensor()
     if isinstance(typed, ChecksumsResult):

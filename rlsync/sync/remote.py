@@ -31,6 +31,7 @@ from typing import Optional
 from pydantic import ValidationError
 
 from rlsync.errors import RlsyncError
+from rlsync.sync.messages import SESSION_HEADER, Failure, Health, Plan, Reply, SessionEvent, decode_result, request_body
 
 TOKEN_ENV = "RLSYNC_ENGINE_TOKEN"  # the shared secret of the engine's control plane (required beyond loopback)
 DEFAULT_PORT = 29610  # where `python -m rlsync.engine` listens unless update.engine_address names a port
@@ -117,8 +118,6 @@ def read_body(response, limit: int = MAX_REPLY_BYTES) -> bytes:
 
 def failure_text(body: bytes) -> str:
     """The `error` of a Failure reply, or what the body starts with."""
-    from rlsync.sync.messages import Failure
-
     try:
         return Failure.model_validate_json(body).error
     except ValidationError:
@@ -139,8 +138,6 @@ def refused_token(address: str) -> EngineUnreachable:
 def reach(address: str, *, timeout_s: float) -> str:
     """Wait until the engine at `address` answers `GET /health`; return this machine's address on that
     connection (the interface facing the engine). EngineUnreachable after `timeout_s`."""
-    from rlsync.sync.messages import Health
-
     deadline = time.monotonic() + timeout_s
     while True:
         remaining = deadline - time.monotonic()
@@ -168,8 +165,6 @@ def open_session(address: str, receiver, *, timeout_s: float, connect_timeout_s:
 
     Returns the session's wire with the engine's answer to "start" queued: accepted, or refused
     (EngineBusy, PlanMismatch: EngineProcess raises it). EngineUnreachable if it cannot be asked."""
-    from rlsync.sync.messages import Plan, SessionEvent
-
     plan = Plan.of(receiver).model_dump_json().encode()
     exchange = Exchange(address, connect_timeout_s)
     try:
@@ -263,8 +258,6 @@ class SessionWire:
 
     def _watch(self) -> None:
         """Read the session stream until it ends: heartbeats, then "ended" (or a break, or silence)."""
-        from rlsync.sync.messages import SessionEvent
-
         why = "the engine ended the session"
         try:
             while True:
@@ -295,8 +288,6 @@ class SessionWire:
                 self.cond.notify_all()
 
     def _exchange(self, op: str, args: tuple) -> tuple:
-        from rlsync.sync.messages import SESSION_HEADER, Reply, decode_result, request_body
-
         body = request_body(op, args).model_dump_json().encode()
         exchange = Exchange(self.address, self.timeout_s + REQUEST_SLACK_S)
         try:
