@@ -1,6 +1,6 @@
 """The typed config tree: every key, its default, its value rule and a one-line comment.
 
-Hydra composes YAML from conf/ on top of the `Config` schema registered here, so a wrong type or an
+Hydra composes YAML from rlsync/conf/ (the top-level conf/ links there) on top of the `Config` schema registered here, so a wrong type or an
 unknown key is rejected while composing. Each key's value rule sits beside it (`key(default, rule)`,
 rlsync/rules.py), and a rule that ties keys together is the `check(root)` method of the node it is
 about; rlsync/validate.py applies them all, once, before any model is built. `to_config` turns the
@@ -26,6 +26,7 @@ from rlsync.fmt import MIB
 from rlsync.rules import (ANY, NAME, OPTIONAL_NAME, Rule, above, at_least, between, choices, key, mebibytes, number,
                           or_null, parsed_by, resolve)
 
+CONFIG_PATH = "pkg://rlsync.conf"  # every entry point's @hydra.main: the YAML configs inside the package (rlsync/conf)
 SEED_MAX = 2**64 - 1  # torch.manual_seed takes an unsigned 64-bit seed
 WANDB_PROJECT_FORBIDDEN = "/\\#?%:"  # wandb.Settings.validate_project (wandb 0.2x/0.3x); also at most 128 chars
 WANDB_PROJECT_MAX, WANDB_TAG_MAX = 128, 64  # characters; a tag must be 1 to 64 (wandb.Settings.validate_run_tags)
