@@ -266,8 +266,11 @@ def key_comments() -> dict[tuple[str, str], str]:
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.end_lineno in by_line}
 
 
-def key_comment(schema: type, name: str) -> str:
-    """The comment of `schema`'s field `name`, from the class that declares it."""
+def key_comment(schema: type, key: str) -> str:
+    """The comment of `key` (dotted: "update.bucket_mb") in `schema`, from the class that declares it."""
+    *path, name = key.split(".")
+    for part in path:
+        schema = get_type_hints(schema)[part]
     comments = key_comments()
     return next((comments[(c.__name__, name)] for c in schema.__mro__ if (c.__name__, name) in comments), "")
 
