@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from rlsync.config import register_configs
+from rlsync.config import CONFIG_PATH, register_configs
 from rlsync.errors import cli, job_errors
 from rlsync.launcher import hydra_job, launched, rank_argv
 from rlsync.validate import checked_config
@@ -22,7 +22,7 @@ from rlsync.validate import checked_config
 register_configs()
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
 def hydra_main(dcfg: DictConfig) -> None:
     hc = HydraConfig.get()
     run_dir, sweep_dir, name = hydra_job(hc)

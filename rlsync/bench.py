@@ -31,7 +31,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from rlsync.bench_offload import OffloadTarget
-from rlsync.config import BenchAppConfig, register_configs, to_dict
+from rlsync.config import CONFIG_PATH, BenchAppConfig, register_configs, to_dict
 from rlsync.devices import explicit_device, resolve_device, select_device
 from rlsync.engines.base import EngineSpec
 from rlsync.errors import cli, job_errors
@@ -251,7 +251,7 @@ def closing_table(result: dict) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="bench")
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="bench")
 def hydra_main(dcfg: DictConfig) -> None:
     hc = HydraConfig.get()
     run_dir, sweep_dir, name = hydra_job(hc)

@@ -1,6 +1,6 @@
 """The typed config tree: every key, its default, its value rule and a one-line comment.
 
-Hydra composes YAML from conf/ on top of the `Config` schema registered here, so a wrong type or an
+Hydra composes YAML from rlsync/conf/ (the top-level conf/ links there) on top of the `Config` schema registered here, so a wrong type or an
 unknown key is rejected while composing. Each key's value rule sits beside it (`key(default, rule)`,
 rlsync/rules.py), and a rule that ties keys together is the `check(root)` method of the node it is
 about; rlsync/validate.py applies them all, once, before any model is built. `to_config` turns the
@@ -15,17 +15,23 @@ the error type.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+import ast
+import io
+import tokenize
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterator, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from rlsync.errors import ConfigError
+from rlsync.errors import ConfigError, show
 from rlsync.fmt import MIB
 from rlsync.rules import (ANY, NAME, OPTIONAL_NAME, Rule, above, at_least, between, choices, key, mebibytes, number,
                           or_null, parsed_by, resolve)
 
+CONFIG_PATH = "pkg://rlsync.conf"  # every entry point's @hydra.main: the YAML configs inside the package (rlsync/conf)
 SEED_MAX = 2**64 - 1  # torch.manual_seed takes an unsigned 64-bit seed
 WANDB_PROJECT_FORBIDDEN = "/\\#?%:"  # wandb.Settings.validate_project (wandb 0.2x/0.3x); also at most 128 chars
 WANDB_PROJECT_MAX, WANDB_TAG_MAX = 128, 64  # characters; a tag must be 1 to 64 (wandb.Settings.validate_run_tags)
@@ -37,17 +43,17 @@ COUNT = at_least(1)
 @dataclass
 class ModelConfig:
     name: str = key("tiny", NAME)  # label used in tables and run names
-    hidden_size: int = key(256, COUNT)
+    hidden_size: int = key(256, COUNT)  # width of the residual stream
     intermediate_size: int = key(512, COUNT)  # MLP width
-    num_hidden_layers: int = key(4, COUNT)
-    num_attention_heads: int = key(4, COUNT)
+    num_hidden_layers: int = key(4, COUNT)  # transformer blocks
+    num_attention_heads: int = key(4, COUNT)  # query heads
     num_key_value_heads: int = key(2, COUNT)  # grouped-query attention
-    head_dim: int = key(64, COUNT)
+    head_dim: int = key(64, COUNT)  # width of one attention head
     vocab_size: int = key(512, COUNT)  # >= 259 for the byte tokenizer; Qwen3 uses 151936
     tie_word_embeddings: bool = key(True, ANY)  # lm_head shares the embedding (sent once in the update)
-    max_position_embeddings: int = key(40960, COUNT)
-    rope_theta: float = key(1_000_000.0, above(0))
-    rms_norm_eps: float = key(1e-6, above(0))
+    max_position_embeddings: int = key(40960, COUNT)  # longest sequence (prompt + response) the model takes
+    rope_theta: float = key(1_000_000.0, above(0))  # rotary position embedding base
+    rms_norm_eps: float = key(1e-6, above(0))  # RMSNorm epsilon
     pretrained: Optional[str] = key(None, OPTIONAL_NAME)  # local dir or hub id: load real weights + tokenizer instead (and it must exist: rlsync.validate)
 
     def check(self, root: Config) -> None:
@@ -118,9 +124,9 @@ class UpdateConfig:
 class RolloutConfig:
     engine: str = key("hf", choices("rlsync.engines.base:engine_names"))  # hf: transformers model with a KV cache | vllm: vLLM in this process (the vllm extra)
     max_response_len: int = key(32, at_least(1, "tokens"))  # answers are cut here (tokens)
-    prompts_per_step: int = key(4, COUNT)
+    prompts_per_step: int = key(4, COUNT)  # prompts per step (each sampled samples_per_prompt times)
     samples_per_prompt: int = key(4, at_least(2, "GRPO normalises rewards within a group: one sample has no spread"))  # the GRPO group size (>= 2)
-    temperature: float = key(1.0, at_least(0, "0 is greedy"))
+    temperature: float = key(1.0, at_least(0, "0 is greedy"))  # sampling temperature (0: greedy)
     dtype: str = key("bfloat16", DTYPE)  # engine weights dtype
     release_weights: bool = key(False, ANY)  # engine frees its weights after generation (KV cache always); re-allocated before the update, which refills them
 
@@ -151,10 +157,10 @@ class TrainerConfig:
 
 @dataclass
 class RunConfig:
-    steps: int = key(6, COUNT)
+    steps: int = key(6, COUNT)  # steps to run, warm-up included
     warmup_steps: int = key(2, at_least(0))  # left out of every summary
     seed: int = key(0, Rule(lambda v: number(v) and 0 <= v <= SEED_MAX,
-                            f"0 to 2^64 - 1 = {SEED_MAX} (torch seeds are unsigned 64-bit)"))
+                            f"0 to 2^64 - 1 = {SEED_MAX} (torch seeds are unsigned 64-bit)"))  # seeds the model init and the sampling
     device: str = key("auto", Rule(lambda v: v in ("auto", "cpu") or v == "cuda" or v.startswith("cuda:"),
                                    "auto, cpu, cuda, cuda:N"))  # auto: cuda when available, else cpu (and present: rlsync.validate)
     verdict_threshold: float = key(0.03, Rule(lambda v: number(v) and 0 < v < 1, "a share of the step between 0 and 1"))  # update share of the step above which it is worth tuning
@@ -183,21 +189,21 @@ def wandb_tags_ok(v) -> bool:
 class WandbConfig:
     mode: str = key("offline", choices("rlsync.sinks:WANDB_MODES"))  # offline (sync later) | online | disabled
     project: str = key("rlsync", Rule(wandb_project_ok, f"a non-empty name of at most {WANDB_PROJECT_MAX} characters, "
-                                      f"without any of {' '.join(WANDB_PROJECT_FORBIDDEN)} (W&B refuses them)"))
-    entity: Optional[str] = key(None, OPTIONAL_NAME)
+                                      f"without any of {' '.join(WANDB_PROJECT_FORBIDDEN)} (W&B refuses them)"))  # W&B project
+    entity: Optional[str] = key(None, OPTIONAL_NAME)  # W&B team or user; null: your default entity
     group: Optional[str] = key(None, OPTIONAL_NAME)  # default: the sweep (or run) directory name
-    tags: list[str] = key([], Rule(wandb_tags_ok, f"a list of tags of 1 to {WANDB_TAG_MAX} characters each (W&B's limit)"))
+    tags: list[str] = key([], Rule(wandb_tags_ok, f"a list of tags of 1 to {WANDB_TAG_MAX} characters each (W&B's limit)"))  # W&B run tags, e.g. '[a,b]'
     init_timeout: float = key(60.0, SECONDS)  # seconds W&B may take to start; then the run logs offline (online) or locally only
 
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    update: UpdateConfig = field(default_factory=UpdateConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    wandb: WandbConfig = field(default_factory=WandbConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)  # the model, built alike by trainer and engine (presets: model=NAME)
+    update: UpdateConfig = field(default_factory=UpdateConfig)  # the weight update, trainer -> engine
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # the rollout engine and its sampling (presets: rollout=NAME)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # optimizer, GRPO loss, offload to host between steps
+    run: RunConfig = field(default_factory=RunConfig)  # steps, device, what is measured and shown
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # Weights & Biases logging
 
 
 @dataclass
@@ -223,20 +229,75 @@ class ServeConfig:
 class EngineAppConfig(Config):
     """`python -m rlsync.engine`: the runner's tree (model, rollout, update.engine_address, run.device) plus `serve.*`."""
 
-    serve: ServeConfig = field(default_factory=ServeConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)  # the engine server (python -m rlsync.engine)
 
 
 @dataclass
 class BenchAppConfig(Config):
     """`python -m rlsync.bench`: the runner's tree plus the benchmark's own keys."""
 
-    bench: BenchConfig = field(default_factory=BenchConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)  # the benchmark (python -m rlsync.bench): what is timed, how often
+
+
+SCHEMAS = {"rlsync_schema": Config, "rlsync_bench_schema": BenchAppConfig, "rlsync_engine_schema": EngineAppConfig}
+HELP_KEY_WIDTH = 40  # `--help`: the column the comments start in
 
 
 def register_configs() -> None:
-    ConfigStore.instance().store(name="rlsync_schema", node=Config)
-    ConfigStore.instance().store(name="rlsync_bench_schema", node=BenchAppConfig)
-    ConfigStore.instance().store(name="rlsync_engine_schema", node=EngineAppConfig)
+    for name, schema in SCHEMAS.items():
+        ConfigStore.instance().store(name=name, node=schema)
+    OmegaConf.register_new_resolver("rlsync_keys", help_keys, replace=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# `--help`: every key of the schema, read from this file, so the help cannot go stale
+# ----------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def key_comments() -> dict[tuple[str, str], str]:
+    """(class name, field name) -> the trailing `# comment` of that field in this file (on its last line)."""
+    source = Path(__file__).read_text(encoding="utf-8")
+    by_line = {tok.start[0]: tok.string.lstrip("#").strip()
+               for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    return {(cls.name, node.target.id): by_line[node.end_lineno]
+            for cls in ast.parse(source).body if isinstance(cls, ast.ClassDef)
+            for node in cls.body
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.end_lineno in by_line}
+
+
+def key_comment(schema: type, key: str) -> str:
+    """The comment of `key` (dotted: "update.bucket_mb") in `schema`, from the class that declares it."""
+    *path, name = key.split(".")
+    for part in path:
+        schema = get_type_hints(schema)[part]
+    comments = key_comments()
+    return next((comments[(c.__name__, name)] for c in schema.__mro__ if (c.__name__, name) in comments), "")
+
+
+def schema_lines(schema: type, values: Any, prefix: str = "") -> Iterator[str]:
+    """`--help`'s listing of `schema`: a header per node, then `  key=value  comment` per key, with the
+    value from `values` (the composed config) where it has the key, else the schema's default."""
+    hints = get_type_hints(schema)
+    for f in fields(schema):
+        name, comment = prefix + f.name, key_comment(schema, f.name)
+        if values is not None and f.name in values:
+            value = values[f.name]
+        else:
+            value = f.default_factory() if f.default is MISSING else f.default
+        if is_dataclass(hints[f.name]):
+            yield from ("", f"{name}: {comment}")
+            yield from schema_lines(hints[f.name], value, prefix=name + ".")
+        else:
+            value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+            yield f"  {name}={show(value)}".ljust(HELP_KEY_WIDTH) + f"  {comment}".rstrip()
+
+
+def help_keys(*, _root_: DictConfig) -> str:
+    """`${rlsync_keys:}` (conf/hydra/help/rlsync.yaml): the composed app config's keys, listed from its schema."""
+    keys = {k for k in _root_ if k != "hydra"}
+    schema = next((s for s in SCHEMAS.values() if {f.name for f in fields(s)} == keys), Config)
+    return "\n".join(schema_lines(schema, _root_)).strip("\n").replace("$", "$$")  # Hydra's template is a string.Template
 
 
 def to_config(dcfg: DictConfig, schema: type = Config):

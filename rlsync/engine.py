@@ -40,7 +40,7 @@ import hydra
 import uvicorn
 from omegaconf import DictConfig
 
-from rlsync.config import EngineAppConfig, register_configs
+from rlsync.config import CONFIG_PATH, EngineAppConfig, register_configs
 from rlsync.engine_app import Control, log
 from rlsync.engine_http import guarded_protocol, quiet_uvicorn
 from rlsync.engines.base import EngineSpec
@@ -144,7 +144,7 @@ def serve(cfg: EngineAppConfig) -> None:
         log(f"served {control.served} session(s); exiting")
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="engine")
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="engine")
 def hydra_main(dcfg: DictConfig) -> None:
     with job_errors(None):
         serve(checked_config(dcfg, EngineAppConfig))

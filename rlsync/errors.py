@@ -28,6 +28,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from rlsync.fmt import error_line, first_line
 
 DEBUG_ENV = "RLSYNC_DEBUG"  # =1: print the full traceback as well
+CONF_DIR = Path(__file__).resolve().parent / "conf"  # the YAML configs every entry point reads (pkg://rlsync.conf)
 
 
 def debug_enabled() -> bool:
@@ -68,6 +69,12 @@ def show(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(show(v) for v in value) + "]"
     return str(value)
+
+
+class BrokenInstall(RlsyncError):
+    """rlsync's own files are missing from its install (its configs): reinstalling fixes it, not the command line."""
+
+    exit_code = 3
 
 
 class UpdateOutOfMemory(RlsyncError):
@@ -171,8 +178,14 @@ class StopOnSignals:
 # ----------------------------------------------------------------------------------------------
 
 
-def from_hydra(err: BaseException) -> Optional[BadInput]:
-    """The ConfigError (or BadInput) a Hydra/OmegaConf composition error stands for; None for anything else."""
+def from_hydra(err: BaseException) -> Optional[RlsyncError]:
+    """The ConfigError (or BadInput) a Hydra/OmegaConf composition error stands for, BrokenInstall when the
+    install lacks its configs; None for anything else."""
+    if isinstance(err, MissingConfigException) and "primary config" in str(err).lower() \
+            and not any(CONF_DIR.glob("*.yaml")):
+        return BrokenInstall(f"installation error: this rlsync install has no configs ({CONF_DIR} holds no *.yaml; "
+                             f"Hydra: {first_line(err)}): reinstall rlsync (pip install -e . in a checkout, or a wheel "
+                             f"built by pip wheel . from one)")
     if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
         group, _, choice = err.missing_cfg_file.rpartition("/")
         return ConfigError(group.replace("/", "."), choice, ", ".join(err.options or []) or "no options",

@@ -167,7 +167,8 @@ def start_wandb(cfg: WandbConfig, *, run_dir: Path, **kwargs):
         print(f"rlsync: wandb is not installed; wandb.mode={cfg.mode} ignored, logging to local files only",
               file=sys.stderr)
         return None
-    settings = wandb.Settings(init_timeout=cfg.init_timeout)
+    # quiet: no run history/summary footer at finish, so the closing table and verdict stay the last lines
+    settings = wandb.Settings(init_timeout=cfg.init_timeout, quiet=True)
     for mode in [cfg.mode] + (["offline"] if cfg.mode == "online" else []):
         try:
             return wandb.init(mode=mode, settings=settings, dir=str(run_dir), **kwargs)
@@ -187,6 +188,8 @@ def wandb_run(cfg: WandbConfig, *, run_dir: Path, name: str, group: str, config:
     if cfg.mode == "disabled":
         yield WandbRun(None)
         return
+    if isinstance(config.get("wandb"), dict):  # the group the run joined, not the config's null ("default: ...")
+        config = {**config, "wandb": {**config["wandb"], "group": group}}
     run = start_wandb(cfg, run_dir=run_dir, project=cfg.project, entity=cfg.entity, group=group, name=name,
                       job_type=job_type, tags=list(cfg.tags), config=config, reinit="finish_previous")
     wb = WandbRun(run)

@@ -10,6 +10,8 @@ import time
 import pytest
 
 from conftest import FAST, ROOT, cli_env, read_jsonl, run_cli
+from rlsync.config import SCHEMAS, key_comment
+from rlsync.validate import leaves
 
 STEP_METRICS = [
     "perf/step_time", "perf/rollout_time", "perf/wake_up_time", "perf/log_probs_time", "perf/train_time",
@@ -37,6 +39,7 @@ def test_run_prints_table_and_verdict_and_writes_files(tmp_path):
     assert summary["share"]["update_weights"] == pytest.approx(
         summary["metrics"]["perf/update_weights_time"]["median"] / summary["metrics"]["perf/step_time"]["median"])
     assert summary["config"]["update"]["bucket_mb"] == 512
+    assert not (tmp_path / "rlsync.log").exists()  # nothing was logged: no empty Hydra job log
     # what one step offloads (params, grads, optimizer state) the next step brings back
     assert rows[0]["perf/sleep_bytes"] > 0
     assert rows[1]["perf/wake_up_bytes"] == rows[0]["perf/sleep_bytes"]
@@ -72,20 +75,53 @@ def test_killed_run_keeps_every_finished_step(tmp_path):
 
 
 def test_wandb_offline_run_holds_the_same_numbers(tmp_path):
-    proc = run_cli(*FAST, "wandb.mode=offline", "wandb.group=g1", f"hydra.run.dir={tmp_path}")
+    run_dir = tmp_path / "run1"
+    proc = run_cli(*FAST, "wandb.mode=offline", f"hydra.run.dir={run_dir}", WANDB_SILENT="false")  # W&B as a user sees it
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run_dir = next((tmp_path / "wandb").glob("offline-run-*"))
-    inspect = subprocess.run(["wandb", "leet", "inspect", "--summary", "--json", str(run_dir)],
+    assert "of the step" in proc.stdout.splitlines()[-1]
+    assert "Run summary" not in proc.stderr and "Run history" not in proc.stderr  # no W&B footer after the verdict
+    wandb_dir = next((run_dir / "wandb").glob("offline-run-*"))
+    inspect = subprocess.run(["wandb", "leet", "inspect", "--summary", "--json", str(wandb_dir)],
                              capture_output=True, text=True, timeout=60)
     state = json.loads(inspect.stdout)
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert state["state"] == "finished" and state["exit_code"] == 0
-    assert state["name"] == ",".join(a for a in FAST) + ",wandb.mode=offline,wandb.group=g1"
+    assert state["name"] == ",".join(a for a in FAST) + ",wandb.mode=offline"
     assert state["config"]["update"]["bucket_mb"] == 512
+    assert state["config"]["wandb"]["group"] == "run1"  # the group the run joined (the run dir's name), not null
     for key in ("perf/update_weights_time", "perf/step_time", "perf/sleep_time"):
         assert state["summary"][key] == pytest.approx(summary["metrics"][key]["median"])
     assert state["summary"]["verdict"] == summary["verdict"]
-    records = [json.loads(x) for x in subprocess.run(["wandb", "leet", "inspect", "--json", str(run_dir)],
+    records = [json.loads(x) for x in subprocess.run(["wandb", "leet", "inspect", "--json", str(wandb_dir)],
                                                     capture_output=True, text=True, timeout=60).stdout.splitlines()]
     run_record = next(r for r in records if r.get("type") == "run")
-    assert "g1" in json.dumps(run_record)
+    assert run_record["run"]["run_group"] == "run1"
+
+
+def test_every_schema_key_has_its_one_line_comment():
+    missing = [key for schema in SCHEMAS.values() for key, *_ in leaves(schema()) if not key_comment(schema, key)]
+    assert not missing, f"keys without a trailing # comment in rlsync/config.py: {missing}"
+
+
+@pytest.mark.parametrize("module, schema", [("rlsync", "rlsync_schema"), ("rlsync.bench", "rlsync_bench_schema"),
+                                            ("rlsync.engine", "rlsync_engine_schema")])
+def test_help_lists_every_key_with_its_value_and_comment(module, schema):
+    proc = run_cli("update.bucket_mb=64", "--help", module=module, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    for key, *_ in leaves(SCHEMAS[schema]()):
+        assert any(line.split()[:1] and line.split()[0].startswith(key + "=")
+                   and line.endswith(key_comment(SCHEMAS[schema], key)) for line in lines), key
+    bucket = next(line for line in lines if line.strip().startswith("update.bucket_mb="))
+    assert bucket.split()[0] == "update.bucket_mb=64.0" and "bucket size in MiB" in bucket  # the composed value
+    assert "model: qwen3_0p6b, qwen3_1p7b" in proc.stdout  # the config groups, Hydra's own listing
+    assert "--hydra-help" in proc.stdout
+    assert "Hydra (" in run_cli("--hydra-help", module=module, timeout=120).stdout  # Hydra's help is still there
+
+
+def test_completion_offers_the_keys_of_the_schema():
+    proc = run_cli("--shell-completion", "query=bash", COMP_LINE="rlsync update.tr", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["update.transport="]
+    proc = run_cli("--shell-completion", "install=bash", timeout=120)
+    assert "complete -o nospace -o default -F hydra_bash_completion" in proc.stdout
