@@ -279,11 +279,11 @@ def test_every_key_a_user_can_set_has_a_rule():
 def test_choices_are_looked_up_when_checked(monkeypatch):
     """A choice an implementation owns is named by import path and resolved at check time: the schema imports
     nothing above it, and a name the implementation gains later is accepted."""
-    from rlsync import sync
+    from rlsync.sync.base import TRANSPORTS
 
     rule = next(rule for key, _, _, rule in leaves(Config()) if key == "update.transport")
-    assert isinstance(rule, Choices) and rule.allowed == ", ".join(sync.TRANSPORTS) and not rule.ok("pigeon")
-    monkeypatch.setattr(sync, "TRANSPORTS", (*sync.TRANSPORTS, "pigeon"))
+    assert isinstance(rule, Choices) and rule.allowed == ", ".join(TRANSPORTS) and not rule.ok("pigeon")
+    monkeypatch.setitem(TRANSPORTS, "pigeon", "nowhere:Pigeon")  # removed again after the test
     assert rule.ok("pigeon") and rule.allowed.endswith(", pigeon")
 
 
