@@ -109,7 +109,7 @@ class FakeMachine:
 
     def __init__(self, monkeypatch, seconds: dict[Way, list[float]]):
         self.now, self.seconds, self.calls = 0.0, {w: list(s) for w, s in seconds.items()}, []
-        for method in rlsync.limits.COPY_METHODS:
+        for method in {w.method for w in seconds}:  # "chunked": a second method, as one worth trying would be
             monkeypatch.setitem(rlsync.limits.COPY_METHODS, method, self.copier(method))
 
     def copier(self, method):
@@ -141,8 +141,10 @@ def test_probe_floor_is_not_above_the_update_own_copy_timed_alike(monkeypatch):
     """The floor time for the update's bytes is at most that of a plain one-thread fp32 -> bf16 `copy_`
     of the same tensors (the update's own copy), whichever way the machine favours."""
     n = 1 << 20
+    monkeypatch.setitem(rlsync.limits.COPY_METHODS, "chunked", None)  # a second method among the candidates
     ways = copy_candidates(torch.empty(1, dtype=torch.bfloat16), torch.empty(1))
     own = Way("copy_", 1)
+    assert own in ways and Way("chunked", 1) in ways
     for faster in ways:
         seconds = {w: [0.2] for w in ways} | {own: [0.123]}
         if faster != own:
