@@ -76,14 +76,15 @@ class UpdateTarget:
         update_bytes = sum(b.nbytes for b in self.buckets)
         read_bytes = sum(t.numel() * t.element_size() for t in self.weights.values())
         self.limits = Limits(device, update_bytes=update_bytes, state_bytes=read_bytes, read_bytes=read_bytes,
-                             source=cfg.update.source)
+                             source=cfg.update.source, dtypes=(torch_dtype(cfg.trainer.dtype), torch_dtype(cfg.rollout.dtype)))
         self.limit_time = self.limits.update_limit
         self.probe = self.limits.update_probe()  # the same floor, re-timed beside each repeat (a shared machine drifts)
         self.setup = {
             "build_time": build_time, "update_bytes": update_bytes, "read_bytes": read_bytes,
             "tensors": len(self.weights), "params": sum(t.numel() for t in self.weights.values()),
             "buckets": len(self.buckets), "largest_bucket_bytes": max(b.nbytes for b in self.buckets),
-            "limits": self.limits.as_dict(), "limit_time": self.limit_time,
+            # repeat_probes: how the floor beside each repeat was measured, and how often (filled as they run)
+            "limits": {**self.limits.as_dict(), "repeat_probes": self.probe.wins}, "limit_time": self.limit_time,
         }
 
     def repeat(self) -> dict[str, float]:

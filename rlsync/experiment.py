@@ -113,7 +113,8 @@ class Experiment:
         if engine is not None:
             update_bytes = sum(b.nbytes for b in self.buckets)
             self.limits = Limits(device, update_bytes=update_bytes, state_bytes=self.offloader.state_bytes or 2 * read_bytes,
-                                 read_bytes=read_bytes, source=cfg.update.source)
+                                 read_bytes=read_bytes, source=cfg.update.source,
+                                 dtypes=(torch_dtype(cfg.trainer.dtype), torch_dtype(cfg.rollout.dtype)))
             engine.update_weights(self.weights)  # the engine starts from the trainer's weights
             self.setup_info.update({"update_bytes": update_bytes, "buckets": len(self.buckets),
                                     "limits": self.limits.as_dict(), "update_limit_time": self.limits.update_limit})

@@ -392,9 +392,9 @@ def test_runner_measures_the_floors_before_each_step(tmp_path, monkeypatch, prob
 
     probes = []
 
-    def faster_each_time(nbytes, *, src, dst, repeats=5):
+    def faster_each_time(nbytes, *, src, dst, repeats=3, dtypes=None):
         probes.append(nbytes)
-        return 1e9 * len(probes)
+        return rlsync.limits.Bandwidth(1e9 * len(probes), "fake")
 
     monkeypatch.setattr(rlsync.limits, "copy_bandwidth", faster_each_time)
     rows, summary = run_in_process(tmp_path, f"run.limit_probe={probe}")
