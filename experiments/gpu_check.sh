@@ -77,6 +77,17 @@ step() {
   say "   $status in $((SECONDS - t0)) s"
 }
 
+# on_gpu NAME TIMEOUT_S CMD...: a step that --smoke leaves out (named in the table), because on the CPU
+# with the tiny model it repeats a tiny_* step or another transport's bench step exactly.
+on_gpu() {
+  if (( smoke )); then
+    names+=("$1"); results+=("skipped (smoke)"); times+=(0)
+    say "== $1 skipped: --smoke runs it as a tiny_* step already"
+    return
+  fi
+  step "$@"
+}
+
 # optional NAME TIMEOUT_S CMD...: a step that runs only if the budget still has its timeout's room.
 optional() {
   local name="$1" limit="$2"
@@ -138,14 +149,15 @@ step tiny_flat_engine_weights "$t_tiny" "${runner[@]}" "${tiny_runs[@]}" update.
   "hydra.run.dir=$out/tiny_flat_engine_weights/run"
 # 3. Qwen3-0.6B
 for transport in direct ipc broadcast; do
-  step "${small_step}_bench_$transport" "$t_small" "${benchmark[@]}" model=$small update.transport=$transport update.verify=true \
+  run_step=on_gpu; [[ $transport == ipc ]] && run_step=step  # --smoke: the bench entry once, over ipc
+  $run_step "${small_step}_bench_$transport" "$t_small" "${benchmark[@]}" model=$small update.transport=$transport update.verify=true \
     "hydra.run.dir=$out/${small_step}_bench_$transport/run"
 done
 step "${small_step}_bench_source_host" "$t_small" "${benchmark[@]}" model=$small update.source=host update.verify=true \
   "hydra.run.dir=$out/${small_step}_bench_source_host/run"
-step "${small_step}_release_weights" "$t_small" "${runner[@]}" model=$small "${runs[@]}" rollout.release_weights=true update.verify=true \
+on_gpu "${small_step}_release_weights" "$t_small" "${runner[@]}" model=$small "${runs[@]}" rollout.release_weights=true update.verify=true \
   "hydra.run.dir=$out/${small_step}_release_weights/run"
-step "${small_step}_flat_engine_weights" "$t_small" "${runner[@]}" model=$small "${runs[@]}" update.flat_engine_weights=true \
+on_gpu "${small_step}_flat_engine_weights" "$t_small" "${runner[@]}" model=$small "${runs[@]}" update.flat_engine_weights=true \
   update.verify=true "hydra.run.dir=$out/${small_step}_flat_engine_weights/run"
 step "${small_step}_offload" "$t_small" "${benchmark[@]}" model=$small bench.target=offload "hydra.run.dir=$out/${small_step}_offload/run"
 # 4. if time is left: Qwen3-1.7B, then a study with its report

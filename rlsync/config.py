@@ -81,7 +81,7 @@ class UpdateConfig:
     engine_address: Optional[str] = key(None, or_null(parsed_by("rlsync.sync.remote:parse_address", "HOST:PORT (port 1 to "
                                         "65535; 0 lets python -m rlsync.engine pick a free one)")))  # broadcast: HOST:PORT of an engine started on its own (python -m rlsync.engine listens there); null: start it here
     engine_connect_timeout_s: float = key(120.0, SECONDS)  # with engine_address: how long to retry while that engine is not listening yet
-    copy_threads: int = key(1, at_least(0, "0 keeps torch's default"))  # torch CPU threads for the update's copies, per process (0: torch's default); 1 reaches memcpy speed
+    copy_threads: int = key(1, at_least(0, "0 keeps torch's default"))  # torch CPU threads for the update's copies, per process (0: torch's default); 1 reaches memcpy speed, a converting fp32->bf16 copy wants more
 
     def check(self, root: Config) -> None:
         rollout = root.rollout

@@ -57,7 +57,7 @@ def test_two_ranks_train_and_update_the_engine_bit_exact(two_ranks):
         for key in RANK0_ONLY:  # rank 0's phases: nothing to gather
             assert f"{key}_rank_max" not in row
     # one run dir, rank 0's; rank 1 wrote nothing, neither in the working directory nor a Hydra dir of its own
-    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", ".rlsync.lock", "metrics.jsonl", "rlsync.log", "summary.json"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", ".rlsync.lock", "metrics.jsonl", "summary.json"]
     assert list(cwd.iterdir()) == []
     assert proc.stdout.count("| model | weight update |") == 1  # one closing table: rank 0's
 
