@@ -72,3 +72,17 @@ def sampler(device: torch.device, seed: int) -> torch.Generator:
     """The rollout's random stream: a generator on the engine's device, so tokens are drawn where the
     probabilities are (a CPU generator would copy [batch, vocab] to the host every token)."""
     return torch.Generator(device=device).manual_seed(seed)
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst <- src`, cast to `dst`'s dtype, without blocking where the devices allow.
+
+    A host source bound for a CUDA destination of another dtype is sent in its own dtype and cast on
+    the device: torch's `copy_` would cast on the CPU first, into a pageable temporary, and send that
+    synchronously (aten/src/ATen/native/cuda/Copy.cu: "Type conversions are performed on the CPU for
+    CPU-GPU copies"). The source's bytes cross the link, as rlsync.limits counts them for source=host;
+    the device holds the sent tensor until the cast is done (the caching allocator frees it after).
+    """
+    if dst.device.type == "cuda" and src.device.type == "cpu" and src.dtype != dst.dtype:
+        src = src.to(dst.device, non_blocking=True)
+    dst.copy_(src, non_blocking=True)

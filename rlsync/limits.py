@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from rlsync.devices import copy_into
 from rlsync.sync.threads import cpu_threads
 from rlsync.timing import synchronize
 
@@ -36,7 +37,7 @@ CLOCK = time.perf_counter  # best_copy's clock (a test's fake machine replaces i
 
 
 def copy_whole(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.copy_(src, non_blocking=True)
+    copy_into(dst, src)  # as the update copies: a host source is cast on the device
 
 
 # The ways of copying a probe tries, by name. Tried on this 2-core CPU and left out, never faster:
@@ -128,7 +129,7 @@ def best_copy_seconds(dst: torch.Tensor, src: torch.Tensor, repeats: int, budget
 
 def moved_bytes(dst: torch.Tensor, src: torch.Tensor) -> int:
     """Bytes a copy moves, as its bandwidth counts them: read + written in one memory, sent across devices
-    (the source's: a host -> GPU copy with non_blocking sends the source dtype and converts on the GPU)."""
+    (the source's: a host -> GPU copy sends the source dtype and casts on the GPU, rlsync.devices.copy_into)."""
     return src.nbytes + dst.nbytes if src.device == dst.device else src.nbytes
 
 

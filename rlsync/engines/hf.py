@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from rlsync.config import ModelConfig
+from rlsync.devices import copy_into
 from rlsync.engines.base import Engine, EngineSpec, Generation, left_pad, position_ids
 from rlsync.models import hf_config
 
@@ -110,7 +111,7 @@ class HFEngine(Engine):
             self._params = self.weights  # parameters keep their identity (release, flat views swap storage only)
         params = self._params
         for name, tensor in named:
-            params[name].copy_(tensor, non_blocking=True)
+            copy_into(params[name], tensor)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import torch
 
+from rlsync.devices import copy_into
 from rlsync.sync.buckets import Bucket
 
 
@@ -19,7 +20,7 @@ def views(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tenso
 def pack(bucket: Bucket, weights: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
     """Copy each tensor of `bucket` from `weights` into `flat`, casting to the wire dtype in the copy."""
     for name, view in views(bucket, flat):
-        view.copy_(weights[name], non_blocking=True)
+        copy_into(view, weights[name])
 
 
 def allocate(buckets: list[Bucket], device: torch.device, *, shared: bool = False) -> list[torch.Tensor]:

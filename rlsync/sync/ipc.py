@@ -24,6 +24,7 @@ from collections import deque
 import torch
 
 from rlsync.config import UpdateConfig
+from rlsync.devices import copy_into
 from rlsync.engines.base import Engine, EngineSpec
 from rlsync.sync import flat
 from rlsync.sync.base import Receiver, UpdateResult
@@ -120,8 +121,8 @@ class IpcEngine(ForwardsToEngineProcess):
                 with timer("pack", rows[-1]):
                     if key[0] == "bucket":
                         flat.pack(item, weights, buffer)
-                    else:  # non_blocking: a host source converts on the device, as flat.pack does (limits.py)
-                        buffer.copy_(weights[item].reshape(-1), non_blocking=True)
+                    else:  # a host source is cast on the device, as flat.pack does (rlsync.devices.copy_into)
+                        copy_into(buffer, weights[item].reshape(-1))
                 timer.handoff()  # the bytes are in the buffer before the engine is told
                 self.process.send("update", (*key, k % len(self.slots)))
                 pending.append(len(rows) - 1)
