@@ -1,0 +1,134 @@
+"""Any causal LM from its config.json (model.config), the MoE presets, and the update's layout.
+
+The published Qwen3-MoE configs count to the published parameter totals on the meta device; tiny
+Llama- and Qwen3-MoE-style configs written here run whole steps through the real runner with
+update.verify=true, sending the tensors and bytes counted here by hand from the config; an
+architecture transformers builds no causal LM for is refused in one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, run_cli
+from rlsync.architecture import layout_plan, update_tensors
+from rlsync.config import ModelConfig, conf_file
+from rlsync.memory import param_count, param_shapes, rss_bytes
+
+LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300,
+         "tie_word_embeddings": True, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+       "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
+       "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300, "tie_word_embeddings": False,
+       "max_position_embeddings": 256, "bos_token_id": 256, "eos_token_id": 257}
+
+
+def llama_by_hand(c: dict) -> tuple[int, int]:
+    """(tensors, parameters) of a Llama causal LM, tied lm_head not sent."""
+    h, i, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    layer = q * h + 2 * kv * h + h * q + 3 * i * h + 2 * h  # q k v o, gate up down, two norms
+    return 1 + 9 * c["num_hidden_layers"] + 1, c["vocab_size"] * h + c["num_hidden_layers"] * layer + h
+
+
+def moe_by_hand(c: dict, layout: str) -> tuple[int, int]:
+    """(tensors, parameters) of a Qwen3-MoE causal LM, untied; per-expert tensors in the checkpoint layout."""
+    h, mi, e, hd = c["hidden_size"], c["moe_intermediate_size"], c["num_experts"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    layer = q * h + 2 * kv * h + h * q + 2 * hd + e * h + e * 3 * mi * h + 2 * h  # attn, q/k norms, router, experts, norms
+    per_layer = 6 + 1 + (3 * e if layout == "checkpoint" else 2) + 2
+    return 2 + per_layer * c["num_hidden_layers"] + 1, 2 * c["vocab_size"] * h + c["num_hidden_layers"] * layer + h
+
+
+@pytest.mark.parametrize("preset, params, tensors", [
+    ("qwen3_30b_a3b", 30_532_122_624, {"checkpoint": 18_867, "fused": 531}),
+    ("qwen3_235b_a22b", 235_093_634_560, {"checkpoint": 36_945, "fused": 1_037}),
+])
+def test_published_moe_configs_count_to_the_published_totals_without_allocating(preset, params, tensors):
+    before = rss_bytes()
+    for layout, count in tensors.items():
+        m = ModelConfig(config=conf_file(f"model/hf/{preset}.json"), update_layout=layout)
+        shapes = param_shapes(m)
+        assert len(shapes) == count
+        assert param_count(m) == params  # to the parameter, in either layout
+    assert rss_bytes() - before < 512 * 2**20  # the meta device: nothing of the 57 / 438 GiB is allocated
+    names = dict(param_shapes(ModelConfig(config=conf_file(f"model/hf/{preset}.json"))))
+    assert names["model.layers.0.mlp.experts.127.up_proj.weight"] == names["model.layers.0.mlp.experts.0.gate_proj.weight"]
+    assert "model.layers.0.mlp.gate.weight" in names and "lm_head.weight" in names
+
+
+def test_checkpoint_layout_is_contiguous_views_of_the_fused_experts():
+    e, mi, h = 4, 3, 5
+    gate_up, down = torch.randn(e, 2 * mi, h), torch.randn(e, h, mi)
+    params = {"m.mlp.experts.gate_up_proj": gate_up, "m.mlp.experts.down_proj": down, "m.mlp.gate.weight": torch.randn(e, h)}
+    out = update_tensors(params, "checkpoint")
+    assert list(out)[:3] == ["m.mlp.experts.0.gate_proj.weight", "m.mlp.experts.0.up_proj.weight",
+                             "m.mlp.experts.0.down_proj.weight"]
+    assert len(out) == 3 * e + 1
+    for i in range(e):
+        for proj, want in (("gate", gate_up[i, :mi]), ("up", gate_up[i, mi:]), ("down", down[i])):
+            view = out[f"m.mlp.experts.{i}.{proj}_proj.weight"]
+            assert view.is_contiguous() and torch.equal(view, want)
+            assert view.untyped_storage().data_ptr() == (down if proj == "down" else gate_up).untyped_storage().data_ptr()
+    out["m.mlp.experts.2.up_proj.weight"].fill_(7.0)  # a write lands in the fused tensor (the engine's side)
+    assert bool((gate_up[2, mi:] == 7.0).all())
+    assert update_tensors(params, "fused") == params
+    assert [x.name for x in layout_plan({"w": (3, 3)}, "checkpoint")] == ["w"]
+
+
+def write_config(tmp_path: Path, name: str, config: dict) -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def run_step(tmp_path: Path, folder: Path, *extra: str) -> dict:
+    run_dir = tmp_path / f"run_{folder.name}"
+    proc = run_cli(f"model.config={folder}", "update.verify=true", "wandb.mode=disabled", *FAST, "run.steps=2",
+                   f"hydra.run.dir={run_dir}", *extra)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["verification"] == "passed"
+    assert summary["measured_steps"] == 1
+    return summary | {"stdout": proc.stdout}
+
+
+def test_a_llama_config_runs_a_verified_step(tmp_path):
+    summary = run_step(tmp_path, write_config(tmp_path, "llama_tiny", LLAMA))
+    tensors, params = llama_by_hand(LLAMA)
+    assert summary["model"] == {"name": "llama_tiny", "params": params, "tensors": tensors, "update_bytes": 2 * params}
+    assert summary["config"]["model"]["hidden_size"] == 64 and summary["config"]["model"]["vocab_size"] == 300
+    assert f"Each update sent {tensors:,} tensors (model.update_layout=checkpoint)." in summary["stdout"]
+
+
+@pytest.mark.parametrize("layout, extra", [("checkpoint", ()), ("fused", ("update.flat_engine_weights=true",))])
+def test_a_qwen3_moe_config_runs_a_verified_step(tmp_path, layout, extra):
+    summary = run_step(tmp_path, write_config(tmp_path, "moe_tiny", MOE), f"model.update_layout={layout}", *extra)
+    tensors, params = moe_by_hand(MOE, layout)
+    assert summary["model"] == {"name": "moe_tiny", "params": params, "tensors": tensors, "update_bytes": 2 * params}
+    assert summary["setup"]["update_layout"] == layout and summary["setup"]["update_tensors"] == tensors
+    assert f"Each update sent {tensors:,} tensors (model.update_layout={layout})." in summary["verdict"]
+
+
+@pytest.mark.parametrize("config, why", [({"model_type": "t5"}, "unsupported model_type=t5"),
+                                         ({"model_type": "no_such_arch"}, "unsupported model_type=no_such_arch")])
+def test_an_unsupported_architecture_is_refused_in_one_line(tmp_path, config, why):
+    folder = write_config(tmp_path, "other", config)
+    proc = run_cli(f"model.config={folder}", "wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and why in lines[0] and lines[0].startswith("rlsync: config error: model.config="), proc.stderr
+
+
+def test_flat_engine_weights_with_per_expert_names_is_refused(tmp_path):
+    folder = write_config(tmp_path, "moe", MOE)
+    proc = run_cli(f"model.config={folder}", "update.flat_engine_weights=true", "wandb.mode=disabled",
+                   f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("rlsync: config error: update.flat_engine_weights=true")
