@@ -116,19 +116,50 @@ def test_a_qwen3_moe_config_runs_a_verified_step(tmp_path, layout, extra):
     assert f"Each update sent {tensors:,} tensors (model.update_layout={layout})." in summary["verdict"]
 
 
-@pytest.mark.parametrize("config, why", [({"model_type": "t5"}, "unsupported model_type=t5"),
-                                         ({"model_type": "no_such_arch"}, "unsupported model_type=no_such_arch")])
-def test_an_unsupported_architecture_is_refused_in_one_line(tmp_path, config, why):
-    folder = write_config(tmp_path, "other", config)
+def test_an_unsupported_architecture_is_refused_in_one_line(tmp_path):
+    folder = write_config(tmp_path, "other", {"model_type": "t5"})  # transformers builds no causal LM of T5
     proc = run_cli(f"model.config={folder}", "wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and why in lines[0] and lines[0].startswith("rlsync: config error: model.config="), proc.stderr
+    assert lines == [f"rlsync: config error: model.config={folder}: unsupported model_type=t5 (allowed: a config.json "
+                     f"of a causal-LM architecture transformers builds (AutoModelForCausalLM: llama, qwen3, qwen3_moe, "
+                     f"mistral, ...))"], proc.stderr
 
 
-def test_flat_engine_weights_with_per_expert_names_is_refused(tmp_path):
-    folder = write_config(tmp_path, "moe", MOE)
-    proc = run_cli(f"model.config={folder}", "update.flat_engine_weights=true", "wandb.mode=disabled",
-                   f"hydra.run.dir={tmp_path / 'run'}")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("rlsync: config error: update.flat_engine_weights=true")
+@pytest.mark.parametrize("config, overrides, key, why", [
+    ({"model_type": "no_such_arch"}, (), "model.config", "unsupported model_type=no_such_arch"),
+    ({"hidden_size": 8}, (), "model.config", "no model_type in it"),
+    (MOE, ("update.flat_engine_weights=true",), "update.flat_engine_weights", "not allowed for a model with fused experts"),
+    (MOE, ("rollout.engine=vllm",), "model.config", "not supported with rollout.engine=vllm"),
+    (MOE, ("model.pretrained=Qwen/Qwen3-0.6B",), "model.config", "not allowed with model.pretrained"),
+])
+def test_what_cannot_run_is_refused_at_validation(tmp_path, compose, config, overrides, key, why):
+    from rlsync.errors import ConfigError
+    from rlsync.validate import validate
+
+    cfg = compose(f"model.config={write_config(tmp_path, 'c', config)}", *overrides)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert str(err.value).startswith(f"{key}=") and why in str(err.value)
+
+
+def test_flat_engine_weights_bind_the_fused_layout_and_dense_models(tmp_path, compose):
+    from rlsync.validate import validate
+
+    validate(compose(f"model.config={write_config(tmp_path, 'moe', MOE)}", "model.update_layout=fused",
+                     "update.flat_engine_weights=true"))
+    validate(compose(f"model.config={write_config(tmp_path, 'llama', LLAMA)}", "update.flat_engine_weights=true"))
+
+
+def test_model_keys_follow_the_config(tmp_path, compose):
+    from rlsync.validate import validate
+
+    cfg = compose(f"model.config={write_config(tmp_path, 'llama_x', LLAMA)}")
+    validate(cfg)
+    m = cfg.model
+    assert (m.name, m.hidden_size, m.num_hidden_layers, m.vocab_size, m.tie_word_embeddings, m.rope_theta) == \
+        ("llama_x", 64, 2, 300, True, 10000.0)
+    cfg = compose("model=qwen3_30b_a3b")
+    validate(cfg)
+    assert (cfg.model.name, cfg.model.hidden_size, cfg.model.num_hidden_layers, cfg.model.tie_word_embeddings) == \
+        ("qwen3_30b_a3b", 2048, 48, False)
