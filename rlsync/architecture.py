@@ -142,9 +142,11 @@ def config_value(hf, key: str):
 def fill_keys(m: ModelConfig) -> None:
     """With model.config: the model.* architecture keys take the config's values (what the rest of
     rlsync reads: the vocabulary, the sequence limit, the memory estimate), and the default name
-    `tiny` becomes the config's folder name (or its file's stem)."""
+    `tiny` becomes the config's folder name (or its file's stem); model.config becomes the file's
+    absolute path."""
     if not m.config:
         return
+    m.config = str(config_path(m.config).resolve())  # the file itself, wherever an engine process starts
     hf = hf_config(m)
     for key in FILLED_KEYS:
         value = config_value(hf, key)
