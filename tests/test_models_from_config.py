@@ -107,7 +107,8 @@ def test_a_llama_config_runs_a_verified_step(tmp_path):
     assert f"Each update sent {tensors:,} tensors (model.update_layout=checkpoint)." in summary["stdout"]
 
 
-@pytest.mark.parametrize("layout, extra", [("checkpoint", ()), ("fused", ("update.flat_engine_weights=true",))])
+@pytest.mark.parametrize("layout, extra", [("checkpoint", ()), ("checkpoint", ("update.transport=ipc", "update.strategy=per_tensor")),
+                                           ("fused", ("update.flat_engine_weights=true",))])
 def test_a_qwen3_moe_config_runs_a_verified_step(tmp_path, layout, extra):
     summary = run_step(tmp_path, write_config(tmp_path, "moe_tiny", MOE), f"model.update_layout={layout}", *extra)
     tensors, params = moe_by_hand(MOE, layout)
