@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlsync.architecture import update_shapes
+from rlsync.architecture import model_shapes, update_shapes
 from rlsync.config import MIB, Config, ModelConfig, bucket_bytes
 from rlsync.errors import BadInput
 from rlsync.models import torch_dtype
@@ -185,7 +185,7 @@ def estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
     staging_trainer, staging_engine = staging_bytes(cfg, shapes)
     train_act, rollout_act = activation_bytes(cfg, prompt_tokens())
     probe = probe_bytes(trainer, engine_weights)
-    extra = offload_extra(cfg, shapes, cuda)
+    extra = offload_extra(cfg, list(model_shapes(cfg.model)), cuda)  # the offload moves parameters, fused experts whole
     own_engine = cfg.update.transport == "direct"  # the engine's KV cache lives in this process
     remote = bool(cfg.update.engine_address)  # an engine on another machine: not this one's memory
     est = Estimate()

@@ -164,3 +164,22 @@ def test_model_keys_follow_the_config(tmp_path, compose):
     validate(cfg)
     assert (cfg.model.name, cfg.model.hidden_size, cfg.model.num_hidden_layers, cfg.model.tie_word_embeddings) == \
         ("qwen3_30b_a3b", 2048, 48, False)
+
+
+def test_the_30b_moe_preset_is_refused_on_a_24_gib_machine_without_allocating(compose, monkeypatch):
+    from rlsync import memory
+    from rlsync.validate import validate
+
+    cfg = compose("model=qwen3_30b_a3b")
+    validate(cfg)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 20 * 2**30)  # a 24 GiB machine's MemAvailable
+    before = rss_bytes()
+    with pytest.raises(memory.DoesNotFit) as caught:
+        memory.check_fits(cfg, torch.device("cpu"))
+    assert rss_bytes() - before < 256 * 2**20
+    line = str(caught.value)
+    assert "\n" not in line and line.startswith("this run does not fit: host memory: estimated peak ")
+    assert "(model qwen3_30b_a3b, 30.53B parameters," in line
+    est = memory.estimate(cfg, cuda=False, runtime_bytes=0)
+    assert est.process["trainer_state"] == 30_532_122_624 * 4 * 4  # fp32 weights, grads, two AdamW moments
+    assert est.process["engine_weights"] == 30_532_122_624 * 2
