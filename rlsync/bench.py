@@ -38,6 +38,7 @@ from rlsync.errors import cli, job_errors
 from rlsync.fmt import MIB, fmt_bytes, fmt_seconds, fmt_spread, markdown_table
 from rlsync.launcher import hydra_job
 from rlsync.limits import Limits
+from rlsync.architecture import update_tensors
 from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.offload import Offloader
 from rlsync.recorder import Recorder, machine_info
@@ -58,13 +59,15 @@ class UpdateTarget:
         self.engine = self.offloader = None
         t0 = time.perf_counter()
         model = build_model(cfg.model, dtype=torch_dtype(cfg.trainer.dtype), device=device, seed=cfg.run.seed)
-        self.weights = named_weights(model)
+        params = named_weights(model)
+        layout = cfg.model.update_layout
+        self.weights = update_tensors(params, layout)  # by the update's names (per-expert views in the checkpoint layout)
         self.source = self.weights
         if cfg.update.source == "host":  # the runner's path: the offloader's host copies (pinned on CUDA)
             self.offloader = Offloader(model, None, mode="full", device=device,
                                        pin_chunk_bytes=int(cfg.trainer.offload_pin_chunk_mb * MIB))
             self.offloader.sleep()
-            self.source = self.offloader.host_weights(self.weights)
+            self.source = update_tensors(self.offloader.host_weights(params), layout)
         self.buckets = plan_for(self.weights, cfg.update, torch_dtype(cfg.rollout.dtype))
         tokenizer = build_tokenizer(cfg.model)
         spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device=str(explicit_device(device)),
@@ -81,7 +84,7 @@ class UpdateTarget:
         self.probe = self.limits.update_probe()  # the same floor, re-timed beside each repeat (a shared machine drifts)
         self.setup = {
             "build_time": build_time, "update_bytes": update_bytes, "read_bytes": read_bytes,
-            "tensors": len(self.weights), "params": sum(t.numel() for t in self.weights.values()),
+            "tensors": len(self.weights), "layout": layout, "params": sum(t.numel() for t in self.weights.values()),
             "buckets": len(self.buckets), "largest_bucket_bytes": max(b.nbytes for b in self.buckets),
             # repeat_probes: how the floor beside each repeat was measured, and how often (filled as they run)
             "limits": {**self.limits.as_dict(), "repeat_probes": self.probe.wins}, "limit_time": self.limit_time,
@@ -172,6 +175,7 @@ class Bench:
                       "engine": cfg.rollout.engine, "engine_address": update.engine_address,
                       "engine_dtype": cfg.rollout.dtype, "trainer_dtype": cfg.trainer.dtype,
                       "buckets": self.setup.get("buckets"), "tensors": self.setup.get("tensors"),
+                      "layout": self.setup.get("layout"),
                       "largest_bucket_bytes": self.setup.get("largest_bucket_bytes"),
                       "build_time": self.setup.get("build_time")},
             "limits": self.setup.get("limits"),
@@ -236,6 +240,9 @@ def closing_table(result: dict) -> str:
              for k in ("pack", "transfer", "load"))]
     out = [f"\nWeight update alone: {result['measured_steps']} timed repeats after {result['warmup_steps']} warm-up",
            markdown_table(head, [row])]
+    if s.get("tensors") is not None:
+        out.append(f"Each update sent {s['tensors']:,} tensors, {fmt_bytes(result['model'].get('update_bytes'))} "
+                   f"(model.update_layout={s.get('layout')}).")
     buckets = result["buckets"]
     if buckets and s["strategy"] == "bucketed":
         shown = buckets if len(buckets) <= 12 else buckets[:6] + buckets[-6:]

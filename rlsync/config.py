@@ -55,8 +55,19 @@ class ModelConfig:
     rope_theta: float = key(1_000_000.0, above(0))  # rotary position embedding base
     rms_norm_eps: float = key(1e-6, above(0))  # RMSNorm epsilon
     pretrained: Optional[str] = key(None, OPTIONAL_NAME)  # local dir or hub id: load real weights + tokenizer instead (and it must exist: rlsync.validate)
+    config: Optional[str] = key(None, OPTIONAL_NAME)  # a transformers config.json (or a folder holding one): any causal-LM architecture, random weights; its values replace the keys above at validation (name too while it is tiny)
+    update_layout: str = key("checkpoint", choices("rlsync.architecture:LAYOUTS"))  # checkpoint: one tensor per expert and projection, as published checkpoints name them (what trainers send) | fused: transformers' in-memory 3-D expert tensors; same for dense models
 
     def check(self, root: Config) -> None:
+        if self.config:
+            if self.pretrained:
+                raise ConfigError("model.config", self.config, "null with model.pretrained (the checkpoint's own "
+                                  "config.json describes its model)", "not allowed with model.pretrained")
+            if root.rollout.engine == "vllm":
+                raise ConfigError("model.config", self.config, "null with rollout.engine=vllm (rlsync's vLLM engine "
+                                  "builds Qwen3 from the model.* keys)", "not supported with rollout.engine=vllm")
+            resolve("rlsync.architecture:check_supported")(self)  # model_type, then a meta build of it
+            resolve("rlsync.architecture:fill_keys")(self)  # the model.* keys the rest of rlsync reads
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("model.num_key_value_heads", self.num_key_value_heads,
                               f"a divisor of model.num_attention_heads={self.num_attention_heads}", "not allowed")
@@ -96,6 +107,11 @@ class UpdateConfig:
             raise ConfigError("update.transport", self.transport, "broadcast (an engine started on its own, at "
                               "update.engine_address, is joined through the broadcast transport)",
                               "not allowed with update.engine_address")
+        if (self.flat_engine_weights and root.model.update_layout == "checkpoint"
+                and resolve("rlsync.architecture:has_fused_experts")(root.model)):
+            raise ConfigError("update.flat_engine_weights", True, "false with model.update_layout=checkpoint, or "
+                              "model.update_layout=fused (the engine's fused expert tensors cannot be bound to "
+                              "per-expert slots of the flat buffers)", "not allowed for a model with fused experts")
         self.check_vllm(rollout.engine)
 
     def check_vllm(self, engine: str) -> None:
@@ -247,6 +263,12 @@ def register_configs() -> None:
     for name, schema in SCHEMAS.items():
         ConfigStore.instance().store(name=name, node=schema)
     OmegaConf.register_new_resolver("rlsync_keys", help_keys, replace=True)
+    OmegaConf.register_new_resolver("rlsync_conf", conf_file, replace=True)
+
+
+def conf_file(path: str) -> str:
+    """`${rlsync_conf:model/hf/x.json}` (the MoE presets): a file shipped in the package's configs."""
+    return str(Path(__file__).resolve().parent / "conf" / path)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from rlsync.config import MIB, Config, to_dict
 from rlsync.devices import device_memory_metrics, explicit_device, resolve_device, sampler, select_device
 from rlsync.distributed import DataParallel
 from rlsync.limits import Limits
+from rlsync.architecture import update_tensors
 from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.engines.base import EngineSpec, Generation, answer_ids
 from rlsync.offload import Offloader, link_metrics
@@ -103,12 +104,13 @@ class Experiment:
                                    memory=cfg.trainer.offload_memory, segment_bytes=int(cfg.trainer.offload_segment_mb * MIB),
                                    free_device=cfg.trainer.offload_free_device,
                                    pin_chunk_bytes=int(cfg.trainer.offload_pin_chunk_mb * MIB))
-        self.weights = named_weights(model)
+        self.params = named_weights(model)  # by parameter name: what the offload moves and data parallel compares
+        self.weights = update_tensors(self.params, cfg.model.update_layout)  # by the update's names (its layout)
         engine = self.open_engine(allowed) if self.dp.is_main else None  # rank 0 owns the engine and the update
         build_time = time.perf_counter() - t0
 
         read_bytes = sum(t.numel() * t.element_size() for t in self.weights.values())
-        self.setup_info = {"build_time": build_time, "tensors": len(self.weights),
+        self.setup_info = {"build_time": build_time, "tensors": len(self.weights), "layout": cfg.model.update_layout,
                            "params": sum(t.numel() for t in self.weights.values())}
         if engine is not None:
             update_bytes = sum(b.nbytes for b in self.buckets)
@@ -167,7 +169,7 @@ class Experiment:
                 metrics.update(self.trainer.train_step(gen, old_logp=old_logp, advantages=advantages, ref_logp=ref_logp,
                                                        batch_tokens=batch_tokens))
             if dp.enabled and cfg.update.verify:  # rank 0's update speaks for every rank only if they agree
-                dp.check_same_weights(self.weights)
+                dp.check_same_weights(self.params)
             if cfg.update.source == "host":  # the reference system's colocated order: offload, then update
                 self.trainer_sleep(watch, metrics)
             if cfg.update.enabled and dp.is_main:
@@ -216,10 +218,14 @@ class Experiment:
         return gen, advantages, rollout_stats(gen, rewards)
 
     def update_source(self) -> dict[str, torch.Tensor]:
-        """The trainer's weights by name: live on the device, or their offloaded host copies."""
+        """The trainer's weights by the update's names: live on the device, or their offloaded host copies.
+
+        Laid out anew each time (outside the update's own clock): the offload moves each parameter's
+        `.data`, and a per-expert view (model.update_layout=checkpoint) keeps the storage it was made of."""
+        layout = self.cfg.model.update_layout
         if self.cfg.update.source == "host":
-            return self.offloader.host_weights(self.weights)
-        return self.weights
+            return update_tensors(self.offloader.host_weights(self.params), layout)
+        return update_tensors(self.params, layout)
 
     def device_memory(self, phase: str) -> dict[str, float]:
         """On CUDA, what the trainer's sleep hands the engine, and takes back: this process's reserved
@@ -286,7 +292,9 @@ def run_summary(cfg: Config, recorder: Recorder, *, setup_info: dict, device: to
              "engine_address": cfg.update.engine_address,  # null: the engine ran on this machine, started by the run
              "max_response_len": cfg.rollout.max_response_len, "offload": cfg.trainer.offload,
              "ranks": ranks,  # data-parallel trainer ranks (rank 0 holds the engine)
-             "limit_probe": cfg.run.limit_probe}
+             "limit_probe": cfg.run.limit_probe,
+             "update_layout": cfg.model.update_layout,  # checkpoint: per-expert tensors (as published) | fused
+             "update_tensors": setup_info.get("tensors") if cfg.update.enabled else None}
     result = {
         "kind": "run",
         **recorder.progress(steps=cfg.run.steps, warmup_steps=cfg.run.warmup_steps),

@@ -6,8 +6,9 @@ per parameter. `check_fits` refuses such a run in one line (exit 2) with what to
 `run.memory_check=false` skips it. The estimate goes into summary.json beside the measured peak
 (`memory`), so its accuracy is visible in every run.
 
-Everything is arithmetic on the config: parameter shapes come from the model keys (Qwen3's layout,
-the same shapes `build_model` allocates), the bucket plan from the same planner the update uses.
+Everything is arithmetic on the config: parameter shapes come from a meta-device build of the
+architecture (rlsync.architecture: the same model `build_model` allocates, in the update's layout),
+the activations from the model.* keys (model.config's values once validated), the bucket plan from the same planner the update uses.
 Where the bytes live:
 
 - this process: the runtime already loaded (the resident set measured now, after importing what
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlsync.architecture import model_shapes, update_shapes
 from rlsync.config import MIB, Config, ModelConfig, bucket_bytes
 from rlsync.errors import BadInput
 from rlsync.models import torch_dtype
@@ -54,24 +56,11 @@ STEP_WORKSPACE = 128 * MIB
 
 
 def param_shapes(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every parameter of the Qwen3 causal LM `m` describes, in named_parameters
-    order, a tied lm_head once (it is the embedding)."""
-    h, q, kv = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
-    shapes = [("model.embed_tokens.weight", (m.vocab_size, h))]
-    for i in range(m.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes += [
-            (p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-            (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
-            (p + "self_attn.q_norm.weight", (m.head_dim,)), (p + "self_attn.k_norm.weight", (m.head_dim,)),
-            (p + "mlp.gate_proj.weight", (m.intermediate_size, h)), (p + "mlp.up_proj.weight", (m.intermediate_size, h)),
-            (p + "mlp.down_proj.weight", (h, m.intermediate_size)),
-            (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
-        ]
-    shapes.append(("model.norm.weight", (h,)))
-    if not m.tie_word_embeddings:
-        shapes.append(("lm_head.weight", (m.vocab_size, h)))
-    return shapes
+    """(name, shape) of every tensor the update sends for the model `m` describes, in order, a tied
+    lm_head once: the update layout's (model.update_layout; a dense model's parameters, a MoE model's
+    experts one tensor per expert and projection in the checkpoint layout). Read off a meta-device
+    build of the architecture (rlsync.architecture.update_shapes): nothing is allocated."""
+    return update_shapes(m)
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -196,7 +185,7 @@ def estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
     staging_trainer, staging_engine = staging_bytes(cfg, shapes)
     train_act, rollout_act = activation_bytes(cfg, prompt_tokens())
     probe = probe_bytes(trainer, engine_weights)
-    extra = offload_extra(cfg, shapes, cuda)
+    extra = offload_extra(cfg, list(model_shapes(cfg.model)), cuda)  # the offload moves parameters, fused experts whole
     own_engine = cfg.update.transport == "direct"  # the engine's KV cache lives in this process
     remote = bool(cfg.update.engine_address)  # an engine on another machine: not this one's memory
     est = Estimate()
@@ -274,7 +263,7 @@ def load_runtime(cfg: Config) -> None:
     import rlsync.engines.hf  # noqa: F401
     import rlsync.sync  # noqa: F401
     import rlsync.trainer  # noqa: F401
-    from transformers import Qwen3ForCausalLM  # noqa: F401 - the lazy module is most of it
+    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM  # noqa: F401 - the lazy module is most of it
 
     if cfg.wandb.mode != "disabled":
         try:

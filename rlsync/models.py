@@ -1,5 +1,7 @@
 """Build the model from its config (random weights, no download) or load a checkpoint.
 
+Which architecture, and its meta-device build, are rlsync.architecture's; this module fills it.
+
 Random init the naive way runs every module's initializer on the CPU (about 13 s for Qwen3-0.6B).
 We build on the meta device, allocate storage once with `to_empty`, and fill the matrices by tiling
 one pool of normal noise (a prime length, so rows do not line up with its period) from a random
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rlsync.architecture import build_empty, hf_config  # noqa: F401 - hf_config: the engines' import
 from rlsync.config import ModelConfig
 from rlsync.errors import ConfigError, show
 
@@ -27,25 +30,6 @@ def torch_dtype(name: str) -> torch.dtype:
 
 # transformers takes seconds to import: it is imported where a model or tokenizer is built, so that
 # --help, validation and the report start fast.
-
-
-def hf_config(cfg: ModelConfig):
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_position_embeddings,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        architectures=["Qwen3ForCausalLM"],
-    )
 
 
 # model.* keys a checkpoint's config.json must agree with: the engine is built from the keys, the
@@ -99,25 +83,18 @@ def check_architecture(cfg: ModelConfig, ckpt: dict) -> None:
 
 
 def build_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, seed: int) -> nn.Module:
-    """A Qwen3 causal LM in `dtype` on `device`: from `cfg.pretrained` if set, else random."""
-    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3ForCausalLM
-
+    """The causal LM `cfg` describes (model.config's architecture, else Qwen3 from the keys) in `dtype`
+    on `device`: from `cfg.pretrained` if set, else random (rlsync.architecture.build_empty, then filled)."""
     if cfg.pretrained:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
         # a hub id's config.json arrives here first (validation checked a local one): refuse before any weight loads
         check_architecture(cfg, AutoConfig.from_pretrained(cfg.pretrained).to_dict())
         model = AutoModelForCausalLM.from_pretrained(cfg.pretrained, dtype=dtype)
         return model.to(device)
 
-    config = hf_config(cfg)
-    config.dtype = dtype
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
-    model.to_empty(device=device)
-    model.to(dtype)
+    model = build_empty(cfg, dtype=dtype, device=device)
     fill_random_(model, seed=seed)
-    # Non-persistent buffers (rotary inv_freq) were computed on meta: rebuild them for real.
-    rotary = model.model.rotary_emb
-    model.model.rotary_emb = type(rotary)(config=config).to(device)
     model.tie_weights()
     return model
 

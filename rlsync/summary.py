@@ -35,16 +35,24 @@ def verdict(share: dict[str, float], stats: dict, *, threshold: float, setup: di
     update = share["update_weights"]
     others = {p: s for p, s in share.items() if p != "update_weights"}
     largest = max(others, key=others.get) if others else "update_weights"
+    sent = sent_phrase(setup)
     if update < threshold:
         return (f"The weight update is {fmt_share(update)} of the step (under {fmt_share(threshold)}): not the step "
-                f"to tune; the largest phase is {largest} ({fmt_share(others.get(largest, 0))} of the step).")
+                f"to tune; the largest phase is {largest} ({fmt_share(others.get(largest, 0))} of the step).{sent}")
     efficiency = stats.get("perf/update_weights_efficiency", {}).get("median")
     at_limit = f", at {fmt_sig(efficiency)} of the copy limit" if efficiency else ""
     units = stats["perf/update_weights_buckets"]["median"]
     how = (f"strategy=per_tensor ({units:.0f} tensors, one copy each)" if setup["strategy"] == "per_tensor"
            else f"strategy={setup['strategy']}, bucket {setup['bucket_mb']:g} MiB ({units:.0f} buckets)")
     return (f"The weight update is {fmt_share(update)} of the step (over {fmt_share(threshold)}): worth tuning. "
-            f"This run used transport={setup['transport']}, {how}{at_limit}.")
+            f"This run used transport={setup['transport']}, {how}{at_limit}.{sent}")
+
+
+def sent_phrase(setup: dict) -> str:
+    """What the update sent: how many tensors, in which layout (a MoE model's differ by 35x)."""
+    if setup.get("update_tensors") is None:
+        return ""
+    return f" Each update sent {setup['update_tensors']:,} tensors (model.update_layout={setup['update_layout']})."
 
 
 def closing_table(model: str, stats: dict, share: dict) -> str:

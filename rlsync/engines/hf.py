@@ -16,7 +16,7 @@ from torch import nn
 from rlsync.config import ModelConfig
 from rlsync.devices import copy_into
 from rlsync.engines.base import Engine, EngineSpec, Generation, left_pad, position_ids
-from rlsync.models import hf_config
+from rlsync.architecture import build_empty, update_tensors
 
 
 def sample_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -43,22 +43,15 @@ class HFEngine(Engine):
 
     def __init__(self, model_cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
                  allowed_ids: torch.Tensor, eos_id: int, pad_id: int, release_weights: bool = False):
-        from transformers import Qwen3ForCausalLM  # seconds to import: only where a model is built (models.py)
-
-        config = hf_config(model_cfg)
-        config.dtype = dtype
-        with torch.device("meta"):
-            model = Qwen3ForCausalLM(config)
-        model.to_empty(device=device)  # storage only: the first weight update fills it
-        model.to(dtype)
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=config).to(device)
-        model.tie_weights()
+        # storage only: the first weight update fills it (rlsync.architecture: any causal LM, Qwen3 from the keys)
+        model = build_empty(model_cfg, dtype=dtype, device=device)
         self.model = model.eval().requires_grad_(False)
         self.device, self.dtype = device, dtype
         self.allowed = allowed_ids.to(device)
         self.eos_id, self.pad_id = eos_id, pad_id
         self._cache_kw = cache_kwarg(model)
         self.release_weights = release_weights
+        self.layout = model_cfg.update_layout  # the names the update arrives in (the trainer's, the same plan)
         self.released: list[tuple[torch.UntypedStorage, int]] = []  # weight storages freed by release(), their sizes
 
     @classmethod
@@ -101,8 +94,9 @@ class HFEngine(Engine):
 
     @property
     def weights(self) -> dict[str, torch.Tensor]:
-        """The engine's parameters by name (tied ones once)."""
-        return dict(self.model.named_parameters())
+        """The engine's weights by the update's names (tied ones once): its parameters, or in the
+        checkpoint layout of a MoE model per-expert views of its fused expert parameters."""
+        return update_tensors(dict(self.model.named_parameters()), self.layout)
 
     @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
