@@ -43,6 +43,7 @@ from rlsync.offload import Offloader
 from rlsync.recorder import Recorder, machine_info
 from rlsync.summary import stats_over
 from rlsync.sync import open_engine, plan_for, update_weights
+from rlsync.sync.auto import resolve_update, resolved_setup
 from rlsync.validate import checked_config
 
 register_configs()
@@ -66,17 +67,19 @@ class UpdateTarget:
             self.offloader.sleep()
             self.source = self.offloader.host_weights(self.weights)
         self.buckets = plan_for(self.weights, cfg.update, torch_dtype(cfg.rollout.dtype))
+        update_bytes = sum(b.nbytes for b in self.buckets)
+        read_bytes = sum(t.numel() * t.element_size() for t in self.weights.values())
+        # the floors first: update.copy_threads=null takes the thread count of the fastest copy they timed
+        self.limits = Limits(device, update_bytes=update_bytes, state_bytes=read_bytes, read_bytes=read_bytes,
+                             source=cfg.update.source, dtypes=(torch_dtype(cfg.trainer.dtype), torch_dtype(cfg.rollout.dtype)))
+        self.update_cfg, self.resolved = resolve_update(cfg.update, cfg.rollout, probe_threads=self.limits.update_threads,
+                                                        probe_how=self.limits.update_probe_how)
         tokenizer = build_tokenizer(cfg.model)
         spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device=str(explicit_device(device)),
                           allowed_ids=tokenizer.allowed_ids(cfg.model.vocab_size), eos_id=tokenizer.eos_id,
                           pad_id=tokenizer.pad_id)
-        self.engine = open_engine(cfg.update, spec=spec, buckets=self.buckets)
+        self.engine = open_engine(self.update_cfg, spec=spec, buckets=self.buckets)
         build_time = time.perf_counter() - t0
-
-        update_bytes = sum(b.nbytes for b in self.buckets)
-        read_bytes = sum(t.numel() * t.element_size() for t in self.weights.values())
-        self.limits = Limits(device, update_bytes=update_bytes, state_bytes=read_bytes, read_bytes=read_bytes,
-                             source=cfg.update.source, dtypes=(torch_dtype(cfg.trainer.dtype), torch_dtype(cfg.rollout.dtype)))
         self.limit_time = self.limits.update_limit
         self.probe = self.limits.update_probe()  # the same floor, re-timed beside each repeat (a shared machine drifts)
         self.setup = {
@@ -85,10 +88,11 @@ class UpdateTarget:
             "buckets": len(self.buckets), "largest_bucket_bytes": max(b.nbytes for b in self.buckets),
             # repeat_probes: how the floor beside each repeat was measured, and how often (filled as they run)
             "limits": {**self.limits.as_dict(), "repeat_probes": self.probe.wins}, "limit_time": self.limit_time,
+            "resolved": self.resolved,  # update.* nulls (auto) as the update ran them, with the reason
         }
 
     def repeat(self) -> dict[str, float]:
-        return update_weights(self.engine, self.source, buckets=self.buckets, cfg=self.cfg.update, device=self.device,
+        return update_weights(self.engine, self.source, buckets=self.buckets, cfg=self.update_cfg, device=self.device,
                               limit_time=self.probe.limit_time())
 
     def breakdown(self) -> list[dict]:
@@ -166,9 +170,9 @@ class Bench:
             "target": cfg.bench.target,
             **recorder.progress(steps=cfg.bench.warmup + cfg.bench.repeats, warmup_steps=cfg.bench.warmup),
             "model": {"name": cfg.model.name, **{k: self.setup.get(k) for k in ("params", "tensors", "update_bytes")}},
-            "setup": {"transport": update.transport, "strategy": update.strategy, "bucket_mb": update.bucket_mb,
-                      "source": update.source, "inflight_buckets": update.inflight_buckets,
-                      "flat_engine_weights": update.flat_engine_weights, "device": str(self.device),
+            "setup": {"scheme": update.scheme, "transport": update.transport, "strategy": update.strategy,
+                      "bucket_mb": update.bucket_mb, "source": update.source, "inflight_buckets": update.inflight_buckets,
+                      **resolved_setup(self.setup.get("resolved"), update), "device": str(self.device),
                       "engine": cfg.rollout.engine, "engine_address": update.engine_address,
                       "engine_dtype": cfg.rollout.dtype, "trainer_dtype": cfg.trainer.dtype,
                       "buckets": self.setup.get("buckets"), "tensors": self.setup.get("tensors"),

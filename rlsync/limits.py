@@ -147,10 +147,12 @@ def probe_buffers(nbytes: int, *, src: torch.device, dst: torch.device, dtypes: 
 
 
 class Bandwidth(NamedTuple):
-    """A probe's result: bytes per second (counted as `moved_bytes`), and how the fastest copy went."""
+    """A probe's result: bytes per second (counted as `moved_bytes`), how the fastest copy went, and
+    its CPU thread count (0: not a CPU copy)."""
 
     per_second: float
     how: str
+    threads: int = 0
 
 
 BYTES = (torch.uint8, torch.uint8)  # a same-dtype probe: memcpy
@@ -167,7 +169,7 @@ def copy_bandwidth(nbytes: int, *, src: torch.device, dst: torch.device, repeats
     del a, b
     if "cuda" in (src.type, dst.type):  # probed between steps: leave no device memory cached for the engine
         torch.cuda.empty_cache()
-    return Bandwidth(moved / best.seconds, best.describe())
+    return Bandwidth(moved / best.seconds, best.describe(), best.way.threads)
 
 
 PROBES = ("every_step", "start")  # run.limit_probe: when the runner measures the floors
@@ -213,7 +215,7 @@ class Limits:
         self.device, self.update_bytes, self.state_bytes = device, update_bytes, state_bytes
         self.read_bytes, self.source = read_bytes, source  # the update's: the trainer's bytes, and where they are read
         self.dtypes = dtypes  # the update's: (trainer, engine)
-        self.update_probe_how = ""
+        self.update_probe_how, self.update_threads = "", 0
         self.measure()
 
     def measure(self) -> None:
@@ -221,7 +223,8 @@ class Limits:
         host = torch.device("cpu")
         src = host if crosses_host_link(self.source, device.type) else device
         update = copy_bandwidth(update_bytes, src=src, dst=device, dtypes=self.dtypes)
-        self.update_copy, self.update_probe_how = update
+        self.update_copy, self.update_probe_how = update.per_second, update.how
+        self.update_threads = update.threads  # the fastest update copy's CPU threads: update.copy_threads=null takes it
         if device.type == "cuda":
             self.device_copy = copy_bandwidth(update_bytes, src=device, dst=device).per_second  # read + write
             self.to_host = copy_bandwidth(state_bytes, src=device, dst=host).per_second  # payload, one direction
