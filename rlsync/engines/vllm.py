@@ -230,7 +230,11 @@ def _reload_in_worker(worker, named: list[tuple[str, torch.Tensor]]) -> None:
     """
     # Loading a subset of the layers is the design (one bucket per call): silence the per-layer
     # "Failed to load weights" notices for the layers this bucket does not hold.
-    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+    # Likewise its list of the weights a call did not load (inplace), and the dtype notice of each
+    # fp32 trainer tensor its loader casts to the engine's dtype (models.utils): by design, per call.
+    for name in ("layerwise", "inplace"):
+        logging.getLogger(f"vllm.model_executor.model_loader.reload.{name}").setLevel(logging.ERROR)
+    logging.getLogger("vllm.model_executor.models.utils").setLevel(logging.ERROR)
     worker.reload_weights(weights_iterator=iter(named))
     model = worker.model_runner.get_model()
     head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
