@@ -43,7 +43,7 @@ from rlsync.offload import Offloader
 from rlsync.recorder import Recorder, machine_info
 from rlsync.summary import stats_over
 from rlsync.sync import open_engine, plan_for, update_weights
-from rlsync.sync.auto import resolve_update, resolved_setup
+from rlsync.sync.auto import resolve_for_run, resolved_setup
 from rlsync.validate import checked_config
 
 register_configs()
@@ -69,11 +69,10 @@ class UpdateTarget:
         self.buckets = plan_for(self.weights, cfg.update, torch_dtype(cfg.rollout.dtype))
         update_bytes = sum(b.nbytes for b in self.buckets)
         read_bytes = sum(t.numel() * t.element_size() for t in self.weights.values())
-        # the floors first: update.copy_threads=null takes the thread count of the fastest copy they timed
         self.limits = Limits(device, update_bytes=update_bytes, state_bytes=read_bytes, read_bytes=read_bytes,
                              source=cfg.update.source, dtypes=(torch_dtype(cfg.trainer.dtype), torch_dtype(cfg.rollout.dtype)))
-        self.update_cfg, self.resolved = resolve_update(cfg.update, cfg.rollout, probe_threads=self.limits.update_threads,
-                                                        probe_how=self.limits.update_probe_how)
+        self.update_cfg, self.resolved = resolve_for_run(cfg.update, cfg.rollout, weights=self.source, buckets=self.buckets,
+                                                         device=device)  # update.*=null (auto), before the engine opens
         tokenizer = build_tokenizer(cfg.model)
         spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device=str(explicit_device(device)),
                           allowed_ids=tokenizer.allowed_ids(cfg.model.vocab_size), eos_id=tokenizer.eos_id,

@@ -81,7 +81,7 @@ class UpdateConfig:
     engine_address: Optional[str] = key(None, or_null(parsed_by("rlsync.sync.remote:parse_address", "HOST:PORT (port 1 to "
                                         "65535; 0 lets python -m rlsync.engine pick a free one)")))  # broadcast: HOST:PORT of an engine started on its own (python -m rlsync.engine listens there); null: start it here
     engine_connect_timeout_s: float = key(120.0, SECONDS)  # with engine_address: how long to retry while that engine is not listening yet
-    copy_threads: Optional[int] = key(None, or_null(at_least(0, "0 keeps torch's default")))  # torch CPU threads for the update, per process (0: torch's default); null (auto): the count of the fastest update copy the run's probe timed (limits.update_probe)
+    copy_threads: Optional[int] = key(None, or_null(at_least(0, "0 keeps torch's default")))  # torch CPU threads for the update, per process (0: torch's default); null (auto): the count that copies a sample of the update's own tensors fastest, timed at start (rlsync.sync.auto)
     scheme: str = key("rlsync", NAME)  # label of the framework scheme these knobs follow (set by scheme=NAME, rlsync/conf/scheme/); reports group by it
 
     def check(self, root: Config) -> None:

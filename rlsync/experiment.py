@@ -28,7 +28,7 @@ from rlsync.models import build_model, build_tokenizer, named_weights, torch_dty
 from rlsync.engines.base import EngineSpec, Generation, answer_ids
 from rlsync.offload import Offloader, link_metrics
 from rlsync.recorder import Recorder, machine_info
-from rlsync.sync.auto import resolve_update, resolved_setup
+from rlsync.sync.auto import resolve_for_run, resolved_setup
 from rlsync.sync import WeightMismatch, is_out_of_memory, open_engine, out_of_memory, plan_for, update_weights
 from rlsync.tasks import Prompt, make_prompts, reward
 from rlsync.timing import Stopwatch
@@ -128,16 +128,15 @@ class Experiment:
         return engine
 
     def open_engine(self, allowed: torch.Tensor, read_bytes: int):
-        """The bucket plan of the update, the copy floors (measured first: update.copy_threads=null takes
-        the thread count of the fastest copy), the update's auto knobs resolved, then the rollout engine
-        behind the configured transport."""
+        """The bucket plan of the update, the copy floors, the update's auto knobs resolved (rlsync.sync.auto:
+        before the engine opens, so its process gets them), then the rollout engine behind the transport."""
         cfg = self.cfg
         self.buckets = plan_for(self.weights, cfg.update, torch_dtype(cfg.rollout.dtype))
         self.limits = Limits(self.device, update_bytes=sum(b.nbytes for b in self.buckets),
                              state_bytes=self.offloader.state_bytes or 2 * read_bytes, read_bytes=read_bytes,
                              source=cfg.update.source, dtypes=(torch_dtype(cfg.trainer.dtype), torch_dtype(cfg.rollout.dtype)))
-        self.update_cfg, self.resolved = resolve_update(cfg.update, cfg.rollout, probe_threads=self.limits.update_threads,
-                                                        probe_how=self.limits.update_probe_how)
+        self.update_cfg, self.resolved = resolve_for_run(cfg.update, cfg.rollout, weights=self.weights, buckets=self.buckets,
+                                                         device=self.device)
         spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device=str(explicit_device(self.device)), allowed_ids=allowed,
                           eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
         try:

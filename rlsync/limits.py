@@ -215,7 +215,7 @@ class Limits:
         self.device, self.update_bytes, self.state_bytes = device, update_bytes, state_bytes
         self.read_bytes, self.source = read_bytes, source  # the update's: the trainer's bytes, and where they are read
         self.dtypes = dtypes  # the update's: (trainer, engine)
-        self.update_probe_how, self.update_threads = "", 0
+        self.update_probe_how = ""
         self.measure()
 
     def measure(self) -> None:
@@ -224,7 +224,6 @@ class Limits:
         src = host if crosses_host_link(self.source, device.type) else device
         update = copy_bandwidth(update_bytes, src=src, dst=device, dtypes=self.dtypes)
         self.update_copy, self.update_probe_how = update.per_second, update.how
-        self.update_threads = update.threads  # the fastest update copy's CPU threads: update.copy_threads=null takes it
         if device.type == "cuda":
             self.device_copy = copy_bandwidth(update_bytes, src=device, dst=device).per_second  # read + write
             self.to_host = copy_bandwidth(state_bytes, src=device, dst=host).per_second  # payload, one direction

@@ -109,7 +109,7 @@ def test_an_explicit_flat_engine_weights_is_kept(explicit):
 
 
 def test_copy_threads_auto_takes_the_probes_fastest_and_explicit_values_stay():
-    assert copy_threads_choice(UpdateConfig(), probe_threads=2, probe_how="float32->bfloat16, 2 threads, copy_")[0] == 2
+    assert copy_threads_choice(UpdateConfig(), probe_threads=2, probe_how="timed")[0] == 2
     assert copy_threads_choice(UpdateConfig(), probe_threads=0)[0] == 0  # not a CPU copy: torch's default
     assert copy_threads_choice(UpdateConfig(copy_threads=0), probe_threads=2) == (0, "set explicitly (0: torch's default)")
     assert copy_threads_choice(UpdateConfig(copy_threads=3), probe_threads=1)[0] == 3
@@ -125,3 +125,16 @@ def test_copy_threads_rejects_a_negative_count(compose):
     cfg = compose("update.copy_threads=-1")
     with pytest.raises(ConfigError, match="update.copy_threads"):
         validate(cfg)
+
+
+def test_fastest_threads_times_the_updates_own_tensors_on_each_candidate():
+    import torch
+
+    from rlsync.sync import plan_for
+    from rlsync.sync.auto import fastest_threads, thread_candidates
+
+    weights = {f"w{i}": torch.randn(64, 64) for i in range(8)}
+    buckets = plan_for(weights, UpdateConfig(bucket_mb=0.01), torch.bfloat16)
+    threads, how = fastest_threads(weights, buckets, torch.device("cpu"), rounds=1)
+    assert threads in thread_candidates() and "8 of the update" in how and "best of 1" in how
+    assert fastest_threads(weights, buckets, torch.device("cuda")) == (0, "not a CPU copy")  # nothing runs on a device

@@ -11,7 +11,7 @@ every way once, in turn, so a drift of the machine's load falls on all of them a
   the engine's cost floor, not a correct update.
 - `reload_per_bucket_bf16`: the same with tensors cast to bf16 beforehand (the cast untimed): what
   vLLM's reload costs on its own.
-- `rlsync` (update.copy_threads=null, resolved from the copy probe as the runner resolves it), and
+- `rlsync` (update.copy_threads=null, timed on the update's tensors as the runner resolves it), and
   `rlsync_threads_1`, `rlsync_threads_0` (torch's default): rlsync's direct update, what the runner
   times (`rlsync.sync.update_weights`), fused parts held until their layer is complete.
 - `trl`: update.strategy=per_tensor (scheme=trl): one reload per tensor, fused parts held (correct).
@@ -40,7 +40,7 @@ from rlsync.engines.vllm import _reload_in_worker
 from rlsync.limits import Limits, machine_threads
 from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.sync import open_engine, plan_for, update_weights
-from rlsync.sync.auto import resolve_update
+from rlsync.sync.auto import resolve_for_run
 from rlsync.sync.direct import LocalEngine
 from rlsync.sync.threads import cpu_threads
 
@@ -75,8 +75,7 @@ def main() -> int:
     update_bytes = sum(b.nbytes for b in buckets)
     limits = Limits(device, update_bytes=update_bytes, state_bytes=read_bytes, read_bytes=read_bytes,
                     dtypes=(torch_dtype(cfg.trainer.dtype), engine_dtype))
-    update_cfg, resolved = resolve_update(cfg.update, cfg.rollout, probe_threads=limits.update_threads,
-                                          probe_how=limits.update_probe_how)
+    update_cfg, resolved = resolve_for_run(cfg.update, cfg.rollout, weights=weights, buckets=buckets, device=device)
     tok = build_tokenizer(cfg.model)
     spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device="cpu", allowed_ids=tok.allowed_ids(cfg.model.vocab_size),
                       eos_id=tok.eos_id, pad_id=tok.pad_id)
