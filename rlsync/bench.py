@@ -34,7 +34,7 @@ from rlsync.bench_offload import OffloadTarget
 from rlsync.config import CONFIG_PATH, BenchAppConfig, register_configs, to_dict
 from rlsync.devices import explicit_device, resolve_device, select_device
 from rlsync.engines.base import EngineSpec
-from rlsync.errors import cli, job_errors
+from rlsync.errors import cli, job_errors, show
 from rlsync.fmt import MIB, fmt_bytes, fmt_seconds, fmt_spread, markdown_table
 from rlsync.launcher import hydra_job
 from rlsync.limits import Limits
@@ -237,8 +237,12 @@ def closing_table(result: dict) -> str:
            fmt_bytes(med("perf/update_weights_peak_bytes", "max")),
            *(fmt_seconds(med(f"perf/update_weights_{k}_time")) if med(f"perf/update_weights_{k}_time") is not None else "-"
              for k in ("pack", "transfer", "load"))]
-    out = [f"\nWeight update alone: {result['measured_steps']} timed repeats after {result['warmup_steps']} warm-up",
+    scheme = f", scheme {s['scheme']}" if s.get("scheme") else ""  # scheme=NAME (rlsync/conf/scheme/)
+    out = [f"\nWeight update alone{scheme}: {result['measured_steps']} timed repeats after {result['warmup_steps']} warm-up",
            markdown_table(head, [row])]
+    auto = [f"{k}={show(s[k])} ({s[k + '_why']})" for k in ("flat_engine_weights", "copy_threads") if s.get(k + "_why")]
+    if auto:
+        out.append("update: " + "; ".join(auto))
     buckets = result["buckets"]
     if buckets and s["strategy"] == "bucketed":
         shown = buckets if len(buckets) <= 12 else buckets[:6] + buckets[-6:]

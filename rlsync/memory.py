@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlsync.config import MIB, Config, ModelConfig, bucket_bytes, flat_engine_weights_choice
+from rlsync.engines.base import engine_class
 from rlsync.errors import BadInput
 from rlsync.models import torch_dtype
 from rlsync.offload import plan_segments, resolve_memory
@@ -161,6 +162,8 @@ def staging_bytes(cfg: Config, shapes) -> tuple[int, int]:
     if flat_weights:
         slot = 0 if u.transport != "broadcast" else slot  # packing writes the engine's weights
     if u.transport == "direct":
+        if u.strategy == "bucketed" and not flat_weights and engine_class(cfg.rollout.engine).loads_trainer_tensors:
+            return 0, 0  # the engine's loader takes the trainer's tensors (vLLM): no staging buffer (sync/direct.py)
         return slot, 0
     if u.transport == "ipc":  # shared: the same pages on both sides, counted once
         return slot * u.inflight_buckets, 0
