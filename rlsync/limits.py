@@ -147,12 +147,10 @@ def probe_buffers(nbytes: int, *, src: torch.device, dst: torch.device, dtypes: 
 
 
 class Bandwidth(NamedTuple):
-    """A probe's result: bytes per second (counted as `moved_bytes`), how the fastest copy went, and
-    its CPU thread count (0: not a CPU copy)."""
+    """A probe's result: bytes per second (counted as `moved_bytes`), and how the fastest copy went."""
 
     per_second: float
     how: str
-    threads: int = 0
 
 
 BYTES = (torch.uint8, torch.uint8)  # a same-dtype probe: memcpy
@@ -169,7 +167,7 @@ def copy_bandwidth(nbytes: int, *, src: torch.device, dst: torch.device, repeats
     del a, b
     if "cuda" in (src.type, dst.type):  # probed between steps: leave no device memory cached for the engine
         torch.cuda.empty_cache()
-    return Bandwidth(moved / best.seconds, best.describe(), best.way.threads)
+    return Bandwidth(moved / best.seconds, best.describe())
 
 
 PROBES = ("every_step", "start")  # run.limit_probe: when the runner measures the floors
@@ -223,7 +221,7 @@ class Limits:
         host = torch.device("cpu")
         src = host if crosses_host_link(self.source, device.type) else device
         update = copy_bandwidth(update_bytes, src=src, dst=device, dtypes=self.dtypes)
-        self.update_copy, self.update_probe_how = update.per_second, update.how
+        self.update_copy, self.update_probe_how = update
         if device.type == "cuda":
             self.device_copy = copy_bandwidth(update_bytes, src=device, dst=device).per_second  # read + write
             self.to_host = copy_bandwidth(state_bytes, src=device, dst=host).per_second  # payload, one direction
