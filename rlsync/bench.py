@@ -34,7 +34,7 @@ from rlsync.bench_offload import OffloadTarget
 from rlsync.config import CONFIG_PATH, BenchAppConfig, register_configs, to_dict
 from rlsync.devices import explicit_device, resolve_device, select_device
 from rlsync.engines.base import EngineSpec
-from rlsync.errors import cli, job_errors
+from rlsync.errors import cli, job_errors, show
 from rlsync.fmt import MIB, fmt_bytes, fmt_seconds, fmt_spread, markdown_table
 from rlsync.launcher import hydra_job
 from rlsync.limits import Limits
@@ -44,6 +44,7 @@ from rlsync.offload import Offloader
 from rlsync.recorder import Recorder, machine_info
 from rlsync.summary import stats_over
 from rlsync.sync import open_engine, plan_for, update_weights
+from rlsync.sync.auto import resolve_for_run, resolved_setup
 from rlsync.validate import checked_config
 
 register_configs()
@@ -69,17 +70,18 @@ class UpdateTarget:
             self.offloader.sleep()
             self.source = update_tensors(self.offloader.host_weights(params), layout)
         self.buckets = plan_for(self.weights, cfg.update, torch_dtype(cfg.rollout.dtype))
-        tokenizer = build_tokenizer(cfg.model)
-        spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device=str(explicit_device(device)),
-                          allowed_ids=tokenizer.allowed_ids(cfg.model.vocab_size), eos_id=tokenizer.eos_id,
-                          pad_id=tokenizer.pad_id)
-        self.engine = open_engine(cfg.update, spec=spec, buckets=self.buckets)
-        build_time = time.perf_counter() - t0
-
         update_bytes = sum(b.nbytes for b in self.buckets)
         read_bytes = sum(t.numel() * t.element_size() for t in self.weights.values())
         self.limits = Limits(device, update_bytes=update_bytes, state_bytes=read_bytes, read_bytes=read_bytes,
                              source=cfg.update.source, dtypes=(torch_dtype(cfg.trainer.dtype), torch_dtype(cfg.rollout.dtype)))
+        self.update_cfg, self.resolved = resolve_for_run(cfg.update, cfg.rollout, weights=self.source, buckets=self.buckets,
+                                                         device=device, model=cfg.model)  # update.*=null (auto), before the engine opens
+        tokenizer = build_tokenizer(cfg.model)
+        spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device=str(explicit_device(device)),
+                          allowed_ids=tokenizer.allowed_ids(cfg.model.vocab_size), eos_id=tokenizer.eos_id,
+                          pad_id=tokenizer.pad_id)
+        self.engine = open_engine(self.update_cfg, spec=spec, buckets=self.buckets)
+        build_time = time.perf_counter() - t0
         self.limit_time = self.limits.update_limit
         self.probe = self.limits.update_probe()  # the same floor, re-timed beside each repeat (a shared machine drifts)
         self.setup = {
@@ -88,10 +90,11 @@ class UpdateTarget:
             "buckets": len(self.buckets), "largest_bucket_bytes": max(b.nbytes for b in self.buckets),
             # repeat_probes: how the floor beside each repeat was measured, and how often (filled as they run)
             "limits": {**self.limits.as_dict(), "repeat_probes": self.probe.wins}, "limit_time": self.limit_time,
+            "resolved": self.resolved,  # update.* nulls (auto) as the update ran them, with the reason
         }
 
     def repeat(self) -> dict[str, float]:
-        return update_weights(self.engine, self.source, buckets=self.buckets, cfg=self.cfg.update, device=self.device,
+        return update_weights(self.engine, self.source, buckets=self.buckets, cfg=self.update_cfg, device=self.device,
                               limit_time=self.probe.limit_time())
 
     def breakdown(self) -> list[dict]:
@@ -169,9 +172,9 @@ class Bench:
             "target": cfg.bench.target,
             **recorder.progress(steps=cfg.bench.warmup + cfg.bench.repeats, warmup_steps=cfg.bench.warmup),
             "model": {"name": cfg.model.name, **{k: self.setup.get(k) for k in ("params", "tensors", "update_bytes")}},
-            "setup": {"transport": update.transport, "strategy": update.strategy, "bucket_mb": update.bucket_mb,
-                      "source": update.source, "inflight_buckets": update.inflight_buckets,
-                      "flat_engine_weights": update.flat_engine_weights, "device": str(self.device),
+            "setup": {"scheme": update.scheme, "transport": update.transport, "strategy": update.strategy,
+                      "bucket_mb": update.bucket_mb, "source": update.source, "inflight_buckets": update.inflight_buckets,
+                      **resolved_setup(self.setup.get("resolved"), update), "device": str(self.device),
                       "engine": cfg.rollout.engine, "engine_address": update.engine_address,
                       "engine_dtype": cfg.rollout.dtype, "trainer_dtype": cfg.trainer.dtype,
                       "buckets": self.setup.get("buckets"), "tensors": self.setup.get("tensors"),
@@ -238,11 +241,15 @@ def closing_table(result: dict) -> str:
            fmt_bytes(med("perf/update_weights_peak_bytes", "max")),
            *(fmt_seconds(med(f"perf/update_weights_{k}_time")) if med(f"perf/update_weights_{k}_time") is not None else "-"
              for k in ("pack", "transfer", "load"))]
-    out = [f"\nWeight update alone: {result['measured_steps']} timed repeats after {result['warmup_steps']} warm-up",
+    scheme = f", scheme {s['scheme']}" if s.get("scheme") else ""  # scheme=NAME (rlsync/conf/scheme/)
+    out = [f"\nWeight update alone{scheme}: {result['measured_steps']} timed repeats after {result['warmup_steps']} warm-up",
            markdown_table(head, [row])]
     if s.get("tensors") is not None:
         out.append(f"Each update sent {s['tensors']:,} tensors, {fmt_bytes(result['model'].get('update_bytes'))} "
                    f"(model.update_layout={s.get('layout')}).")
+    auto = [f"{k}={show(s[k])} ({s[k + '_why']})" for k in ("flat_engine_weights", "copy_threads") if s.get(k + "_why")]
+    if auto:
+        out.append("update: " + "; ".join(auto))
     buckets = result["buckets"]
     if buckets and s["strategy"] == "bucketed":
         shown = buckets if len(buckets) <= 12 else buckets[:6] + buckets[-6:]

@@ -86,20 +86,21 @@ class UpdateConfig:
     source: str = key("device", choices("rlsync.sync.base:SOURCES"))  # device: from live trainer weights | host: from the offloaded copy
     inflight_buckets: int = key(1, between(1, 2, "2 overlaps packing one bucket with loading the other"))  # staging buffers in flight (2 overlaps pack and load)
     verify: bool = key(False, ANY)  # checksum every engine tensor against the trainer after each update
-    flat_engine_weights: bool = key(False, ANY)  # engine weights are views into bucket-laid-out flat buffers: packing writes them (one copy)
+    flat_engine_weights: Optional[bool] = key(None, ANY)  # engine weights are views into bucket-laid-out flat buffers, packing writes them (one copy); null (auto): on wherever the engine can hold them (flat_engine_weights_choice)
     backend: str = key("auto", choices("rlsync.sync.base:BACKENDS"))  # broadcast's torch.distributed backend: auto = gloo (NCCL refuses two ranks on one GPU)
     engine_timeout_s: float = key(3600.0, SECONDS)  # longest wait for one engine reply (start, generate, load); a dead engine fails at once
     engine_address: Optional[str] = key(None, or_null(parsed_by("rlsync.sync.remote:parse_address", "HOST:PORT (port 1 to "
                                         "65535; 0 lets python -m rlsync.engine pick a free one)")))  # broadcast: HOST:PORT of an engine started on its own (python -m rlsync.engine listens there); null: start it here
     engine_connect_timeout_s: float = key(120.0, SECONDS)  # with engine_address: how long to retry while that engine is not listening yet
-    copy_threads: int = key(1, at_least(0, "0 keeps torch's default"))  # torch CPU threads for the update's copies, per process (0: torch's default); 1 reaches memcpy speed, a converting fp32->bf16 copy wants more
+    copy_threads: Optional[int] = key(None, or_null(at_least(0, "0 keeps torch's default")))  # torch CPU threads for the update, per process (0: torch's default); null (auto): the count that copies a sample of the update's own tensors fastest, timed at start (rlsync.sync.auto)
+    scheme: str = key("rlsync", NAME)  # label of the framework scheme these knobs follow (set by scheme=NAME, rlsync/conf/scheme/); reports group by it
 
     def check(self, root: Config) -> None:
         rollout = root.rollout
         if self.source == "host" and root.trainer.offload == "none":
             raise ConfigError("update.source", "host", "device (source=host sends from the offloaded copy, "
                               "which trainer.offload=none never makes)", "not allowed with trainer.offload=none")
-        if self.transport == "ipc" and self.flat_engine_weights and rollout.release_weights:
+        if self.transport == "ipc" and self.flat_engine_weights is True and rollout.release_weights:
             raise ConfigError("update.flat_engine_weights", True, "false with rollout.release_weights=true (with ipc "
                               "the engine's weights are then shared memory, which the engine cannot free)",
                               "not allowed with rollout.release_weights=true")
@@ -123,7 +124,7 @@ class UpdateConfig:
                                   "transfer: set rollout.engine=vllm)", f"not allowed with rollout.engine={engine}")
             return
         for name in ("verify", "flat_engine_weights"):
-            if getattr(self, name):
+            if getattr(self, name) is True:  # flat_engine_weights=null (auto) resolves to false with vLLM
                 raise ConfigError(f"update.{name}", True, "false (vLLM fuses q/k/v and gate/up and re-packs its "
                                   "weights: they cannot be checked or bound by trainer name; train/logprob_abs_diff "
                                   "checks the update)", "not supported with rollout.engine=vllm")
@@ -134,6 +135,31 @@ class UpdateConfig:
         if self.strategy == "vllm_ipc" and self.transport != "direct":
             raise ConfigError("update.transport", self.transport, "direct (vllm_ipc runs vLLM's engine core in its "
                               "own process already)", "not allowed with update.strategy=vllm_ipc")
+
+
+def flat_engine_weights_choice(update: UpdateConfig, rollout: RolloutConfig,
+                               model: Optional[ModelConfig] = None) -> tuple[bool, str]:
+    """update.flat_engine_weights as the update runs it, and why: the one place null (auto) is resolved.
+
+    Auto is on wherever the engine can hold its weights as views into bucket-shaped flat buffers (one
+    copy per update); off where it cannot: vLLM fuses and re-packs its weights, per_tensor and
+    vllm_ipc send no buckets, and with ipc plus rollout.release_weights the buffers would be shared
+    memory the engine cannot free (UpdateConfig.check refuses an explicit true there).
+    """
+    if update.flat_engine_weights is not None:
+        return bool(update.flat_engine_weights), "set explicitly"
+    if rollout.engine == "vllm":
+        return False, "auto: off, rollout.engine=vllm fuses and re-packs its weights (no bucket-shaped views)"
+    if not resolve("rlsync.engines.base:engine_class")(rollout.engine).holds_flat_weights:
+        return False, f"auto: off, the {rollout.engine} engine does not hold its weights as views by trainer name"
+    if update.strategy != "bucketed":
+        return False, f"auto: off, update.strategy={update.strategy} sends no buckets"
+    if update.transport == "ipc" and rollout.release_weights:
+        return False, "auto: off, with ipc and rollout.release_weights=true the weights would be shared memory the engine cannot free"
+    if (model is not None and model.update_layout == "checkpoint"
+            and resolve("rlsync.architecture:has_fused_experts")(model)):
+        return False, "auto: off, the per-expert tensors of model.update_layout=checkpoint are views of fused expert weights"
+    return True, f"auto: on, the {rollout.engine} engine holds its weights as bucket-shaped views (one copy)"
 
 
 @dataclass

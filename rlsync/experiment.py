@@ -29,6 +29,7 @@ from rlsync.models import build_model, build_tokenizer, named_weights, torch_dty
 from rlsync.engines.base import EngineSpec, Generation, answer_ids
 from rlsync.offload import Offloader, link_metrics
 from rlsync.recorder import Recorder, machine_info
+from rlsync.sync.auto import resolve_for_run, resolved_setup
 from rlsync.sync import WeightMismatch, is_out_of_memory, open_engine, out_of_memory, plan_for, update_weights
 from rlsync.tasks import Prompt, make_prompts, reward
 from rlsync.timing import Stopwatch
@@ -65,6 +66,8 @@ class Experiment:
         self.device = self.dp.device(resolve_device(cfg.run.device))
         self.setup_info: dict = {}
         self.limits: Limits | None = None  # the copy floors, measured by rank 0 in setup()
+        self.update_cfg = cfg.update  # rank 0: with its nulls (auto) resolved in setup() (rlsync.sync.auto)
+        self.resolved: dict | None = None  # those resolved values and why, for summary.json
         self.offloader: Offloader | None = None  # set by setup()
 
     def run(self) -> dict:
@@ -106,17 +109,14 @@ class Experiment:
                                    pin_chunk_bytes=int(cfg.trainer.offload_pin_chunk_mb * MIB))
         self.params = named_weights(model)  # by parameter name: what the offload moves and data parallel compares
         self.weights = update_tensors(self.params, cfg.model.update_layout)  # by the update's names (its layout)
-        engine = self.open_engine(allowed) if self.dp.is_main else None  # rank 0 owns the engine and the update
+        read_bytes = sum(t.numel() * t.element_size() for t in self.weights.values())
+        engine = self.open_engine(allowed, read_bytes) if self.dp.is_main else None  # rank 0 owns the engine and the update
         build_time = time.perf_counter() - t0
 
-        read_bytes = sum(t.numel() * t.element_size() for t in self.weights.values())
         self.setup_info = {"build_time": build_time, "tensors": len(self.weights), "layout": cfg.model.update_layout,
-                           "params": sum(t.numel() for t in self.weights.values())}
+                           "params": sum(t.numel() for t in self.weights.values()), "resolved": self.resolved}
         if engine is not None:
             update_bytes = sum(b.nbytes for b in self.buckets)
-            self.limits = Limits(device, update_bytes=update_bytes, state_bytes=self.offloader.state_bytes or 2 * read_bytes,
-                                 read_bytes=read_bytes, source=cfg.update.source,
-                                 dtypes=(torch_dtype(cfg.trainer.dtype), torch_dtype(cfg.rollout.dtype)))
             engine.update_weights(self.weights)  # the engine starts from the trainer's weights
             self.setup_info.update({"update_bytes": update_bytes, "buckets": len(self.buckets),
                                     "limits": self.limits.as_dict(), "update_limit_time": self.limits.update_limit})
@@ -129,14 +129,20 @@ class Experiment:
         self.setup_info["offload"] = {**self.offloader.info, "first_sleep_time": watch.seconds["first_sleep"]}
         return engine
 
-    def open_engine(self, allowed: torch.Tensor):
-        """The rollout engine behind the configured transport, and the bucket plan of the update."""
+    def open_engine(self, allowed: torch.Tensor, read_bytes: int):
+        """The bucket plan of the update, the copy floors, the update's auto knobs resolved (rlsync.sync.auto:
+        before the engine opens, so its process gets them), then the rollout engine behind the transport."""
         cfg = self.cfg
         self.buckets = plan_for(self.weights, cfg.update, torch_dtype(cfg.rollout.dtype))
+        self.limits = Limits(self.device, update_bytes=sum(b.nbytes for b in self.buckets),
+                             state_bytes=self.offloader.state_bytes or 2 * read_bytes, read_bytes=read_bytes,
+                             source=cfg.update.source, dtypes=(torch_dtype(cfg.trainer.dtype), torch_dtype(cfg.rollout.dtype)))
+        self.update_cfg, self.resolved = resolve_for_run(cfg.update, cfg.rollout, weights=self.weights, buckets=self.buckets,
+                                                         device=self.device, model=cfg.model)
         spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device=str(explicit_device(self.device)), allowed_ids=allowed,
                           eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
         try:
-            self.engine = open_engine(cfg.update, spec=spec, buckets=self.buckets)
+            self.engine = open_engine(self.update_cfg, spec=spec, buckets=self.buckets)
         except Exception as err:  # the staging buffers are allocated here: name the bucket size
             if is_out_of_memory(err):
                 raise out_of_memory(self.buckets, cfg.update, "opening the engine and its update buffers") from err
@@ -180,7 +186,7 @@ class Experiment:
                     with watch("engine_resume"):
                         engine.resume()
                 with watch("update_weights"):
-                    metrics.update(update_weights(engine, self.update_source(), buckets=self.buckets, cfg=cfg.update,
+                    metrics.update(update_weights(engine, self.update_source(), buckets=self.buckets, cfg=self.update_cfg,
                                                   device=self.device, limit_time=self.limits.update_limit))
             if cfg.update.source == "device":
                 self.trainer_sleep(watch, metrics)
@@ -287,8 +293,10 @@ def run_summary(cfg: Config, recorder: Recorder, *, setup_info: dict, device: to
     rows, status = recorder.rows, recorder.status
     stats = summaries.stats_over(rows, cfg.run.warmup_steps)
     share = summaries.shares(stats)
-    setup = {"transport": cfg.update.transport, "strategy": cfg.update.strategy, "bucket_mb": cfg.update.bucket_mb,
-             "source": cfg.update.source, "device": str(device), "engine": cfg.rollout.engine,
+    setup = {"scheme": cfg.update.scheme, "transport": cfg.update.transport, "strategy": cfg.update.strategy,
+             "bucket_mb": cfg.update.bucket_mb, "source": cfg.update.source,
+             "inflight_buckets": cfg.update.inflight_buckets, **resolved_setup(setup_info.get("resolved"), cfg.update),
+             "device": str(device), "engine": cfg.rollout.engine,
              "engine_address": cfg.update.engine_address,  # null: the engine ran on this machine, started by the run
              "max_response_len": cfg.rollout.max_response_len, "offload": cfg.trainer.offload,
              "ranks": ranks,  # data-parallel trainer ranks (rank 0 holds the engine)

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 import torch
 
 from rlsync.architecture import model_shapes, update_shapes
-from rlsync.config import MIB, Config, ModelConfig, bucket_bytes
+from rlsync.config import MIB, Config, ModelConfig, bucket_bytes, flat_engine_weights_choice
+from rlsync.engines.base import engine_class
 from rlsync.errors import BadInput
 from rlsync.models import torch_dtype
 from rlsync.offload import plan_segments, resolve_memory
@@ -146,13 +147,16 @@ def staging_bytes(cfg: Config, shapes) -> tuple[int, int]:
         return 0, 0
     slot = max(numel(s) for _, s in shapes) * DTYPE_BYTES[cfg.rollout.dtype] if u.strategy == "per_tensor" \
         else largest_bucket_bytes(cfg, shapes)
-    if u.flat_engine_weights:
+    flat_weights, _ = flat_engine_weights_choice(u, cfg.rollout, cfg.model)  # null (auto) resolved as the update resolves it
+    if flat_weights:
         slot = 0 if u.transport != "broadcast" else slot  # packing writes the engine's weights
     if u.transport == "direct":
+        if u.strategy == "bucketed" and not flat_weights and engine_class(cfg.rollout.engine).loads_trainer_tensors:
+            return 0, 0  # the engine's loader takes the trainer's tensors (vLLM): no staging buffer (sync/direct.py)
         return slot, 0
     if u.transport == "ipc":  # shared: the same pages on both sides, counted once
         return slot * u.inflight_buckets, 0
-    return slot * u.inflight_buckets, (0 if u.flat_engine_weights else slot * u.inflight_buckets)
+    return slot * u.inflight_buckets, (0 if flat_weights else slot * u.inflight_buckets)
 
 
 def activation_bytes(cfg: Config, prompt_len: int) -> tuple[int, int]:

@@ -37,8 +37,11 @@ def test_bench_sweep_writes_runs_files_for_each_transport(tmp_path):
         assert summary["kind"] == "bench" and summary["status"] == "finished"
         assert summary["warmup_steps"] == 1 and summary["measured_steps"] == 3
         assert summary["setup"]["transport"] == transport and summary["model"]["name"] == "tiny"
+        # direct: the default flat engine weights (update.flat_engine_weights=null, on for the HF engine)
+        # make packing the whole update; ipc: shared flat weights too, the engine only acknowledges
+        assert summary["setup"]["flat_engine_weights"] is True
         for key in ("perf/update_weights_time", "perf/update_weights_limit_time", "perf/update_weights_efficiency",
-                    "perf/update_weights_peak_bytes", "perf/update_weights_pack_time", "perf/update_weights_load_time"):
+                    "perf/update_weights_peak_bytes", "perf/update_weights_pack_time"):
             stat = summary["metrics"][key]
             assert stat["min"] <= stat["median"] <= stat["max"], key
         assert summary["limits"]["device_copy_gbps"] > 0 and summary["machine"]["torch"] == torch.__version__

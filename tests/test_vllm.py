@@ -174,8 +174,8 @@ def test_cli_step_with_vllm_gap_near_zero_and_large_without_update(tmp_path):
     stale_gap = stale[1]["train/logprob_abs_diff"]  # step 0 still follows the setup's update
     assert fresh_gap < MEAN_TOL, fresh_gap
     assert stale_gap > 5 * fresh_gap, (stale_gap, fresh_gap)
-    for row in fresh:  # the engine's load is timed apart from packing
-        assert row["perf/update_weights_load_time"] > 0 and row["perf/update_weights_pack_time"] > 0
+    for row in fresh:  # direct: vLLM's loader takes the trainer's tensors (its copy casts), no staging pack
+        assert row["perf/update_weights_load_time"] > 0 and "perf/update_weights_pack_time" not in row
     assert all("perf/update_weights_time" not in r for r in stale)
     summary = json.loads((tmp_path / "true" / "summary.json").read_text())
     assert summary["setup"]["engine"] == "vllm" and summary["status"] == "finished"

@@ -159,6 +159,13 @@ class Engine(Preloaded, Rollout):
 
     device: torch.device  # where the engine's weights live and generation runs
     dtype: torch.dtype  # the weights' dtype (rollout.dtype): what an update casts to
+    # Whether the engine's weights can be views into bucket-shaped flat buffers, by trainer name
+    # (update.flat_engine_weights=null turns the one-copy layout on where this is true).
+    holds_flat_weights: bool = False
+    # Whether `load_weights` is itself a copy (and cast) from whatever tensors it is handed, and costs
+    # per call rather than per byte: then the `direct` transport hands it each bucket's trainer tensors,
+    # not a packed staging buffer (one copy instead of two). vLLM's reload path is such a loader.
+    loads_trainer_tensors: bool = False
 
     @classmethod
     @abstractmethod
@@ -168,6 +175,12 @@ class Engine(Preloaded, Rollout):
     @abstractmethod
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Where updates land: (name, tensor) pairs in the trainer's naming, in any grouping."""
+
+    def load_trainer_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """`load_weights` of tensors the caller keeps alive and unchanged until the update ends (the
+        trainer's own, not a reused staging buffer): an engine that holds some back until a fused layer
+        is complete may keep references instead of copies."""
+        self.load_weights(named)
 
     @property
     @abstractmethod

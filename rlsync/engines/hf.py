@@ -40,6 +40,7 @@ class HFEngine(Engine):
     """A transformers model in the rollout dtype, generating with a DynamicCache."""
 
     preload = ("transformers.models.qwen3.modeling_qwen3",)
+    holds_flat_weights = True  # its parameters are plain tensors by trainer name: flat views can replace them
 
     def __init__(self, model_cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
                  allowed_ids: torch.Tensor, eos_id: int, pad_id: int, release_weights: bool = False):

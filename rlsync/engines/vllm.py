@@ -13,7 +13,10 @@ How it is driven, and why:
   decide where the process boundary is (`direct`: here; `ipc`: an engine process that builds this).
 - Updates go through the worker's public `reload_weights(weights_iterator=...)` (the model's own
   `load_weights` a second time fails on the CPU, its weights are re-packed by then). One call per
-  bucket (or per tensor for `per_tensor`).
+  bucket (or per tensor for `per_tensor`). With the `direct` transport a call gets the trainer's own
+  tensors (`loads_trainer_tensors`): vLLM's loaders cast in their copy, so packing a bf16 staging
+  buffer first would only add a copy. Each call walks the whole model (meta-restore, finalize),
+  which is what per-tensor loading (TRL's colocate scheme) pays per tensor.
 - A fused layer loads whole or not at all: vLLM materialises a partly loaded layer from nothing, so a
   q_proj loaded without its k_proj and v_proj leaves garbage in the fused matrix. `FusedLayers`
   holds back (copies) the parts of a layer split across buckets until its last part arrives.
@@ -196,8 +199,9 @@ class FusedLayers:
             return name, [name]
         return f"{module_path}.{'+'.join(parts)}.{rest}", [f"{module_path}.{p}.{rest}" for p in parts]
 
-    def ready(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """The tensors that complete their layer in this call (with any held parts of it); copies the rest."""
+    def ready(self, named: Iterable[tuple[str, torch.Tensor]], *, copy: bool = True) -> list[tuple[str, torch.Tensor]]:
+        """The tensors that complete their layer in this call (with any held parts of it); holds the rest,
+        as copies (`copy`: the caller reuses its buffer) or as the caller's tensors themselves."""
         arrived: dict[str, dict[str, torch.Tensor]] = {}
         needs: dict[str, list[str]] = {}
         for name, tensor in named:
@@ -211,8 +215,8 @@ class FusedLayers:
                 held = self.pending.pop(key, {})
                 self.held_bytes -= sum(t.numel() * t.element_size() for t in held.values())
                 out.extend((m, have[m]) for m in needs[key])
-            else:  # the caller may reuse its buffer (a staging bucket): keep a copy
-                copies = {n: t.detach().clone() for n, t in parts.items()}
+            else:  # the caller may reuse its buffer (a staging bucket): keep a copy, unless told otherwise
+                copies = {n: t.detach().clone() if copy else t.detach() for n, t in parts.items()}
                 self.held_bytes += sum(t.numel() * t.element_size() for t in copies.values())
                 self.pending.setdefault(key, {}).update(copies)
         return out
@@ -226,7 +230,11 @@ def _reload_in_worker(worker, named: list[tuple[str, torch.Tensor]]) -> None:
     """
     # Loading a subset of the layers is the design (one bucket per call): silence the per-layer
     # "Failed to load weights" notices for the layers this bucket does not hold.
-    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+    # Likewise its list of the weights a call did not load (inplace), and the dtype notice of each
+    # fp32 trainer tensor its loader casts to the engine's dtype (models.utils): by design, per call.
+    for name in ("layerwise", "inplace"):
+        logging.getLogger(f"vllm.model_executor.model_loader.reload.{name}").setLevel(logging.ERROR)
+    logging.getLogger("vllm.model_executor.models.utils").setLevel(logging.ERROR)
     worker.reload_weights(weights_iterator=iter(named))
     model = worker.model_runner.get_model()
     head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
@@ -276,6 +284,8 @@ def kv_cache_bytes(config, rollout_cfg: RolloutConfig, dtype: torch.dtype) -> in
 
 class VLLMEngine(Engine):
     """vLLM's `LLM` in this process, loaded by the trainer's updates, sampling like `HFEngine`."""
+
+    loads_trainer_tensors = True  # the reload path copies (and casts) what it is handed; each call costs a model walk
 
     def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, *, dtype: torch.dtype,
                  device: torch.device, allowed_ids: torch.Tensor, eos_id: int, pad_id: int,
@@ -393,14 +403,19 @@ class VLLMEngine(Engine):
     # -- weight updates ----------------------------------------------------------------------
 
     @torch.no_grad()
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load (name, tensor) pairs, trainer names, through vLLM's reload path (fused layers whole)."""
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, copy_held: bool = True) -> None:
+        """Load (name, tensor) pairs, trainer names, through vLLM's reload path (fused layers whole).
+        The tensors may be in any dtype: vLLM's weight loaders cast in their copy."""
         if self.native:
             raise RuntimeError("update.strategy=vllm_ipc loads through vLLM's own transfer (native_update)")
         self._wake_weights()
-        ready = self.fused.ready(named)
+        ready = self.fused.ready(named, copy=copy_held)
         if ready:
             self.llm.collective_rpc(_reload_in_worker, args=(ready,))
+
+    def load_trainer_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The trainer's own tensors (alive until the update ends): parts of a fused layer are held by reference."""
+        self.load_weights(named, copy_held=False)
 
     @property
     def weights(self) -> dict[str, torch.Tensor]:

@@ -29,8 +29,8 @@ PER_TENSOR = "per_tensor"  # the strategy to which a bucket size does not apply
 # report.csv columns: raw seconds, bytes and ratios (never formatted strings); between these two,
 # each of the step's parts (the catalogue's, rlsync/metrics.py) as <phase>_time_median: see csv_fields().
 CSV_HEAD = (
-    "job", "overrides", "status", "model", "params", "engine", "transport", "strategy", "bucket_mb",
-    "device", "measured_steps",
+    "job", "overrides", "status", "model", "params", "engine", "scheme", "transport", "strategy", "bucket_mb",
+    "flat_engine_weights", "device", "measured_steps",
     "update_time_min", "update_time_median", "update_time_max",
     "step_time_min", "step_time_max",
     "sleep_time_min", "sleep_time_median", "sleep_time_max",
@@ -416,7 +416,9 @@ def table_row(run: Run) -> dict[str, Any]:
         "model": model.get("name") or run.cfg("model.name"),
         "params": model.get("params"),
         "engine": setup.get("engine") or run.cfg("rollout.engine", "hf"),
+        "scheme": setup.get("scheme") or run.cfg("update.scheme"),  # scheme=NAME (rlsync/conf/scheme/): group by it
         "transport": setup.get("transport") or run.cfg("update.transport"),
+        "flat_engine_weights": setup.get("flat_engine_weights", run.cfg("update.flat_engine_weights")),  # as resolved
         "strategy": setup.get("strategy") or run.cfg("update.strategy"),
         "bucket_mb": setup.get("bucket_mb", run.cfg("update.bucket_mb")),  # None for per_tensor, below
         "device": setup.get("device") or run.cfg("run.device"),

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import rlsync.sync.flat as flat
-from rlsync.config import UpdateConfig
+from rlsync.config import UpdateConfig, flat_engine_weights_choice
 from rlsync.engines.base import Engine, EngineSpec
 from rlsync.sync.base import Receiver, UpdateResult
 from rlsync.sync.buckets import Bucket, Slot, largest_bucket_bytes
@@ -172,9 +172,9 @@ class BroadcastEngine(ForwardsToEngineProcess):
                       for _ in range(cfg.inflight_buckets)]
         self.engine_staging = 0
         receiver = BroadcastReceiver(buckets, strategy=cfg.strategy, inflight=cfg.inflight_buckets,
-                                     flat_weights=cfg.flat_engine_weights, port=self.store.port,
+                                     flat_weights=flat_engine_weights_choice(cfg, spec.rollout, spec.model)[0], port=self.store.port,
                                      timeout_s=cfg.engine_timeout_s, join_timeout_s=join_timeout_s,
-                                     copy_threads=cfg.copy_threads)
+                                     copy_threads=cfg.copy_threads or 0)  # null: resolved by the entry (sync/auto.py), else torch's
         if cfg.engine_address:  # an engine started on its own: it checks the plan against its model
             self.process = EngineProcess.remote(cfg.engine_address, receiver, timeout_s=cfg.engine_timeout_s,
                                                 connect_timeout_s=cfg.engine_connect_timeout_s)

@@ -3,14 +3,17 @@
 `bucketed` packs each bucket into one staging buffer (allocated once, the largest bucket's size,
 reused) and the engine loads named views of it: two copies. With `flat_weights` the engine's weights
 are themselves views into one flat buffer per bucket, so packing writes them: one copy, no staging.
-`per_tensor` hands the engine tensor by tensor, the baseline.
+`per_tensor` hands the engine tensor by tensor, the baseline. An engine whose own loader copies
+(and casts) whatever it is handed, at a cost per call (`Engine.loads_trainer_tensors`: vLLM's reload
+path), gets each bucket's trainer tensors in one call instead: packing a staging buffer first would
+be a second copy for nothing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rlsync.config import UpdateConfig
+from rlsync.config import UpdateConfig, flat_engine_weights_choice
 from rlsync.engines.base import Engine, EngineSpec, Generation
 from rlsync.sync import flat
 from rlsync.sync.base import Transport, UpdateResult
@@ -25,16 +28,18 @@ class LocalEngine(Transport):
         self.engine, self.buckets, self.strategy = engine, buckets, strategy
         self.staging = None
         self.flat = None  # the engine's weights, one flat buffer per bucket (flat_weights)
+        self.pass_through = strategy == "bucketed" and not flat_weights and engine.loads_trainer_tensors
         if flat_weights:
             self.flat = flat.allocate(buckets, engine.device)
             flat.bind(engine.weights, buckets, self.flat)
-        elif strategy == "bucketed":
+        elif strategy == "bucketed" and not self.pass_through:
             numel = largest_bucket_bytes(buckets) // engine.dtype.itemsize
             self.staging = torch.empty(numel, dtype=engine.dtype, device=engine.device)
 
     @classmethod
     def open(cls, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig) -> "LocalEngine":
-        return cls(spec.build(strategy=cfg.strategy), buckets, strategy=cfg.strategy, flat_weights=cfg.flat_engine_weights)
+        flat_weights, _ = flat_engine_weights_choice(cfg, spec.rollout, spec.model)  # null (auto) resolved, as everywhere
+        return cls(spec.build(strategy=cfg.strategy), buckets, strategy=cfg.strategy, flat_weights=flat_weights)
 
     def generate(self, prompts: list[list[int]], **kwargs) -> Generation:
         return self.engine.generate(prompts, **kwargs)
@@ -59,7 +64,12 @@ class LocalEngine(Transport):
             for name, tensor in weights.items():
                 rows.append({"bytes": tensor.numel() * self.engine.dtype.itemsize})
                 with timer("load", rows[-1]):
-                    self.engine.load_weights([(name, tensor)])
+                    self.engine.load_trainer_weights([(name, tensor)])
+        elif self.pass_through:  # the engine's loader is the copy: one call per bucket, the trainer's tensors
+            for bucket in self.buckets:
+                rows.append({"bytes": bucket.nbytes})
+                with timer("load", rows[-1]):
+                    self.engine.load_trainer_weights([(name, weights[name]) for name in bucket.names])
         elif self.flat is not None:
             for bucket, buffer in zip(self.buckets, self.flat):
                 rows.append({"bytes": bucket.nbytes})

@@ -15,9 +15,9 @@ import torch
 
 
 @contextmanager
-def cpu_threads(count: int, device: torch.device):
-    """Within the block, torch uses `count` CPU threads (0, or a CUDA device: unchanged)."""
-    if count <= 0 or device.type != "cpu" or count == torch.get_num_threads():
+def cpu_threads(count: int | None, device: torch.device):
+    """Within the block, torch uses `count` CPU threads (0, None (unresolved auto), or a CUDA device: unchanged)."""
+    if not count or count < 0 or device.type != "cpu" or count == torch.get_num_threads():
         yield
         return
     before = torch.get_num_threads()

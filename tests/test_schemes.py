@@ -1,0 +1,140 @@
+"""The `scheme` config group: each framework's update knobs as a preset (rlsync/conf/scheme/), the
+default `rlsync`, and the update's auto knobs (flat_engine_weights, copy_threads) resolved in one place.
+
+Each preset is composed through the real Hydra config (runner and benchmark) and runs one benchmark
+repeat on the tiny model, in this process (the ipc schemes start their engine process).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+
+from conftest import ROOT
+from rlsync.bench import run_bench
+from rlsync.config import BenchAppConfig, RolloutConfig, UpdateConfig, flat_engine_weights_choice, to_config
+from rlsync.sync.auto import copy_threads_choice, resolve_update
+
+SCHEMES = sorted(p.stem for p in (ROOT / "rlsync" / "conf" / "scheme").glob("*.yaml"))
+FRAMEWORKS = {"miles", "verl", "trl", "nemo_rl", "checkpoint_engine"}
+
+
+def compose_app(config_name: str, *overrides: str):
+    schema = BenchAppConfig if config_name == "bench" else None
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        dcfg = hydra_compose(config_name=config_name, overrides=list(overrides))
+    return to_config(dcfg, schema) if schema else to_config(dcfg)
+
+
+def test_every_framework_has_a_preset_and_each_cites_the_code_it_follows():
+    assert set(SCHEMES) == FRAMEWORKS | {"rlsync"}
+    for name in SCHEMES:
+        text = (ROOT / "rlsync" / "conf" / "scheme" / f"{name}.yaml").read_text()
+        assert text.startswith("# @package _global_"), name
+        assert f"scheme: {name}" in text, name  # the label the reports group by
+        assert ".py" in text, f"{name}: cite the file of the framework's code it follows"
+
+
+@pytest.mark.parametrize("config_name", ["config", "bench"])
+def test_the_default_scheme_is_rlsync_with_the_auto_knobs(config_name):
+    cfg = compose_app(config_name)
+    u = cfg.update
+    assert (u.scheme, u.transport, u.strategy, u.bucket_mb) == ("rlsync", "direct", "bucketed", 512.0)
+    assert u.flat_engine_weights is None and u.copy_threads is None  # auto, resolved by rlsync.sync.auto
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_each_scheme_composes_and_command_line_update_keys_still_win(scheme):
+    cfg = compose_app("bench", f"scheme={scheme}")
+    assert cfg.update.scheme == scheme
+    over = compose_app("config", f"scheme={scheme}", "update.bucket_mb=64", "update.inflight_buckets=1")
+    assert (over.update.scheme, over.update.bucket_mb, over.update.inflight_buckets) == (scheme, 64.0, 1)
+
+
+def test_an_experiment_preset_overrides_the_scheme():
+    cfg = compose_app("bench", "scheme=verl", "experiment=transports")
+    assert cfg.update.scheme == "verl" and cfg.update.bucket_mb == 512.0  # verl's is 2048; the study sets 512
+
+
+def test_the_framework_schemes_knobs():
+    got = {s: compose_app("bench", f"scheme={s}").update for s in FRAMEWORKS}
+    assert (got["miles"].transport, got["miles"].source, got["miles"].bucket_mb) == ("ipc", "host", 512.0)
+    assert (got["trl"].transport, got["trl"].strategy) == ("direct", "per_tensor")
+    assert got["nemo_rl"].inflight_buckets == got["checkpoint_engine"].inflight_buckets == 2
+    assert got["verl"].bucket_mb == 2048.0 and got["checkpoint_engine"].source == "host"
+    assert all(u.flat_engine_weights is False for u in got.values())  # none of them loads in place
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_each_scheme_runs_a_benchmark_repeat_on_the_tiny_model(scheme, tmp_path):
+    cfg = compose_app("bench", f"scheme={scheme}", "bench.warmup=0", "bench.repeats=1", "wandb.mode=disabled",
+                      "update.bucket_mb=1", "update.verify=true")  # small buckets: several of them; verify: the weights landed
+    result = run_bench(cfg, tmp_path, name=scheme, group="test")
+    assert result["status"] == "finished", result
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    setup = summary["setup"]
+    assert setup["scheme"] == scheme and summary["config"]["update"]["scheme"] == scheme
+    assert summary["metrics"]["perf/update_weights_time"]["median"] > 0
+    assert isinstance(setup["flat_engine_weights"], bool) and setup["flat_engine_weights_why"]
+    assert isinstance(setup["copy_threads"], int) and setup["copy_threads_why"]
+    if scheme == "rlsync":  # the HF engine holds bucket-shaped views: one copy, nothing but the pack
+        assert setup["flat_engine_weights"] is True and setup["flat_engine_weights_why"].startswith("auto: on")
+        assert "perf/update_weights_load_time" not in summary["metrics"]
+
+
+@pytest.mark.parametrize("engine, transport, strategy, release, want", [
+    ("hf", "direct", "bucketed", False, True),
+    ("hf", "ipc", "bucketed", False, True),
+    ("hf", "broadcast", "bucketed", False, True),
+    ("hf", "direct", "bucketed", True, True),  # the direct engine frees its flat buffers itself
+    ("hf", "ipc", "bucketed", True, False),  # shared memory the engine cannot free
+    ("hf", "direct", "per_tensor", False, False),
+    ("vllm", "direct", "bucketed", False, False),
+    ("vllm", "ipc", "bucketed", False, False),
+])
+def test_flat_engine_weights_auto_is_on_wherever_the_engine_can_hold_them(engine, transport, strategy, release, want):
+    update = UpdateConfig(transport=transport, strategy=strategy)
+    on, why = flat_engine_weights_choice(update, RolloutConfig(engine=engine, release_weights=release))
+    assert on is want and why.startswith("auto: " + ("on" if want else "off"))
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_an_explicit_flat_engine_weights_is_kept(explicit):
+    on, why = flat_engine_weights_choice(UpdateConfig(flat_engine_weights=explicit), RolloutConfig())
+    assert on is explicit and why == "set explicitly"
+
+
+def test_copy_threads_auto_takes_the_probes_fastest_and_explicit_values_stay():
+    assert copy_threads_choice(UpdateConfig(), probe_threads=2, probe_how="timed")[0] == 2
+    assert copy_threads_choice(UpdateConfig(), probe_threads=0)[0] == 0  # not a CPU copy: torch's default
+    assert copy_threads_choice(UpdateConfig(copy_threads=0), probe_threads=2) == (0, "set explicitly (0: torch's default)")
+    assert copy_threads_choice(UpdateConfig(copy_threads=3), probe_threads=1)[0] == 3
+    resolved, why = resolve_update(UpdateConfig(), RolloutConfig(), probe_threads=2)
+    assert (resolved.flat_engine_weights, resolved.copy_threads) == (True, 2)
+    assert set(why) == {"flat_engine_weights", "flat_engine_weights_why", "copy_threads", "copy_threads_why"}
+
+
+def test_copy_threads_rejects_a_negative_count(compose):
+    from rlsync.errors import ConfigError
+    from rlsync.validate import validate
+
+    cfg = compose("update.copy_threads=-1")
+    with pytest.raises(ConfigError, match="update.copy_threads"):
+        validate(cfg)
+
+
+def test_fastest_threads_times_the_updates_own_tensors_on_each_candidate():
+    import torch
+
+    from rlsync.sync import plan_for
+    from rlsync.sync.auto import fastest_threads, thread_candidates
+
+    weights = {f"w{i}": torch.randn(64, 64) for i in range(8)}
+    buckets = plan_for(weights, UpdateConfig(bucket_mb=0.01), torch.bfloat16)
+    threads, how = fastest_threads(weights, buckets, torch.device("cpu"), rounds=1)
+    assert threads in thread_candidates() and "8 of the update" in how and "best of 1" in how
+    assert fastest_threads(weights, buckets, torch.device("cuda")) == (0, "not a CPU copy")  # nothing runs on a device
