@@ -157,9 +157,12 @@ def flags(plan: dict, configured: dict) -> list[dict]:
                                f"({s['strategy']}, {s['transport']}{' flat' if s['flat_engine_weights'] else ''})"})
     share = configured.get("per_tensor_share")
     if share is not None:
+        verdict = (f"bucketing at {s['bucket_mb']:g} MiB saves {fmt_share(share)} of a per_tensor update's time"
+                   if share >= 0 else f"per_tensor is faster here: bucketing at {s['bucket_mb']:g} MiB takes "
+                   f"{fmt_share(-share)} of the per_tensor time more (its second copy outweighs the calls it saves)")
         out.append({"kind": "per_tensor_overhead", "share": share,
-                    "message": f"per-tensor overhead share on {s['transport']}: {fmt_share(share)} of a per_tensor "
-                               f"update is what bucketing at {s['bucket_mb']:g} MiB saves (predicted)"})
+                    "message": f"per-tensor overhead share on {s['transport']} (per_tensor - bucketed) / per_tensor "
+                               f"= {fmt_share(share)}: {verdict} (predicted)"})
     pred = plan["prediction"]
     if pred:
         overhead = (pred["terms"]["calls_s"] + pred["terms"]["tensors_s"]) / pred["time_s"] if pred["time_s"] else None
