@@ -132,33 +132,55 @@ def calibration_file(observations: list[cost.Observation], *, device: str, secon
             "coefficients": {k: c.as_dict() for k, c in coef.items()}, "observations": rows}
 
 
+RETRY_RESIDUAL = 0.3  # a job this far off the fit of the others is run again once: the faster of the two counts
+
+
 def calibrate(cfg, out_dir: Path, *, log=print) -> dict:
-    """Run the grid's benchmark jobs under `out_dir/calibration/` and fit them: the calibration file's content."""
-    from rlsync.bench import run_bench
+    """Run the grid's benchmark jobs under `out_dir/calibration/` and fit them: the calibration file's content.
+
+    On a shared machine a job that ran while something else took the cores or the memory bandwidth
+    comes out slow (here 2.15 s for a 0.60 s update, beside a test run): a job whose fitted residual is
+    over RETRY_RESIDUAL is run again once and the faster median kept (load only ever slows a copy)."""
     from rlsync.devices import resolve_device
 
     p = cfg.plan
     jobs = grid(quick=p.calibrate_quick, flat=p.calibrate_flat, transports=p.calibrate_transports)
     started = time.perf_counter()
     runs = Path(out_dir) / "calibration"
-    observations = []
-    for i, (model, transport, strategy, bucket_mb, flat) in enumerate(jobs):
-        name = f"{i:02d}_{model}_{transport}_{strategy}{'_flat' if flat else ''}_{bucket_mb:g}"
-        bcfg = bench_config(cfg, model, transport, strategy, bucket_mb, flat, p.calibrate_repeats)
-        t0 = time.perf_counter()
-        try:
-            with contextlib.redirect_stdout(io.StringIO()):  # each job's closing table: its summary.json has it
-                summary = run_bench(bcfg, runs / name, name=name, group="calibration")
-        except Exception as err:  # one failed job (out of memory, say) leaves the others to fit
-            summary = {"error": f"{type(err).__name__}: {err}"}
-        o = observation(summary or {}, str(runs / name))
-        log(f"calibration {i + 1}/{len(jobs)} {name}: "
-            + (f"{o.time_s * 1e3:.2f} ms ({o.work.calls} calls, {o.work.tensors} tensors, {o.work.bytes / 2**20:.1f} MiB "
-               f"moved), {time.perf_counter() - t0:.1f} s" if o else f"failed ({(summary or {}).get('error')})"))
+    observations: dict[int, cost.Observation] = {}
+    for i, job in enumerate(jobs):
+        o = run_job(cfg, runs, i, job, log=log, label=f"{i + 1}/{len(jobs)}")
         if o:
-            observations.append(o)
+            observations[i] = o
+    coef = cost.fit(observations.values()) if observations else {}
+    for i, o in list(observations.items()):
+        fitted = coef[o.setup.key].predict(o.work, o.setup)
+        if fitted > 0 and abs(o.time_s - fitted) / fitted > RETRY_RESIDUAL:
+            again = run_job(cfg, runs, i, jobs[i], log=log, label=f"again ({(o.time_s - fitted) / fitted:+.0%} off the fit)",
+                            suffix="_again")
+            if again and again.time_s < o.time_s:
+                observations[i] = again
     device = str(resolve_device(cfg.run.device))
-    return calibration_file(observations, device=device, seconds=time.perf_counter() - started)
+    return calibration_file(list(observations.values()), device=device, seconds=time.perf_counter() - started)
+
+
+def run_job(cfg, runs: Path, i: int, job: tuple, *, log, label: str, suffix: str = "") -> Optional[cost.Observation]:
+    from rlsync.bench import run_bench
+
+    model, transport, strategy, bucket_mb, flat = job
+    name = f"{i:02d}_{model}_{transport}_{strategy}{'_flat' if flat else ''}_{bucket_mb:g}{suffix}"
+    bcfg = bench_config(cfg, model, transport, strategy, bucket_mb, flat, cfg.plan.calibrate_repeats)
+    t0 = time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # each job's closing table: its summary.json has it
+            summary = run_bench(bcfg, runs / name, name=name, group="calibration")
+    except Exception as err:  # one failed job (out of memory, say) leaves the others to fit
+        summary = {"error": f"{type(err).__name__}: {err}"}
+    o = observation(summary or {}, str(runs / name))
+    log(f"calibration {label} {name}: "
+        + (f"{o.time_s * 1e3:.2f} ms ({o.work.calls} calls, {o.work.tensors} tensors, {o.work.bytes / 2**20:.1f} MiB "
+           f"moved), {time.perf_counter() - t0:.1f} s" if o else f"failed ({(summary or {}).get('error')})"))
+    return o
 
 
 def fit_lines(data: dict) -> list[str]:
