@@ -256,6 +256,7 @@ class PlanConfig:
     calibrate: bool = key(False, ANY)  # first fit the coefficients on this machine from short rlsync.bench runs (a few minutes), write them to plan.calibration
     fit_from: Optional[str] = key(None, OPTIONAL_NAME)  # first fit the coefficients from the bench runs (summary.json) under this directory, write them to plan.calibration
     bucket_sizes: list[float] = key([16.0, 64.0, 256.0, 512.0, 1024.0, 2048.0], Rule(bucket_sizes_ok, f"a non-empty list of MiB, each above 0 and at most {MEBIBYTES_MAX}"))  # bucket sizes (MiB) the plan tabulates, beside update.bucket_mb
+    copy_gbps: Optional[float] = key(None, or_null(above(0, "GB/s")))  # the copy floor (GB/s read + written, a bench's limits.update_copy_gbps) the at-floor prediction is at; null: the calibration runs' median
     calibrate_repeats: int = key(3, COUNT)  # calibration: timed repeats per benchmark job (after one warm-up)
     calibrate_quick: bool = key(False, ANY)  # calibration: the two smallest models only (seconds; tests, smoke runs)
     calibrate_flat: bool = key(False, ANY)  # calibration: also the flat-engine-weights setups (update.flat_engine_weights=true)

@@ -57,6 +57,19 @@ def test_fit_with_noise_stays_close_and_says_how_close():
         assert 0 < fitted[key].rel_residual_max < 0.12  # the prediction's range comes from this
 
 
+def test_fit_relative_to_the_copy_floor_recovers_the_multiple_whatever_the_load():
+    """A machine whose copy floor moves with the load (1 to 8 GB/s here): the update costs 1.7x the
+    floor's time per moved byte plus its calls; the fit in floor units finds 1.7 where bytes/s cannot."""
+    setup, rng, obs = cost.Setup("direct", "bucketed"), random.Random(2), []
+    for calls, tensors, nbytes in [(1, 46, 2e7), (81, 706, 2e7), (1, 24, 1.5e9), (3, 310, 4.7e9), (225, 310, 4.7e9)]:
+        floor = 1 / rng.uniform(1e9, 8e9)  # seconds per byte at this run's floor
+        time_s = calls * 1e-4 + tensors * 5e-5 + 1.7 * nbytes * floor
+        obs.append(cost.Observation(setup, cost.Work(calls, tensors, int(nbytes)), time_s, 0.0, floor))
+    rel = cost.fit(obs, relative_to_floor=True)["direct/bucketed"]
+    assert rel.per_byte_s * 1e9 == pytest.approx(1.7, rel=1e-3) and rel.per_call_s == pytest.approx(1e-4, rel=1e-2)
+    assert cost.fit(obs)["direct/bucketed"].rel_residual_max > 0.2  # absolute bytes/s: the load shows as misfit
+
+
 def test_fit_keeps_coefficients_non_negative():
     setup = cost.Setup("direct", "bucketed")
     obs = [cost.Observation(setup, cost.Work(calls, tensors, nbytes), t) for calls, tensors, nbytes, t in
@@ -166,6 +179,8 @@ def test_calibrate_quick_end_to_end_then_compare_and_refit(tmp_path):
     plan = json.loads((run_dir / "plan.json").read_text())
     planner.check_plan(plan)
     assert plan["prediction"]["time_s"] > 0 and plan["calibration"]["measured"] is True
+    assert data["floor_gbps"] > 0 and set(data["coefficients_at_floor"]) == set(data["coefficients"])
+    assert plan["prediction"]["at_floor"]["floor_gbps"] == pytest.approx(data["floor_gbps"])
     assert "Calibration written to" in proc.stdout and "Predicted update time:" in proc.stdout
 
     # the comparison table: the calibration's own tiny runs against the plan
@@ -173,6 +188,7 @@ def test_calibrate_quick_end_to_end_then_compare_and_refit(tmp_path):
     text, rows = compare.write([str(run_dir)], out)
     tiny = [r for r in rows if r["model"] == "tiny" and r["strategy"] == "bucketed"]
     assert tiny and tiny[0]["predicted_s"] == pytest.approx(plan["prediction"]["time_s"])
+    assert tiny[0]["at_floor_s"] > 0 and tiny[0]["floor_gbps"] > 0  # at the bench's own floor
     assert tiny[0]["error"] == pytest.approx((tiny[0]["predicted_s"] - tiny[0]["measured_s"]) / tiny[0]["measured_s"])
     assert out.read_text().startswith("Predicted (rlsync.plan)") and "| tiny | direct | bucketed 512 MiB |" in text
     deep = [r for r in rows if r["model"] == "deep"]
@@ -188,3 +204,35 @@ def test_fit_from_a_directory_of_runs(tmp_path):
     proc = run_cli(f"plan.fit_from={tmp_path}", f"plan.calibration={tmp_path / 'c.json'}", f"hydra.run.dir={tmp_path}/r",
                    module="rlsync.plan", timeout=120)
     assert proc.returncode != 0 and "no finished rlsync.bench update runs" in proc.stderr
+
+
+def bench_run(model: str, transport: str, strategy: str, bucket_mb: float, seconds: float, *, largest_bucket: int,
+              peak: int, tensors: int = 310, params: int = 1_720_574_976):
+    from rlsync.report.table import Run
+
+    stats = {"perf/update_weights_time": {"median": seconds, "min": seconds * 0.95, "max": seconds * 1.05},
+             "perf/update_weights_peak_bytes": {"median": peak, "min": peak, "max": peak}}
+    summary = {"kind": "bench", "target": "update", "status": "finished", "model": {"name": model, "params": params,
+               "tensors": tensors}, "metrics": stats, "machine": {"device": "cpu", "cpus": 2},
+               "setup": {"transport": transport, "strategy": strategy, "bucket_mb": bucket_mb, "flat_engine_weights": False,
+                         "buckets": 7 if strategy == "bucketed" else tensors, "largest_bucket_bytes": largest_bucket,
+                         "trainer_dtype": "bfloat16", "engine_dtype": "bfloat16"}}
+    return Run(Path(f"/runs/{transport}_{strategy}"), f"{transport}_{strategy}", [], "finished", None, summary, {}, stats, 5)
+
+
+def test_report_sizes_the_known_pain_and_fits_the_cost_model():
+    from rlsync.report import sizing
+
+    emb = 151936 * 2048 * 2
+    runs = [bench_run("qwen3_1p7b", "ipc", "bucketed", 512, 1.0, largest_bucket=emb, peak=emb),
+            bench_run("qwen3_1p7b", "ipc", "per_tensor", 512, 4.0, largest_bucket=emb, peak=emb),
+            bench_run("qwen3_1p7b", "direct", "bucketed", 1024, 0.8, largest_bucket=2**30 - 1, peak=2**30)]
+    lines = "\n".join(sizing.pain_lines(runs))
+    assert "tensor larger than the bucket: qwen3_1p7b at 512 MiB: its largest bucket is 594 MiB" in lines
+    assert "at 1024 MiB" not in lines.split("staging")[0]  # 1024 MiB holds the embedding
+    assert "staging memory: qwen3_1p7b direct bucketed 1024 MiB: 1.00 GiB" in lines
+    assert "per-tensor overhead share: qwen3_1p7b ipc at 512 MiB: 75.0 %" in lines
+    data = sizing.cost_fit(runs)
+    assert set(data["coefficients"]) == {"ipc/bucketed", "ipc/per_tensor", "direct/bucketed"}
+    assert data["machine"]["fitted_from_runs"] is True
+    assert "ipc/per_tensor" in "\n".join(sizing.fit_lines(data))

@@ -37,7 +37,8 @@ def run_plan(cfg: PlanAppConfig, run_dir) -> dict:
         print("\n".join(calibrate.fit_lines(data)))
         print()
     where, data = profiles.resolve(p.calibration)
-    plan = planner.make_plan(cfg, calibration=data, calibration_where=where, bucket_sizes=list(p.bucket_sizes))
+    plan = planner.make_plan(cfg, calibration=data, calibration_where=where, bucket_sizes=list(p.bucket_sizes),
+                             copy_gbps=p.copy_gbps)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
     print(planner.render(plan))

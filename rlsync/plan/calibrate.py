@@ -95,21 +95,35 @@ def observation(summary: dict, source: str = "") -> Optional[cost.Observation]:
     w = cost.work(setup, tensors=m["tensors"], buckets=s["buckets"], elements=m["params"],
                   trainer_dtype=s["trainer_dtype"], engine_dtype=s["engine_dtype"])
     spread = (t["max"] - t["min"]) / 2 / t["median"] if t.get("max") is not None else 0.0
-    return cost.Observation(setup, w, t["median"], spread, source=source, model=m["name"],
+    return cost.Observation(setup, w, t["median"], spread, floor_s_per_byte(summary), source=source, model=m["name"],
                             extra={"bucket_mb": s.get("bucket_mb"), "trainer_dtype": s["trainer_dtype"],
                                    "engine_dtype": s["engine_dtype"], "device": s.get("device")})
 
 
+def floor_s_per_byte(summary: dict) -> Optional[float]:
+    """The run's copy floor, seconds per byte read + written: its limit time (the median of the floors
+    re-timed beside each repeat) over the bytes one converting copy of the update reads and writes."""
+    s, m = summary["setup"], summary["model"]
+    limit = (summary.get("metrics", {}).get("perf/update_weights_limit_time") or {}).get("median")
+    nbytes = m["params"] * (cost.DTYPE_BYTES[s["trainer_dtype"]] + cost.DTYPE_BYTES[s["engine_dtype"]])
+    return limit / nbytes if limit and nbytes else None
+
+
+AGAIN = "_again"  # a calibration job run again (RETRY_RESIDUAL): its directory is the first's name plus this
+
+
 def observations_under(root: Path) -> list[cost.Observation]:
-    out = []
+    """Every finished update benchmark under `root`; of a calibration job and its rerun, the faster."""
+    found: dict[str, cost.Observation] = {}
     for path in sorted(Path(root).rglob("summary.json")):
         try:
             o = observation(json.loads(path.read_text()), str(path.parent))
         except (ValueError, KeyError, TypeError):
             o = None
-        if o is not None:
-            out.append(o)
-    return out
+        key = str(path.parent).removesuffix(AGAIN)
+        if o is not None and (key not in found or o.time_s < found[key].time_s):
+            found[key] = o
+    return list(found.values())
 
 
 def calibration_file(observations: list[cost.Observation], *, device: str, seconds: Optional[float] = None) -> dict:
@@ -118,18 +132,24 @@ def calibration_file(observations: list[cost.Observation], *, device: str, secon
         raise ValueError("no finished rlsync.bench update runs to fit (kind bench, target update, "
                          "strategy bucketed or per_tensor)")
     coef = cost.fit(observations)
+    coef_floor = cost.fit(observations, relative_to_floor=True)
+    floors = [o.floor_s_per_byte for o in observations if o.floor_s_per_byte]
     dtypes = {(o.extra.get("trainer_dtype"), o.extra.get("engine_dtype")) for o in observations}
     rows = []
     for o in observations:
         fitted = coef[o.setup.key].predict(o.work, o.setup)
         rows.append({"setup": o.setup.key, "model": o.model, "bucket_mb": o.extra.get("bucket_mb"), "calls": o.work.calls,
                      "tensors": o.work.tensors, "bytes": o.work.bytes, "time_s": o.time_s, "spread": o.spread,
-                     "fitted_s": fitted, "rel_error": (o.time_s - fitted) / fitted if fitted else None, "source": o.source})
+                     "fitted_s": fitted, "floor_gbps": 1e-9 / o.floor_s_per_byte if o.floor_s_per_byte else None, "rel_error": (o.time_s - fitted) / fitted if fitted else None, "source": o.source})
     trainer, engine = next(iter(dtypes)) if len(dtypes) == 1 else ("mixed", "mixed")
     return {"kind": profiles.KIND, "version": profiles.VERSION, "measured": True, "machine": profiles.machine_now(device),
             "dtypes": {"trainer": trainer, "engine": engine}, "seconds": seconds,
             "model": "time = calls x per_call_s + tensors x per_tensor_s + moved bytes x per_byte_s (rlsync/plan/cost.py)",
-            "coefficients": {k: c.as_dict() for k, c in coef.items()}, "observations": rows}
+            "coefficients": {k: c.as_dict() for k, c in coef.items()},
+            # the same model with bytes in units of each run's copy floor: per_byte_s x 1e9 = multiple of the floor
+            "coefficients_at_floor": {k: c.as_dict() for k, c in coef_floor.items()},
+            "floor_gbps": 1e-9 / statistics.median(floors) if floors else None,  # the runs' median copy floor
+            "observations": rows}
 
 
 RETRY_RESIDUAL = 0.3  # a job this far off the fit of the others is run again once: the faster of the two counts
@@ -157,7 +177,7 @@ def calibrate(cfg, out_dir: Path, *, log=print) -> dict:
         fitted = coef[o.setup.key].predict(o.work, o.setup)
         if fitted > 0 and abs(o.time_s - fitted) / fitted > RETRY_RESIDUAL:
             again = run_job(cfg, runs, i, jobs[i], log=log, label=f"again ({(o.time_s - fitted) / fitted:+.0%} off the fit)",
-                            suffix="_again")
+                            suffix=AGAIN)
             if again and again.time_s < o.time_s:
                 observations[i] = again
     device = str(resolve_device(cfg.run.device))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from rlsync.fmt import fmt_seconds, markdown_table
+from rlsync.plan.calibrate import floor_s_per_byte
 from rlsync.plan.planner import check_plan
 
 TOLERANCE = 0.25  # the goal: predicted within 25 % of the measured median
@@ -74,6 +75,10 @@ def compare(plans: list[dict], benches: list[dict], tolerance: float = TOLERANCE
         t = b["metrics"]["perf/update_weights_time"]
         s = b["setup"]
         err = (pred["time_s"] - t["median"]) / t["median"] if pred else None
+        floor = floor_s_per_byte(b)
+        f = pred.get("at_floor") if pred else None
+        at_floor = f["overhead_s"] + f["floor_multiple"] * pred["moved_bytes"] * floor if f and floor else None
+        floor_err = (at_floor - t["median"]) / t["median"] if at_floor else None
         rows.append({"model": b["model"]["name"], "transport": s["transport"] + (" flat" if s.get("flat_engine_weights") else ""),
                      "strategy": s["strategy"], "bucket_mb": s["bucket_mb"] if s["strategy"] == "bucketed" else None,
                      "calls": pred["calls"] if pred else None, "tensors": b["model"]["tensors"],
@@ -81,6 +86,8 @@ def compare(plans: list[dict], benches: list[dict], tolerance: float = TOLERANCE
                      "high_s": pred["high_s"] if pred else None, "measured_s": t["median"], "min_s": t["min"],
                      "max_s": t["max"], "error": err, "within": err is not None and abs(err) <= tolerance,
                      "in_range": pred is not None and pred["low_s"] <= t["median"] <= pred["high_s"],
+                     "at_floor_s": at_floor, "floor_gbps": 1e-9 / floor if floor else None, "floor_error": floor_err,
+                     "floor_within": floor_err is not None and abs(floor_err) <= tolerance,
                      "measured": pred.get("measured") if pred else None, "bench": b["_path"],
                      "plan": plan["_path"] if plan else None})
     return sorted(rows, key=lambda r: (r["tensors"], r["model"], r["transport"], r["strategy"]))
@@ -88,14 +95,16 @@ def compare(plans: list[dict], benches: list[dict], tolerance: float = TOLERANCE
 
 def table(rows: list[dict], tolerance: float = TOLERANCE) -> str:
     head = ["model", "transport", "strategy", "calls", "predicted (range)", "measured median (min to max)", "error",
-            f"within {tolerance:.0%}"]
+            f"within {tolerance:.0%}", "at the bench's copy floor", "error"]
     body = [[r["model"], r["transport"], r["strategy"] + (f" {r['bucket_mb']:g} MiB" if r["bucket_mb"] else ""),
              r["calls"] if r["calls"] is not None else "-",
              (f"{fmt_seconds(r['predicted_s'])} ({fmt_seconds(r['low_s'])} to {fmt_seconds(r['high_s'])})"
               + ("" if r["measured"] is not False else " unmeasured")) if r["predicted_s"] is not None else "no plan",
              f"{fmt_seconds(r['measured_s'])} ({fmt_seconds(r['min_s'])} to {fmt_seconds(r['max_s'])})",
              f"{r['error'] * 100:+.1f} %" if r["error"] is not None else "-",
-             ("yes" if r["within"] else "NO") if r["error"] is not None else "-"] for r in rows]
+             ("yes" if r["within"] else "NO") if r["error"] is not None else "-",
+             f"{fmt_seconds(r['at_floor_s'])} ({r['floor_gbps']:.1f} GB/s)" if r.get("at_floor_s") else "-",
+             f"{r['floor_error'] * 100:+.1f} %" if r.get("floor_error") is not None else "-"] for r in rows]
     return markdown_table(head, body)
 
 
@@ -111,7 +120,13 @@ def write(paths: list[str], out: Optional[Path], tolerance: float = TOLERANCE) -
         "", *(f"Calibration: {c}" for c in sorted(cal)), "",
         table(rows, tolerance), "",
         f"{sum(r['within'] for r in scored)} of {len(scored)} predictions within {tolerance:.0%} of the measured median"
-        + (f"; {len(rows) - len(scored)} runs without a matching plan" if len(scored) < len(rows) else "") + "."])
+        + (f"; {len(rows) - len(scored)} runs without a matching plan" if len(scored) < len(rows) else "") + "; at "
+        f"each bench's own copy floor {sum(r['floor_within'] for r in scored)} of "
+        f"{sum(r['floor_error'] is not None for r in scored)}.", "",
+        "predicted: the plan's time, from the calibration's absolute bandwidth (its range: the fit's worst residual or "
+        "the repeats' spread). At the bench's copy floor: the same model fitted with bytes in units of each run's copy "
+        "floor (rlsync.limits, re-timed beside every repeat), evaluated at the floor the benchmark measured: what the "
+        "plan predicts once the machine's floor at that moment is known (plan.copy_gbps)."])
     if out:
         Path(out).write_text(text + "\n")
         Path(out).with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")

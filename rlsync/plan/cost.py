@@ -130,6 +130,7 @@ class Observation:
     work: Work
     time_s: float  # median over the timed repeats
     spread: float = 0.0  # (max - min) / 2 / median
+    floor_s_per_byte: Optional[float] = None  # the run's own copy floor: seconds per byte read + written (rlsync.limits)
     source: str = ""  # where it came from (a run dir)
     model: str = ""
     extra: dict = field(default_factory=dict)
@@ -148,11 +149,24 @@ def nnls(a: list[list[float]], b: list[float]) -> list[float]:
     return list(x / scale)
 
 
-def fit(observations: Iterable[Observation]) -> dict[str, Coefficients]:
+def at_floor(o: Observation) -> Observation:
+    """`o` with its bytes counted in units of its run's copy floor (seconds at the floor x 1e9), so that
+    the fitted per-byte coefficient is a multiple of the floor: time at the floor per byte x 1e-9."""
+    w = Work(o.work.calls, o.work.tensors, int(o.work.bytes * o.floor_s_per_byte * 1e9))
+    return Observation(o.setup, w, o.time_s, o.spread, o.floor_s_per_byte, o.source, o.model, o.extra)
+
+
+def fit(observations: Iterable[Observation], *, relative_to_floor: bool = False) -> dict[str, Coefficients]:
     """Coefficients per setup from benchmark runs: NNLS of time on (calls, tensors, bytes), each row
-    weighted by 1 / its time (relative error)."""
+    weighted by 1 / its time (relative error). `relative_to_floor`: bytes in units of each run's own
+    copy floor (runs without one left out), so per_byte_s * 1e9 is the update's cost per byte as a
+    multiple of the floor's: on a shared machine the floor moves with the load, and the update with it."""
     by_setup: dict[Setup, list[Observation]] = {}
     for o in observations:
+        if relative_to_floor:
+            if not o.floor_s_per_byte:
+                continue
+            o = at_floor(o)
         if o.time_s > 0:
             by_setup.setdefault(o.setup, []).append(o)
     out = {}

@@ -40,9 +40,11 @@ def setup_of(cfg: Config, strategy: Optional[str] = None, transport: Optional[st
 class Planner:
     """One model's tensors and a calibration's coefficients; plans and predicts per bucket size and setup."""
 
-    def __init__(self, cfg: Config, calibration: Optional[dict]):
+    def __init__(self, cfg: Config, calibration: Optional[dict], *, copy_gbps: Optional[float] = None):
         self.cfg, self.calibration = cfg, calibration
         self.coefficients = profiles.coefficients(calibration)
+        self.at_floor = profiles.coefficients(calibration, "coefficients_at_floor")
+        self.floor_gbps = copy_gbps or (calibration or {}).get("floor_gbps")  # the floor the second prediction is at
         self.shapes = param_shapes(cfg.model)
         self.dtype = torch_dtype(cfg.rollout.dtype)
         self.metas = [TensorMeta(n, tuple(s), self.dtype) for n, s in self.shapes]
@@ -67,7 +69,20 @@ class Planner:
         w = cost.work(setup, tensors=len(self.metas), buckets=buckets, elements=self.elements,
                       trainer_dtype=self.cfg.trainer.dtype, engine_dtype=self.cfg.rollout.dtype)
         return {**cost.predict(coef, w, setup), "calls": w.calls, "tensors": w.tensors, "moved_bytes": w.bytes,
-                "measured": self.measured}
+                "measured": self.measured, "at_floor": self.predict_at_floor(setup, w)}
+
+    def predict_at_floor(self, setup: cost.Setup, w: cost.Work) -> Optional[dict]:
+        """The model fitted with bytes in units of the copy floor: time at a given floor (GB/s read + written)
+        is overhead_s + floor_multiple x moved bytes / floor. rlsync.plan.compare puts in each bench's own floor."""
+        coef = self.at_floor.get(setup.key)
+        if coef is None or not self.floor_gbps:
+            return None
+        overhead = w.calls * coef.per_call_s + (w.tensors * coef.per_tensor_s if setup.strategy != "per_tensor" else 0)
+        multiple = coef.per_byte_s * 1e9
+        t = overhead + multiple * w.bytes / (self.floor_gbps * 1e9)
+        e = coef.rel_error
+        return {"overhead_s": overhead, "floor_multiple": multiple, "floor_gbps": self.floor_gbps, "time_s": t,
+                "low_s": t * max(0.0, 1 - e), "high_s": t * (1 + e), "rel_error": e}
 
     def predictions(self, bucket_sizes: list[float]) -> list[dict]:
         """Every calibrated setup of the configured flat_engine_weights at every bucket size (per_tensor once)."""
@@ -93,10 +108,10 @@ class Planner:
 
 
 def make_plan(cfg: Config, *, calibration: Optional[dict], calibration_where: str, bucket_sizes: list[float],
-              cuda: Optional[bool] = None) -> dict:
+              cuda: Optional[bool] = None, copy_gbps: Optional[float] = None) -> dict:
     """plan.json: the tensors, the buckets per bucket size, memory, the predicted time and the flags."""
     u = cfg.update
-    p = Planner(cfg, calibration)
+    p = Planner(cfg, calibration, copy_gbps=copy_gbps)
     if cuda is None:
         cuda = bool((calibration or {}).get("machine", {}).get("cuda", False))
     sizes = sorted(set([*bucket_sizes, u.bucket_mb]))
@@ -124,7 +139,8 @@ def make_plan(cfg: Config, *, calibration: Optional[dict], calibration_where: st
                   "largest_tensor": {"name": p.largest.name, "shape": list(p.largest.shape), "bytes": p.largest.nbytes}},
         "setup": {"transport": u.transport, "strategy": u.strategy, "flat_engine_weights": u.flat_engine_weights,
                   "bucket_mb": u.bucket_mb, "inflight_buckets": u.inflight_buckets, "trainer_dtype": cfg.trainer.dtype,
-                  "engine_dtype": cfg.rollout.dtype, "source": u.source, "cuda": cuda},
+                  "engine_dtype": cfg.rollout.dtype, "source": u.source, "cuda": cuda,
+                  "copy_gbps": copy_gbps},
         "calibration": {"where": calibration_where, "measured": p.measured if calibration else None,
                         "machine": (calibration or {}).get("machine"), "dtypes": (calibration or {}).get("dtypes"),
                         "describe": profiles.describe(calibration_where, calibration)},
@@ -197,6 +213,12 @@ def render(plan: dict) -> str:
                      f"{fmt_seconds(pred['terms']['calls_s'])} + {pred['tensors']} tensors "
                      f"{fmt_seconds(pred['terms']['tensors_s'])} + {fmt_bytes(pred['moved_bytes'])} moved "
                      f"{fmt_seconds(pred['terms']['bytes_s'])}")
+        f = pred.get("at_floor")
+        if f:
+            whose = "plan.copy_gbps" if plan["setup"].get("copy_gbps") else "the calibration runs' median"
+            lines.append(f"  at a copy floor of {f['floor_gbps']:.2f} GB/s ({whose}): "
+                         f"{fmt_seconds(f['time_s'])} ({fmt_seconds(f['low_s'])} to {fmt_seconds(f['high_s'])}) = "
+                         f"{fmt_seconds(f['overhead_s'])} per call and tensor + {f['floor_multiple']:.2f}x the floor's time for the moved bytes")
     else:
         lines.append("Predicted update time: n/a (no coefficients for "
                      f"{setup_of_plan(plan)} in the calibration)")

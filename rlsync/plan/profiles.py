@@ -99,8 +99,9 @@ def save(data: dict, value: Optional[str]) -> Path:
     return path
 
 
-def coefficients(data: Optional[dict]) -> dict[str, Coefficients]:
-    return {k: Coefficients.from_dict(v) for k, v in (data or {}).get("coefficients", {}).items()}
+def coefficients(data: Optional[dict], which: str = "coefficients") -> dict[str, Coefficients]:
+    """`coefficients` (absolute bytes/s) or `coefficients_at_floor` (bytes in units of the copy floor)."""
+    return {k: Coefficients.from_dict(v) for k, v in (data or {}).get(which, {}).items()}
 
 
 def describe(where: str, data: Optional[dict]) -> str:
