@@ -54,8 +54,12 @@ def fitted_machine(data: dict) -> dict:
     first = next((o["source"] for o in data["observations"] if o.get("source")), None)
     if not first:
         return {}
-    m = _json.loads((Path(first) / "summary.json").read_text()).get("machine", {})
-    return {"device": m.get("device"), "cpus": m.get("cpus"), "torch": m.get("torch"), "platform": m.get("platform"),
+    summary = Path(first) / "summary.json"
+    m = _json.loads(summary.read_text()).get("machine", {})
+    import datetime as _dt
+
+    date = _dt.datetime.fromtimestamp(summary.stat().st_mtime, _dt.timezone.utc).isoformat(timespec="seconds")
+    return {"date": date, "load_average": None, "device": m.get("device"), "cpus": m.get("cpus"), "torch": m.get("torch"), "platform": m.get("platform"),
             "cuda": str(m.get("device", "")).startswith("cuda"), "gpu": m.get("gpu"), "fitted_from_runs": True}
 
 

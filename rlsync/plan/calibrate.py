@@ -211,8 +211,15 @@ def fit_lines(data: dict) -> list[str]:
         out.append(f"  {key:22s} per call {c['per_call_s'] * 1e6:9.2f} us, per tensor {c['per_tensor_s'] * 1e6:8.2f} us, "
                    f"{'%.2f GB/s' % bw if bw else 'bytes unresolved':>12s}; {c.get('points', 0)} runs, residual max "
                    f"{c.get('rel_residual_max', 0) * 100:.1f} % rms {c.get('rel_residual_rms', 0) * 100:.1f} %, "
-                   f"repeat spread {c.get('repeat_spread', 0) * 100:.1f} %")
+                   f"repeat spread {c.get('repeat_spread', 0) * 100:.1f} %"
+                   + (" (UNDERDETERMINED: no more runs than coefficients, so the residual says nothing; "
+                      "calibrate with plan.calibrate=true)" if c.get("points", 0) <= coefficient_count(key) else ""))
     return out
+
+
+def coefficient_count(key: str) -> int:
+    """Free coefficients of a setup: per_tensor folds its tensor term into its calls."""
+    return 2 if cost.Setup.from_key(key).strategy == "per_tensor" else 3
 
 
 def median_or_none(xs: list[float]) -> Optional[float]:
