@@ -86,7 +86,7 @@ def write_report(paths: Iterable[str | Path], out_dir: Optional[str | Path] = No
         write_csv(target, result.rows)
     except OSError as err:
         raise WriteFailed(Path(err.filename) if err.filename else target, err) from err
-    result.files = [out / "report.md", out / "report.csv", *plots]
+    result.files = [out / "report.md", out / "report.csv", *plots] + ([out / "calibration.json"] if result.calibration else [])
 
     if log_wandb and runs:
         from rlsync.report import wandb_report  # wandb only when a run logs to it

@@ -26,12 +26,12 @@ def write_markdown(path: Path, result: ReportResult, plots: list[Path], sources:
     out += ["## Verdicts", ""]
     common = common_overrides(result.rows)
     out += [f"- **{run_label(row, common)}**: {row['verdict']}" for row in result.rows]
+    out += ["", "## Sizing the known pain", ""]
+    out += sizing.pain_lines(result.runs)
+    out += ["", "## Cost model (the planner's coefficients, fitted to these runs)", ""]
+    out += sizing.fit_lines(result.calibration)
     out += ["", "## Update time against bytes", ""]
     out += [*fit_lines(result.fits), ""]
-    out += ["## Sizing the known pain", ""]
-    out += [*sizing.pain_lines(result.runs), ""]
-    out += ["## Cost model (the planner's coefficients, fitted to these runs)", ""]
-    out += [*sizing.fit_lines(result.calibration), ""]
     out += ["## Plots", ""]
     out += [f"![{p.stem.replace('_', ' ')}]({p.name})" for p in plots]
     out += [f"- {note}" for note in result.notes]

@@ -19,9 +19,14 @@ from rlsync.fmt import MIB, fmt_bytes, fmt_seconds, fmt_share
 from rlsync.report.table import Run
 
 
+SETUP_KEYS = ("transport", "strategy", "bucket_mb")  # what a summary must say for its run to be sized
+
+
 def update_benches(runs: list[Run]) -> list[Run]:
+    """The update benchmarks whose summary says what this section needs (older or partial records are left out)."""
     return [r for r in runs if r.summary.get("kind") == "bench" and r.summary.get("target") == "update"
-            and r.stat("perf/update_weights_time")]
+            and r.stat("perf/update_weights_time") and all(k in r.summary.get("setup", {}) for k in SETUP_KEYS)
+            and "name" in r.summary.get("model", {})]
 
 
 def pain_lines(runs: list[Run]) -> list[str]:
@@ -71,7 +76,13 @@ def cost_fit(runs: list[Run]) -> Optional[dict]:
     """The planner's calibration fitted to these runs, or None where none is an update benchmark."""
     from rlsync.plan.calibrate import calibration_file, observation
 
-    observations = [o for o in (observation(r.summary, str(r.path)) for r in runs) if o is not None]
+    def observed(run: Run):
+        try:
+            return observation(run.summary, str(run.path))
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):  # a summary without the counts the fit needs
+            return None
+
+    observations = [o for o in map(observed, runs) if o is not None]
     if not observations:
         return None
     data = calibration_file(observations, device=str(runs[0].summary.get("machine", {}).get("device", "?")))
