@@ -51,9 +51,16 @@ class Planner:
         self.elements = sum(m.numel for m in self.metas)
         self.largest = max(self.metas, key=lambda m: m.numel)
         self.measured = bool(calibration) and calibration.get("measured", True)
+        self._plans: dict[float, list] = {}
+
+    def plan(self, bucket_mb: float) -> list:
+        """The bucket plan at `bucket_mb`, once per size (a 235B MoE has ~37k tensors)."""
+        if bucket_mb not in self._plans:
+            self._plans[bucket_mb] = plan_buckets(self.metas, int(bucket_mb * MIB))
+        return self._plans[bucket_mb]
 
     def buckets(self, bucket_mb: float) -> dict:
-        plan = plan_buckets(self.metas, int(bucket_mb * MIB))
+        plan = self.plan(bucket_mb)
         cap = int(bucket_mb * MIB)
         over = [m for m in self.metas if m.nbytes > cap]
         cfg = with_update(self.cfg, bucket_mb=bucket_mb, strategy="bucketed")
@@ -93,7 +100,7 @@ class Planner:
                 continue
             sizes = bucket_sizes if setup.strategy == "bucketed" else [None]
             for mb in sizes:
-                n = len(plan_buckets(self.metas, int(mb * MIB))) if mb else len(self.metas)
+                n = len(self.plan(mb)) if mb else len(self.metas)
                 p = self.predict(setup, n)
                 rows.append({"transport": setup.transport, "strategy": setup.strategy, "flat": setup.flat,
                              "bucket_mb": mb, **p})
