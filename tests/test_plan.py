@@ -236,3 +236,12 @@ def test_report_sizes_the_known_pain_and_fits_the_cost_model():
     assert set(data["coefficients"]) == {"ipc/bucketed", "ipc/per_tensor", "direct/bucketed"}
     assert data["machine"]["fitted_from_runs"] is True
     assert "ipc/per_tensor" in "\n".join(sizing.fit_lines(data))
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["plan.calibrate=true", "plan.fit_from=/tmp"], "plan.fit_from=/tmp: not allowed with plan.calibrate=true"),
+    (["plan.bucket_sizes=[0]"], "plan.bucket_sizes=[0.0]: not allowed"),
+])
+def test_plan_config_rules(tmp_path, overrides, says):
+    proc = run_cli(*overrides, f"hydra.run.dir={tmp_path}", module="rlsync.plan", timeout=120)
+    assert proc.returncode == 2 and says in proc.stderr
