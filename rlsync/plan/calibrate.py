@@ -126,6 +126,14 @@ def observations_under(root: Path) -> list[cost.Observation]:
     return list(found.values())
 
 
+def at_floor_dict(c: cost.Coefficients) -> dict:
+    """An at-floor fit's coefficients: its per-byte term is a multiple of the floor's time, not a bandwidth."""
+    d = c.as_dict()
+    d.pop("bandwidth_gbps", None)
+    d["floor_multiple"] = c.per_byte_s * 1e9
+    return d
+
+
 def calibration_file(observations: list[cost.Observation], *, device: str, seconds: Optional[float] = None) -> dict:
     """The calibration: coefficients per setup, the machine, and the runs behind them."""
     if not observations:
@@ -147,7 +155,7 @@ def calibration_file(observations: list[cost.Observation], *, device: str, secon
             "model": "time = calls x per_call_s + tensors x per_tensor_s + moved bytes x per_byte_s (rlsync/plan/cost.py)",
             "coefficients": {k: c.as_dict() for k, c in coef.items()},
             # the same model with bytes in units of each run's copy floor: per_byte_s x 1e9 = multiple of the floor
-            "coefficients_at_floor": {k: c.as_dict() for k, c in coef_floor.items()},
+            "coefficients_at_floor": {k: at_floor_dict(c) for k, c in coef_floor.items()},
             "floor_gbps": 1e-9 / statistics.median(floors) if floors else None,  # the runs' median copy floor
             "observations": rows}
 
