@@ -281,7 +281,44 @@ class BenchAppConfig(Config):
     bench: BenchConfig = field(default_factory=BenchConfig)  # the benchmark (python -m rlsync.bench): what is timed, how often
 
 
-SCHEMAS = {"rlsync_schema": Config, "rlsync_bench_schema": BenchAppConfig, "rlsync_engine_schema": EngineAppConfig}
+def bucket_sizes_ok(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(number(x) and 0 < x <= MEBIBYTES_MAX for x in v)
+
+
+def transports_ok(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(t in ("direct", "ipc", "broadcast") for t in v)
+
+
+MEBIBYTES_MAX = 2**20  # a bucket of up to 1 TiB: the plan of any model's largest tensor
+
+
+@dataclass
+class PlanConfig:
+    calibration: Optional[str] = key(None, OPTIONAL_NAME)  # coefficients: a calibration file, or a built-in GPU profile (h200, h100, a100: published figures, unmeasured); null: ~/.cache/rlsync/calibration.json
+    calibrate: bool = key(False, ANY)  # first fit the coefficients on this machine from short rlsync.bench runs (a few minutes), write them to plan.calibration
+    fit_from: Optional[str] = key(None, OPTIONAL_NAME)  # first fit the coefficients from the bench runs (summary.json) under this directory, write them to plan.calibration
+    bucket_sizes: list[float] = key([16.0, 64.0, 256.0, 512.0, 1024.0, 2048.0], Rule(bucket_sizes_ok, f"a non-empty list of MiB, each above 0 and at most {MEBIBYTES_MAX}"))  # bucket sizes (MiB) the plan tabulates, beside update.bucket_mb
+    copy_gbps: Optional[float] = key(None, or_null(above(0, "GB/s")))  # the copy floor (GB/s read + written, a bench's limits.update_copy_gbps) the at-floor prediction is at; null: the calibration runs' median
+    calibrate_repeats: int = key(3, COUNT)  # calibration: timed repeats per benchmark job (after one warm-up)
+    calibrate_quick: bool = key(False, ANY)  # calibration: the two smallest models only (seconds; tests, smoke runs)
+    calibrate_flat: bool = key(True, ANY)  # calibration: also the flat-engine-weights setups (update.flat_engine_weights=true, the auto default with the HF engine)
+    calibrate_transports: list[str] = key(["direct", "ipc"], Rule(transports_ok, "a non-empty list of direct, ipc"))  # calibration: the transports benchmarked
+
+    def check(self, root: "PlanAppConfig") -> None:
+        if self.calibrate and self.fit_from:
+            raise ConfigError("plan.fit_from", self.fit_from, "null with plan.calibrate=true (one source of coefficients)",
+                              "not allowed with plan.calibrate=true")
+
+
+@dataclass
+class PlanAppConfig(Config):
+    """`python -m rlsync.plan`: the runner's tree (model, update, rollout and trainer dtypes) plus `plan.*`."""
+
+    plan: PlanConfig = field(default_factory=PlanConfig)  # the planner (python -m rlsync.plan): calibration, bucket sizes
+
+
+SCHEMAS = {"rlsync_schema": Config, "rlsync_bench_schema": BenchAppConfig, "rlsync_engine_schema": EngineAppConfig,
+           "rlsync_plan_schema": PlanAppConfig}
 HELP_KEY_WIDTH = 40  # `--help`: the column the comments start in
 
 

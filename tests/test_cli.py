@@ -104,7 +104,7 @@ def test_every_schema_key_has_its_one_line_comment():
 
 
 @pytest.mark.parametrize("module, schema", [("rlsync", "rlsync_schema"), ("rlsync.bench", "rlsync_bench_schema"),
-                                            ("rlsync.engine", "rlsync_engine_schema")])
+                                            ("rlsync.engine", "rlsync_engine_schema"), ("rlsync.plan", "rlsync_plan_schema")])
 def test_help_lists_every_key_with_its_value_and_comment(module, schema):
     proc = run_cli("update.bucket_mb=64", "--help", module=module, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

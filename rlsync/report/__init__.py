@@ -13,7 +13,8 @@ a job with neither is listed under "Failed runs" with the error line of its log.
 Written next to the runs (the sweep directory, or the first PATH, or --out):
 report.md (the best setting per model and whether it beats the runner-up beyond the noise, the
 table with each run's spread, verdicts, a fit per transport where it means something, plots,
-failures), report.csv (the table's raw numbers) and the PNG plots of `report.plots`. Exit status:
+failures), report.csv (the table's raw numbers), calibration.json (the planner's cost model fitted to the update
+benchmarks, rlsync/report/sizing.py) and the PNG plots of `report.plots`. Exit status:
 0 when at least one run was reported, 1 when none was, 3 when `--wandb-report` could not publish
 (the local report is written anyway).
 """
@@ -21,11 +22,13 @@ failures), report.csv (the table's raw numbers) and the PNG plots of `report.plo
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from rlsync.errors import WriteFailed
+from rlsync.report import sizing
 from rlsync.report.plots import write_plots
 from rlsync.report.markdown import write_csv, write_markdown
 from rlsync.report.table import (Failure, ReportResult, Run, best_settings, collect, fit_by_setup, fit_lines, job_label,
@@ -73,13 +76,17 @@ def write_report(paths: Iterable[str | Path], out_dir: Optional[str | Path] = No
         out.mkdir(parents=True, exist_ok=True)
         plots, plot_notes = write_plots(result.rows, result.fits, out)
         result.notes += plot_notes
+        result.calibration = sizing.cost_fit(result.runs)
+        if result.calibration is not None:  # the planner's coefficients, fitted to these runs
+            target = out / "calibration.json"
+            target.write_text(json.dumps(result.calibration, indent=2) + "\n")
         target = out / "report.md"
         write_markdown(target, result, plots, paths)
         target = out / "report.csv"
         write_csv(target, result.rows)
     except OSError as err:
         raise WriteFailed(Path(err.filename) if err.filename else target, err) from err
-    result.files = [out / "report.md", out / "report.csv", *plots]
+    result.files = [out / "report.md", out / "report.csv", *plots] + ([out / "calibration.json"] if result.calibration else [])
 
     if log_wandb and runs:
         from rlsync.report import wandb_report  # wandb only when a run logs to it

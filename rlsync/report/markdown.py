@@ -7,6 +7,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from rlsync.report import sizing
 from rlsync.report.table import (TABLE_NOTE, ReportResult, best_settings, common_overrides, csv_fields, fit_lines,
                                  machine_line, phase_table, run_label)
 
@@ -25,6 +26,10 @@ def write_markdown(path: Path, result: ReportResult, plots: list[Path], sources:
     out += ["## Verdicts", ""]
     common = common_overrides(result.rows)
     out += [f"- **{run_label(row, common)}**: {row['verdict']}" for row in result.rows]
+    out += ["", "## Sizing the known pain", ""]
+    out += sizing.pain_lines(result.runs)
+    out += ["", "## Cost model (the planner's coefficients, fitted to these runs)", ""]
+    out += sizing.fit_lines(result.calibration)
     out += ["", "## Update time against bytes", ""]
     out += [*fit_lines(result.fits), ""]
     out += ["## Plots", ""]

@@ -141,6 +141,7 @@ class ReportResult:
     fits: list[FitGroup] = field(default_factory=list)  # one per transport (strategy, engine) of the runs
     wandb_line: Optional[str] = None  # one line on what happened with W&B logging
     markdown_table: str = ""
+    calibration: Optional[dict] = None  # the planner's coefficients fitted to the update benchmarks (report.sizing)
 
     @property
     def ok(self) -> bool:

@@ -1,0 +1,79 @@
+"""`python -m rlsync.plan` (`rlsync-plan`): the update's plan and predicted time; with
+`plan.calibrate=true` (or `plan.fit_from=DIR`) the coefficients are fitted first and written to
+`plan.calibration`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from rlsync.config import CONFIG_PATH, PlanAppConfig, register_configs
+from rlsync.errors import cli, job_errors
+from rlsync.launcher import hydra_job
+from rlsync.validate import checked_config
+
+register_configs()
+
+
+def run_plan(cfg: PlanAppConfig, run_dir) -> dict:
+    from rlsync.plan import calibrate, planner, profiles
+
+    p = cfg.plan
+    if p.calibrate or p.fit_from:
+        if p.calibrate:
+            data = calibrate.calibrate(cfg, run_dir, log=lambda line: print(line, flush=True))
+        else:
+            from pathlib import Path
+
+            data = calibrate.calibration_file(calibrate.observations_under(Path(p.fit_from)), device="from runs")
+            data["machine"] = {**data["machine"], **fitted_machine(data)}
+        where = profiles.save(data, p.calibration)
+        (run_dir / "calibration.json").write_text(json.dumps(data, indent=2) + "\n")
+        print(f"Calibration written to {where} ({len(data['observations'])} runs):")
+        print("\n".join(calibrate.fit_lines(data)))
+        print()
+    where, data = profiles.resolve(p.calibration)
+    plan = planner.make_plan(cfg, calibration=data, calibration_where=where, bucket_sizes=list(p.bucket_sizes),
+                             copy_gbps=p.copy_gbps)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
+    print(planner.render(plan))
+    print(f"\nplan.json: {run_dir / 'plan.json'}")
+    return plan
+
+
+def fitted_machine(data: dict) -> dict:
+    """plan.fit_from: the runs' machine as their summaries say (the first run's), not this one's."""
+    import json as _json
+    from pathlib import Path
+
+    first = next((o["source"] for o in data["observations"] if o.get("source")), None)
+    if not first:
+        return {}
+    summary = Path(first) / "summary.json"
+    m = _json.loads(summary.read_text()).get("machine", {})
+    import datetime as _dt
+
+    date = _dt.datetime.fromtimestamp(summary.stat().st_mtime, _dt.timezone.utc).isoformat(timespec="seconds")
+    return {"date": date, "load_average": None, "device": m.get("device"), "cpus": m.get("cpus"), "torch": m.get("torch"), "platform": m.get("platform"),
+            "cuda": str(m.get("device", "")).startswith("cuda"), "gpu": m.get("gpu"), "fitted_from_runs": True}
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="plan")
+def hydra_main(dcfg: DictConfig) -> None:
+    run_dir, _sweep_dir, _name = hydra_job(HydraConfig.get())
+    with job_errors(run_dir):
+        cfg = checked_config(dcfg, PlanAppConfig)
+        run_plan(cfg, run_dir)
+
+
+def main() -> None:
+    cli(hydra_main)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""The planner (rlsync.plan): the cost model's fit, plan.json, its flags, calibration end to end, the
+comparison with benchmark runs. All fast but `test_calibrate_quick_end_to_end` (about 30 s)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlsync.plan import compare, cost, planner, profiles
+from rlsync.plan.calibrate import calibration_file, observations_under
+
+from conftest import ROOT, cli_env, run_cli
+
+KNOWN = {  # setup key -> (per_call_s, per_tensor_s, per_byte_s)
+    "direct/bucketed": (60e-6, 40e-6, 1 / 6e9),
+    "ipc/bucketed": (700e-6, 40e-6, 1 / 5e9),
+    "direct/per_tensor": (25e-6, 0.0, 1 / 5.5e9),
+    "ipc/per_tensor": (500e-6, 0.0, 1 / 3.5e9),
+}
+
+
+def synthetic(noise: float = 0.0, seed: int = 0) -> list[cost.Observation]:
+    """Runs a machine with the KNOWN coefficients would give: spread in calls, tensors and bytes."""
+    rng = random.Random(seed)
+    out = []
+    for key, (c, t, b) in KNOWN.items():
+        setup = cost.Setup.from_key(key)
+        for tensors, elements in [(46, 2.5e6), (706, 4.6e6), (24, 2.2e8), (310, 6e8), (1200, 1e7)]:
+            for buckets in ([1, max(1, tensors // 8), tensors] if setup.strategy == "bucketed" else [tensors]):
+                w = cost.work(setup, tensors=tensors, buckets=buckets, elements=int(elements),
+                              trainer_dtype="bfloat16", engine_dtype="bfloat16")
+                time_s = (w.calls * c + (w.tensors * t if setup.strategy == "bucketed" else 0) + w.bytes * b)
+                out.append(cost.Observation(setup, w, time_s * (1 + rng.uniform(-noise, noise)), 0.01))
+    return out
+
+
+def test_fit_recovers_known_coefficients():
+    fitted = cost.fit(synthetic())
+    assert set(fitted) == set(KNOWN)
+    for key, expected in KNOWN.items():
+        got = fitted[key]
+        for name, want in zip(cost.TERMS, expected):
+            assert getattr(got, name) == pytest.approx(want, rel=1e-6, abs=1e-12), (key, name)
+        assert got.rel_residual_max < 1e-6
+
+
+def test_fit_with_noise_stays_close_and_says_how_close():
+    fitted = cost.fit(synthetic(noise=0.05, seed=1))
+    for key, (c, _t, b) in KNOWN.items():
+        assert fitted[key].per_call_s == pytest.approx(c, rel=0.2)
+        assert fitted[key].per_byte_s == pytest.approx(b, rel=0.1)
+        assert 0 < fitted[key].rel_residual_max < 0.12  # the prediction's range comes from this
+
+
+def test_fit_relative_to_the_copy_floor_recovers_the_multiple_whatever_the_load():
+    """A machine whose copy floor moves with the load (1 to 8 GB/s here): the update costs 1.7x the
+    floor's time per moved byte plus its calls; the fit in floor units finds 1.7 where bytes/s cannot."""
+    setup, rng, obs = cost.Setup("direct", "bucketed"), random.Random(2), []
+    for calls, tensors, nbytes in [(1, 46, 2e7), (81, 706, 2e7), (1, 24, 1.5e9), (3, 310, 4.7e9), (225, 310, 4.7e9)]:
+        floor = 1 / rng.uniform(1e9, 8e9)  # seconds per byte at this run's floor
+        time_s = calls * 1e-4 + tensors * 5e-5 + 1.7 * nbytes * floor
+        obs.append(cost.Observation(setup, cost.Work(calls, tensors, int(nbytes)), time_s, 0.0, floor))
+    rel = cost.fit(obs, relative_to_floor=True)["direct/bucketed"]
+    assert rel.per_byte_s * 1e9 == pytest.approx(1.7, rel=1e-3) and rel.per_call_s == pytest.approx(1e-4, rel=1e-2)
+    assert cost.fit(obs)["direct/bucketed"].rel_residual_max > 0.2  # absolute bytes/s: the load shows as misfit
+
+
+def test_fit_keeps_coefficients_non_negative():
+    setup = cost.Setup("direct", "bucketed")
+    obs = [cost.Observation(setup, cost.Work(calls, tensors, nbytes), t) for calls, tensors, nbytes, t in
+           [(1, 10, 1e8, 0.05), (10, 10, 1e8, 0.04), (100, 100, 1e6, 0.01), (1, 100, 1e7, 0.02)]]
+    coef = cost.fit(obs)["direct/bucketed"]
+    assert min(coef.per_call_s, coef.per_tensor_s, coef.per_byte_s) >= 0
+
+
+def test_moved_bytes_count_the_copies_and_the_conversion():
+    n = 1000
+    assert cost.moved_bytes(cost.Setup("direct", "per_tensor"), n, "float32", "bfloat16") == n * 6
+    assert cost.moved_bytes(cost.Setup("direct", "bucketed"), n, "float32", "bfloat16") == n * (6 + 4)
+    assert cost.moved_bytes(cost.Setup("direct", "bucketed", True), n, "bfloat16", "bfloat16") == n * 4
+    assert cost.moved_bytes(cost.Setup("ipc", "per_tensor"), n, "bfloat16", "bfloat16") == n * 8
+
+
+def calibration_of(coefficients=KNOWN, measured=True) -> dict:
+    return {"kind": profiles.KIND, "version": 1, "measured": measured, "machine": {"device": "cpu", "cpus": 2},
+            "dtypes": {"trainer": "bfloat16", "engine": "bfloat16"},
+            "coefficients": {k: cost.Coefficients(*v, points=5, rel_residual_max=0.1).as_dict()
+                             for k, v in coefficients.items()}}
+
+
+def test_plan_schema_prediction_and_flags(compose):
+    from rlsync.config import PlanAppConfig, to_config
+
+    cfg = compose("model=qwen3_1p7b", "trainer.dtype=bfloat16", "update.flat_engine_weights=false")  # the two-copy setup KNOWN holds
+    cfg = to_config(__import__("omegaconf").OmegaConf.structured(PlanAppConfig(**vars(cfg))), PlanAppConfig)
+    plan = planner.make_plan(cfg, calibration=calibration_of(), calibration_where="test", bucket_sizes=[64, 512, 1024])
+    planner.check_plan(json.loads(json.dumps(plan)))  # the schema, through JSON
+    assert plan["model"]["tensors"] == 310 and plan["model"]["update_bytes"] == 3_441_149_952
+    assert plan["model"]["largest_tensor"]["name"] == "model.embed_tokens.weight"
+    by_mb = {r["bucket_mb"]: r for r in plan["buckets"]}
+    assert by_mb[512]["buckets"] == 7 and by_mb[512]["tensors_over_bucket"] == 1  # the 594 MiB embedding
+    assert by_mb[512]["staging_bytes"] == by_mb[512]["largest_bucket_bytes"] == 151936 * 2048 * 2
+    assert by_mb[1024]["tensors_over_bucket"] == 0
+    pred = plan["prediction"]
+    c, t, b = KNOWN["direct/bucketed"]
+    assert pred["calls"] == 7 and pred["time_s"] == pytest.approx(7 * c + 310 * t + 1_720_574_976 * 8 * b)
+    assert pred["low_s"] == pytest.approx(pred["time_s"] * 0.9) and pred["high_s"] == pytest.approx(pred["time_s"] * 1.1)
+    kinds = {f["kind"]: f for f in plan["flags"]}
+    assert {"tensor_over_bucket", "staging", "per_tensor_overhead", "overhead_share"} <= set(kinds)
+    assert "model.embed_tokens.weight (594 MiB)" in kinds["tensor_over_bucket"]["message"]
+    per_tensor = 310 * KNOWN["direct/per_tensor"][0] + 1_720_574_976 * 4 * KNOWN["direct/per_tensor"][2]
+    assert kinds["per_tensor_overhead"]["share"] == pytest.approx((per_tensor - pred["time_s"]) / per_tensor)
+    setups = {(r["transport"], r["strategy"], r["bucket_mb"]) for r in plan["predictions"]}
+    assert ("ipc", "per_tensor", None) in setups and ("ipc", "bucketed", 1024) in setups
+    text = planner.render(plan)
+    assert "Flag tensor_over_bucket" in text and "Predicted update time" in text and "unmeasured" not in text
+
+
+def test_gpu_profile_is_marked_unmeasured(tmp_path):
+    proc = run_cli("model=qwen3_4b", "plan.calibration=h200", f"hydra.run.dir={tmp_path}", module="rlsync.plan", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "UNMEASURED" in proc.stdout and "Predicted update time (unmeasured)" in proc.stdout
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["calibration"]["measured"] is False and plan["prediction"]["measured"] is False
+
+
+def plan_with_rss(tmp_path: Path, *overrides: str) -> tuple[dict, int, str]:
+    """Run `python -m rlsync.plan` in a child that reports its own peak resident set (bytes)."""
+    code = ("import resource, runpy, sys\n"
+            f"sys.argv = ['rlsync.plan', *{list(overrides)!r}, 'hydra.run.dir={tmp_path}']\n"
+            "try:\n    runpy.run_module('rlsync.plan', run_name='__main__')\nexcept SystemExit as e:\n"
+            "    assert not e.code, e.code\n"
+            "print('PEAK_RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rss = int(proc.stdout.rsplit("PEAK_RSS", 1)[1].split()[0])
+    return json.loads((tmp_path / "plan.json").read_text()), rss, proc.stdout
+
+
+def test_plan_of_qwen3_8b_allocates_nothing(tmp_path):
+    plan, rss, out = plan_with_rss(tmp_path, "model=qwen3_8b", "plan.calibration=h100")
+    assert plan["model"]["params"] == 8_190_735_360  # Qwen3-8B's published count (untied lm_head)
+    assert rss < 2**30, f"peak RSS {rss / 2**20:.0f} MiB: the plan must not allocate the weights"
+    assert "Plan: qwen3_8b" in out
+
+
+def test_plan_of_qwen3_235b_a22b(tmp_path):
+    """The published 235B-A22B plans in seconds from its config alone (per-expert names, nothing allocated)."""
+    import time
+
+    t0 = time.perf_counter()
+    plan, rss, _out = plan_with_rss(tmp_path, "model=qwen3_235b_a22b")
+    assert time.perf_counter() - t0 < 60
+    assert rss < 2**30, f"peak RSS {rss / 2**20:.0f} MiB"
+    assert plan["model"]["params"] == pytest.approx(235_093_634_560, rel=0.01)
+    assert plan["model"]["update_bytes"] == pytest.approx(235_093_634_560 * 2, rel=0.01)
+
+
+def test_calibrate_quick_end_to_end_then_compare_and_refit(tmp_path):
+    cal = tmp_path / "cal.json"
+    run_dir = tmp_path / "run"
+    proc = run_cli("plan.calibrate=true", "plan.calibrate_quick=true", "plan.calibrate_transports=[direct]",
+                   "plan.calibrate_repeats=2", "plan.calibrate_flat=false", "update.flat_engine_weights=false",
+                   "trainer.dtype=bfloat16", f"plan.calibration={cal}",
+                   f"hydra.run.dir={run_dir}", module="rlsync.plan", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(cal.read_text())
+    assert data["kind"] == profiles.KIND and data["measured"] is True
+    assert {"cpus", "device", "torch", "date"} <= set(data["machine"])
+    assert set(data["coefficients"]) == {"direct/bucketed", "direct/per_tensor"}
+    assert data["dtypes"] == {"trainer": "bfloat16", "engine": "bfloat16"}
+    plan = json.loads((run_dir / "plan.json").read_text())
+    planner.check_plan(plan)
+    assert plan["prediction"]["time_s"] > 0 and plan["calibration"]["measured"] is True
+    assert data["floor_gbps"] > 0 and set(data["coefficients_at_floor"]) == set(data["coefficients"])
+    assert plan["prediction"]["at_floor"]["floor_gbps"] == pytest.approx(data["floor_gbps"])
+    assert "Calibration written to" in proc.stdout and "Predicted update time:" in proc.stdout
+
+    # the comparison table: the calibration's own tiny runs against the plan
+    out = tmp_path / "compare.md"
+    text, rows = compare.write([str(run_dir)], out)
+    tiny = [r for r in rows if r["model"] == "tiny" and r["strategy"] == "bucketed"]
+    assert tiny and tiny[0]["predicted_s"] == pytest.approx(plan["prediction"]["time_s"])
+    assert tiny[0]["at_floor_s"] > 0 and tiny[0]["floor_gbps"] > 0  # at the bench's own floor
+    assert tiny[0]["error"] == pytest.approx((tiny[0]["predicted_s"] - tiny[0]["measured_s"]) / tiny[0]["measured_s"])
+    assert out.read_text().startswith("Predicted (rlsync.plan)") and "| tiny | direct | bucketed 512 MiB |" in text
+    deep = [r for r in rows if r["model"] == "deep"]
+    assert deep and all(r["predicted_s"] is None for r in deep)  # no plan of that model: shown, not scored
+
+    # the same fit from the runs on disk (plan.fit_from, a sweep report)
+    refit = calibration_file(observations_under(run_dir / "calibration"), device="cpu")
+    for key, c in data["coefficients"].items():
+        assert refit["coefficients"][key]["per_byte_s"] == pytest.approx(c["per_byte_s"])
+
+
+def test_fit_from_a_directory_of_runs(tmp_path):
+    proc = run_cli(f"plan.fit_from={tmp_path}", f"plan.calibration={tmp_path / 'c.json'}", f"hydra.run.dir={tmp_path}/r",
+                   module="rlsync.plan", timeout=120)
+    assert proc.returncode != 0 and "no finished rlsync.bench update runs" in proc.stderr
+
+
+def bench_run(model: str, transport: str, strategy: str, bucket_mb: float, seconds: float, *, largest_bucket: int,
+              peak: int, tensors: int = 310, params: int = 1_720_574_976):
+    from rlsync.report.table import Run
+
+    stats = {"perf/update_weights_time": {"median": seconds, "min": seconds * 0.95, "max": seconds * 1.05},
+             "perf/update_weights_peak_bytes": {"median": peak, "min": peak, "max": peak}}
+    summary = {"kind": "bench", "target": "update", "status": "finished", "model": {"name": model, "params": params,
+               "tensors": tensors}, "metrics": stats, "machine": {"device": "cpu", "cpus": 2},
+               "setup": {"transport": transport, "strategy": strategy, "bucket_mb": bucket_mb, "flat_engine_weights": False,
+                         "buckets": 7 if strategy == "bucketed" else tensors, "largest_bucket_bytes": largest_bucket,
+                         "trainer_dtype": "bfloat16", "engine_dtype": "bfloat16"}}
+    return Run(Path(f"/runs/{transport}_{strategy}"), f"{transport}_{strategy}", [], "finished", None, summary, {}, stats, 5)
+
+
+def test_report_sizes_the_known_pain_and_fits_the_cost_model():
+    from rlsync.report import sizing
+
+    emb = 151936 * 2048 * 2
+    runs = [bench_run("qwen3_1p7b", "ipc", "bucketed", 512, 1.0, largest_bucket=emb, peak=emb),
+            bench_run("qwen3_1p7b", "ipc", "per_tensor", 512, 4.0, largest_bucket=emb, peak=emb),
+            bench_run("qwen3_1p7b", "direct", "bucketed", 1024, 0.8, largest_bucket=2**30 - 1, peak=2**30)]
+    lines = "\n".join(sizing.pain_lines(runs))
+    assert "tensor larger than the bucket: qwen3_1p7b at 512 MiB: its largest bucket is 594 MiB" in lines
+    assert "at 1024 MiB" not in lines.split("staging")[0]  # 1024 MiB holds the embedding
+    assert "staging memory: qwen3_1p7b direct bucketed 1024 MiB: 1.00 GiB" in lines
+    assert "per-tensor overhead share: qwen3_1p7b ipc at 512 MiB: 75.0 %" in lines
+    data = sizing.cost_fit(runs)
+    assert set(data["coefficients"]) == {"ipc/bucketed", "ipc/per_tensor", "direct/bucketed"}
+    assert data["machine"]["fitted_from_runs"] is True
+    assert "ipc/per_tensor" in "\n".join(sizing.fit_lines(data))
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["plan.calibrate=true", "plan.fit_from=/tmp"], "plan.fit_from=/tmp: not allowed with plan.calibrate=true"),
+    (["plan.bucket_sizes=[0]"], "plan.bucket_sizes=[0.0]: not allowed"),
+])
+def test_plan_config_rules(tmp_path, overrides, says):
+    proc = run_cli(*overrides, f"hydra.run.dir={tmp_path}", module="rlsync.plan", timeout=120)
+    assert proc.returncode == 2 and says in proc.stderr
