@@ -136,7 +136,7 @@ def test_direct_update_with_event_timing_syncs_once(monkeypatch, strategy):
         return made[-1]
 
     monkeypatch.setattr(direct, "unit_timer", fake_unit_timer)
-    cfg, update = Config(), UpdateConfig(strategy=strategy, bucket_mb=0.05)
+    cfg, update = Config(), UpdateConfig(strategy=strategy, bucket_mb=0.05, flat_engine_weights=False)  # the two-copy path: pack and load events
     tok = build_tokenizer(cfg.model)
     weights = named_weights(build_model(cfg.model, dtype=torch.float32, device=CPU, seed=1))
     buckets = plan_for(weights, update, torch.bfloat16)
