@@ -9,9 +9,11 @@
 # not stop the next ones, and a final table says what passed, failed, timed out or was skipped:
 #   1. environment: compute mode and MIG (two processes must share the GPU), PYTORCH_CUDA_ALLOC_CONF, versions;
 #   2. tiny model, 3 steps, update.verify=true, per transport (direct, ipc, broadcast);
-#      then the risky options on tiny: update.source=host, rollout.release_weights, update.flat_engine_weights;
+#      then the risky options on tiny: update.source=host, rollout.release_weights, the two-copy path
+#      (update.flat_engine_weights=false: the default is one copy into flat engine weights), and
+#      tiny_moe's 3,219 per-expert views over ipc (CUDA IPC handles of views into fused experts);
 #   3. Qwen3-0.6B: the update bench per transport (verify on), source=host, release_weights and
-#      flat_engine_weights in 3 runner steps, the offload bench;
+#      the two-copy path in 3 runner steps, the offload bench;
 #   4. only while the time budget (GPU_CHECK_BUDGET_S, default 300 s) has room for them: Qwen3-1.7B
 #      update and offload benches, then the transports study with its report.
 # Writes OUT_DIR/gpu_check.log (everything), OUT_DIR/table.txt (the final table), OUT_DIR/<step>/ (each
@@ -78,7 +80,8 @@ step() {
 }
 
 # on_gpu NAME TIMEOUT_S CMD...: a step that --smoke leaves out (named in the table), because on the CPU
-# with the tiny model it repeats a tiny_* step or another transport's bench step exactly.
+# with the tiny model it repeats a tiny_* step or another transport's bench step exactly, or (tiny_moe
+# over ipc) a run the test suite makes already (tests/test_models_from_config.py).
 on_gpu() {
   if (( smoke )); then
     names+=("$1"); results+=("skipped (smoke)"); times+=(0)
@@ -145,8 +148,10 @@ step tiny_ipc_source_host "$t_tiny" "${runner[@]}" "${tiny_runs[@]}" update.tran
   "hydra.run.dir=$out/tiny_ipc_source_host/run"
 step tiny_release_weights "$t_tiny" "${runner[@]}" "${tiny_runs[@]}" rollout.release_weights=true update.verify=true \
   "hydra.run.dir=$out/tiny_release_weights/run"
-step tiny_flat_engine_weights "$t_tiny" "${runner[@]}" "${tiny_runs[@]}" update.flat_engine_weights=true update.verify=true \
-  "hydra.run.dir=$out/tiny_flat_engine_weights/run"
+step tiny_two_copy "$t_tiny" "${runner[@]}" "${tiny_runs[@]}" update.flat_engine_weights=false update.verify=true \
+  "hydra.run.dir=$out/tiny_two_copy/run"
+on_gpu tiny_moe_ipc "$t_tiny" "${runner[@]}" model=tiny_moe "${tiny_runs[@]:1}" update.transport=ipc update.verify=true \
+  "hydra.run.dir=$out/tiny_moe_ipc/run"
 # 3. Qwen3-0.6B
 for transport in direct ipc broadcast; do
   run_step=on_gpu; [[ $transport == ipc ]] && run_step=step  # --smoke: the bench entry once, over ipc
@@ -157,8 +162,8 @@ step "${small_step}_bench_source_host" "$t_small" "${benchmark[@]}" model=$small
   "hydra.run.dir=$out/${small_step}_bench_source_host/run"
 on_gpu "${small_step}_release_weights" "$t_small" "${runner[@]}" model=$small "${runs[@]}" rollout.release_weights=true update.verify=true \
   "hydra.run.dir=$out/${small_step}_release_weights/run"
-on_gpu "${small_step}_flat_engine_weights" "$t_small" "${runner[@]}" model=$small "${runs[@]}" update.flat_engine_weights=true \
-  update.verify=true "hydra.run.dir=$out/${small_step}_flat_engine_weights/run"
+on_gpu "${small_step}_two_copy" "$t_small" "${runner[@]}" model=$small "${runs[@]}" update.flat_engine_weights=false \
+  update.verify=true "hydra.run.dir=$out/${small_step}_two_copy/run"
 step "${small_step}_offload" "$t_small" "${benchmark[@]}" model=$small bench.target=offload "hydra.run.dir=$out/${small_step}_offload/run"
 # 4. if time is left: Qwen3-1.7B, then a study with its report
 optional "${large_step}_bench_direct" "$t_large" "${benchmark[@]}" model=$large update.verify=true "hydra.run.dir=$out/${large_step}_bench_direct/run"

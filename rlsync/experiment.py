@@ -24,7 +24,7 @@ from rlsync.config import MIB, Config, to_dict
 from rlsync.devices import device_memory_metrics, explicit_device, resolve_device, sampler, select_device
 from rlsync.distributed import DataParallel
 from rlsync.limits import Limits
-from rlsync.architecture import update_tensors
+from rlsync.architecture import layout_plan, update_tensors
 from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.engines.base import EngineSpec, Generation, answer_ids
 from rlsync.offload import Offloader, link_metrics
@@ -50,6 +50,7 @@ def run_experiment(cfg: Config, run_dir: Path, *, name: str, group: str, overrid
 def memory_fit(cfg: Config, device: torch.device) -> dict:
     """The run's peak memory estimated from the config, and what the machine has (rlsync.memory);
     raises DoesNotFit (exit 2) when it cannot fit, unless run.memory_check=false."""
+    memory.reset_peak_rss()  # a multirun's jobs share this process: each job's peak is its own
     memory.load_runtime(cfg)
     estimate, available = memory.check_fits(cfg, device, memory_check=cfg.run.memory_check)
     return {"estimate": estimate, "available": available}
@@ -108,18 +109,22 @@ class Experiment:
                                    free_device=cfg.trainer.offload_free_device,
                                    pin_chunk_bytes=int(cfg.trainer.offload_pin_chunk_mb * MIB))
         self.params = named_weights(model)  # by parameter name: what the offload moves and data parallel compares
-        self.weights = update_tensors(self.params, cfg.model.update_layout)  # by the update's names (its layout)
-        read_bytes = sum(t.numel() * t.element_size() for t in self.weights.values())
-        engine = self.open_engine(allowed, read_bytes) if self.dp.is_main else None  # rank 0 owns the engine and the update
+        # The update's names and views (model.update_layout), planned once; the views are made anew for
+        # each update (update_source) and never kept: a view would hold the storage the offload frees.
+        self.layout = layout_plan({n: tuple(t.shape) for n, t in self.params.items()}, cfg.model.update_layout)
+        weights = update_tensors(self.params, cfg.model.update_layout, self.layout)
+        read_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        engine = self.open_engine(allowed, weights, read_bytes) if self.dp.is_main else None  # rank 0 owns the engine and the update
         build_time = time.perf_counter() - t0
 
-        self.setup_info = {"build_time": build_time, "tensors": len(self.weights), "layout": cfg.model.update_layout,
-                           "params": sum(t.numel() for t in self.weights.values()), "resolved": self.resolved}
+        self.setup_info = {"build_time": build_time, "tensors": len(weights), "layout": cfg.model.update_layout,
+                           "params": sum(t.numel() for t in weights.values()), "resolved": self.resolved}
         if engine is not None:
             update_bytes = sum(b.nbytes for b in self.buckets)
-            engine.update_weights(self.weights)  # the engine starts from the trainer's weights
+            engine.update_weights(weights)  # the engine starts from the trainer's weights
             self.setup_info.update({"update_bytes": update_bytes, "buckets": len(self.buckets),
                                     "limits": self.limits.as_dict(), "update_limit_time": self.limits.update_limit})
+        del weights  # held past here, a view would keep storage the offload frees
         self.dp.broadcast_weights(model)  # data parallel: every rank starts from rank 0's weights
         # The first sleep moves the whole laid-out state (grads and optimizer state exist, as zeros), so
         # it warms every page of both sides: steps 0 and 1 then cost what later steps cost.
@@ -129,15 +134,15 @@ class Experiment:
         self.setup_info["offload"] = {**self.offloader.info, "first_sleep_time": watch.seconds["first_sleep"]}
         return engine
 
-    def open_engine(self, allowed: torch.Tensor, read_bytes: int):
+    def open_engine(self, allowed: torch.Tensor, weights: dict[str, torch.Tensor], read_bytes: int):
         """The bucket plan of the update, the copy floors, the update's auto knobs resolved (rlsync.sync.auto:
         before the engine opens, so its process gets them), then the rollout engine behind the transport."""
         cfg = self.cfg
-        self.buckets = plan_for(self.weights, cfg.update, torch_dtype(cfg.rollout.dtype))
+        self.buckets = plan_for(weights, cfg.update, torch_dtype(cfg.rollout.dtype))
         self.limits = Limits(self.device, update_bytes=sum(b.nbytes for b in self.buckets),
                              state_bytes=self.offloader.state_bytes or 2 * read_bytes, read_bytes=read_bytes,
                              source=cfg.update.source, dtypes=(torch_dtype(cfg.trainer.dtype), torch_dtype(cfg.rollout.dtype)))
-        self.update_cfg, self.resolved = resolve_for_run(cfg.update, cfg.rollout, weights=self.weights, buckets=self.buckets,
+        self.update_cfg, self.resolved = resolve_for_run(cfg.update, cfg.rollout, weights=weights, buckets=self.buckets,
                                                          device=self.device, model=cfg.model)
         spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device=str(explicit_device(self.device)), allowed_ids=allowed,
                           eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
@@ -185,9 +190,12 @@ class Experiment:
                 if cfg.rollout.release_weights or cfg.rollout.engine == "vllm":
                     with watch("engine_resume"):
                         engine.resume()
+                with watch("update_layout"):  # the update's tensors: per-expert views cost ~10 us each
+                    source = self.update_source()
                 with watch("update_weights"):
-                    metrics.update(update_weights(engine, self.update_source(), buckets=self.buckets, cfg=self.update_cfg,
+                    metrics.update(update_weights(engine, source, buckets=self.buckets, cfg=self.update_cfg,
                                                   device=self.device, limit_time=self.limits.update_limit))
+                del source  # no view outlives the update (the offload frees what it points at)
             if cfg.update.source == "device":
                 self.trainer_sleep(watch, metrics)
 
@@ -226,12 +234,13 @@ class Experiment:
     def update_source(self) -> dict[str, torch.Tensor]:
         """The trainer's weights by the update's names: live on the device, or their offloaded host copies.
 
-        Laid out anew each time (outside the update's own clock): the offload moves each parameter's
-        `.data`, and a per-expert view (model.update_layout=checkpoint) keeps the storage it was made of."""
+        Laid out anew each time, from the plan made once (timed as perf/update_layout_time, beside the
+        update's own clock): the offload moves each parameter's `.data`, and a per-expert view
+        (model.update_layout=checkpoint) keeps the storage it was made of."""
         layout = self.cfg.model.update_layout
         if self.cfg.update.source == "host":
-            return update_tensors(self.offloader.host_weights(self.params), layout)
-        return update_tensors(self.params, layout)
+            return update_tensors(self.offloader.host_weights(self.params), layout, self.layout)
+        return update_tensors(self.params, layout, self.layout)
 
     def device_memory(self, phase: str) -> dict[str, float]:
         """On CUDA, what the trainer's sleep hands the engine, and takes back: this process's reserved
@@ -248,6 +257,7 @@ class Experiment:
         try:
             if self.engine is not None:
                 self.engine.close()
+                self.setup_info["engine_peak_rss_bytes"] = self.engine.engine_peak_rss_bytes
         finally:
             if self.offloader is not None:
                 self.offloader.close()
@@ -329,7 +339,7 @@ def run_summary(cfg: Config, recorder: Recorder, *, setup_info: dict, device: to
     if warnings:
         result["warning"] = "; ".join(warnings)
     if memory is not None:
-        result["memory"] = memory_record(memory, device)
+        result["memory"] = memory_record(memory, device, engine_peak=setup_info.get("engine_peak_rss_bytes"))
     return result
 
 
@@ -342,13 +352,14 @@ def verification(cfg: Config, recorder: Recorder) -> str:
     return "passed" if recorder.rows else "not run"
 
 
-def memory_record(fit: dict, device: torch.device) -> dict:
-    """The estimate beside the measured peaks, for summary.json: how far off the estimate was."""
+def memory_record(fit: dict, device: torch.device, *, engine_peak: int | None = None) -> dict:
+    """The estimate beside the measured peaks, for summary.json: how far off the estimate was.
+    `engine_peak`: the engine process's own peak resident set, as its close answered."""
     estimate = fit["estimate"]
     peak = memory.peak_rss_bytes()
     measured = {"peak_rss_bytes": peak}
-    if estimate.engine_process:  # the engine process has ended (closed before the summary): its peak is known
-        measured["engine_peak_rss_bytes"] = memory.children_peak_rss_bytes()
+    if estimate.engine_process and engine_peak:
+        measured["engine_peak_rss_bytes"] = engine_peak
     if device.type == "cuda":
         measured["device_peak_bytes"] = torch.cuda.max_memory_reserved(device)
     return {"estimate": estimate.as_dict(), "available": fit["available"], "measured": measured,

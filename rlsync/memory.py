@@ -31,6 +31,7 @@ import math
 import os
 import random
 import resource
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -227,13 +228,24 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set so far (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident set since start or reset_peak_rss() (/proc/self/status VmHWM).
+
+    Not getrusage's ru_maxrss: Linux carries it across exec, so a process started by a large one
+    (an engine process, a sweep's job) would report its parent's peak; nor can it be reset."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):  # not Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
-def children_peak_rss_bytes() -> int:
-    """The largest peak resident set of this process's ended children (the engine process, once closed)."""
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+def reset_peak_rss() -> None:
+    """Start peak_rss_bytes() again from the resident set now (each job of a multirun measures its own)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # not Linux, or a kernel before 4.0: the peak since the process started
+        pass
 
 
 def host_available_bytes() -> int | None:

@@ -72,6 +72,7 @@ PHASES: tuple[Phase, ...] = (
     Phase("ref_log_probs", "reference log-probs", "ref_lp", "#8c8c8c"),
     Phase("train", "training", "train", "#c44e52", console=True),
     Phase("grad_allreduce", "gradient all-reduce", "allreduce", breakdown=False),
+    Phase("update_layout", "update layout", "layout", "#b3a9d6"),  # the update's tensors by name (per-expert views)
     Phase("update_weights", "weight update", "update", "#8172b3", console=True),
     Phase("sleep", "trainer offload", "offload", "#937860", console=True),
     Phase("engine_resume", "engine resume", "resume", "#da8bc3"),

@@ -37,11 +37,11 @@ def test_gpu_check_smoke_runs_every_step_and_ends_with_the_table(tmp_path):
     assert table in (out / "gpu_check.log").read_text() and "0 step(s) failed or timed out" in table
     rows = dict(line.split(None, 1) for line in table.splitlines()[2:-1])
     repeats = {"small_tiny_bench_direct", "small_tiny_bench_broadcast", "small_tiny_release_weights",
-               "small_tiny_flat_engine_weights"}  # the tiny_* steps exactly, on the CPU: --smoke names and skips them
+               "small_tiny_two_copy", "tiny_moe_ipc"}  # tiny_* steps exactly, on the CPU (or suite runs): --smoke names and skips them
     assert {name for name, result in rows.items() if result.startswith("skipped (smoke)")} == repeats, table
     assert all(result.startswith("passed") for name, result in rows.items() if name not in repeats), table
     assert {"environment", "tiny_direct", "tiny_ipc", "tiny_broadcast", "tiny_ipc_source_host", "tiny_release_weights",
-            "tiny_flat_engine_weights", "small_tiny_bench_ipc", "small_tiny_offload", "large_tiny_offload",
+            "tiny_two_copy", "small_tiny_bench_ipc", "small_tiny_offload", "large_tiny_offload",
             "study_transports"} <= set(rows)
     for transport in ("direct", "ipc", "broadcast"):  # every transport verified the update it landed
         summary = json.loads((out / f"tiny_{transport}" / "run" / "summary.json").read_text())

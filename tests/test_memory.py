@@ -4,11 +4,13 @@ refusal before any model is built, and the estimate against the measured peak of
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import FAST, read_jsonl, run_cli
+from conftest import FAST, cli_env, read_jsonl, run_cli
 from rlsync import memory
 from rlsync.config import Config
 
@@ -105,3 +107,28 @@ def test_the_estimate_is_within_25_percent_of_the_measured_peak(tmp_path):
     assert record["process_estimate_over_peak_rss"] == pytest.approx(
         record["estimate"]["process_bytes"] / record["measured"]["peak_rss_bytes"])
     assert 0.75 <= record["process_estimate_over_peak_rss"] <= 1.25, record
+
+
+def test_peak_rss_is_this_process_own_and_resets():
+    """The peak is the process's own (a child of a large process does not report its parent's, as
+    ru_maxrss would) and reset_peak_rss starts it again from now (each multirun job its own)."""
+    code = "from rlsync.memory import peak_rss_bytes; print(peak_rss_bytes())"
+    ballast = bytearray(768 * 2**20)
+    ballast[::4096] = b"\x01" * len(ballast[::4096])  # touch every page: this process's peak is > 768 MiB
+    child = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=60)
+    del ballast
+    assert child.returncode == 0, child.stderr
+    assert int(child.stdout) < 512 * 2**20  # the child imported torch: ~200-400 MiB, not its parent's peak
+
+    before = memory.peak_rss_bytes()
+    memory.reset_peak_rss()
+    assert memory.peak_rss_bytes() <= before
+    assert memory.peak_rss_bytes() >= memory.rss_bytes() - 2**20
+
+
+def test_an_engine_process_reports_its_own_peak(tmp_path):
+    """Over ipc the engine runs in its own process: its close answers its peak, which summary.json keeps."""
+    result = run_cli(*FAST, "run.steps=2", "update.transport=ipc", "wandb.mode=disabled", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    measured = json.loads((tmp_path / "summary.json").read_text())["memory"]["measured"]
+    assert 50 * 2**20 < measured["engine_peak_rss_bytes"] < 2**30, measured  # torch + the tiny model

@@ -87,6 +87,12 @@ class Transport(Rollout):
     def close(self) -> None:
         """Stop the engine and free what the transport holds; safe to call twice."""
 
+    @property
+    def engine_peak_rss_bytes(self) -> int | None:
+        """After close: the engine process's own peak resident set; None for an engine in the trainer's
+        process (its memory is the trainer's) or one that did not say (a standalone engine)."""
+        return None
+
 
 class Receiver(Preloaded, ABC):
     """The engine-side half of a transport whose engine runs in its own process (sync/engine_process.py).

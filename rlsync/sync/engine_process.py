@@ -97,7 +97,10 @@ class EngineServer:
         return {name: t.detach().to("cpu", copy=True) for name, t in self.engine.weights.items()}
 
     def close(self):
-        return None
+        """The engine process's peak resident set (bytes), for the run's memory record."""
+        from rlsync.memory import peak_rss_bytes  # here: the engine process needs it once, at the end
+
+        return peak_rss_bytes()
 
 
 def generator_here(sent: torch.device, engine_device: torch.device) -> torch.device:
@@ -227,6 +230,7 @@ class EngineProcess:
         `ended()`: how it went, said once it is gone."""
         self.conn, self.process, self.timeout_s, self.who, self._ended = conn, process, timeout_s, who, ended
         self.closed = False
+        self.peak_rss_bytes: int | None = None  # the engine's own peak resident set, as its close() answered
         self._sent: deque[tuple[str, float]] = deque()  # requests not answered yet, in order
         self._early: deque[tuple] = deque()  # replies read while waiting on something else
         try:
@@ -353,7 +357,10 @@ class EngineProcess:
                 deadline = time.monotonic() + CLOSE_S
                 while not answered and time.monotonic() < deadline and self.process.is_alive():
                     if self.conn.poll(POLL_S):
-                        answered = self.conn.recv()[1] == "close"  # drain answers to requests still outstanding
+                        message = self.conn.recv()  # drain answers to requests still outstanding
+                        answered = message[1] == "close"
+                        if answered and message[0] == "ok" and isinstance(message[2], int):
+                            self.peak_rss_bytes = message[2]
         except (OSError, EOFError):
             pass
         finally:
@@ -410,3 +417,7 @@ class ForwardsToEngineProcess(Transport):
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self.process.weights()
+
+    @property
+    def engine_peak_rss_bytes(self) -> int | None:
+        return self.process.peak_rss_bytes
