@@ -10,7 +10,9 @@
 #   1. hf:   every scheme x MODELS with the HF engine (rollout.engine=hf);
 #   2. vllm: every scheme x VLLM_MODELS with vLLM (rollout.engine=vllm; its own load path);
 #   3. side_by_side: vLLM's reload_weights per bucket beside rlsync's vLLM update and the trl scheme
-#      (experiments/schemes/vllm_side_by_side.py), one process, the ways taking turns.
+#      (experiments/schemes/vllm_side_by_side.py), one process, the ways taking turns;
+#   4. default: the default update (scheme rlsync, one copy) over direct and ipc for DEFAULT_MODELS
+#      (default qwen3_0p6b,qwen3_1p7b): its efficiency against the copy floor.
 # Run it on a quiet machine: `uptime` is recorded beside each step (load.txt).
 set -u
 cd "$(dirname "$0")/../.."
@@ -21,10 +23,11 @@ REPEATS=${REPEATS:-5} WARMUP=${WARMUP:-2} TAG=${TAG:-cpu}
 MODELS=${MODELS:-qwen3_0p6b,qwen3_1p7b}
 [ -f rlsync/conf/model/tiny_moe.yaml ] && [[ ",$MODELS," != *",tiny_moe,"* ]] && MODELS="$MODELS,tiny_moe"
 VLLM_MODELS=${VLLM_MODELS-qwen3_0p6b}
+DEFAULT_MODELS=${DEFAULT_MODELS:-qwen3_0p6b,qwen3_1p7b}
 OUT=experiments/schemes/results_$TAG
 SIDE_ARGS=(--model qwen3_0p6b --repeats "$REPEATS")
 if [ "${1:-}" = "--smoke" ]; then
-  OUT=${2:-/tmp/rlsync_schemes_smoke} MODELS=tiny VLLM_MODELS=tiny REPEATS=1 WARMUP=0
+  OUT=${2:-/tmp/rlsync_schemes_smoke} MODELS=tiny VLLM_MODELS=tiny DEFAULT_MODELS=tiny REPEATS=1 WARMUP=0
   SIDE_ARGS=(--model tiny --repeats 1)
 fi
 mkdir -p "$OUT"
@@ -49,5 +52,10 @@ if [ -n "$VLLM_MODELS" ]; then
   sed -n '/^| way/,$p' "$OUT/side_by_side.log"
   note "side_by_side end"
 fi
+note "default start"
+python -m rlsync.bench -m "model=$DEFAULT_MODELS" update.transport=direct,ipc "bench.repeats=$REPEATS" "bench.warmup=$WARMUP" \
+  "hydra.sweep.dir=$OUT/default" 2>&1 | tee "$OUT/default.log" | grep -E "^(rlsync report|\| [0-9]+: |best:|error)" || true
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+note "default end"
 echo "results: $OUT (each sweep's report.md; side_by_side/side_by_side.json)"
 exit $status
