@@ -124,6 +124,24 @@ def test_plan_schema_prediction_and_flags(compose):
     assert "Flag tensor_over_bucket" in text and "Predicted update time" in text and "unmeasured" not in text
 
 
+def test_the_default_plan_predicts_the_one_copy_update_it_resolves(compose):
+    """update.flat_engine_weights=null: the headline prediction, its table column and the flags are
+    the flat (one-copy) setup's, as the update resolves it; not the two-copy path's coefficients."""
+    from rlsync.config import PlanAppConfig, to_config
+
+    cfg = compose("model=qwen3_1p7b", "trainer.dtype=bfloat16", "rollout.dtype=bfloat16")
+    assert cfg.update.flat_engine_weights is None
+    cfg = to_config(__import__("omegaconf").OmegaConf.structured(PlanAppConfig(**vars(cfg))), PlanAppConfig)
+    plan = planner.make_plan(cfg, calibration=profiles.resolve("h100")[1], calibration_where="h100", bucket_sizes=[512])
+    assert plan["setup"]["flat_engine_weights"] is True
+    flat = next(r for r in plan["predictions"] if r["strategy"] == "bucketed" and r["bucket_mb"] == 512
+                and r["transport"] == "direct")
+    assert flat["flat"] is True and plan["prediction"]["time_s"] == pytest.approx(flat["time_s"])
+    assert plan["prediction"]["moved_bytes"] == plan["model"]["params"] * 4  # one bf16 -> bf16 copy: read 2 + write 2
+    assert "flat buffer" in next(f["message"] for f in plan["flags"] if f["kind"] == "tensor_over_bucket")
+    assert "Update: direct flat, bucketed" in planner.render(plan)
+
+
 def test_gpu_profile_is_marked_unmeasured(tmp_path):
     proc = run_cli("model=qwen3_4b", "plan.calibration=h200", f"hydra.run.dir={tmp_path}", module="rlsync.plan", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -119,8 +119,9 @@ class Planner:
 def make_plan(cfg: Config, *, calibration: Optional[dict], calibration_where: str, bucket_sizes: list[float],
               cuda: Optional[bool] = None, copy_gbps: Optional[float] = None) -> dict:
     """plan.json: the tensors, the buckets per bucket size, memory, the predicted time and the flags."""
-    u = cfg.update
     p = Planner(cfg, calibration, copy_gbps=copy_gbps)
+    cfg = p.cfg  # update.flat_engine_weights=null (auto) resolved, as the update resolves it
+    u = cfg.update
     if cuda is None:
         cuda = bool((calibration or {}).get("machine", {}).get("cuda", False))
     sizes = sorted(set([*bucket_sizes, u.bucket_mb]))
@@ -174,7 +175,9 @@ def flags(plan: dict, configured: dict) -> list[dict]:
                     "largest_tensor_bytes": lt["bytes"], "bucket_bytes": cap,
                     "message": f"{configured['tensors_over_bucket']} tensor(s) larger than the {fmt_bytes(cap)} bucket, "
                                f"the largest {lt['name']} ({fmt_bytes(lt['bytes'])}): each travels alone in its own "
-                               f"bucket, and the staging buffer grows to {fmt_bytes(configured['largest_bucket_bytes'])}"})
+                               f"bucket, and " + (f"that bucket's flat buffer is {fmt_bytes(configured['largest_bucket_bytes'])}"
+                                                  if s["flat_engine_weights"] else
+                                                  f"the staging buffer grows to {fmt_bytes(configured['largest_bucket_bytes'])}")})
     if plan["memory"]["staging_bytes"]:
         out.append({"kind": "staging", "bytes": plan["memory"]["staging_bytes"],
                     "message": f"staging: {fmt_bytes(plan['memory']['staging_bytes'])} for update.bucket_mb="
