@@ -259,6 +259,8 @@ def test_whole_step_runs_with_broadcast(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["setup"]["transport"] == "broadcast"
+    # the engine's own peak resident set, as its close answered (not the trainer's, nor the forkserver's)
+    assert 50 * 2**20 < summary["memory"]["measured"]["engine_peak_rss_bytes"] < 2**30, summary["memory"]
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert len(rows) == 1
     for row in rows:  # the engine scored its samples with the weights the trainer just sent (bf16 vs fp32)
