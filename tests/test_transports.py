@@ -349,3 +349,21 @@ def test_validation_rejects_released_flat_ipc_weights_before_building_anything()
         validate(cfg)
     cfg.update.transport = "direct"  # there the engine's own buffers can be freed and refilled
     validate(cfg)
+
+
+def test_engine_processes_start_with_sleeping_openmp_threads_unless_told(monkeypatch):
+    """On a CPU the engine process starts with OMP_WAIT_POLICY=PASSIVE (its spinning OpenMP workers
+    would take the trainer's cores between update messages), the trainer's environment is left as
+    it was, a user's own setting wins, and an engine that binds its own threads (vLLM) is left alone."""
+    from rlsync.engines.base import engine_class
+    from rlsync.sync.engine_process import passive_openmp
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with passive_openmp(True):
+        assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    with passive_openmp(True):
+        assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert engine_class("hf").passive_cpu_threads and not engine_class("vllm").passive_cpu_threads

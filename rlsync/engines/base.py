@@ -166,6 +166,11 @@ class Engine(Preloaded, Rollout):
     # per call rather than per byte: then the `direct` transport hands it each bucket's trainer tensors,
     # not a packed staging buffer (one copy instead of two). vLLM's reload path is such a loader.
     loads_trainer_tensors: bool = False
+    # Whether, in its own process on a CPU, the engine's OpenMP threads may sleep as soon as an op ends
+    # (OMP_WAIT_POLICY=PASSIVE) instead of spinning: a spinning engine steals the trainer's cores
+    # between update messages (rlsync.sync.engine_process.start_context). False for an engine that
+    # binds its own threads (vLLM's CPU backend).
+    passive_cpu_threads: bool = True
 
     @classmethod
     @abstractmethod

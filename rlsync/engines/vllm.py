@@ -286,6 +286,7 @@ class VLLMEngine(Engine):
     """vLLM's `LLM` in this process, loaded by the trainer's updates, sampling like `HFEngine`."""
 
     loads_trainer_tensors = True  # the reload path copies (and casts) what it is handed; each call costs a model walk
+    passive_cpu_threads = False  # vLLM's CPU worker binds and sets up its own threads
 
     def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, *, dtype: torch.dtype,
                  device: torch.device, allowed_ids: torch.Tensor, eos_id: int, pad_id: int,
