@@ -240,6 +240,11 @@ def layout_plan(shapes: dict[str, tuple[int, ...]], layout: str) -> list[Entry]:
     return plan
 
 
+def params_layout(params: dict[str, torch.Tensor], layout: str) -> list[Entry]:
+    """layout_plan of these parameters (by name, their shapes)."""
+    return layout_plan({n: tuple(t.shape) for n, t in params.items()}, layout)
+
+
 def update_tensors(params: dict[str, torch.Tensor], layout: str, plan: list[Entry] | None = None) -> dict[str, torch.Tensor]:
     """The update's (name -> tensor) in `layout`, from the model's parameters by name (tied ones once):
     the parameters themselves, or contiguous views of them (no copy). Either side calls it: the
@@ -247,7 +252,7 @@ def update_tensors(params: dict[str, torch.Tensor], layout: str, plan: list[Entr
     (the offload), and hold no views across it: a view keeps the old storage alive. `plan`: the
     layout_plan of these parameters, made once by a caller that rebuilds every step."""
     if plan is None:
-        plan = layout_plan({n: tuple(t.shape) for n, t in params.items()}, layout)
+        plan = params_layout(params, layout)
     if all(not e.index for e in plan):
         return {e.name: params[e.param] for e in plan}
     with torch.no_grad():  # views of parameters that need no graph

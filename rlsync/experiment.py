@@ -24,7 +24,7 @@ from rlsync.config import MIB, Config, to_dict
 from rlsync.devices import device_memory_metrics, explicit_device, resolve_device, sampler, select_device
 from rlsync.distributed import DataParallel
 from rlsync.limits import Limits
-from rlsync.architecture import layout_plan, update_tensors
+from rlsync.architecture import params_layout, update_tensors
 from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.engines.base import EngineSpec, Generation, answer_ids
 from rlsync.offload import Offloader, link_metrics
@@ -111,7 +111,7 @@ class Experiment:
         self.params = named_weights(model)  # by parameter name: what the offload moves and data parallel compares
         # The update's names and views (model.update_layout), planned once; the views are made anew for
         # each update (update_source) and never kept: a view would hold the storage the offload frees.
-        self.layout = layout_plan({n: tuple(t.shape) for n, t in self.params.items()}, cfg.model.update_layout)
+        self.layout = params_layout(self.params, cfg.model.update_layout)
         weights = update_tensors(self.params, cfg.model.update_layout, self.layout)
         read_bytes = sum(t.numel() * t.element_size() for t in weights.values())
         engine = self.open_engine(allowed, weights, read_bytes) if self.dp.is_main else None  # rank 0 owns the engine and the update

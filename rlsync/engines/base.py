@@ -168,7 +168,7 @@ class Engine(Preloaded, Rollout):
     loads_trainer_tensors: bool = False
     # Whether, in its own process on a CPU, the engine's OpenMP threads may sleep as soon as an op ends
     # (OMP_WAIT_POLICY=PASSIVE) instead of spinning: a spinning engine steals the trainer's cores
-    # between update messages (rlsync.sync.engine_process.start_context). False for an engine that
+    # between update messages (rlsync.sync.engine_process.passive_openmp). False for an engine that
     # binds its own threads (vLLM's CPU backend).
     passive_cpu_threads: bool = True
 

@@ -28,8 +28,8 @@ import threading
 import time
 import traceback
 from collections import deque
-from contextlib import contextmanager
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 import torch.multiprocessing as mp
