@@ -367,3 +367,18 @@ def test_engine_processes_start_with_sleeping_openmp_threads_unless_told(monkeyp
         assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
     assert engine_class("hf").passive_cpu_threads and not engine_class("vllm").passive_cpu_threads
+
+
+def test_spin_poll_sees_a_waiting_message_at_once_and_gives_up_after_its_window():
+    import multiprocessing
+
+    from rlsync.sync.engine_process import spin_poll
+
+    ours, theirs = multiprocessing.Pipe()
+    start = time.perf_counter()
+    assert spin_poll(ours, 0.02) is False  # nothing sent: gives up after its window, then the caller blocks
+    assert 0.02 <= time.perf_counter() - start < 1.0
+    theirs.send(("update", ("tensor", "w", 0)))
+    start = time.perf_counter()
+    assert spin_poll(ours, 10.0) is True and time.perf_counter() - start < 1.0  # at once, not after the window
+    assert ours.recv() == ("update", ("tensor", "w", 0))
