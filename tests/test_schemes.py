@@ -138,3 +138,28 @@ def test_fastest_threads_times_the_updates_own_tensors_on_each_candidate():
     threads, how = fastest_threads(weights, buckets, torch.device("cpu"), rounds=1)
     assert threads in thread_candidates() and "8 of the update" in how and "best of 1" in how
     assert fastest_threads(weights, buckets, torch.device("cuda")) == (0, "not a CPU copy")  # nothing runs on a device
+
+
+def test_a_fewer_threads_win_is_timed_again_so_a_passing_disturbance_loses():
+    from rlsync.sync import auto
+
+    def rounds(*timings):  # one {threads: seconds} per round, in order
+        it = iter(timings)
+        return lambda: next(it)
+
+    pauses = []
+    # the sizing sweep's 4B job: 2 threads disturbed at first (41 ms against 36), then 16 ms
+    first = [{1: 0.036, 2: 0.041}] * 3
+    later = [{1: 0.031, 2: 0.016}] * 3
+    threads, how = auto.fastest_of(rounds(*first, *later), rounds=3, sleep=pauses.append)
+    assert threads == 2 and "best of 6 over 2 timings" in how and "2 threads 16.0 ms" in how
+    assert pauses == [auto.CONFIRM_PAUSE_S]
+    # a lasting disturbance (a core held by another process) keeps winning: believed after CONFIRM retimings
+    pauses.clear()
+    busy = [{1: 0.030, 2: 0.070}] * (3 * (auto.CONFIRM + 1))
+    threads, how = auto.fastest_of(rounds(*busy), rounds=3, sleep=pauses.append)
+    assert threads == 1 and len(pauses) == auto.CONFIRM and f"over {auto.CONFIRM + 1} timings" in how
+    # the most threads winning, or a sample too small for the choice to matter, is believed at once
+    assert auto.fastest_of(rounds({1: 0.030, 2: 0.016}), rounds=1, sleep=pauses.append)[0] == 2
+    assert auto.fastest_of(rounds({1: 0.001, 2: 0.004}), rounds=1, sleep=pauses.append) == (1, "best of 1: 1 thread 1.0 ms, 2 threads 4.0 ms")
+    assert len(pauses) == auto.CONFIRM  # no pause added by the last two
