@@ -45,6 +45,7 @@ from rlsync.recorder import Recorder, machine_info
 from rlsync.summary import stats_over
 from rlsync.sync import open_engine, plan_for, update_weights
 from rlsync.sync.auto import resolve_for_run, resolved_setup
+from rlsync.sync.threads import pooled
 from rlsync.validate import checked_config
 
 register_configs()
@@ -87,6 +88,7 @@ class UpdateTarget:
         self.setup = {
             "build_time": build_time, "update_bytes": update_bytes, "read_bytes": read_bytes,
             "tensors": len(self.weights), "layout": layout, "params": sum(t.numel() for t in self.weights.values()),
+            "pooled_tensors": sum(pooled(t.numel()) for t in self.weights.values()),  # the planner's cost model reads it
             "buckets": len(self.buckets), "largest_bucket_bytes": max(b.nbytes for b in self.buckets),
             # repeat_probes: how the floor beside each repeat was measured, and how often (filled as they run)
             "limits": {**self.limits.as_dict(), "repeat_probes": self.probe.wins}, "limit_time": self.limit_time,
@@ -171,7 +173,7 @@ class Bench:
             "kind": "bench",
             "target": cfg.bench.target,
             **recorder.progress(steps=cfg.bench.warmup + cfg.bench.repeats, warmup_steps=cfg.bench.warmup),
-            "model": {"name": cfg.model.name, **{k: self.setup.get(k) for k in ("params", "tensors", "update_bytes")}},
+            "model": {"name": cfg.model.name, **{k: self.setup.get(k) for k in ("params", "tensors", "pooled_tensors", "update_bytes")}},
             "setup": {"scheme": update.scheme, "transport": update.transport, "strategy": update.strategy,
                       "bucket_mb": update.bucket_mb, "source": update.source, "inflight_buckets": update.inflight_buckets,
                       **resolved_setup(self.setup.get("resolved"), update), "device": str(self.device),

@@ -37,6 +37,9 @@ def test_bench_sweep_writes_runs_files_for_each_transport(tmp_path):
         assert summary["kind"] == "bench" and summary["status"] == "finished"
         assert summary["warmup_steps"] == 1 and summary["measured_steps"] == 3
         assert summary["setup"]["transport"] == transport and summary["model"]["name"] == "tiny"
+        # copies on torch's thread pool (over 32768 elements), by hand: 4 layers x (q, o, gate, up, down)
+        # + the tied embedding (k and v, 128 x 256, are exactly 32768: one thread)
+        assert summary["model"]["pooled_tensors"] == 21 and summary["model"]["tensors"] == 46
         # direct: the default flat engine weights (update.flat_engine_weights=null, on for the HF engine)
         # make packing the whole update; ipc: shared flat weights too, the engine only acknowledges
         assert summary["setup"]["flat_engine_weights"] is True

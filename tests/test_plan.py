@@ -16,11 +16,11 @@ from rlsync.plan.calibrate import calibration_file, observations_under
 
 from conftest import ROOT, cli_env, run_cli
 
-KNOWN = {  # setup key -> (per_call_s, per_tensor_s, per_byte_s)
+KNOWN = {  # setup key -> (per_call_s, per_tensor_s, per_byte_s); per_tensor's tensor term: per pooled tensor
     "direct/bucketed": (60e-6, 40e-6, 1 / 6e9),
     "ipc/bucketed": (700e-6, 40e-6, 1 / 5e9),
     "direct/per_tensor": (25e-6, 0.0, 1 / 5.5e9),
-    "ipc/per_tensor": (500e-6, 0.0, 1 / 3.5e9),
+    "ipc/per_tensor": (350e-6, 600e-6, 1 / 3.5e9),
 }
 
 
@@ -33,11 +33,12 @@ def synthetic(noise: float = 0.0, seed: int = 0) -> list[cost.Observation]:
     out = []
     for key, (c, t, b) in KNOWN.items():
         setup = cost.Setup.from_key(key)
-        for tensors, elements in [(46, 2.5e6), (706, 4.6e6), (24, 2.2e8), (310, 6e8), (1200, 1e7)]:
+        for tensors, pooled, elements in [(46, 21, 2.5e6), (706, 1, 4.6e6), (24, 15, 2.2e8), (310, 197, 6e8),
+                                          (1200, 300, 1e7)]:
             for buckets in ([1, max(1, tensors // 8), tensors] if setup.strategy == "bucketed" else [tensors]):
                 w = cost.work(setup, tensors=tensors, buckets=buckets, elements=int(elements),
-                              trainer_dtype="bfloat16", engine_dtype="bfloat16")
-                time_s = (w.calls * c + (w.tensors * t if setup.strategy == "bucketed" else 0) + w.bytes * b)
+                              trainer_dtype="bfloat16", engine_dtype="bfloat16", pooled=pooled)
+                time_s = w.calls * c + (w.tensors if setup.strategy == "bucketed" else w.pooled) * t + w.bytes * b
                 out.append(cost.Observation(setup, w, time_s * (1 + rng.uniform(-noise, noise)), 0.01))
     return out
 
@@ -120,6 +121,12 @@ def test_plan_schema_prediction_and_flags(compose):
     assert kinds["per_tensor_overhead"]["share"] == pytest.approx((per_tensor - pred["time_s"]) / per_tensor)
     setups = {(r["transport"], r["strategy"], r["bucket_mb"]) for r in plan["predictions"]}
     assert ("ipc", "per_tensor", None) in setups and ("ipc", "bucketed", 1024) in setups
+    # per_tensor over ipc: a message per tensor, plus the pooled ones (copied on torch's thread pool:
+    # over 32768 elements): by hand, 28 layers x (q, k, v, o, gate, up, down) + the tied embedding = 197
+    ipc = next(r for r in plan["predictions"] if (r["transport"], r["strategy"]) == ("ipc", "per_tensor"))
+    c, t, b = KNOWN["ipc/per_tensor"]
+    assert ipc["pooled_tensors"] == 197 and ipc["tensor_term"] == {"count": 197, "counts": "pooled tensors"}
+    assert ipc["time_s"] == pytest.approx(310 * c + 197 * t + 1_720_574_976 * 8 * b)
     text = planner.render(plan)
     assert "Flag tensor_over_bucket" in text and "Predicted update time" in text and "unmeasured" not in text
 

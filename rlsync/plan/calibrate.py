@@ -8,7 +8,9 @@ that calls, tensors and bytes vary independently enough to separate the three co
 - `tiny` (46 tensors, 5 MiB), `deep` (64 narrow layers: 706 tensors, under 9 MiB: calls and tensors),
   `wide` (a 151936-token embedding and 2 wide layers: 24 tensors, 0.4 GiB: bytes),
   `qwen3_0p6b` (310 tensors, 1.1 GiB: the largest allowed, near the sizes planned);
-- bucketed at 512 MiB (few calls) and at small buckets (a call per tensor or so), and per_tensor;
+- bucketed at 512 MiB (few calls) and at small buckets (a call per tensor or so), and per_tensor
+  (over ipc all four: a message per tensor, tensors copied on one thread (deep) or on the thread
+  pool (the others), and bytes (wide) each cost their own);
 - direct and ipc (flat engine weights too with `plan.calibrate_flat=true`).
 
 Every job writes its run directory (summary.json) under the calibration's output dir, so the fit can
@@ -54,7 +56,8 @@ GRID = [
     ("qwen3_0p6b", "direct", "per_tensor", 512),
     ("tiny", "ipc", "bucketed", 512), ("deep", "ipc", "bucketed", 512), ("deep", "ipc", "bucketed", 0.0625),
     ("wide", "ipc", "bucketed", 512), ("qwen3_0p6b", "ipc", "bucketed", 512), ("qwen3_0p6b", "ipc", "bucketed", 4),
-    ("tiny", "ipc", "per_tensor", 512), ("deep", "ipc", "per_tensor", 512), ("qwen3_0p6b", "ipc", "per_tensor", 512),
+    ("tiny", "ipc", "per_tensor", 512), ("deep", "ipc", "per_tensor", 512), ("wide", "ipc", "per_tensor", 512),
+    ("qwen3_0p6b", "ipc", "per_tensor", 512),
 ]
 QUICK_MODELS = ("tiny", "deep")  # plan.calibrate_quick=true: seconds, for tests and smoke runs
 
@@ -93,7 +96,8 @@ def observation(summary: dict, source: str = "") -> Optional[cost.Observation]:
         return None
     setup = cost.Setup(s["transport"], s["strategy"], bool(s.get("flat_engine_weights")) and s["strategy"] == "bucketed")
     w = cost.work(setup, tensors=m["tensors"], buckets=s["buckets"], elements=m["params"],
-                  trainer_dtype=s["trainer_dtype"], engine_dtype=s["engine_dtype"])
+                  trainer_dtype=s["trainer_dtype"], engine_dtype=s["engine_dtype"],
+                  pooled=m.get("pooled_tensors") or 0)  # runs from before the count: 0 (the column carries nothing)
     spread = (t["max"] - t["min"]) / 2 / t["median"] if t.get("max") is not None else 0.0
     return cost.Observation(setup, w, t["median"], spread, floor_s_per_byte(summary), source=source, model=m["name"],
                             extra={"bucket_mb": s.get("bucket_mb"), "trainer_dtype": s["trainer_dtype"],

@@ -5,10 +5,15 @@ a call is a different thing in each (a staged bucket, a message to another proce
 `copy_`). The three terms:
 
 - calls: the update's units of work: buckets for `bucketed`, tensors for `per_tensor` (one call
-  each). For `per_tensor` calls and tensors are the same count, so its per-tensor coefficient is
-  fixed at 0 and the per-call one carries both.
+  each).
 - tensors: per named tensor, whatever the grouping (the views, the per-tensor `copy_` launches inside
-  a bucket's pack and load).
+  a bucket's pack and load). For `per_tensor` calls and tensors are the same count, so there this
+  column counts the *pooled* tensors instead (`Work.pooled`): those whose copy runs on torch's CPU
+  thread pool (more than 32,768 elements, rlsync.sync.threads.POOL_GRAIN), each copy waking the
+  pool's sleeping threads, in both processes over ipc. Measured over ipc per_tensor here: ~0.35 ms a
+  message for tensors copied on one thread (deep's 706, tiny_moe's 3,219 experts) against ~0.9-1.2
+  ms for pooled ones (tiny's, Qwen3-0.6B's): one per-message figure over-predicted Qwen3-4B and
+  tiny_moe by a third (experiments/sizing/README.md, run 5).
 - bytes: read + written by the update's copies, the dtype conversion counted (trainer.dtype ->
   rollout.dtype reads one itemsize and writes the other); the copies are one (per-tensor direct, flat
   engine weights) or two (pack into staging, then load: bucketed, per-tensor through a process).
@@ -72,15 +77,22 @@ class Work:
     calls: int
     tensors: int
     bytes: int
+    pooled: int = 0  # tensors whose CPU copy runs on torch's thread pool (rlsync.sync.threads.pooled)
 
     def row(self, setup: Setup) -> list[float]:
-        """The design-matrix row; per_tensor's tensor column is folded into its calls (the same count)."""
-        return [self.calls, 0 if setup.strategy == "per_tensor" else self.tensors, self.bytes]
+        """The design-matrix row; per_tensor's tensor column counts the pooled tensors (its calls count them all)."""
+        return [self.calls, self.pooled if setup.strategy == "per_tensor" else self.tensors, self.bytes]
 
 
-def work(setup: Setup, *, tensors: int, buckets: int, elements: int, trainer_dtype: str, engine_dtype: str) -> Work:
+def tensor_term(setup: Setup) -> str:
+    """What the tensor column counts for `setup` (Work.row)."""
+    return "pooled tensors" if setup.strategy == "per_tensor" else "tensors"
+
+
+def work(setup: Setup, *, tensors: int, buckets: int, elements: int, trainer_dtype: str, engine_dtype: str,
+         pooled: int = 0) -> Work:
     calls = tensors if setup.strategy == "per_tensor" else buckets
-    return Work(calls, tensors, moved_bytes(setup, elements, trainer_dtype, engine_dtype))
+    return Work(calls, tensors, moved_bytes(setup, elements, trainer_dtype, engine_dtype), pooled)
 
 
 @dataclass
@@ -152,7 +164,7 @@ def nnls(a: list[list[float]], b: list[float]) -> list[float]:
 def at_floor(o: Observation) -> Observation:
     """`o` with its bytes counted in units of its run's copy floor (seconds at the floor x 1e9), so that
     the fitted per-byte coefficient is a multiple of the floor: time at the floor per byte x 1e-9."""
-    w = Work(o.work.calls, o.work.tensors, int(o.work.bytes * o.floor_s_per_byte * 1e9))
+    w = Work(o.work.calls, o.work.tensors, int(o.work.bytes * o.floor_s_per_byte * 1e9), o.work.pooled)
     return Observation(o.setup, w, o.time_s, o.spread, o.floor_s_per_byte, o.source, o.model, o.extra)
 
 

@@ -22,6 +22,7 @@ from rlsync.memory import DTYPE_BYTES, estimate, param_shapes, staging_bytes
 from rlsync.models import torch_dtype
 from rlsync.plan import cost, profiles
 from rlsync.sync.buckets import TensorMeta, plan_buckets
+from rlsync.sync.threads import pooled
 
 SCHEMA_VERSION = 1
 STRATEGIES = ("bucketed", "per_tensor")
@@ -51,6 +52,7 @@ class Planner:
         self.dtype = torch_dtype(cfg.rollout.dtype)
         self.metas = [TensorMeta(n, tuple(s), self.dtype) for n, s in self.shapes]
         self.elements = sum(m.numel for m in self.metas)
+        self.pooled = sum(pooled(m.numel) for m in self.metas)
         self.largest = max(self.metas, key=lambda m: m.numel)
         self.measured = bool(calibration) and calibration.get("measured", True)
         self._plans: dict[float, list] = {}
@@ -76,8 +78,9 @@ class Planner:
         if coef is None:
             return None
         w = cost.work(setup, tensors=len(self.metas), buckets=buckets, elements=self.elements,
-                      trainer_dtype=self.cfg.trainer.dtype, engine_dtype=self.cfg.rollout.dtype)
-        return {**cost.predict(coef, w, setup), "calls": w.calls, "tensors": w.tensors, "moved_bytes": w.bytes,
+                      trainer_dtype=self.cfg.trainer.dtype, engine_dtype=self.cfg.rollout.dtype, pooled=self.pooled)
+        return {**cost.predict(coef, w, setup), "calls": w.calls, "tensors": w.tensors, "pooled_tensors": w.pooled,
+                "tensor_term": {"count": w.row(setup)[1], "counts": cost.tensor_term(setup)}, "moved_bytes": w.bytes,
                 "measured": self.measured, "at_floor": self.predict_at_floor(setup, w)}
 
     def predict_at_floor(self, setup: cost.Setup, w: cost.Work) -> Optional[dict]:
@@ -86,7 +89,8 @@ class Planner:
         coef = self.at_floor.get(setup.key)
         if coef is None or not self.floor_gbps:
             return None
-        overhead = w.calls * coef.per_call_s + (w.tensors * coef.per_tensor_s if setup.strategy != "per_tensor" else 0)
+        calls, tensors, _ = w.row(setup)
+        overhead = calls * coef.per_call_s + tensors * coef.per_tensor_s
         multiple = coef.per_byte_s * 1e9
         t = overhead + multiple * w.bytes / (self.floor_gbps * 1e9)
         e = coef.rel_error
@@ -222,7 +226,7 @@ def render(plan: dict) -> str:
     if pred:
         lines.append(f"Predicted update time{unmeasured}: {fmt_seconds(pred['time_s'])} "
                      f"({fmt_seconds(pred['low_s'])} to {fmt_seconds(pred['high_s'])}) = {pred['calls']} calls "
-                     f"{fmt_seconds(pred['terms']['calls_s'])} + {pred['tensors']} tensors "
+                     f"{fmt_seconds(pred['terms']['calls_s'])} + {pred['tensor_term']['count']} {pred['tensor_term']['counts']} "
                      f"{fmt_seconds(pred['terms']['tensors_s'])} + {fmt_bytes(pred['moved_bytes'])} moved "
                      f"{fmt_seconds(pred['terms']['bytes_s'])}")
         f = pred.get("at_floor")

@@ -13,6 +13,15 @@ from contextlib import contextmanager
 
 import torch
 
+# A CPU copy of more elements than this runs on torch's thread pool (at::internal::GRAIN_SIZE: at::parallel_for
+# forks only above it); at or below it, on the calling thread. Each pooled copy wakes the pool's threads.
+POOL_GRAIN = 32768
+
+
+def pooled(numel: int) -> bool:
+    """Whether a CPU copy of `numel` elements runs on torch's thread pool (with more than one thread)."""
+    return numel > POOL_GRAIN
+
 
 @contextmanager
 def cpu_threads(count: int | None, device: torch.device):
