@@ -37,7 +37,7 @@ from rlsync.engines.base import EngineSpec
 from rlsync.errors import cli, job_errors, show
 from rlsync.fmt import MIB, fmt_bytes, fmt_seconds, fmt_spread, markdown_table
 from rlsync.launcher import hydra_job
-from rlsync.limits import Limits
+from rlsync.limits import Limits, cache_resident_elements, llc_bytes
 from rlsync.architecture import update_tensors
 from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.offload import Offloader
@@ -89,6 +89,12 @@ class UpdateTarget:
             "build_time": build_time, "update_bytes": update_bytes, "read_bytes": read_bytes,
             "tensors": len(self.weights), "layout": layout, "params": sum(t.numel() for t in self.weights.values()),
             "pooled_tensors": sum(pooled(t.numel()) for t in self.weights.values()),  # the planner's cost model reads it
+            # the units whose staging fits in half the CPU's last-level cache (the cost model's moved bytes)
+            "llc_bytes": llc_bytes() if device.type == "cpu" else None,
+            "cache_resident_elements": cache_resident_elements(
+                [t.numel() for t in self.weights.values()] if cfg.update.strategy == "per_tensor"
+                else [b.numel for b in self.buckets], torch_dtype(cfg.rollout.dtype).itemsize,
+                llc_bytes() if device.type == "cpu" else None),
             "buckets": len(self.buckets), "largest_bucket_bytes": max(b.nbytes for b in self.buckets),
             # repeat_probes: how the floor beside each repeat was measured, and how often (filled as they run)
             "limits": {**self.limits.as_dict(), "repeat_probes": self.probe.wins}, "limit_time": self.limit_time,
@@ -180,7 +186,8 @@ class Bench:
                       "engine": cfg.rollout.engine, "engine_address": update.engine_address,
                       "engine_dtype": cfg.rollout.dtype, "trainer_dtype": cfg.trainer.dtype,
                       "buckets": self.setup.get("buckets"), "tensors": self.setup.get("tensors"),
-                      "layout": self.setup.get("layout"),
+                      "layout": self.setup.get("layout"), "llc_bytes": self.setup.get("llc_bytes"),
+                      "cache_resident_elements": self.setup.get("cache_resident_elements"),
                       "largest_bucket_bytes": self.setup.get("largest_bucket_bytes"),
                       "build_time": self.setup.get("build_time")},
             "limits": self.setup.get("limits"),

@@ -77,6 +77,39 @@ def machine_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def llc_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """The CPU's last-level cache in bytes (Linux sysfs: the highest cache level's size), None where unknown."""
+    best = (0, None)
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError:
+        return None
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    for entry in entries:
+        if not entry.startswith("index"):
+            continue
+        try:
+            with open(os.path.join(root, entry, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(root, entry, "size")) as f:
+                size = f.read().strip()
+            nbytes = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        except (OSError, ValueError, IndexError):
+            continue
+        if level >= best[0]:
+            best = (level, nbytes)
+    return best[1]
+
+
+def cache_resident_elements(unit_numels: Sequence[int], itemsize: int, llc: int | None) -> int:
+    """Elements of the update's units (its tensors for per_tensor, its buckets otherwise) whose staging
+    copy fits in half the last-level cache: a copy that reads such a unit right after another wrote it
+    reads the cache, not memory (rlsync.plan.cost.moved_bytes). 0 without an LLC figure."""
+    if not llc:
+        return 0
+    return sum(n for n in unit_numels if n * itemsize <= llc // 2)
+
+
 def copy_candidates(dst: torch.Tensor, src: torch.Tensor) -> list[Way]:
     """The ways `best_copy` tries. A CPU copy: one thread (memcpy speed on an idle core, and no barrier
     to wait at when another core is busy), torch's thread count and every core the process may use

@@ -40,6 +40,9 @@ def test_bench_sweep_writes_runs_files_for_each_transport(tmp_path):
         # copies on torch's thread pool (over 32768 elements), by hand: 4 layers x (q, o, gate, up, down)
         # + the tied embedding (k and v, 128 x 256, are exactly 32768: one thread)
         assert summary["model"]["pooled_tensors"] == 21 and summary["model"]["tensors"] == 46
+        # its one 5 MiB bucket fits in half of any CPU's last-level cache; without an LLC figure none counts
+        llc = summary["setup"]["llc_bytes"]
+        assert summary["setup"]["cache_resident_elements"] == (summary["model"]["params"] if llc else 0)
         # direct: the default flat engine weights (update.flat_engine_weights=null, on for the HF engine)
         # make packing the whole update; ipc: shared flat weights too, the engine only acknowledges
         assert summary["setup"]["flat_engine_weights"] is True

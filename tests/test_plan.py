@@ -276,3 +276,46 @@ def test_report_sizes_the_known_pain_and_fits_the_cost_model():
 def test_plan_config_rules(tmp_path, overrides, says):
     proc = run_cli(*overrides, f"hydra.run.dir={tmp_path}", module="rlsync.plan", timeout=120)
     assert proc.returncode == 2 and says in proc.stderr
+
+
+def test_a_staged_copy_read_back_from_the_cache_is_not_counted_as_moved(tmp_path):
+    from rlsync.limits import cache_resident_elements, llc_bytes
+
+    n, cached = 1_000_000, 400_000
+    ipc = cost.Setup("ipc", "per_tensor")  # into the slot (read 2 + write 2), then the load (read 2 + write 2)
+    assert cost.moved_bytes(ipc, n, "bfloat16", "bfloat16") == n * 8
+    assert cost.moved_bytes(ipc, n, "bfloat16", "bfloat16", cached) == n * 8 - cached * 2  # the load's read of the slot
+    flat = cost.Setup("direct", "bucketed", flat=True)  # one copy: nothing is read back
+    assert cost.moved_bytes(flat, n, "float32", "bfloat16", cached) == n * 6
+    # units whose staging fits in half the last-level cache, none without a figure
+    assert cache_resident_elements([10, 8 << 20, (8 << 20) + 1], 2, 32 << 20) == 10 + (8 << 20)
+    assert cache_resident_elements([10], 2, None) == 0
+    # sysfs: the highest level's size
+    for index, (level, size) in enumerate([(1, "48K"), (1, "32K"), (2, "2048K"), (3, "36608K")]):
+        d = tmp_path / f"index{index}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "size").write_text(f"{size}\n")
+    assert llc_bytes(str(tmp_path)) == 36608 * 1024
+    assert llc_bytes(str(tmp_path / "absent")) is None
+
+
+def test_the_plan_counts_the_cache_of_the_calibration_machine(compose):
+    """Qwen3-1.7B over ipc per_tensor, bf16, with a 32 MiB LLC: tensors of at most 8 Mi elements (16 MiB)
+    stay in the cache between the copy into the slot and the engine's load. By hand, per layer
+    q_proj and o_proj (2048 x 2048), k_proj and v_proj (1024 x 2048), the two norms (2048) and
+    q_norm, k_norm (128): 12,587,264 elements; 28 layers and the final norm: 352,445,440. Not the
+    MLP (6144 x 2048) nor the embedding."""
+    from rlsync.config import PlanAppConfig, to_config
+
+    cfg = compose("model=qwen3_1p7b", "trainer.dtype=bfloat16", "update.strategy=per_tensor", "update.transport=ipc")
+    cfg = to_config(__import__("omegaconf").OmegaConf.structured(PlanAppConfig(**vars(cfg))), PlanAppConfig)
+    cal = calibration_of()
+    without = planner.make_plan(cfg, calibration=cal, calibration_where="test", bucket_sizes=[512])["prediction"]
+    cal["machine"]["llc_bytes"] = 32 << 20
+    with_llc = planner.make_plan(cfg, calibration=cal, calibration_where="test", bucket_sizes=[512])["prediction"]
+    assert without["moved_bytes"] == 1_720_574_976 * 8
+    assert with_llc["moved_bytes"] == 1_720_574_976 * 8 - 352_445_440 * 2
+    cal["machine"]["cuda"] = True  # a GPU calibration: its copies are not the CPU's
+    on_gpu = planner.make_plan(cfg, calibration=cal, calibration_where="test", bucket_sizes=[512])["prediction"]
+    assert on_gpu["moved_bytes"] == without["moved_bytes"]

@@ -97,7 +97,8 @@ def observation(summary: dict, source: str = "") -> Optional[cost.Observation]:
     setup = cost.Setup(s["transport"], s["strategy"], bool(s.get("flat_engine_weights")) and s["strategy"] == "bucketed")
     w = cost.work(setup, tensors=m["tensors"], buckets=s["buckets"], elements=m["params"],
                   trainer_dtype=s["trainer_dtype"], engine_dtype=s["engine_dtype"],
-                  pooled=m.get("pooled_tensors") or 0)  # runs from before the count: 0 (the column carries nothing)
+                  pooled=m.get("pooled_tensors") or 0,  # runs from before the count: 0 (the column carries nothing)
+                  cached=s.get("cache_resident_elements") or 0)  # runs from before it: every byte counted
     spread = (t["max"] - t["min"]) / 2 / t["median"] if t.get("max") is not None else 0.0
     return cost.Observation(setup, w, t["median"], spread, floor_s_per_byte(summary), source=source, model=m["name"],
                             extra={"bucket_mb": s.get("bucket_mb"), "trainer_dtype": s["trainer_dtype"],

@@ -16,7 +16,9 @@ a call is a different thing in each (a staged bucket, a message to another proce
   tiny_moe by a third (experiments/sizing/README.md, run 5).
 - bytes: read + written by the update's copies, the dtype conversion counted (trainer.dtype ->
   rollout.dtype reads one itemsize and writes the other); the copies are one (per-tensor direct, flat
-  engine weights) or two (pack into staging, then load: bucketed, per-tensor through a process).
+  engine weights) or two (pack into staging, then load: bucketed, per-tensor through a process);
+  the second copy's read of a unit (tensor or bucket) that fits in half the CPU's last-level cache
+  is not counted: it reads the cache the first copy just wrote (`moved_bytes`).
   Bandwidth is fitted as absolute bytes per second, not relative to the copy floor: a floor measured
   at plan time would mean allocating, and on a GPU profile it is a published figure anyway.
 
@@ -63,11 +65,17 @@ def copies(setup: Setup) -> int:
     return 2 if setup.transport != "broadcast" else 3  # pack, (broadcast,) load
 
 
-def moved_bytes(setup: Setup, elements: int, trainer_dtype: str, engine_dtype: str) -> int:
-    """Bytes read + written by the update's copies: the first converts trainer -> engine dtype, the
-    others copy the engine dtype."""
+def moved_bytes(setup: Setup, elements: int, trainer_dtype: str, engine_dtype: str, cached: int = 0) -> int:
+    """Bytes read + written by the update's copies that reach memory: the first converts trainer ->
+    engine dtype, the others copy the engine dtype. `cached`: elements of the units (tensors for
+    per_tensor, buckets otherwise) whose staging fits in half the CPU's last-level cache
+    (rlsync.limits.cache_resident_elements): the second copy reads those from the cache the first
+    just wrote them to, so that read is not counted. Measured here (35.8 MiB L3, bf16, 2 threads):
+    two copies through a staging buffer moved 20 GB/s of read + written bytes for 2-6 MiB tensors and
+    16 GB/s for 25-200 MiB, a read in four (experiments/sizing/README.md, run 6)."""
     t, e = DTYPE_BYTES[trainer_dtype], DTYPE_BYTES[engine_dtype]
-    return elements * ((t + e) + (copies(setup) - 1) * 2 * e)
+    n = copies(setup)
+    return elements * ((t + e) + (n - 1) * 2 * e) - (cached * e if n > 1 else 0)
 
 
 @dataclass(frozen=True)
@@ -90,9 +98,9 @@ def tensor_term(setup: Setup) -> str:
 
 
 def work(setup: Setup, *, tensors: int, buckets: int, elements: int, trainer_dtype: str, engine_dtype: str,
-         pooled: int = 0) -> Work:
+         pooled: int = 0, cached: int = 0) -> Work:
     calls = tensors if setup.strategy == "per_tensor" else buckets
-    return Work(calls, tensors, moved_bytes(setup, elements, trainer_dtype, engine_dtype), pooled)
+    return Work(calls, tensors, moved_bytes(setup, elements, trainer_dtype, engine_dtype, cached), pooled)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from rlsync.memory import DTYPE_BYTES, estimate, param_shapes, staging_bytes
 from rlsync.models import torch_dtype
 from rlsync.plan import cost, profiles
 from rlsync.sync.buckets import TensorMeta, plan_buckets
+from rlsync.limits import cache_resident_elements
 from rlsync.sync.threads import pooled
 
 SCHEMA_VERSION = 1
@@ -55,6 +56,8 @@ class Planner:
         self.pooled = sum(pooled(m.numel) for m in self.metas)
         self.largest = max(self.metas, key=lambda m: m.numel)
         self.measured = bool(calibration) and calibration.get("measured", True)
+        machine = (calibration or {}).get("machine", {})
+        self.llc = None if machine.get("cuda") else machine.get("llc_bytes")  # the calibration machine's CPU cache
         self._plans: dict[float, list] = {}
 
     def plan(self, bucket_mb: float) -> list:
@@ -73,12 +76,15 @@ class Planner:
                 "tensors_over_bucket": len(over), "tensors_over_bucket_bytes": sum(m.nbytes for m in over),
                 "staging_bytes": trainer_staging + engine_staging}
 
-    def predict(self, setup: cost.Setup, buckets: int) -> Optional[dict]:
+    def predict(self, setup: cost.Setup, bucket_mb: Optional[float]) -> Optional[dict]:
+        """`setup`'s predicted time at `bucket_mb` (per_tensor: any; its units are the tensors)."""
         coef = self.coefficients.get(setup.key)
         if coef is None:
             return None
-        w = cost.work(setup, tensors=len(self.metas), buckets=buckets, elements=self.elements,
-                      trainer_dtype=self.cfg.trainer.dtype, engine_dtype=self.cfg.rollout.dtype, pooled=self.pooled)
+        units = [m.numel for m in self.metas] if setup.strategy == "per_tensor" else [b.numel for b in self.plan(bucket_mb)]
+        w = cost.work(setup, tensors=len(self.metas), buckets=len(units), elements=self.elements,
+                      trainer_dtype=self.cfg.trainer.dtype, engine_dtype=self.cfg.rollout.dtype, pooled=self.pooled,
+                      cached=cache_resident_elements(units, self.dtype.itemsize, self.llc))
         return {**cost.predict(coef, w, setup), "calls": w.calls, "tensors": w.tensors, "pooled_tensors": w.pooled,
                 "tensor_term": {"count": w.row(setup)[1], "counts": cost.tensor_term(setup)}, "moved_bytes": w.bytes,
                 "measured": self.measured, "at_floor": self.predict_at_floor(setup, w)}
@@ -106,15 +112,14 @@ class Planner:
                 continue
             sizes = bucket_sizes if setup.strategy == "bucketed" else [None]
             for mb in sizes:
-                n = len(self.plan(mb)) if mb else len(self.metas)
-                p = self.predict(setup, n)
+                p = self.predict(setup, mb)
                 rows.append({"transport": setup.transport, "strategy": setup.strategy, "flat": setup.flat,
                              "bucket_mb": mb, **p})
         return rows
 
-    def per_tensor_share(self, transport: str, bucket_mb: float, buckets: int) -> Optional[float]:
-        per_tensor = self.predict(cost.Setup(transport, "per_tensor"), len(self.metas))
-        bucketed = self.predict(setup_of(self.cfg, "bucketed", transport), buckets)
+    def per_tensor_share(self, transport: str, bucket_mb: float) -> Optional[float]:
+        per_tensor = self.predict(cost.Setup(transport, "per_tensor"), None)
+        bucketed = self.predict(setup_of(self.cfg, "bucketed", transport), bucket_mb)
         if not per_tensor or not bucketed or per_tensor["time_s"] <= 0:
             return None
         return (per_tensor["time_s"] - bucketed["time_s"]) / per_tensor["time_s"]
@@ -133,14 +138,13 @@ def make_plan(cfg: Config, *, calibration: Optional[dict], calibration_where: st
     for mb in sizes:
         row = p.buckets(mb)
         for strategy in STRATEGIES:
-            pred = p.predict(setup_of(cfg, strategy), row["buckets"] if strategy == "bucketed" else len(p.metas))
+            pred = p.predict(setup_of(cfg, strategy), mb)
             row[f"{strategy}_time_s"] = pred["time_s"] if pred else None
-        row["per_tensor_share"] = p.per_tensor_share(u.transport, mb, row["buckets"])
+        row["per_tensor_share"] = p.per_tensor_share(u.transport, mb)
         table.append(row)
     configured = next(r for r in table if r["bucket_mb"] == u.bucket_mb)
     setup = setup_of(cfg)
-    calls = configured["buckets"] if u.strategy == "bucketed" else len(p.metas)
-    prediction = p.predict(setup, calls) if u.strategy in STRATEGIES else None
+    prediction = p.predict(setup, u.bucket_mb) if u.strategy in STRATEGIES else None
     staging = staging_bytes(cfg, p.shapes)
     run_peak = estimate(cfg, cuda=cuda, runtime_bytes=0)
     t, e = DTYPE_BYTES[cfg.trainer.dtype], DTYPE_BYTES[cfg.rollout.dtype]

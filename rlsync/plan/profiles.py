@@ -68,6 +68,10 @@ def machine_now(device: str = "cpu") -> dict:
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(device)
+    else:  # the CPU copies' cache: the plan counts the bytes a staged copy reads back from it (cost.moved_bytes)
+        from rlsync.limits import llc_bytes
+
+        info["llc_bytes"] = llc_bytes()
     try:
         info["load_average"] = list(os.getloadavg())
     except OSError:
