@@ -85,16 +85,16 @@ class UpdateTarget:
         build_time = time.perf_counter() - t0
         self.limit_time = self.limits.update_limit
         self.probe = self.limits.update_probe()  # the same floor, re-timed beside each repeat (a shared machine drifts)
+        llc = llc_bytes() if device.type == "cpu" else None  # the CPU copies' last-level cache
         self.setup = {
             "build_time": build_time, "update_bytes": update_bytes, "read_bytes": read_bytes,
             "tensors": len(self.weights), "layout": layout, "params": sum(t.numel() for t in self.weights.values()),
             "pooled_tensors": sum(pooled(t.numel()) for t in self.weights.values()),  # the planner's cost model reads it
             # the units whose staging fits in half the CPU's last-level cache (the cost model's moved bytes)
-            "llc_bytes": llc_bytes() if device.type == "cpu" else None,
+            "llc_bytes": llc,
             "cache_resident_elements": cache_resident_elements(
                 [t.numel() for t in self.weights.values()] if cfg.update.strategy == "per_tensor"
-                else [b.numel for b in self.buckets], torch_dtype(cfg.rollout.dtype).itemsize,
-                llc_bytes() if device.type == "cpu" else None),
+                else [b.numel for b in self.buckets], torch_dtype(cfg.rollout.dtype).itemsize, llc),
             "buckets": len(self.buckets), "largest_bucket_bytes": max(b.nbytes for b in self.buckets),
             # repeat_probes: how the floor beside each repeat was measured, and how often (filled as they run)
             "limits": {**self.limits.as_dict(), "repeat_probes": self.probe.wins}, "limit_time": self.limit_time,
