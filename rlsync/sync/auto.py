@@ -77,9 +77,11 @@ def fastest_threads(weights: dict[str, torch.Tensor], buckets: list[Bucket], dev
     for dst, src in views:  # first touch, untimed
         copy_into(dst, src)
 
+    candidates = thread_candidates()
+
     def one_round() -> dict[int, float]:
         times = {}
-        for n in thread_candidates():
+        for n in candidates:
             with cpu_threads(n, device):
                 start = time.perf_counter()
                 for dst, src in views:
