@@ -10,8 +10,8 @@
 #      bucketed and per_tensor), coefficients into $OUT/calibration.json;
 #   2. plan: python -m rlsync.plan model=M for qwen3_1p7b, qwen3_4b (and tiny_moe where the preset exists),
 #      plan.json in $OUT/plans/M;
-#   3. bench: python -m rlsync.bench -m over direct,ipc x bucketed,per_tensor for 1.7B and 4B; ipc
-#      bucketed and per_tensor for tiny_moe; summaries in $OUT/bench*/;
+#   3. bench: python -m rlsync.bench, one process per job, over direct,ipc x bucketed,per_tensor for 1.7B
+#      and 4B; ipc bucketed and per_tensor for tiny_moe; summaries in $OUT/bench*/<job>/;
 #   4. compare: python -m rlsync.plan.compare $OUT --out $OUT/comparison.md (predicted vs measured median).
 # trainer.dtype and rollout.dtype bfloat16 throughout, so that 4B (trainer + engine 15 GiB) fits in 24 GiB.
 # Writes into $OUT (default experiments/sizing/results_<date>); the load average goes beside the table.
@@ -39,11 +39,20 @@ for m in $MODELS $MOE; do
   $PY -m rlsync.plan model=$m $DT "$CAL" hydra.run.dir="$OUT/plans/$m" > "$OUT/plans_$m.txt"
 done
 BENCH="bench.repeats=$REPEATS bench.warmup=1 $DT"
-$PY -m rlsync.bench -m model=$(echo $MODELS | tr ' ' ,) update.transport=direct,ipc update.strategy=bucketed,per_tensor \
-  $BENCH hydra.sweep.dir="$OUT/bench" > "$OUT/bench.txt" 2>&1 || echo "some bench jobs failed: $OUT/bench.txt"
+# One process per job, not one Hydra multirun: jobs in one process share its heap and page state, and
+# in runs 6-8 the first job of a bigger model after smaller ones ran 1.5-2.4x slow, speeding up over
+# its repeats. A fresh process starts each job from the same state, as the calibration's jobs start.
+bench_job() {  # bench_job DIR MODEL TRANSPORT STRATEGY: one rlsync.bench run into DIR, its output into DIR.txt
+  local dir=$1 model=$2 transport=$3 strategy=$4
+  mkdir -p "$(dirname "$dir")"
+  $PY -m rlsync.bench model=$model update.transport=$transport update.strategy=$strategy $BENCH \
+    hydra.run.dir="$dir" > "$dir.txt" 2>&1 || echo "bench job failed: $dir.txt" | tee -a "$OUT/load.txt"
+}
+for m in $MODELS; do for t in direct ipc; do for s in bucketed per_tensor; do
+  bench_job "$OUT/bench/${m}_${t}_${s}" $m $t $s
+done; done; done
 if [[ -n "$MOE" ]]; then
-  $PY -m rlsync.bench -m model=$MOE update.transport=ipc update.strategy=bucketed,per_tensor \
-    $BENCH hydra.sweep.dir="$OUT/bench_moe" > "$OUT/bench_moe.txt" 2>&1 || echo "some bench jobs failed: $OUT/bench_moe.txt"
+  for s in bucketed per_tensor; do bench_job "$OUT/bench_moe/${MOE}_ipc_${s}" $MOE ipc $s; done
 else
   (( SMOKE )) || echo "tiny_moe: no preset on this branch (it comes with the models branch): skipped" | tee -a "$OUT/load.txt"
 fi
