@@ -93,8 +93,8 @@ class UpdateTarget:
             # the units whose staging fits in half the CPU's last-level cache (the cost model's moved bytes)
             "llc_bytes": llc,
             "cache_resident_elements": cache_resident_elements(
-                [t.numel() for t in self.weights.values()] if cfg.update.strategy == "per_tensor"
-                else [b.numel for b in self.buckets], torch_dtype(cfg.rollout.dtype).itemsize, llc),
+                cfg.update.strategy, [t.numel() for t in self.weights.values()], [b.numel for b in self.buckets],
+                torch_dtype(cfg.rollout.dtype).itemsize, llc),
             "buckets": len(self.buckets), "largest_bucket_bytes": max(b.nbytes for b in self.buckets),
             # repeat_probes: how the floor beside each repeat was measured, and how often (filled as they run)
             "limits": {**self.limits.as_dict(), "repeat_probes": self.probe.wins}, "limit_time": self.limit_time,

@@ -101,13 +101,15 @@ def llc_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
     return best[1]
 
 
-def cache_resident_elements(unit_numels: Sequence[int], itemsize: int, llc: int | None) -> int:
+def cache_resident_elements(strategy: str, tensor_numels: Sequence[int], bucket_numels: Sequence[int], itemsize: int,
+                            llc: int | None) -> int:
     """Elements of the update's units (its tensors for per_tensor, its buckets otherwise) whose staging
     copy fits in half the last-level cache: a copy that reads such a unit right after another wrote it
     reads the cache, not memory (rlsync.plan.cost.moved_bytes). 0 without an LLC figure."""
     if not llc:
         return 0
-    return sum(n for n in unit_numels if n * itemsize <= llc // 2)
+    units = tensor_numels if strategy == "per_tensor" else bucket_numels
+    return sum(n for n in units if n * itemsize <= llc // 2)
 
 
 def copy_candidates(dst: torch.Tensor, src: torch.Tensor) -> list[Way]:

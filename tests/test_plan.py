@@ -288,8 +288,9 @@ def test_a_staged_copy_read_back_from_the_cache_is_not_counted_as_moved(tmp_path
     flat = cost.Setup("direct", "bucketed", flat=True)  # one copy: nothing is read back
     assert cost.moved_bytes(flat, n, "float32", "bfloat16", cached) == n * 6
     # units whose staging fits in half the last-level cache, none without a figure
-    assert cache_resident_elements([10, 8 << 20, (8 << 20) + 1], 2, 32 << 20) == 10 + (8 << 20)
-    assert cache_resident_elements([10], 2, None) == 0
+    assert cache_resident_elements("bucketed", [1], [10, 8 << 20, (8 << 20) + 1], 2, 32 << 20) == 10 + (8 << 20)
+    assert cache_resident_elements("per_tensor", [10, 8 << 20, (8 << 20) + 1], [1], 2, 32 << 20) == 10 + (8 << 20)
+    assert cache_resident_elements("bucketed", [10], [10], 2, None) == 0
     # sysfs: the highest level's size
     for index, (level, size) in enumerate([(1, "48K"), (1, "32K"), (2, "2048K"), (3, "36608K")]):
         d = tmp_path / f"index{index}"

@@ -77,14 +77,15 @@ class Planner:
                 "staging_bytes": trainer_staging + engine_staging}
 
     def predict(self, setup: cost.Setup, bucket_mb: Optional[float]) -> Optional[dict]:
-        """`setup`'s predicted time at `bucket_mb` (per_tensor: any; its units are the tensors)."""
+        """`setup`'s predicted time at `bucket_mb` (per_tensor: None, it sends no buckets)."""
         coef = self.coefficients.get(setup.key)
         if coef is None:
             return None
-        units = [m.numel for m in self.metas] if setup.strategy == "per_tensor" else [b.numel for b in self.plan(bucket_mb)]
-        w = cost.work(setup, tensors=len(self.metas), buckets=len(units), elements=self.elements,
+        buckets = [b.numel for b in self.plan(bucket_mb)] if bucket_mb is not None else []
+        w = cost.work(setup, tensors=len(self.metas), buckets=len(buckets), elements=self.elements,
                       trainer_dtype=self.cfg.trainer.dtype, engine_dtype=self.cfg.rollout.dtype, pooled=self.pooled,
-                      cached=cache_resident_elements(units, self.dtype.itemsize, self.llc))
+                      cached=cache_resident_elements(setup.strategy, [m.numel for m in self.metas], buckets,
+                                                     self.dtype.itemsize, self.llc))
         return {**cost.predict(coef, w, setup), "calls": w.calls, "tensors": w.tensors, "pooled_tensors": w.pooled,
                 "tensor_term": {"count": w.row(setup)[1], "counts": cost.tensor_term(setup)}, "moved_bytes": w.bytes,
                 "measured": self.measured, "at_floor": self.predict_at_floor(setup, w)}
