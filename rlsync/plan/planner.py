@@ -52,8 +52,9 @@ class Planner:
         self.shapes = param_shapes(cfg.model)
         self.dtype = torch_dtype(cfg.rollout.dtype)
         self.metas = [TensorMeta(n, tuple(s), self.dtype) for n, s in self.shapes]
-        self.elements = sum(m.numel for m in self.metas)
-        self.pooled = sum(pooled(m.numel) for m in self.metas)
+        self.numels = [m.numel for m in self.metas]  # per tensor: what per_tensor sends one by one
+        self.elements = sum(self.numels)
+        self.pooled = sum(map(pooled, self.numels))
         self.largest = max(self.metas, key=lambda m: m.numel)
         self.measured = bool(calibration) and calibration.get("measured", True)
         machine = (calibration or {}).get("machine", {})
@@ -84,8 +85,7 @@ class Planner:
         buckets = [b.numel for b in self.plan(bucket_mb)] if bucket_mb is not None else []
         w = cost.work(setup, tensors=len(self.metas), buckets=len(buckets), elements=self.elements,
                       trainer_dtype=self.cfg.trainer.dtype, engine_dtype=self.cfg.rollout.dtype, pooled=self.pooled,
-                      cached=cache_resident_elements(setup.strategy, [m.numel for m in self.metas], buckets,
-                                                     self.dtype.itemsize, self.llc))
+                      cached=cache_resident_elements(setup.strategy, self.numels, buckets, self.dtype.itemsize, self.llc))
         return {**cost.predict(coef, w, setup), "calls": w.calls, "tensors": w.tensors, "pooled_tensors": w.pooled,
                 "tensor_term": {"count": w.row(setup)[1], "counts": cost.tensor_term(setup)}, "moved_bytes": w.bytes,
                 "measured": self.measured, "at_floor": self.predict_at_floor(setup, w)}
