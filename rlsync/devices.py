@@ -68,6 +68,40 @@ def device_memory_metrics(device: torch.device, phase: str) -> dict[str, float]:
     return {reserved_name: torch.cuda.memory_reserved(device) / GB, used_name: (total - free) / GB}
 
 
+# The run's device peaks (bytes), kept across the resets that per-update tracking makes: torch has
+# one set of peak counters per device, and `reset_peak_memory_stats` clears all of them at once.
+_run_peaks: dict[int, dict[str, int]] = {}
+
+
+def _peak_key(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def fold_run_peak(device: torch.device) -> None:
+    """Fold torch's peak counters into the run's peak; call before anything resets them."""
+    if device.type != "cuda" or not torch.cuda.is_initialized():
+        return
+    peaks = _run_peaks.setdefault(_peak_key(device), {"reserved": 0, "allocated": 0})
+    peaks["reserved"] = max(peaks["reserved"], torch.cuda.max_memory_reserved(device))
+    peaks["allocated"] = max(peaks["allocated"], torch.cuda.max_memory_allocated(device))
+
+
+def run_device_peaks(device: torch.device) -> dict[str, int]:
+    """{"reserved", "allocated"}: this process's peak on `device` since `reset_run_peaks` ({} off CUDA)."""
+    if device.type != "cuda" or not torch.cuda.is_initialized():
+        return {}
+    fold_run_peak(device)
+    return dict(_run_peaks[_peak_key(device)])
+
+
+def reset_run_peaks(device: torch.device) -> None:
+    """Start a new run's peak (a multirun's jobs share the process)."""
+    if device.type != "cuda" or not torch.cuda.is_initialized():
+        return
+    _run_peaks.pop(_peak_key(device), None)
+    torch.cuda.reset_peak_memory_stats(device)
+
+
 def sampler(device: torch.device, seed: int) -> torch.Generator:
     """The rollout's random stream: a generator on the engine's device, so tokens are drawn where the
     probabilities are (a CPU generator would copy [batch, vocab] to the host every token)."""

@@ -21,7 +21,8 @@ import torch
 from rlsync import memory
 from rlsync import summary as summaries
 from rlsync.config import MIB, Config, to_dict
-from rlsync.devices import device_memory_metrics, explicit_device, resolve_device, sampler, select_device
+from rlsync.devices import (device_memory_metrics, explicit_device, reset_run_peaks, resolve_device, run_device_peaks,
+                            sampler, select_device)
 from rlsync.distributed import DataParallel
 from rlsync.limits import Limits
 from rlsync.architecture import params_layout, update_tensors
@@ -51,6 +52,7 @@ def memory_fit(cfg: Config, device: torch.device) -> dict:
     """The run's peak memory estimated from the config, and what the machine has (rlsync.memory);
     raises DoesNotFit (exit 2) when it cannot fit, unless run.memory_check=false."""
     memory.reset_peak_rss()  # a multirun's jobs share this process: each job's peak is its own
+    reset_run_peaks(device)
     memory.load_runtime(cfg)
     estimate, available = memory.check_fits(cfg, device, memory_check=cfg.run.memory_check)
     return {"estimate": estimate, "available": available}
@@ -360,8 +362,9 @@ def memory_record(fit: dict, device: torch.device, *, engine_peak: int | None = 
     measured = {"peak_rss_bytes": peak}
     if estimate.engine_process and engine_peak:
         measured["engine_peak_rss_bytes"] = engine_peak
-    if device.type == "cuda":
-        measured["device_peak_bytes"] = torch.cuda.max_memory_reserved(device)
+    if device_peaks := run_device_peaks(device):  # the whole run's, not the last update's
+        measured["device_peak_bytes"] = device_peaks["reserved"]
+        measured["device_peak_allocated_bytes"] = device_peaks["allocated"]
     return {"estimate": estimate.as_dict(), "available": fit["available"], "measured": measured,
             "process_estimate_over_peak_rss": estimate.process_bytes / peak if peak else None}
 

@@ -21,8 +21,8 @@ Where the bytes live:
 - the engine process (transport ipc or broadcast): a runtime like this one, its weights, KV cache
   and staging;
 - on CUDA the device holds the trainer state while awake, the engine, the staging and the
-  transients; the host holds the runtime and the offloaded state (twin: pinned, rounded up to a
-  power of two by torch's caching host allocator).
+  transients; the host holds the runtime and the offloaded state (twin: pinned in the chunks
+  rlsync.offload allocates, each rounded up to a power of two by torch's caching host allocator).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from rlsync.config import MIB, Config, ModelConfig, bucket_bytes, flat_engine_we
 from rlsync.engines.base import engine_class
 from rlsync.errors import BadInput
 from rlsync.models import torch_dtype
-from rlsync.offload import plan_segments, resolve_memory
+from rlsync.offload import plan_pin_chunks, plan_segments, resolve_memory
 from rlsync.sync.buckets import TensorMeta, plan_buckets
 from rlsync.tasks import make_prompts
 
@@ -117,8 +117,9 @@ def offload_extra(cfg: Config, shapes: list[tuple[str, tuple[int, ...]]], cuda: 
     # rlsync.offload._lay_out: within a dtype, parameters, then AdamW's moment pair of each, then
     # the gradients (travelling under offload=full; their own segments under drop_grads)
     travelling = params + [b for b in params for _ in range(ADAM_MOMENTS)] + (params if t.offload == "full" else [])
-    if memory == "twin":
-        return sum(travelling) if not cuda else pinned_bytes(sum(travelling))
+    if memory == "twin":  # allocated in chunks cut between tensors, each pinned (and rounded) on its own
+        chunks = plan_pin_chunks(travelling, int(t.offload_pin_chunk_mb * MIB))
+        return sum(pinned_bytes(end - start) if cuda else end - start for start, end in chunks)
     if cuda:  # move on CUDA: pageable host buffers while asleep, nothing kept awake
         return sum(travelling)
     cap = int(t.offload_segment_mb * MIB)

@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from rlsync.devices import fold_run_peak
+
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
@@ -157,6 +159,7 @@ class DeviceMemory:
             yield self
             return
         base = torch.cuda.memory_allocated(self.device)
+        fold_run_peak(self.device)  # the reset below would drop the run's peak (train step, KV cache)
         torch.cuda.reset_peak_memory_stats(self.device)
         yield self
         self.peak_extra = torch.cuda.max_memory_allocated(self.device) - base

@@ -114,3 +114,39 @@ class SimulatedCuda(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return self.run(func, args, kwargs or {})
+
+
+class SimulatedAllocator:
+    """The CUDA caching allocator's counters as torch.cuda reports them, without a driver.
+
+    `install(monkeypatch)` routes torch.cuda's memory-stat calls here; `alloc`/`free` move the
+    counters as tensors would. One set of peaks per process, cleared whole by
+    `reset_peak_memory_stats`, as in c10/cuda/CUDACachingAllocator.cpp.
+    """
+
+    def __init__(self):
+        self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
+        self.resets = 0
+
+    def alloc(self, nbytes: int) -> None:
+        self.allocated += nbytes
+        self.reserved = max(self.reserved, self.allocated)  # the cache keeps what it got from the driver
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def free(self, nbytes: int) -> None:
+        self.allocated -= nbytes
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+        self.resets += 1
+
+    def install(self, monkeypatch) -> None:
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: self.reserved)
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: self.peak_allocated)
+        monkeypatch.setattr(cuda, "max_memory_reserved", lambda device=None: self.peak_reserved)
+        monkeypatch.setattr(cuda, "reset_peak_memory_stats", self.reset_peak_memory_stats)

@@ -31,7 +31,7 @@ from rlsync.sync.base import Receiver, UpdateResult
 from rlsync.sync.buckets import Bucket, largest_bucket_bytes
 from rlsync.sync.engine_process import EngineProcess, ForwardsToEngineProcess
 from rlsync.sync.threads import cpu_threads
-from rlsync.timing import DeviceMemory, unit_timer
+from rlsync.timing import DeviceMemory, synchronize, unit_timer
 
 
 class IpcReceiver(Receiver):
@@ -45,6 +45,8 @@ class IpcReceiver(Receiver):
         self.metas = {s.meta.name: s.meta for b in self.buckets for s in b.slots}
         if self.flat is not None:
             flat.bind(engine.weights, self.buckets, self.flat)
+            # CUDA IPC shares memory, not stream order: the trainer's first pack must not race this copy
+            synchronize(engine.device)
         return {}
 
     @torch.no_grad()
