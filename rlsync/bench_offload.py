@@ -36,15 +36,15 @@ from rlsync.offload import PIN_CHUNK_BYTES, Offloader, empty_host_cache, link_me
 from rlsync.timing import Stopwatch
 
 STATES = ("trainer", "params")
-PROBE_BYTES = 256 * 2**20  # 8x this machine's L3: a DRAM copy, and little memory beside a 19 GB state
+PROBE_BYTES = 256 * 2**20  # well above a CPU's last-level cache (a DRAM copy), and little memory beside a 19 GB state
 PHASES = (phase_named("sleep"), phase_named("wake_up"))  # the table calls each by its short name
 
 
 class LinkProbe:
     """A plain copy of PROBE_BYTES each way, timed right before each sleep and wake-up (best of 3).
 
-    The bandwidth of a shared machine drifts by 2x within a minute (other processes copy too), so a
-    limit probed once at start-up can sit in a quiet moment while the repeats do not. Probing beside
+    The bandwidth of a shared machine drifts with what other processes copy, so a limit probed once
+    at start-up can sit in a quiet moment while the repeats do not. Probing beside
     each repeat compares the offload with the copy the machine can do at that moment.
     """
 

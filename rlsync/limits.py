@@ -40,10 +40,9 @@ def copy_whole(dst: torch.Tensor, src: torch.Tensor) -> None:
     copy_into(dst, src)  # as the update copies: a host source is cast on the device
 
 
-# The ways of copying a probe tries, by name. Tried on this 2-core CPU and left out, never faster:
-# the copy in 16 MiB chunks (as fast as one copy_ on one thread, 1.2x to 2x slower on two: a thread
-# barrier per chunk) and `src.to(dtype)` (no out=; a fresh allocation each time, 4x slower from page
-# faults). A method worth trying goes here, and every probe takes it in turn with the others.
+# The ways of copying a probe tries, by name; a method worth trying goes here, and every probe takes
+# it in turn with the others (chunked copies and `src.to(dtype)` were tried and never faster:
+# experiments/transports/README.md).
 COPY_METHODS: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {"copy_": copy_whole}
 
 
@@ -291,9 +290,8 @@ class Limits:
 class CopyProbe:
     """The copy the update's limit is made of, held and re-timed right before every repeat.
 
-    On a shared machine the memory bandwidth drifts with the neighbours' load (the limit measured
-    once at setup varied 2x between runs here), so each repeat is compared with a copy timed next
-    to it: the ratio then speaks about the update, not about the load. The same probe as `Limits`
+    On a shared machine the memory bandwidth drifts with the neighbours' load, so each repeat is
+    compared with a copy timed next to it: the ratio then speaks about the update, not about the load. The same probe as `Limits`
     (the update's dtypes on its path, the fastest of `copy_candidates`, bytes counted as
     `update_floor_bytes` counts them); buffers allocated and touched once, each probe the best of
     `tries` rounds. `wins` counts which way was fastest, per probe (`describe()`).

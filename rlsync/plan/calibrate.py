@@ -172,8 +172,8 @@ def calibrate(cfg, out_dir: Path, *, log=print) -> dict:
     """Run the grid's benchmark jobs under `out_dir/calibration/` and fit them: the calibration file's content.
 
     On a shared machine a job that ran while something else took the cores or the memory bandwidth
-    comes out slow (here 2.15 s for a 0.60 s update, beside a test run): a job whose fitted residual is
-    over RETRY_RESIDUAL is run again once and the faster median kept (load only ever slows a copy)."""
+    comes out slow: a job whose fitted residual is over RETRY_RESIDUAL is run again once and the
+    faster median kept (load only ever slows a copy)."""
     from rlsync.devices import resolve_device
 
     p = cfg.plan

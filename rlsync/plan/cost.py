@@ -10,10 +10,8 @@ a call is a different thing in each (a staged bucket, a message to another proce
   a bucket's pack and load). For `per_tensor` calls and tensors are the same count, so there this
   column counts the *pooled* tensors instead (`Work.pooled`): those whose copy runs on torch's CPU
   thread pool (more than 32,768 elements, rlsync.sync.threads.POOL_GRAIN), each copy waking the
-  pool's sleeping threads, in both processes over ipc. Measured over ipc per_tensor here: ~0.35 ms a
-  message for tensors copied on one thread (deep's 706, tiny_moe's 3,219 experts) against ~0.9-1.2
-  ms for pooled ones (tiny's, Qwen3-0.6B's): one per-message figure over-predicted Qwen3-4B and
-  tiny_moe by a third (experiments/sizing/README.md, run 5).
+  pool's sleeping threads, in both processes over ipc: such a message costs a few times one copied
+  on one thread (experiments/sizing/README.md, "Measurements behind the cost model").
 - bytes: read + written by the update's copies, the dtype conversion counted (trainer.dtype ->
   rollout.dtype reads one itemsize and writes the other); the copies are one (per-tensor direct, flat
   engine weights) or two (pack into staging, then load: bucketed, per-tensor through a process);
@@ -70,9 +68,8 @@ def moved_bytes(setup: Setup, elements: int, trainer_dtype: str, engine_dtype: s
     engine dtype, the others copy the engine dtype. `cached`: elements of the units (tensors for
     per_tensor, buckets otherwise) whose staging fits in half the CPU's last-level cache
     (rlsync.limits.cache_resident_elements): the second copy reads those from the cache the first
-    just wrote them to, so that read is not counted. Measured here (35.8 MiB L3, bf16, 2 threads):
-    two copies through a staging buffer moved 20 GB/s of read + written bytes for 2-6 MiB tensors and
-    16 GB/s for 25-200 MiB, a read in four (experiments/sizing/README.md, run 6)."""
+    just wrote them to, so that read is not counted (experiments/sizing/README.md, "Measurements
+    behind the cost model")."""
     t, e = DTYPE_BYTES[trainer_dtype], DTYPE_BYTES[engine_dtype]
     n = copies(setup)
     return elements * ((t + e) + (n - 1) * 2 * e) - (cached * e if n > 1 else 0)

@@ -6,7 +6,7 @@ the runs, whether they were measured at all, and the runs they were fitted from.
 `$XDG_CACHE_HOME/rlsync/calibration.json` (`~/.cache/rlsync/calibration.json`); `plan.calibration=PATH`
 picks another, or the name of a built-in profile.
 
-The built-in GPU profiles are seeded from published or design-note figures, not measured by rlsync:
+The built-in GPU profiles are seeded from published figures and estimates, not measured by rlsync:
 a plan made with one says "unmeasured" beside every prediction.
 """
 

@@ -3,15 +3,11 @@
 - `update.flat_engine_weights=null`: `rlsync.config.flat_engine_weights_choice` (config alone: the
   engine, transport, strategy and rollout.release_weights decide it; the memory estimate reads it too).
 - `update.copy_threads=null`: the CPU thread count that copies the update's own tensors fastest
-  (`fastest_threads`): a sample of the update's tensors (`sample`, up to SAMPLE_BYTES), each copied
-  and cast into a scratch buffer as the update packs them, on one thread, torch's threads and every core, taking
-  turns. Not the copy probe's single large copy (`rlsync.limits`): with several threads each of the
-  update's hundreds of copies waits at an OpenMP barrier, which costs nothing on idle cores and
-  milliseconds per tensor when another process holds one (on this shared 2-core machine the probe
-  chose 2 threads while the update packed 2.3x slower on 2 than on 1). On idle cores a converting
-  fp32->bf16 copy, or vLLM's re-packing, gains from the threads, and this timing sees that too. A
-  win of fewer threads is timed again before it is believed (`fastest_of`): a moment's disturbance
-  must not halve a whole run's copy speed.
+  (`fastest_threads`): a sample of them (`sample`, up to SAMPLE_BYTES) copied and cast as the update
+  packs them, on one thread, torch's threads and every core, taking turns. Not the copy probe's one
+  large copy (`rlsync.limits`): each of the update's many copies waits at an OpenMP barrier, free on
+  idle cores and milliseconds when another process holds one (experiments/transports/README.md). A
+  win of fewer threads is timed again before it is believed (`fastest_of`).
 
 The entry points (the runner, the benchmark) call `resolve_update` once the floors are measured and
 before the engine opens, so every process of the update (ipc and broadcast receivers included) gets
@@ -102,12 +98,10 @@ def fastest_of(one_round, *, rounds: int, sleep=time.sleep) -> tuple[int, str]:
     """(the candidate with the best time over `rounds` calls of `one_round()` -> {threads: seconds},
     how it was found). The fewest threads win among equals.
 
-    Fewer threads win when another process holds a core (every copy then waits at an OpenMP barrier
-    for the busy one), but that may last only a moment: a Qwen3-4B job in a sweep timed 2 threads at
-    41 ms, 1 thread at 36 ms, where 2 threads take 16 ms on idle cores, and its update then packed at
-    half the speed, 2.1 s instead of 1.1 s (experiments/sizing/README.md). So a fewer-threads win is
-    timed again, up to CONFIRM times, CONFIRM_PAUSE_S apart, each candidate keeping its best: a
-    passing disturbance loses, a lasting one (a busy core) still wins."""
+    Fewer threads win while another process holds a core, which may last only a moment (a passing
+    disturbance once halved a whole run's copy speed: experiments/transports/README.md). So a
+    fewer-threads win is timed again, up to CONFIRM times, CONFIRM_PAUSE_S apart, each candidate
+    keeping its best: a passing disturbance loses, a lasting one (a busy core) still wins."""
     best: dict[int, float] = {}
     timings = 0
     while True:

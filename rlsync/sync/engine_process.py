@@ -51,15 +51,9 @@ PRELOAD = (__name__,)
 def spin_poll(conn, seconds: float = SPIN_S) -> bool:
     """True as soon as `conn` has a message, polling for up to `seconds` without sleeping; False after.
 
-    A process blocked on a pipe is woken by the scheduler when the peer writes: on this 2-core VM a
-    round trip with both sides blocking took 0.1-0.33 ms, varying with the host from minute to minute,
-    against 0.08-0.10 ms with both sides polling first. The per-tensor update's next message usually
-    comes within the window; a bucket's (tens of ms of packing) does not, and then the poll has cost a
-    core for `seconds`. Each poll yields the core (sched_yield): without that the poller starved the
-    peer's second copy thread (Qwen3-0.6B over ipc per_tensor, calibration jobs: 0.98 s, 0.61 s in the
-    run before without polling). vLLM's shared-memory message queue polls and yields before it sleeps for the same reason.
-    Measured (bench, ipc per_tensor, two passes in opposite order): deep 0.24/0.25 s against 0.39/0.30 s
-    blocking, tiny_moe 1.13/1.33 s against 1.58/1.76 s, Qwen3-0.6B 0.60/0.62 s against 0.73/0.58 s."""
+    Waking a process blocked on a pipe costs a scheduler round trip, and a per-tensor update is
+    thousands of messages; each poll yields the core so the peer's copy threads still run (as vLLM's
+    shared-memory queue does). Measurements: experiments/transports/README.md."""
     end = time.perf_counter() + seconds
     while not conn.poll(0):
         if time.perf_counter() >= end:
@@ -210,12 +204,11 @@ def start_context(device: torch.device, preload: tuple[str, ...] = ()):
 
 @contextmanager
 def passive_openmp(enabled: bool):
-    """Within the block, OMP_WAIT_POLICY=PASSIVE in the environment (unless it is set already): for an
-    engine process started in it (on a CPU, the forkserver, which forks every later engine, reads it
-    when the first engine starts it). OpenMP's workers otherwise spin after each parallel op, and an
-    engine's spinning workers take the cores the trainer packs the next message on: Qwen3-0.6B over
-    ipc per_tensor took 1.28 s with spinning engine threads, 0.54 s with sleeping ones (2 cores). The
-    trainer's own threads are set up already, and its later children see the environment unchanged."""
+    """Within the block, OMP_WAIT_POLICY=PASSIVE in the environment (unless it is set already), for an
+    engine process started in it (on a CPU the forkserver, which forks every later engine, reads it
+    when the first engine starts it): spinning OpenMP workers in the engine would take the cores the
+    trainer packs the next message on (experiments/transports/README.md). The trainer's own threads
+    are set up already, and its later children see the environment unchanged."""
     if not enabled or "OMP_WAIT_POLICY" in os.environ:
         yield
         return

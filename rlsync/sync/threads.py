@@ -1,10 +1,9 @@
 """Torch CPU threads for the update's copies.
 
-A copy is memory-bound: on a CPU one thread already reaches the memcpy bandwidth. More threads only
-add an OpenMP barrier per tensor, which costs milliseconds whenever the cores are busy elsewhere
-(the engine process, another job): measured here, packing the tiny model took 0.9 ms with one
-thread and 310 ms with two on a loaded two-core machine. So the update runs its copies with
-`update.copy_threads` threads in each process and gives the rest of the program its threads back.
+A copy is memory-bound, and each extra thread adds an OpenMP barrier per tensor that costs
+milliseconds when the cores are busy elsewhere (experiments/transports/README.md). So the update
+copies on `update.copy_threads` threads in each process and gives the rest of the program its
+threads back.
 """
 
 from __future__ import annotations
