@@ -27,7 +27,7 @@ from rlsync.distributed import DataParallel
 from rlsync.limits import Limits
 from rlsync.architecture import params_layout, update_tensors
 from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
-from rlsync.engines.base import EngineSpec, Generation, answer_ids
+from rlsync.engines.base import EngineSpec, Generation, answer_ids, engine_class
 from rlsync.offload import Offloader, link_metrics
 from rlsync.recorder import Recorder, machine_info
 from rlsync.sync.auto import resolve_for_run, resolved_setup
@@ -187,9 +187,9 @@ class Experiment:
                 self.trainer_sleep(watch, metrics)
             if cfg.update.enabled and dp.is_main:
                 # The update writes into the engine's weights: allocate them first (release_weights), or
-                # (vLLM on CUDA) wake them, since vLLM's sleep always takes them off the device (level 1
-                # copies them back here: timed as the engine's resume, not inside the update).
-                if cfg.rollout.release_weights or cfg.rollout.engine == "vllm":
+                # wake them where the engine's release always takes them off the device (timed as the
+                # engine's resume, not inside the update).
+                if cfg.rollout.release_weights or engine_class(cfg.rollout.engine).release_takes_weights:
                     with watch("engine_resume"):
                         engine.resume()
                 with watch("update_layout"):  # the update's tensors: per-expert views cost ~10 us each

@@ -145,8 +145,8 @@ def largest_bucket_bytes(cfg: Config, shapes: list[tuple[str, tuple[int, ...]]])
 def staging_bytes(cfg: Config, shapes) -> tuple[int, int]:
     """(trainer side, engine side) bytes of the update's staging buffers."""
     u = cfg.update
-    if not u.enabled or u.strategy == "vllm_ipc":
-        return 0, 0
+    if not u.enabled or u.strategy in engine_class(cfg.rollout.engine).own_strategies:
+        return 0, 0  # the engine's own transfer: nothing staged by rlsync
     slot = max(numel(s) for _, s in shapes) * DTYPE_BYTES[cfg.rollout.dtype] if u.strategy == "per_tensor" \
         else largest_bucket_bytes(cfg, shapes)
     flat_weights, _ = flat_engine_weights_choice(u, cfg.rollout, cfg.model)  # null (auto) resolved as the update resolves it

@@ -1,10 +1,10 @@
 """The vocabulary of config value rules, declared beside each key in rlsync/config.py.
 
-    bucket_mb: float = key(512.0, mebibytes("the bucket's size"))  # bucket size in MiB
-    transport: str = key("direct", choices("rlsync.sync.base:transport_names"))  # ...
+    bucket_mb: float = key(512.0, mebibytes("the bucket's size"), "bucket size in MiB")
+    transport: str = key("direct", choices("rlsync.sync.base:transport_names"), "...")
 
-`key(default, rule)` is a dataclass field whose metadata holds the rule; rlsync/validate.py walks the
-schema and applies each leaf's rule (`ok(value)`; `allowed` is what the error offers instead).
+`key(default, rule, doc)` is a dataclass field whose metadata holds the rule and the line `--help`
+shows; rlsync/validate.py walks the schema and applies each leaf's rule (`ok(value)`; `allowed` is what the error offers instead).
 Choices that an implementation owns (engines, transports, dtypes, ...) are named by import path and
 looked up when checked (`choices("module:attr")`), so the schema imports nothing above it and a name
 registered at run time (a test's toy engine) is accepted. This module imports nothing of rlsync
@@ -60,13 +60,22 @@ def resolve(path: str) -> Any:
     return found
 
 
-def key(default: Any, rule: AnyRule) -> Any:
-    """A schema field with its default and its value rule (a list default is copied per instance)."""
+def key(default: Any, rule: AnyRule, doc: str) -> Any:
+    """A schema field with its default, its value rule and the one line `--help` shows for it (a list
+    default is copied per instance)."""
     if not isinstance(rule, (Rule, Choices)):
-        raise TypeError(f"key(default, rule): the rule must be a Rule or Choices, got {rule!r}")
+        raise TypeError(f"key(default, rule, doc): the rule must be a Rule or Choices, got {rule!r}")
+    if not doc or "\n" in doc:
+        raise TypeError(f"key(default, rule, doc): the doc must be one non-empty line, got {doc!r}")
+    metadata = {"rule": rule, "doc": doc}
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"rule": rule})
-    return field(default=default, metadata={"rule": rule})
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def node(schema: type, doc: str) -> Any:
+    """A schema field holding a node of keys (a dataclass), with the one line `--help` heads it with."""
+    return field(default_factory=schema, metadata={"doc": doc})
 
 
 def number(v: Any) -> bool:

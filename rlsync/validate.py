@@ -5,13 +5,13 @@ line by `rlsync.errors.from_hydra`). The rules live with the schema, in rlsync/c
 value rule beside the key (`key(default, rule)`), each rule across keys in the `check(root)` method
 of the node it is about. `validate(cfg)` applies them in that order: each leaf's type (for trees
 built in code: Hydra's merge has enforced it already) and value rule, then the rules across keys,
-then what this machine must offer (the device, the checkpoint, vLLM). It raises the first
+then what this machine must offer (the checkpoint, the device, what the engine needs). An engine's
+own rules are asked of its class (`Engine.check_config`, `Engine.check_machine`). It raises the first
 `ConfigError(key, value, allowed)` (exit 2); every entry point calls `checked_config` on its tree.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import typing
@@ -57,39 +57,18 @@ def validate(cfg, *, types: bool = True) -> None:
         if not rule.ok(value):
             allowed = rule.allowed.replace("a number", "an integer") if hint is int else rule.allowed
             raise ConfigError(key, value, allowed, "out of range" if number(value) else "not allowed")
+    from rlsync.engines.base import engine_class  # torch: not while only composing (python -m rlsync --help)
+
+    engine = engine_class(cfg.rollout.engine)
+    engine.check_config(cfg)  # the engine's own rules across keys (Engine.check_config)
     for node in nodes(cfg):
         check = getattr(node, "check", None)  # the rules across keys of this node (rlsync/config.py)
         if check is not None:
             check(cfg)
     check_pretrained(cfg.model)
     check_device(cfg.run.device)
-    check_vllm_here(cfg)
+    engine.check_machine(cfg)  # what the engine needs of this machine (installed, its API, the device)
     check_data_parallel(cfg)
-
-
-def check_vllm_here(cfg) -> None:
-    """What rollout.engine=vllm needs from this machine: vLLM installed; for update.strategy=vllm_ipc, the
-    weight-transfer API in the form rlsync calls it, and CUDA. (What its engine cannot do at all is the
-    schema's: UpdateConfig.check_vllm.)"""
-    if cfg.rollout.engine != "vllm":
-        return
-    if importlib.util.find_spec("vllm") is None:
-        raise ConfigError("rollout.engine", "vllm", "hf, or install the extra first: pip install -e '.[vllm]' "
-                          "(see pyproject.toml)", "vllm is not installed")
-    if cfg.update.strategy != "vllm_ipc":
-        return
-    from rlsync.engines.vllm import check_vllm_ipc_api  # the vLLM engine module (torch): only when vLLM is asked for
-
-    check_vllm_ipc_api()
-    if cfg.run.device == "cpu" or not cuda_present():
-        raise ConfigError("update.strategy", "vllm_ipc", "bucketed, per_tensor (vLLM's own transfer needs CUDA; "
-                          "not available on this machine)", "not available")
-
-
-def cuda_present() -> bool:
-    import torch  # here, not at the top: importing this module (python -m rlsync --help) stays light
-
-    return torch.cuda.is_available()
 
 
 def check_pretrained(model) -> None:
@@ -134,7 +113,7 @@ def looks_like_hub_id(path: str) -> bool:
 def check_device(name: str) -> None:
     if name in ("auto", "cpu"):
         return
-    import torch  # as in cuda_present: --help and config-only validation stay light
+    import torch  # here, not at the top: importing this module (python -m rlsync --help) stays light
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:

@@ -102,3 +102,52 @@ def test_an_unknown_transport_is_one_line_naming_the_registered_ones(compose, to
         validate(compose("update.transport=nccl"))
     assert str(caught.value) == "update.transport=nccl: not allowed (allowed: direct, ipc, broadcast, toy)"
     validate(compose(f"update.transport={toys}"))  # the registered name passes the same rule
+
+
+class OwnTransferEngine(HFEngine):
+    """An engine that describes itself: its own update strategy (a copy by name, no staging) and a
+    rule of its own, asked of the class by the one validation pass."""
+
+    own_strategies = ("toy_copy",)
+    title = "Toy"
+    native_updates = 0
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
+        if cfg.update.strategy == "toy_copy" and cfg.update.inflight_buckets != 1:
+            raise ConfigError("update.inflight_buckets", cfg.update.inflight_buckets, "1 (toy_copy stages nothing)",
+                              "not allowed with update.strategy=toy_copy")
+
+    def native_update(self, weights, *, bucket_bytes):
+        type(self).native_updates += 1
+        timer = HostTimer()
+        with timer("load", {}):
+            self.load_weights(weights.items())
+        return dict(timer.seconds), 0
+
+
+@pytest.fixture
+def own_transfer():
+    register_engine("toy_own", OwnTransferEngine)
+    OwnTransferEngine.native_updates = 0
+    yield "toy_own"
+    ENGINES.pop("toy_own")
+
+
+def test_an_engine_declares_its_strategies_and_rules_and_runs_verified_steps(compose, own_transfer, tmp_path):
+    cfg = compose(*FAST, *SMALL_MODEL, "wandb.mode=disabled", f"rollout.engine={own_transfer}",
+                  "update.strategy=toy_copy", "update.verify=true")
+    validate(cfg)  # update.strategy offers the engine's own strategy
+    run_experiment(cfg, tmp_path, name="test", group="test")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["verification"] == "passed"
+    assert OwnTransferEngine.native_updates == 4  # the first sync, then one update per step: its own path
+    with pytest.raises(ConfigError) as caught:  # its own rule, in the one validation pass
+        validate(compose(f"rollout.engine={own_transfer}", "update.strategy=toy_copy", "update.inflight_buckets=2"))
+    assert str(caught.value) == ("update.inflight_buckets=2: not allowed with update.strategy=toy_copy "
+                                 "(allowed: 1 (toy_copy stages nothing))")
+    with pytest.raises(ConfigError) as caught:  # another engine is refused the strategy, naming its owner
+        validate(compose("rollout.engine=hf", "update.strategy=toy_copy"))
+    assert str(caught.value) == ("update.strategy=toy_copy: not allowed with rollout.engine=hf (allowed: bucketed, "
+                                 "per_tensor (toy_copy is Toy's own transfer: set rollout.engine=toy_own))")

@@ -25,6 +25,7 @@ from typing import ClassVar
 import torch
 
 from rlsync.config import ModelConfig, RolloutConfig
+from rlsync.errors import ConfigError
 from rlsync.models import torch_dtype
 from rlsync.registry import Registry
 
@@ -171,6 +172,38 @@ class Engine(Preloaded, Rollout):
     # between update messages (rlsync.sync.engine_process.passive_openmp). False for an engine that
     # binds its own threads (vLLM's CPU backend).
     passive_cpu_threads: bool = True
+    # update.strategy values this engine's own trainer-to-engine transfer offers (`native_update`),
+    # beside the transports' bucketed and per_tensor; such a strategy stages nothing of rlsync's.
+    own_strategies: ClassVar[tuple[str, ...]] = ()
+    # Whether `release` takes the weights off the device even without rollout.release_weights, so the
+    # step loop resumes the engine before every update (vLLM's sleep always does).
+    release_takes_weights: ClassVar[bool] = False
+
+    # What an engine accepts is asked of its class, before any model is built (rlsync.validate).
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """This engine's rules across the config's keys: a ConfigError naming the key. By default only
+        another engine's own strategy is refused."""
+        strategy = cfg.update.strategy
+        if strategy in own_strategy_names() and strategy not in cls.own_strategies:
+            owner, owner_cls = strategy_owner(strategy)
+            raise ConfigError("update.strategy", strategy, f"bucketed, per_tensor ({strategy} is "
+                              f"{owner_cls.title or owner}'s own transfer: set rollout.engine={owner})",
+                              f"not allowed with rollout.engine={cfg.rollout.engine}")
+
+    @classmethod
+    def check_machine(cls, cfg) -> None:
+        """What this machine must have for the engine (installed, its API, the device); nothing by default."""
+
+    @classmethod
+    def flat_weights_refusal(cls, name: str) -> str | None:
+        """Why update.flat_engine_weights=null (auto) is off with this engine (registered as `name`);
+        None where it can be on."""
+        if cls.holds_flat_weights:
+            return None
+        return f"the {name} engine does not hold its weights as views by trainer name"
+
+    title: ClassVar[str] = ""  # how messages name the engine ("vLLM"); its registry name where unset
 
     @classmethod
     @abstractmethod
@@ -218,6 +251,16 @@ ENGINES: Registry[Engine] = Registry("rollout.engine", {
 register_engine = ENGINES.register  # register_engine("mine", "mypackage.mine:MyEngine"), or as a decorator
 engine_names = ENGINES.names  # the values rollout.engine accepts, in registration order
 engine_class = ENGINES.resolve  # the class registered under a name, imported the first time
+
+
+def own_strategy_names() -> tuple[str, ...]:
+    """Every registered engine's own update strategies, in registration order."""
+    return tuple(dict.fromkeys(s for name in engine_names() for s in engine_class(name).own_strategies))
+
+
+def strategy_owner(strategy: str) -> tuple[str, type[Engine]]:
+    """(name, class) of the engine whose own transfer `strategy` is."""
+    return next((n, engine_class(n)) for n in engine_names() if strategy in engine_class(n).own_strategies)
 
 
 def build_engine(spec: EngineSpec, strategy: str = "bucketed") -> Engine:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import logging
 import math
@@ -287,6 +288,47 @@ class VLLMEngine(Engine):
 
     loads_trainer_tensors = True  # the reload path copies (and casts) what it is handed; each call costs a model walk
     passive_cpu_threads = False  # vLLM's CPU worker binds and sets up its own threads
+    own_strategies = NATIVE_STRATEGIES
+    release_takes_weights = True  # vLLM's sleep takes the weights off the device (level 1 keeps a host copy)
+    title = "vLLM"
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """What vLLM's engine cannot do: build a model from a config.json, expose its weights by trainer
+        name (it fuses and re-packs them), share the engine process's default torch.distributed group."""
+        update = cfg.update
+        if cfg.model.config:
+            raise ConfigError("model.config", cfg.model.config, "null with rollout.engine=vllm (rlsync's vLLM engine "
+                              "builds Qwen3 from the model.* keys)", "not supported with rollout.engine=vllm")
+        for name in ("verify", "flat_engine_weights"):
+            if getattr(update, name) is True:  # flat_engine_weights=null (auto) resolves to false with vLLM
+                raise ConfigError(f"update.{name}", True, "false (vLLM fuses q/k/v and gate/up and re-packs its "
+                                  "weights: they cannot be checked or bound by trainer name; train/logprob_abs_diff "
+                                  "checks the update)", "not supported with rollout.engine=vllm")
+        if update.transport == "broadcast":
+            raise ConfigError("update.transport", update.transport, "direct, ipc (vLLM takes the engine process's "
+                              "default torch.distributed group, which broadcast needs for its own)",
+                              "not supported with rollout.engine=vllm")
+        if update.strategy in NATIVE_STRATEGIES and update.transport != "direct":
+            raise ConfigError("update.transport", update.transport, "direct (vllm_ipc runs vLLM's engine core in its "
+                              "own process already)", "not allowed with update.strategy=vllm_ipc")
+
+    @classmethod
+    def check_machine(cls, cfg) -> None:
+        """vLLM installed; for vllm_ipc, the weight-transfer API in the form rlsync calls it, and CUDA."""
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("rollout.engine", "vllm", "hf, or install the extra first: pip install -e '.[vllm]' "
+                              "(see pyproject.toml)", "vllm is not installed")
+        if cfg.update.strategy not in NATIVE_STRATEGIES:
+            return
+        check_vllm_ipc_api()
+        if cfg.run.device == "cpu" or not torch.cuda.is_available():
+            raise ConfigError("update.strategy", "vllm_ipc", "bucketed, per_tensor (vLLM's own transfer needs CUDA; "
+                              "not available on this machine)", "not available")
+
+    @classmethod
+    def flat_weights_refusal(cls, name: str) -> str | None:
+        return "rollout.engine=vllm fuses and re-packs its weights (no bucket-shaped views)"
 
     def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, *, dtype: torch.dtype,
                  device: torch.device, allowed_ids: torch.Tensor, eos_id: int, pad_id: int,

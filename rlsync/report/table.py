@@ -647,7 +647,7 @@ def model_label(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 
 def setup_label(row: dict[str, Any], bucket: bool = True) -> str:
-    """"direct, bucket 512 MiB", "ipc, per_tensor", "direct (vllm), vllm_ipc": how the run updated.
+    """"direct, bucket 512 MiB", "ipc, per_tensor", "direct (ENGINE), STRATEGY": how the run updated.
     A per_tensor run has no bucket size, whatever update.bucket_mb said."""
     transport = str(row.get("transport") or "n/a") + ("" if row.get("engine") in (None, "hf") else f" ({row['engine']})")
     strategy = row.get("strategy")

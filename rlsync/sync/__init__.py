@@ -26,6 +26,7 @@ from rlsync.errors import UpdateOutOfMemory
 from rlsync.sync.base import (  # noqa: F401 - also rlsync.sync's names, for its callers
     BACKENDS, SOURCES, STRATEGIES, TRANSPORTS, Transport, UpdateResult, register_transport, transport_class,
     transport_names)
+from rlsync.sync.auto import resolve_update
 from rlsync.sync.buckets import Bucket, metas_of, plan_buckets
 from rlsync.sync.threads import cpu_threads
 from rlsync.timing import DeviceMemory, Stopwatch
@@ -43,7 +44,11 @@ def open_engine(cfg: UpdateConfig, *, spec: EngineSpec, buckets: list[Bucket]) -
     """Start the engine described by `spec` behind update.transport (the registry: sync/base.py).
 
     The config was validated before any model was built (rlsync/validate.py), its cross-key rules too.
+    The transports take its nulls (auto) resolved: the entry points resolve them with the thread probe
+    (rlsync.sync.auto.resolve_for_run); what is still null here is resolved without it.
     """
+    if cfg.flat_engine_weights is None or cfg.copy_threads is None:
+        cfg, _ = resolve_update(cfg, spec.rollout, probe_threads=0, model=spec.model)
     return transport_class(cfg.transport).open(spec, buckets, cfg)
 
 

@@ -23,14 +23,19 @@ from dataclasses import dataclass, field
 import torch
 
 from rlsync.config import UpdateConfig
-from rlsync.engines.base import Engine, EngineSpec, Preloaded, Rollout, checksum
+from rlsync.engines.base import Engine, EngineSpec, Preloaded, Rollout, checksum, own_strategy_names
 from rlsync.registry import Registry
 from rlsync.sync.buckets import Bucket
 
-STRATEGIES = ("bucketed", "per_tensor", "vllm_ipc")  # vllm_ipc: vLLM's own transfer (rollout.engine=vllm, CUDA)
+STRATEGIES = ("bucketed", "per_tensor")  # every transport's; an engine may add its own (Engine.own_strategies)
 SOURCES = ("device", "host")
 BACKENDS = ("auto", "gloo")  # not nccl: it refuses two ranks on one GPU, where the colocated engine sits
 
+
+
+def strategy_names() -> tuple[str, ...]:
+    """The values update.strategy accepts: the transports' strategies, then the engines' own."""
+    return STRATEGIES + own_strategy_names()
 
 @dataclass
 class UpdateResult:

@@ -1,6 +1,6 @@
 """The `broadcast` transport: the engine in its own process, joined to the trainer in a process group.
 
-As in the reference system's non-colocated mode: the trainer (rank 0) and the engine process
+As in Miles/slime's non-colocated mode: the trainer (rank 0) and the engine process
 (rank 1) form a two-rank gloo group (see `resolve_backend` for NCCL) over a TCP store that the
 trainer hosts on a free port. The engine process is started here, or (`update.engine_address`) is
 an engine started on its own, on this machine or another (`python -m rlsync.engine`,
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import rlsync.sync.flat as flat
-from rlsync.config import UpdateConfig, flat_engine_weights_choice
+from rlsync.config import UpdateConfig
 from rlsync.engines.base import Engine, EngineSpec
 from rlsync.sync.base import Receiver, UpdateResult
 from rlsync.sync.buckets import Bucket, Slot, largest_bucket_bytes
@@ -172,9 +172,9 @@ class BroadcastEngine(ForwardsToEngineProcess):
                       for _ in range(cfg.inflight_buckets)]
         self.engine_staging = 0
         receiver = BroadcastReceiver(buckets, strategy=cfg.strategy, inflight=cfg.inflight_buckets,
-                                     flat_weights=flat_engine_weights_choice(cfg, spec.rollout, spec.model)[0], port=self.store.port,
+                                     flat_weights=cfg.flat_engine_weights, port=self.store.port,
                                      timeout_s=cfg.engine_timeout_s, join_timeout_s=join_timeout_s,
-                                     copy_threads=cfg.copy_threads or 0)  # null: resolved by the entry (sync/auto.py), else torch's
+                                     copy_threads=cfg.copy_threads)
         if cfg.engine_address:  # an engine started on its own: it checks the plan against its model
             self.process = EngineProcess.remote(cfg.engine_address, receiver, timeout_s=cfg.engine_timeout_s,
                                                 connect_timeout_s=cfg.engine_connect_timeout_s)

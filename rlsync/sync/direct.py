@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from rlsync.config import UpdateConfig, flat_engine_weights_choice
+from rlsync.config import UpdateConfig
 from rlsync.engines.base import Engine, EngineSpec, Generation
 from rlsync.sync import flat
 from rlsync.sync.base import Transport, UpdateResult
@@ -38,8 +38,7 @@ class LocalEngine(Transport):
 
     @classmethod
     def open(cls, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig) -> "LocalEngine":
-        flat_weights, _ = flat_engine_weights_choice(cfg, spec.rollout, spec.model)  # null (auto) resolved, as everywhere
-        return cls(spec.build(strategy=cfg.strategy), buckets, strategy=cfg.strategy, flat_weights=flat_weights)
+        return cls(spec.build(strategy=cfg.strategy), buckets, strategy=cfg.strategy, flat_weights=cfg.flat_engine_weights)
 
     def generate(self, prompts: list[list[int]], **kwargs) -> Generation:
         return self.engine.generate(prompts, **kwargs)
@@ -57,7 +56,7 @@ class LocalEngine(Transport):
         timer = unit_timer(self.engine.device)
         rows: list[dict] = []
         staging_bytes = self.staging.numel() * self.staging.element_size() if self.staging is not None else 0
-        if self.strategy == "vllm_ipc":  # the engine's own transfer path (rlsync/engines/vllm.py)
+        if self.strategy in self.engine.own_strategies:  # the engine's own transfer path (Engine.native_update)
             seconds, staging_bytes = self.engine.native_update(weights, bucket_bytes=largest_bucket_bytes(self.buckets))
             return UpdateResult(seconds, staging_bytes=staging_bytes)
         if self.strategy == "per_tensor":

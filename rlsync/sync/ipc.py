@@ -23,7 +23,7 @@ from collections import deque
 
 import torch
 
-from rlsync.config import UpdateConfig, flat_engine_weights_choice
+from rlsync.config import UpdateConfig
 from rlsync.devices import copy_into
 from rlsync.engines.base import Engine, EngineSpec
 from rlsync.sync import flat
@@ -75,8 +75,7 @@ class IpcEngine(ForwardsToEngineProcess):
         self.device = torch.device(spec.device)
         self.buckets, self.strategy = buckets, cfg.strategy
         self.dtype = buckets[0].dtype
-        flat_weights, _ = flat_engine_weights_choice(cfg, spec.rollout, spec.model)  # null (auto) resolved, as everywhere
-        self.flat = flat.allocate(buckets, self.device, shared=True) if flat_weights else None
+        self.flat = flat.allocate(buckets, self.device, shared=True) if cfg.flat_engine_weights else None
         if self.flat is not None and self.strategy == "bucketed":
             slot_numel = 0  # packing writes the engine's weights: no staging
         elif self.strategy == "bucketed":
