@@ -1,8 +1,18 @@
-"""Shared helpers: run the real CLI as a subprocess, compose the real Hydra config."""
+"""Shared helpers: run the real CLI in this process (run_main) or as a subprocess (run_cli), compose the
+real Hydra config.
+
+Two tiers: `pytest -m "not slow"` runs in-process (pure functions, and the real entry points through
+run_main with real Hydra composition); tests marked `slow` start real processes (CLI smoke tests,
+signals, data-parallel launches, the standalone engine server, wheel installs).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -11,9 +21,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Small enough for seconds on two cores, large enough for two measured steps.
+# Small enough for seconds on two cores, large enough for two measured steps. The copy floors are probed
+# once, before step 0 (run.limit_probe=start): re-probing before every step (the default) would double a tiny
+# run's time; test_offload.py checks both schedules.
 FAST = ["run.steps=3", "run.warmup_steps=1", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
-        "rollout.max_response_len=8", "run.progress=false"]
+        "rollout.max_response_len=8", "run.progress=false", "run.limit_probe=start"]
 
 
 def cli_env(**extra) -> dict:
@@ -22,24 +34,103 @@ def cli_env(**extra) -> dict:
     return env
 
 
+_in_slow_test = [False]  # whether the test being set up or run is marked slow (pytest_runtest_setup)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _in_slow_test[0] = item.get_closest_marker("slow") is not None
+
+
 def run_cli(*args: str, module: str = "rlsync", timeout: float = 300, **env) -> subprocess.CompletedProcess:
+    """`python -m <module> *args` in a new interpreter: for the slow tier only (the unit tier calls run_main)."""
+    assert _in_slow_test[0], "run_cli starts an interpreter: mark the test slow, or call run_main (in this process)"
     return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=cli_env(**env),
                           capture_output=True, text=True, timeout=timeout)
+
+
+# `python -m <module>` -> the module whose main() that command runs
+ENTRY_POINTS = {"rlsync": "rlsync.__main__", "rlsync.bench": "rlsync.bench", "rlsync.engine": "rlsync.engine",
+                "rlsync.plan": "rlsync.plan.__main__", "rlsync.report": "rlsync.report"}
+
+
+def run_main(*args: str, module: str = "rlsync", cwd: Path | None = None, environ: dict | None = None,
+             **env) -> subprocess.CompletedProcess:
+    """`python -m <module> *args` in this process, as run_cli runs it in a new one: the same argv, working
+    directory and environment (cli_env(**env), or `environ` whole), the same entry point (its main(),
+    through Hydra's real @hydra.main and rlsync's one-line errors); the exit code from its SystemExit.
+
+    What a fresh interpreter would not carry over is put back afterwards: Hydra's global state, W&B's
+    service, the environment, argv, the working directory, the logging handlers a Hydra job installs,
+    the lines rlsync.errors remembers having printed."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from rlsync import errors
+
+    entry = importlib.import_module(ENTRY_POINTS[module])
+    argv0 = Path(entry.__file__)  # what `python -m` puts in argv[0]: the file it runs
+    if argv0.name == "__init__.py":
+        argv0 = argv0.with_name("__main__.py")
+    saved_env, saved_argv, saved_cwd = dict(os.environ), sys.argv, os.getcwd()
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    GlobalHydra.instance().clear()
+    errors.REPORTED.clear()
+    try:
+        os.environ.clear()
+        os.environ.update(environ if environ is not None else cli_env(**env))
+        os.chdir(cwd or ROOT)
+        sys.argv = [str(argv0), *map(str, args)]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                returned = entry.main()  # Hydra's apps and the report's argparse read sys.argv
+                code = returned if isinstance(returned, int) else 0  # the report returns its exit code
+            except SystemExit as exit_:
+                if exit_.code is None or isinstance(exit_.code, int):
+                    code = exit_.code or 0
+                else:  # sys.exit("message"), as Python reports it
+                    print(exit_.code, file=sys.stderr)
+                    code = 1
+    finally:
+        GlobalHydra.instance().clear()
+        if "wandb" in sys.modules:  # W&B's service and settings are per process: the next run starts its own
+            sys.modules["wandb"].teardown()
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        for handler in root.handlers[:]:
+            if handler not in saved_handlers:
+                root.removeHandler(handler)
+                handler.close()
+        for handler in saved_handlers:
+            if handler not in root.handlers:
+                root.addHandler(handler)
+        root.setLevel(saved_level)
+    return subprocess.CompletedProcess([module, *args], code, out.getvalue(), err.getvalue())
 
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.fixture(scope="session")
+def registered_schemas() -> None:
+    """The schemas in Hydra's ConfigStore, once per process (as each entry point registers them on import)."""
+    from rlsync.config import register_configs
+
+    register_configs()
+
+
 @pytest.fixture
-def compose():
+def compose(registered_schemas):
     """compose(*overrides) -> typed Config, through the real conf/ and schema."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from rlsync.config import register_configs, to_config
-
-    register_configs()
+    from rlsync.config import to_config
 
     def _compose(*overrides: str):
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

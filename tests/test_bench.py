@@ -1,4 +1,5 @@
-"""`python -m rlsync.bench`: the weight update alone, written like a run (files, W&B), sweepable."""
+"""`python -m rlsync.bench`: the weight update alone, written like a run (files, W&B), sweepable (a real
+`python -m rlsync.bench` sweep, marked slow; its one-process runs are in test_offload.py and test_schemes.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def wandb_summary(run_dir) -> dict:
     return data.get("summary", data)
 
 
+@pytest.mark.slow  # the bench's real CLI: a sweep, an engine process, W&B read back by its own CLI
 def test_bench_sweep_writes_runs_files_for_each_transport(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_cli("-m", "update.transport=direct,ipc", "update.bucket_mb=0.05", "bench.warmup=1", "bench.repeats=3",

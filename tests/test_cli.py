@@ -1,4 +1,5 @@
-"""The runner end to end: real `python -m rlsync` subprocesses on the tiny model."""
+"""The runner end to end on the tiny model: its entry point in this process (run_main), and real
+`python -m rlsync` processes where the process is what is tested (SIGKILL, W&B as a user sees it)."""
 
 import json
 import signal
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import FAST, ROOT, cli_env, read_jsonl, run_cli
+from conftest import FAST, ROOT, cli_env, read_jsonl, run_cli, run_main
 from rlsync.config import SCHEMAS, key_comment
 from rlsync.validate import leaves
 
@@ -23,7 +24,7 @@ STEP_METRICS = [
 
 
 def test_run_prints_table_and_verdict_and_writes_files(tmp_path):
-    proc = run_cli(*FAST, "wandb.mode=disabled", f"hydra.run.dir={tmp_path}")
+    proc = run_main(*FAST, "wandb.mode=disabled", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| model | weight update | trainer offload | trainer onload | step | update share of step |" in proc.stdout
     assert "of the step" in proc.stdout.splitlines()[-1]  # the verdict closes the output
@@ -49,7 +50,7 @@ def test_logprob_gap_is_the_proof_the_update_landed(tmp_path):
     gaps = {}
     for enabled in ("true", "false"):
         out = tmp_path / enabled
-        proc = run_cli(*FAST, "run.steps=4", "trainer.lr=1e-3", f"update.enabled={enabled}", "wandb.mode=disabled",
+        proc = run_main(*FAST, "run.steps=4", "trainer.lr=1e-3", f"update.enabled={enabled}", "wandb.mode=disabled",
                        f"hydra.run.dir={out}")
         assert proc.returncode == 0, proc.stderr[-3000:]
         gaps[enabled] = [r["train/logprob_abs_diff"] for r in read_jsonl(out / "metrics.jsonl")]
@@ -60,6 +61,7 @@ def test_logprob_gap_is_the_proof_the_update_landed(tmp_path):
     assert gaps["false"][0] < 0.02  # step 0: nothing trained yet, the engine is still current
 
 
+@pytest.mark.slow
 def test_killed_run_keeps_every_finished_step(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "rlsync", *FAST, "run.steps=200", "wandb.mode=disabled",
                              f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=cli_env(),
@@ -74,6 +76,7 @@ def test_killed_run_keeps_every_finished_step(tmp_path):
     assert len(rows) >= 2 and [r["step"] for r in rows] == list(range(len(rows)))
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_the_same_numbers(tmp_path):
     run_dir = tmp_path / "run1"
     proc = run_cli(*FAST, "wandb.mode=offline", f"hydra.run.dir={run_dir}", WANDB_SILENT="false")  # W&B as a user sees it
@@ -103,10 +106,19 @@ def test_every_schema_key_has_its_one_line_comment():
     assert not missing, f"keys without a trailing # comment in rlsync/config.py: {missing}"
 
 
-@pytest.mark.parametrize("module, schema", [("rlsync", "rlsync_schema"), ("rlsync.bench", "rlsync_bench_schema"),
-                                            ("rlsync.engine", "rlsync_engine_schema"), ("rlsync.plan", "rlsync_plan_schema")])
-def test_help_lists_every_key_with_its_value_and_comment(module, schema):
-    proc = run_cli("update.bucket_mb=64", "--help", module=module, timeout=120)
+# The runner's --help through its entry point in this process; the other commands' as real processes (slow):
+# their smoke test, and Hydra's help costs about 2.5 s a command either way.
+smoke = pytest.mark.slow
+
+
+@pytest.mark.parametrize("module, schema, run", [
+    ("rlsync", "rlsync_schema", run_main),
+    pytest.param("rlsync.bench", "rlsync_bench_schema", run_cli, marks=smoke),
+    pytest.param("rlsync.engine", "rlsync_engine_schema", run_cli, marks=smoke),
+    pytest.param("rlsync.plan", "rlsync_plan_schema", run_cli, marks=smoke),
+], ids=["rlsync", "rlsync.bench", "rlsync.engine", "rlsync.plan"])
+def test_help_lists_every_key_with_its_value_and_comment(module, schema, run):
+    proc = run("update.bucket_mb=64", "--help", module=module)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     for key, *_ in leaves(SCHEMAS[schema]()):
@@ -116,12 +128,12 @@ def test_help_lists_every_key_with_its_value_and_comment(module, schema):
     assert bucket.split()[0] == "update.bucket_mb=64.0" and "bucket size in MiB" in bucket  # the composed value
     assert "model: qwen3_0p6b, qwen3_1p7b" in proc.stdout  # the config groups, Hydra's own listing
     assert "--hydra-help" in proc.stdout
-    assert "Hydra (" in run_cli("--hydra-help", module=module, timeout=120).stdout  # Hydra's help is still there
+    assert "Hydra (" in run("--hydra-help", module=module).stdout  # Hydra's help is still there
 
 
 def test_completion_offers_the_keys_of_the_schema():
-    proc = run_cli("--shell-completion", "query=bash", COMP_LINE="rlsync update.tr", timeout=120)
+    proc = run_main("--shell-completion", "query=bash", COMP_LINE="rlsync update.tr")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["update.transport="]
-    proc = run_cli("--shell-completion", "install=bash", timeout=120)
+    proc = run_main("--shell-completion", "install=bash")
     assert "complete -o nospace -o default -F hydra_bash_completion" in proc.stdout

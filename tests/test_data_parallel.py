@@ -2,7 +2,8 @@
 
 The CLI under `accelerate launch` (two processes, rank 0 holding the engine), the same run in one
 process for comparison, and two ranks started here around the trainer alone, whose gradients and
-weights after one step must be the single process's on the same batch.
+weights after one step must be the single process's on the same batch (all marked slow: real
+processes). The checks a launch's environment triggers before any group is joined run in this process.
 """
 
 import json
@@ -10,12 +11,13 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import FAST, ROOT, cli_env, read_jsonl, run_cli
+from conftest import FAST, ROOT, cli_env, read_jsonl, run_cli, run_main
 
 DP_RUN = [*FAST, "trainer.lr=1e-3", "update.verify=true", "wandb.mode=disabled"]
 RANK0_ONLY = ("perf/rollout_time", "perf/update_weights_time", "perf/engine_resume_time", "perf/engine_release_time")
@@ -23,11 +25,35 @@ EVERY_RANK = ("perf/step_time", "perf/batch_scatter_time", "perf/wake_up_time", 
               "perf/train_time", "perf/grad_allreduce_time", "perf/sleep_time")
 
 
-def accelerate_launch(*args: str, cwd, timeout: float = 300) -> subprocess.CompletedProcess:
+def launcher_port() -> int:
+    """A free port for the launcher's store that no other socket can be given before the launcher binds it.
+
+    `--main_process_port 0` has accelerate pick a free port and release it before torchrun's agent binds it:
+    meanwhile the kernel may hand that port to any socket bound to port 0 or connecting out (the other test
+    worker's engines, stores and HTTP clients), and the launch fails with "address already in use". Ports
+    below the kernel's ephemeral range are never handed out that way; each worker process takes its own."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    start = max(1024, low - 8192)
+    taken = {29500, 29610}  # torchrun's and rlsync.engine's default ports, which a test may bind by name
+    for i in range(low - start):
+        port = start + (os.getpid() * 7 + i) % (low - start)
+        if port in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {start}-{low - 1}")
+
+
+def accelerate_launch(*args: str, cwd, timeout: float = 300, script: str = "-m rlsync") -> subprocess.CompletedProcess:
     """`accelerate launch` of two ranks. On a CPU, --multi_gpu is its torchrun path (--cpu wants mpirun)."""
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
-    return subprocess.run([*launch, "-m", "rlsync", *args], cwd=cwd, env=cli_env(), capture_output=True, text=True,
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(launcher_port())]
+    return subprocess.run([*launch, *script.split(), *args], cwd=cwd, env=cli_env(), capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -42,6 +68,7 @@ def two_ranks(tmp_path_factory):
     return proc, run_dir, cwd
 
 
+@pytest.mark.slow
 def test_two_ranks_train_and_update_the_engine_bit_exact(two_ranks):
     proc, run_dir, cwd = two_ranks
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -62,6 +89,7 @@ def test_two_ranks_train_and_update_the_engine_bit_exact(two_ranks):
     assert proc.stdout.count("| model | weight update |") == 1  # one closing table: rank 0's
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_process_step_by_step(two_ranks, tmp_path):
     _, run_dir, _ = two_ranks
     # torchrun gives each rank one thread: the same here, so both runs sum in comparable orders
@@ -125,10 +153,11 @@ def one_step(trainer, batch, advantages, batch_tokens=None) -> dict:
 
 
 def rank_process(rank: int, port: int, out_dir: str) -> None:
-    """One rank, as a launcher starts it: the environment, then rlsync.distributed's own calls."""
+    """One rank, as torchrun starts it: the environment (the store is the launcher's, as torchrun's agent
+    hosts it), then rlsync.distributed's own calls."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2")
+                      WORLD_SIZE="2", TORCHELASTIC_USE_AGENT_STORE="True")
     from rlsync.distributed import DataParallel
 
     dp = DataParallel.from_env()
@@ -149,16 +178,18 @@ def rank_process(rank: int, port: int, out_dir: str) -> None:
     torch.save(result, f"{out_dir}/rank{rank}.pt")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+@pytest.mark.slow
 def test_two_ranks_take_the_single_process_step(tmp_path):
-    from rlsync.distributed import merge_ranks
+    from datetime import timedelta
 
-    mp.start_processes(rank_process, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn", join=True)
+    from rlsync.distributed import merge_ranks
+    from rlsync.sync.broadcast import listen_store
+
+    # The launcher's store, listening before the ranks start and until they end: a port found free and
+    # released for rank 0 to bind could be taken meanwhile (the other test worker's sockets), failing the launch.
+    store = listen_store("127.0.0.1", timedelta(seconds=120))
+    mp.start_processes(rank_process, args=(store.port, str(tmp_path)), nprocs=2, start_method="spawn", join=True)
+    del store
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     torch.set_num_threads(1)
     batch, advantages = fixed_batch()
@@ -227,9 +258,8 @@ def test_what_two_ranks_cannot_run_is_a_config_error(tmp_path, rank, override, k
     cwd, run_dir = tmp_path / "cwd", tmp_path / "run"
     cwd.mkdir()
     # the launcher's environment alone: the check comes before any process group is joined
-    proc = subprocess.run([sys.executable, "-m", "rlsync", override, "wandb.mode=disabled", f"hydra.run.dir={run_dir}"],
-                          cwd=cwd, capture_output=True, text=True, timeout=120,
-                          env=cli_env(WORLD_SIZE="2", RANK=rank, LOCAL_RANK=rank))
+    proc = run_main(override, "wandb.mode=disabled", f"hydra.run.dir={run_dir}", cwd=cwd, WORLD_SIZE="2", RANK=rank,
+                    LOCAL_RANK=rank)
     assert proc.returncode == 2, proc.stderr[-2000:]
     who = "" if rank == "0" else f"rank {rank}: "  # every rank prints its line; ranks > 0 say which they are
     assert proc.stderr.strip().splitlines()[-1].startswith(f"rlsync: {who}config error: {key}=")
@@ -238,7 +268,7 @@ def test_what_two_ranks_cannot_run_is_a_config_error(tmp_path, rank, override, k
 
 
 def test_a_sweep_under_a_data_parallel_launch_is_refused():
-    proc = run_cli("-m", "run.seed=1,2", "wandb.mode=disabled", WORLD_SIZE="2", RANK="0")
+    proc = run_main("-m", "run.seed=1,2", "wandb.mode=disabled", WORLD_SIZE="2", RANK="0")
     assert proc.returncode == 2 and "a sweep (-m) cannot run under a data-parallel launch" in proc.stderr
 
 
@@ -262,15 +292,13 @@ runpy.run_module("rlsync", run_name="__main__", alter_sys=True)
 """
 
 
+@pytest.mark.slow
 def test_a_failing_rank_is_named_as_the_runs_error(tmp_path):
     """Rank 0 sees only a collective's "connection closed by peer" (or torchrun's SIGTERM): its error
     line and summary must name rank 1's failure instead, and keep the finished step."""
     script, run_dir = tmp_path / "failing_rank.py", tmp_path / "run"
     script.write_text(FAILING_RANK)
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
-    proc = subprocess.run([*launch, str(script), *DP_RUN, "run.steps=4", f"hydra.run.dir={run_dir}"], cwd=ROOT,
-                          env=cli_env(), capture_output=True, text=True, timeout=300)
+    proc = accelerate_launch(*DP_RUN, "run.steps=4", f"hydra.run.dir={run_dir}", cwd=ROOT, script=str(script))
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("rlsync:")]
     assert "rlsync: rank 1: failed: RuntimeError: rank 1 broke on purpose" in lines, proc.stderr[-3000:]

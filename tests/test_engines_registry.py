@@ -24,6 +24,7 @@ class CountingEngine(Engine):
     (in the process the engine runs in)."""
 
     generate_calls = 0
+    preload = engine_class("hf").preload_modules()  # the model code of the engine inside, imported once per process
 
     def __init__(self, inner: Engine):
         self.inner, self.device, self.dtype = inner, inner.device, inner.dtype
@@ -114,6 +115,7 @@ def test_registration_forms_and_lazy_paths():
             ENGINES.pop(name)
 
 
+@pytest.mark.slow  # what a fresh interpreter imports
 def test_the_registry_and_the_run_modules_import_no_engine_dependency():
     """vLLM is imported when its engine starts, not when rlsync (or the vLLM engine's class) is loaded."""
     code = ("import sys, rlsync.experiment, rlsync.validate, rlsync.engine, rlsync.bench\n"

@@ -1,7 +1,8 @@
 """Bad input gets one line on stderr and exit 2, before any model is built; faults cost one line, never files.
 
-The CLI cases run as real subprocesses, all at once (each stops before building a model, so they are
-cheap), then each parametrized test reads its own result.
+The CLI cases run through the entry points in this process, all at once (each stops before building a
+model, so they are cheap), then each parametrized test reads its own result; a few run as real
+`python -m` processes too (marked slow).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Optional
 import pytest
 import torch
 
-from conftest import ROOT, cli_env, read_jsonl
+from conftest import ROOT, cli_env, read_jsonl, run_main
 from rlsync.config import BenchAppConfig, Config, EngineAppConfig, UpdateConfig
 from rlsync.errors import ConfigError, Interrupted, JobFailed, StopOnSignals, UpdateOutOfMemory, job_errors
 from rlsync.rules import ANY, Choices, Rule
@@ -86,55 +87,16 @@ def case_id(case) -> str:
     return " ".join(values[0])
 
 
-# Runs `python -m <module> <args>` once per case in a child forked from one interpreter that has
-# imported torch and Hydra already: the child executes the entry module exactly as `-m` does
-# (runpy, as __main__), with its own stdout/stderr files and exit code, for a fraction of the start-up.
-FORKING_DRIVER = """
-import json, os, runpy, sys
-import hydra, torch, rlsync.sync, rlsync.bench, rlsync.experiment  # warm the imports once
-cases = json.load(sys.stdin)
-results = []
-for module, args, out_dir in cases:
-    out, err = os.path.join(out_dir, "stdout"), os.path.join(out_dir, "stderr")
-    os.makedirs(out_dir, exist_ok=True)
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            fd_out, fd_err = os.open(out, os.O_WRONLY | os.O_CREAT), os.open(err, os.O_WRONLY | os.O_CREAT)
-            os.dup2(fd_out, 1), os.dup2(fd_err, 2)
-            sys.argv = [module, *args]
-            sys.modules.pop(module, None)  # as in a fresh `-m`: the entry module is not imported yet
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-        except SystemExit as exit:
-            code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-            code = 99
-        finally:
-            sys.stdout.flush(), sys.stderr.flush()
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    results.append([os.waitstatus_to_exitcode(status), open(out).read(), open(err).read()])
-json.dump(results, sys.stdout)
-"""
-
-
 @pytest.fixture(scope="module")
 def cli_results(tmp_path_factory):
-    """Every bad-input case of the three entry points: (module, overrides) -> CompletedProcess."""
+    """Every bad-input case of the three entry points, each through its entry point in this process
+    (each stops before building a model): (module, overrides) -> CompletedProcess."""
     cases = ([("rlsync", c) for c in BAD_INPUTS] + [("rlsync.bench", c) for c in BENCH_BAD_INPUTS]
              + [("rlsync.engine", c) for c in ENGINE_BAD_INPUTS])
     cases = [(m, list((c.values if hasattr(c, "values") else c)[0])) for m, c in cases]
     root = tmp_path_factory.mktemp("bad_inputs")
-    jobs = [(m, ["wandb.mode=disabled", f"hydra.run.dir={root / str(i)}", *o], str(root / f"io{i}"))
-            for i, (m, o) in enumerate(cases)]
-    driver = subprocess.run([sys.executable, "-c", FORKING_DRIVER], input=json.dumps(jobs), cwd=ROOT, env=cli_env(),
-                            capture_output=True, text=True, timeout=300)
-    assert driver.returncode == 0, driver.stderr
-    return {(m, tuple(o)): subprocess.CompletedProcess(args=[m, *o], returncode=code, stdout=out, stderr=err)
-            for (m, o), (code, out, err) in zip(cases, json.loads(driver.stdout))}
+    return {(m, tuple(o)): run_main("wandb.mode=disabled", f"hydra.run.dir={root / str(i)}", *o, module=m)
+            for i, (m, o) in enumerate(cases)}
 
 
 @pytest.mark.parametrize("module,overrides,names", [
@@ -142,8 +104,9 @@ def cli_results(tmp_path_factory):
     ("rlsync", ["update.bucket_mb=0"], "update.bucket_mb=0"),
     ("rlsync.bench", ["rollout.samples_per_prompt=1"], "rollout.samples_per_prompt=1"),
 ])
+@pytest.mark.slow
 def test_bad_input_from_a_fresh_interpreter(tmp_path, module, overrides, names):
-    """The same as the forked cases below, from a plain `python -m` (no warmed-up parent)."""
+    """The same as the in-process cases below, from a plain `python -m` (no warmed-up parent)."""
     args = [sys.executable, "-m", module, "wandb.mode=disabled", f"hydra.run.dir={tmp_path}", *overrides]
     check_one_line(subprocess.run(args, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=180), names)
 
@@ -183,8 +146,7 @@ def test_the_lines_say_what_is_allowed(cli_results):
 
 
 def test_debug_switch_shows_the_traceback(tmp_path):
-    args = [sys.executable, "-m", "rlsync", "wandb.mode=disabled", f"hydra.run.dir={tmp_path}", "update.bucket_mb=0"]
-    result = subprocess.run(args, cwd=ROOT, env=cli_env(RLSYNC_DEBUG="1"), capture_output=True, text=True, timeout=180)
+    result = run_main("wandb.mode=disabled", f"hydra.run.dir={tmp_path}", "update.bucket_mb=0", RLSYNC_DEBUG="1")
     assert result.returncode == 2
     assert "Traceback" in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("rlsync: config error: update.bucket_mb=0")
@@ -427,6 +389,7 @@ with wandb_run(WandbConfig(mode=sys.argv[2], init_timeout=10), run_dir=run_dir, 
     ("offline", {"WANDB_SERVICE": "3-99999-unix-/nonexistent/wandb.sock"}, "none", 1),  # the service is unreachable
     ("online", {"WANDB_SERVICE": "3-99999-unix-/nonexistent/wandb.sock"}, "none", 2),
 ], ids=["online-without-login", "offline-without-service", "online-without-login-or-service"])
+@pytest.mark.slow  # W&B's service is per process: each case needs a fresh one
 def test_wandb_failing_falls_back_and_keeps_the_files(tmp_path, mode, env, expect_mode, failures):
     full_env = {k: v for k, v in cli_env(**env).items() if k not in ("WANDB_API_KEY", "WANDB_SILENT")}
     full_env["WANDB_CONFIG_DIR"] = str(tmp_path / "wandb_config")  # no stored login
@@ -518,8 +481,7 @@ def small_checkpoint(tmp_path_factory):
 
 def test_a_checkpoint_of_another_architecture_is_refused_naming_the_keys(small_checkpoint, tmp_path):
     path, _ = small_checkpoint
-    args = [sys.executable, "-m", "rlsync", "wandb.mode=disabled", f"hydra.run.dir={tmp_path}", f"model.pretrained={path}"]
-    result = subprocess.run(args, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=180)
+    result = run_main("wandb.mode=disabled", f"hydra.run.dir={tmp_path}", f"model.pretrained={path}")
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and "Traceback" not in result.stderr

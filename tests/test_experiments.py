@@ -1,11 +1,10 @@
 """Experiment presets and submitit sweeps."""
 
 import json
-import subprocess
 
 import pytest
 
-from conftest import ROOT, cli_env, run_cli
+from conftest import ROOT, run_cli
 
 PRESETS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
 
@@ -23,6 +22,7 @@ def test_presets_match_the_reference_runs(compose):
     assert compose("experiment=step_share").run.steps == 48
 
 
+@pytest.mark.slow
 def test_submitit_local_sweep_runs_jobs_as_processes_and_reports(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_cli("-m", "hydra/launcher=local", "run.steps=2", "run.warmup_steps=1", "rollout.prompts_per_step=1",

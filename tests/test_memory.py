@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import FAST, cli_env, read_jsonl, run_cli
+from conftest import FAST, cli_env, read_jsonl, run_cli, run_main
 from rlsync import memory
 from rlsync.config import Config
 
@@ -85,8 +85,7 @@ def test_the_missions_example_is_refused_before_any_model_is_built(tmp_path):
     """`python -m rlsync model=qwen3_1p7b update.bucket_mb=512`: 1.7B parameters in fp32 AdamW need
     about 32 GB for the trainer alone."""
     available = memory.host_available_bytes()
-    result = run_cli("model=qwen3_1p7b", "update.bucket_mb=512", "wandb.mode=disabled", f"hydra.run.dir={tmp_path}",
-                     timeout=120)
+    result = run_main("model=qwen3_1p7b", "update.bucket_mb=512", "wandb.mode=disabled", f"hydra.run.dir={tmp_path}")
     if available is not None and available > 40 * 2**30:
         pytest.skip(f"this machine has {available / 2**30:.0f} GiB available: the example fits here")
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
@@ -96,8 +95,10 @@ def test_the_missions_example_is_refused_before_any_model_is_built(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_the_estimate_is_within_25_percent_of_the_measured_peak(tmp_path):
-    """A real tiny run: summary.json holds the estimate beside the peak resident set it measured."""
+    """A real tiny run: summary.json holds the estimate beside the peak resident set it measured (a process
+    of its own: in this one the peak would be the test process's)."""
     result = run_cli(*FAST, "wandb.mode=disabled", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -109,6 +110,7 @@ def test_the_estimate_is_within_25_percent_of_the_measured_peak(tmp_path):
     assert 0.75 <= record["process_estimate_over_peak_rss"] <= 1.25, record
 
 
+@pytest.mark.slow
 def test_peak_rss_is_this_process_own_and_resets():
     """The peak is the process's own (a child of a large process does not report its parent's, as
     ru_maxrss would) and reset_peak_rss starts it again from now (each multirun job its own)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, run_cli
+from conftest import FAST, run_main
 from rlsync.architecture import layout_plan, update_tensors
 from rlsync.config import ModelConfig, conf_file
 from rlsync.memory import param_count, param_shapes, rss_bytes
@@ -90,8 +90,8 @@ def write_config(tmp_path: Path, name: str, config: dict) -> Path:
 
 def run_step(tmp_path: Path, folder: Path, *extra: str) -> dict:
     run_dir = tmp_path / f"run_{folder.name}"
-    proc = run_cli(f"model.config={folder}", "update.verify=true", "wandb.mode=disabled", *FAST, "run.steps=2",
-                   f"hydra.run.dir={run_dir}", *extra)
+    proc = run_main(f"model.config={folder}", "update.verify=true", "wandb.mode=disabled", *FAST, "run.steps=2",
+                    f"hydra.run.dir={run_dir}", *extra)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["verification"] == "passed"
@@ -119,7 +119,7 @@ def test_a_qwen3_moe_config_runs_a_verified_step(tmp_path, layout, extra):
 
 def test_an_unsupported_architecture_is_refused_in_one_line(tmp_path):
     folder = write_config(tmp_path, "other", {"model_type": "t5"})  # transformers builds no causal LM of T5
-    proc = run_cli(f"model.config={folder}", "wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = run_main(f"model.config={folder}", "wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert lines == [f"rlsync: config error: model.config={folder}: unsupported model_type=t5 (allowed: a config.json "

@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from conftest import FAST, ROOT, read_jsonl, run_cli
+from conftest import FAST, ROOT, read_jsonl, run_main
 from rlsync.config import ModelConfig, TrainerConfig
 from rlsync.errors import ConfigError
 from rlsync.models import build_model
@@ -366,8 +366,8 @@ def test_runner_with_offload_none_moves_nothing_and_trains_the_same(runner_runs)
 
 def test_bench_cli_offload_target(tmp_path):
     run_dir = tmp_path / "bench"
-    proc = run_cli(*SMALL_MODEL, "wandb.mode=disabled", f"hydra.run.dir={run_dir}", "bench.target=offload", "bench.warmup=1",
-                   "bench.repeats=2", "trainer.offload=drop_grads", module="rlsync.bench")
+    proc = run_main(*SMALL_MODEL, "wandb.mode=disabled", f"hydra.run.dir={run_dir}", "bench.target=offload",
+                    "bench.warmup=1", "bench.repeats=2", "trainer.offload=drop_grads", module="rlsync.bench")
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["target"] == "offload" and summary["offload"]["mode"] == "drop_grads"

@@ -1,9 +1,11 @@
 """rlsync as a user installs it: a wheel (and an editable install) in a fresh virtual environment,
 its console scripts run from a directory outside the checkout.
 
-The environments are made with --system-site-packages, so torch and the other dependencies come
-from this one and only rlsync is installed (--no-deps): about a minute and a half on two cores,
-most of it the tiny run and the benchmark. `-m "not packaging"` leaves it out.
+The environments see the running interpreter's packages (its site directories, a virtual
+environment's as well as a base interpreter's), so torch and the other dependencies come from this
+one and only rlsync is installed (--no-deps), built with this environment's own pip and setuptools:
+about a minute and a half on two cores, most of it the tiny run and the benchmark. `-m "not packaging"`
+(or `-m "not slow"`) leaves it out.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +22,7 @@ import pytest
 
 from conftest import FAST, ROOT
 
-pytestmark = pytest.mark.packaging
+pytestmark = [pytest.mark.packaging, pytest.mark.slow]
 
 
 def sh(*cmd, cwd: Path, timeout: float = 300, **env) -> subprocess.CompletedProcess:
@@ -43,10 +46,25 @@ def source_copy(dest: Path) -> Path:
     return dest
 
 
+def running_site_dirs() -> list[str]:
+    """Where this interpreter's packages are: a virtual environment's site-packages when the tests run in one."""
+    dirs = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+    return [d for d in dirs if Path(d).is_dir()]
+
+
 def venv(path: Path, *install: str) -> Path:
-    """A virtual environment over this one's packages, with `pip install --no-deps *install` in it; its bin/."""
-    ok(sh(sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", path, cwd=path.parent))
+    """A virtual environment over this one's packages, with `pip install --no-deps *install` in it; its bin/.
+
+    Not `--system-site-packages`: made from inside a virtual environment, that reaches the *base*
+    interpreter's packages (no torch, perhaps a setuptools without bdist_wheel), not the running ones.
+    A .pth file adds the running interpreter's site directories after the new environment's own, so
+    what is installed here comes first and pip and setuptools are this environment's."""
+    ok(sh(sys.executable, "-m", "venv", "--without-pip", path, cwd=path.parent))
     python = path / "bin" / "python"
+    purelib = ok(sh(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", cwd=path.parent))
+    own = Path(purelib.stdout.strip())
+    (own / "zz_running_environment.pth").write_text("".join(f"import site; site.addsitedir({d!r})\n"
+                                                           for d in running_site_dirs()))
     ok(sh(python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", *install, cwd=path.parent))
     return path / "bin"
 

@@ -14,7 +14,7 @@ import pytest
 from rlsync.plan import compare, cost, planner, profiles
 from rlsync.plan.calibrate import calibration_file, observations_under
 
-from conftest import ROOT, cli_env, run_cli
+from conftest import ROOT, cli_env, run_main
 
 KNOWN = {  # setup key -> (per_call_s, per_tensor_s, per_byte_s); per_tensor's tensor term: per pooled tensor
     "direct/bucketed": (60e-6, 40e-6, 1 / 6e9),
@@ -150,7 +150,7 @@ def test_the_default_plan_predicts_the_one_copy_update_it_resolves(compose):
 
 
 def test_gpu_profile_is_marked_unmeasured(tmp_path):
-    proc = run_cli("model=qwen3_4b", "plan.calibration=h200", f"hydra.run.dir={tmp_path}", module="rlsync.plan", timeout=120)
+    proc = run_main("model=qwen3_4b", "plan.calibration=h200", f"hydra.run.dir={tmp_path}", module="rlsync.plan")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "UNMEASURED" in proc.stdout and "Predicted update time (unmeasured)" in proc.stdout
     plan = json.loads((tmp_path / "plan.json").read_text())
@@ -175,6 +175,7 @@ def plan_with_rss(tmp_path: Path, *overrides: str) -> tuple[dict, int, str]:
     return json.loads((tmp_path / "plan.json").read_text()), rss, proc.stdout
 
 
+@pytest.mark.slow
 def test_plan_of_qwen3_8b_allocates_nothing(tmp_path):
     plan, rss, out = plan_with_rss(tmp_path, "model=qwen3_8b", "plan.calibration=h100")
     assert plan["model"]["params"] == 8_190_735_360  # Qwen3-8B's published count (untied lm_head)
@@ -182,6 +183,7 @@ def test_plan_of_qwen3_8b_allocates_nothing(tmp_path):
     assert "Plan: qwen3_8b" in out
 
 
+@pytest.mark.slow
 def test_plan_of_qwen3_235b_a22b(tmp_path):
     """The published 235B-A22B plans in seconds from its config alone (per-expert names, nothing allocated)."""
     import time
@@ -197,10 +199,10 @@ def test_plan_of_qwen3_235b_a22b(tmp_path):
 def test_calibrate_quick_end_to_end_then_compare_and_refit(tmp_path):
     cal = tmp_path / "cal.json"
     run_dir = tmp_path / "run"
-    proc = run_cli("plan.calibrate=true", "plan.calibrate_quick=true", "plan.calibrate_transports=[direct]",
-                   "plan.calibrate_repeats=2", "plan.calibrate_flat=false", "update.flat_engine_weights=false",
-                   "trainer.dtype=bfloat16", f"plan.calibration={cal}",
-                   f"hydra.run.dir={run_dir}", module="rlsync.plan", timeout=300)
+    proc = run_main("plan.calibrate=true", "plan.calibrate_quick=true", "plan.calibrate_transports=[direct]",
+                    "plan.calibrate_repeats=2", "plan.calibrate_flat=false", "update.flat_engine_weights=false",
+                    "trainer.dtype=bfloat16", f"plan.calibration={cal}",
+                    f"hydra.run.dir={run_dir}", module="rlsync.plan")
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(cal.read_text())
     assert data["kind"] == profiles.KIND and data["measured"] is True
@@ -232,8 +234,8 @@ def test_calibrate_quick_end_to_end_then_compare_and_refit(tmp_path):
 
 
 def test_fit_from_a_directory_of_runs(tmp_path):
-    proc = run_cli(f"plan.fit_from={tmp_path}", f"plan.calibration={tmp_path / 'c.json'}", f"hydra.run.dir={tmp_path}/r",
-                   module="rlsync.plan", timeout=120)
+    proc = run_main(f"plan.fit_from={tmp_path}", f"plan.calibration={tmp_path / 'c.json'}",
+                    f"hydra.run.dir={tmp_path}/r", module="rlsync.plan")
     assert proc.returncode != 0 and "no finished rlsync.bench update runs" in proc.stderr
 
 
@@ -274,7 +276,7 @@ def test_report_sizes_the_known_pain_and_fits_the_cost_model():
     (["plan.bucket_sizes=[0]"], "plan.bucket_sizes=[0.0]: not allowed"),
 ])
 def test_plan_config_rules(tmp_path, overrides, says):
-    proc = run_cli(*overrides, f"hydra.run.dir={tmp_path}", module="rlsync.plan", timeout=120)
+    proc = run_main(*overrides, f"hydra.run.dir={tmp_path}", module="rlsync.plan")
     assert proc.returncode == 2 and says in proc.stderr
 
 

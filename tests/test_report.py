@@ -1,7 +1,9 @@
 """The sweep report (rlsync.report): table, CSV, plots, W&B run and W&B Report, all offline.
 
 The runs here are fake job directories written the way the runner writes them (summary.json,
-metrics.jsonl, .hydra/), so the tests are fast and do not depend on the runner.
+metrics.jsonl, .hydra/), so the tests are fast and do not depend on the runner; the report runs through
+its entry point in this process, and as a real `python -m rlsync.report` process where the process is
+what is tested (a file size limit, a real sweep's report: marked slow).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import run_main
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -221,13 +224,11 @@ def set_wandb_config(sweep: Path, **values: str) -> None:
 
 
 def run_report(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m rlsync.report *args` through its entry point in this process, with no W&B settings but `env`'s."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     full_env.update({"PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"})
     full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "rlsync.report", *args],
-        capture_output=True, text=True, env=full_env, cwd=cwd or REPO, timeout=180,
-    )  # fmt: skip
+    return run_main(*args, module="rlsync.report", environ=full_env, cwd=cwd)
 
 
 def offline_env(tmp_path: Path) -> dict:
@@ -567,16 +568,17 @@ def test_group_comes_from_wandb_group(sweep: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# A real sweep, when the runner is there
+# A real sweep
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not (REPO / "rlsync" / "experiment.py").exists(), reason="the runner is not written yet")
+@pytest.mark.slow
 def test_real_two_by_two_sweep(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {"PYTHONPATH": str(REPO)}
     cmd = [
         sys.executable, "-m", "rlsync", "-m", "run.steps=3", "run.progress=false", "wandb.mode=disabled",
+        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_response_len=8",  # seconds a job
         "model.num_hidden_layers=1,2", "update.bucket_mb=0.25,2", f"hydra.sweep.dir={sweep}",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
@@ -663,6 +665,7 @@ def test_a_full_disk_ends_with_one_line_naming_the_file(sweep: Path, tmp_path: P
         f"rlsync.report: cannot write {out / 'report.md'}: the disk is full (No space left on device)"]
 
 
+@pytest.mark.slow
 def test_a_file_size_limit_ends_with_one_line(sweep: Path, tmp_path: Path) -> None:
     """RLIMIT_FSIZE makes the kernel refuse any write past 2 KiB (EFBIG; Python ignores SIGXFSZ)."""
     import resource

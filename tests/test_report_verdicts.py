@@ -149,7 +149,7 @@ def test_verdict_and_table_share_agree(tmp_path: Path) -> None:
     assert "update is 0.04 % of the step" in md
 
 
-@pytest.mark.skipif(not (REPO / "rlsync" / "bench.py").exists(), reason="the bench is not written yet")
+@pytest.mark.slow
 def test_real_bench_sweep_reported_twice_keeps_one_wandb_report_run(tmp_path: Path, drawn: dict) -> None:
     """A real tiny bench sweep over two transports and two bucket sizes: its callback reports it (W&B
     offline), then the report is run again by hand; one report run remains, holding the best line."""

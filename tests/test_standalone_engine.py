@@ -9,7 +9,8 @@ trainer's session ended, a dead engine and a missing one failing in seconds, the
 the CLI, and SIGTERM. Then the hostile cases: garbage, oversized heads and bodies, a probe that
 connects and closes, an idle or stalled client (each dropped with one line, the engine serving on),
 a trainer pointed at a listener that never answers, pickles that must never run, a token required
-beyond loopback, and the group's store listening on loopback only.
+beyond loopback, and the group's store listening on loopback only. The tests with a server process of
+their own are marked slow; what ends before any server listens runs through the entry points in this process.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, ROOT, cli_env, read_jsonl, run_cli
+from conftest import FAST, ROOT, cli_env, read_jsonl, run_main
 from rlsync.config import ModelConfig, UpdateConfig
 from rlsync.sync import open_engine, plan_for, update_weights
 from rlsync.sync.engine_process import EngineDied, EngineFailed
 from rlsync.sync.remote import TOKEN_ENV, EngineUnreachable, parse_address
 from test_transports import BF16, CPU, SMALL_BUCKET_MB, Trainer, assert_engine_holds
 
+slow_server = pytest.mark.slow  # a `python -m rlsync.engine` server process of its own
 START_S = 120  # an engine start (imports, model build) on two busy cores
 REQUEST_TIMEOUT = "serve.request_timeout_s=1"  # idle and stalled clients are dropped after 1 s, not 10
 MAX_REQUEST = "serve.max_request_mb=1"  # an oversized body is sent in a moment
@@ -111,6 +113,7 @@ def remote_update(address: str, **kw) -> UpdateConfig:
     pytest.param("per_tensor", 2, False, id="per_tensor-inflight2"),
     pytest.param("bucketed", 2, True, id="bucketed-flat-inflight2"),
 ])
+@slow_server
 def test_standalone_engine_receives_bit_exact_updates(engine_server, strategy, inflight, flat):
     trainer = Trainer()
     update = remote_update(engine_server.address, strategy=strategy, inflight_buckets=inflight, flat_engine_weights=flat)
@@ -130,6 +133,7 @@ def test_standalone_engine_receives_bit_exact_updates(engine_server, strategy, i
     assert engine_server.proc.poll() is None  # the session ended, the engine serves on
 
 
+@slow_server
 def test_generation_over_http_equals_an_engine_in_this_process(engine_server):
     """The sampler's state travels to the engine and back, so the same weights and seed give the same answers."""
     trainer = Trainer(seed=5)
@@ -150,6 +154,7 @@ def test_generation_over_http_equals_an_engine_in_this_process(engine_server):
     assert torch.equal(remote_state, local_state)
 
 
+@slow_server
 def test_engine_refuses_a_plan_for_another_model(engine_server):
     trainer = Trainer()
     other = ModelConfig(hidden_size=128, intermediate_size=256)  # the tiny model, narrower
@@ -166,13 +171,14 @@ def test_engine_refuses_a_plan_for_another_model(engine_server):
     assert engine_server.proc.poll() is None
 
 
+@slow_server
 def test_runner_joins_a_standalone_engine_and_matches_a_local_one(engine_server, tmp_path):
-    """`python -m rlsync` against the engine over HTTP: verified updates, and the same run as with an
-    engine process started by the trainer (same seed: same answers, rewards and losses)."""
+    """The runner (its entry point, in this process) against the engine over HTTP: verified updates, and the
+    same run as with an engine process started by the trainer (same seed: same answers, rewards and losses)."""
     common = [*FAST, "update.transport=broadcast", "update.verify=true", "wandb.mode=disabled"]
-    remote = run_cli(*common, f"update.engine_address={engine_server.address}", f"hydra.run.dir={tmp_path / 'remote'}")
+    remote = run_main(*common, f"update.engine_address={engine_server.address}", f"hydra.run.dir={tmp_path / 'remote'}")
     assert remote.returncode == 0, remote.stderr
-    local = run_cli(*common, f"hydra.run.dir={tmp_path / 'local'}")
+    local = run_main(*common, f"hydra.run.dir={tmp_path / 'local'}")
     assert local.returncode == 0, local.stderr
     summary = json.loads((tmp_path / "remote" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["verification"] == "passed"
@@ -196,6 +202,7 @@ time.sleep(600)
 """
 
 
+@slow_server
 def test_a_trainer_killed_mid_session_leaves_the_engine_serving(engine_server):
     """SIGKILL, so the trainer never closes its session: the engine notices and takes the next one."""
     killed = subprocess.Popen([sys.executable, "-c", KILLED_TRAINER, engine_server.address], cwd=ROOT, env=cli_env(),
@@ -212,6 +219,7 @@ def test_a_trainer_killed_mid_session_leaves_the_engine_serving(engine_server):
     engine_server.wait_for("ended: the trainer closed it")
 
 
+@slow_server
 def test_a_second_trainer_is_refused_at_once_while_one_is_served(engine_server):
     trainer = Trainer()
     update = remote_update(engine_server.address)
@@ -233,6 +241,7 @@ def test_a_second_trainer_is_refused_at_once_while_one_is_served(engine_server):
     engine_server.wait_for("busy with trainer")
 
 
+@slow_server
 def test_health_answers_while_the_engine_works(engine_server):
     """The engine waits inside an update for the trainer's first broadcast (its work thread blocked
     in gloo), and /health still answers, naming that work; then the update lands bit for bit."""
@@ -275,6 +284,7 @@ HOSTILE = [  # (what the client sends, how its line on the engine's stderr reads
 
 
 @pytest.mark.parametrize("sent,line", HOSTILE)
+@slow_server
 def test_a_bad_client_is_dropped_with_one_line_and_the_engine_serves_on(engine_server, sent, line):
     port = hostile_client(engine_server.address, sent)
     engine_server.wait_for(f"client 127.0.0.1:{port}: ", timeout=30, stderr=True)
@@ -283,12 +293,14 @@ def test_a_bad_client_is_dropped_with_one_line_and_the_engine_serves_on(engine_s
     one_update_lands(Trainer(seed=6), remote_update(engine_server.address))
 
 
+@slow_server
 def test_sigterm_stops_the_engine_between_sessions(engine_server):
     result = engine_server.stop()
     assert result.returncode == 143, result.stderr
     assert result.stderr.strip().splitlines()[-1] == "rlsync: interrupted: stopped by SIGTERM"
 
 
+@slow_server
 def test_a_dead_engine_fails_the_update_within_seconds(tmp_path):
     server = StandaloneEngine(tmp_path)
     trainer = Trainer()
@@ -320,14 +332,13 @@ def test_no_engine_at_the_address_is_one_clear_error():
 
 def test_a_trainer_pointed_at_a_silent_listener_fails_within_its_connect_timeout(tmp_path):
     """A port that accepts connections (the kernel does) but never answers: the run ends after
-    update.engine_connect_timeout_s with one line; run_cli's own timeout would catch a hang."""
+    update.engine_connect_timeout_s with one line."""
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)
         address = f"127.0.0.1:{silent.getsockname()[1]}"
-        result = run_cli(*FAST, "update.transport=broadcast", f"update.engine_address={address}",
-                         "update.engine_connect_timeout_s=2", "wandb.mode=disabled", f"hydra.run.dir={tmp_path}",
-                         timeout=120)
+        result = run_main(*FAST, "update.transport=broadcast", f"update.engine_address={address}",
+                          "update.engine_connect_timeout_s=2", "wandb.mode=disabled", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 1, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"rlsync: no rlsync engine answered at update.engine_address={address} within 2 s "
@@ -345,6 +356,7 @@ class Touch:
         return (open, (self.path, "w"))
 
 
+@slow_server
 def test_a_token_engine_never_runs_a_pickle_and_refuses_a_wrong_token(tmp_path, monkeypatch):
     """With RLSYNC_ENGINE_TOKEN set, every request needs it; pickles, sent raw, framed as the old
     channel framed them, or as request bodies with and without the token, are never loaded; the
@@ -385,9 +397,8 @@ def test_a_token_engine_never_runs_a_pickle_and_refuses_a_wrong_token(tmp_path, 
 @pytest.mark.parametrize("token", [None, " "], ids=["unset", "blank"])
 def test_an_engine_beyond_loopback_without_a_token_refuses_to_start(tmp_path, token):
     env = {k: v for k, v in cli_env().items() if k != TOKEN_ENV} | ({} if token is None else {TOKEN_ENV: token})
-    result = subprocess.run([sys.executable, "-m", "rlsync.engine", "update.engine_address=0.0.0.0:0",
-                             f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = run_main("update.engine_address=0.0.0.0:0", f"hydra.run.dir={tmp_path}", module="rlsync.engine",
+                      environ=env)
     assert result.returncode == 2, result.stderr
     assert "listening" not in result.stdout
     lines = result.stderr.strip().splitlines()
@@ -401,8 +412,7 @@ def test_an_engine_on_a_taken_port_says_so_in_one_line(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         address = f"127.0.0.1:{taken.getsockname()[1]}"
-        result = run_cli(f"update.engine_address={address}", f"hydra.run.dir={tmp_path}", module="rlsync.engine",
-                         timeout=120)
+        result = run_main(f"update.engine_address={address}", f"hydra.run.dir={tmp_path}", module="rlsync.engine")
     assert result.returncode == 1, result.stderr
     assert result.stderr.strip().splitlines() == [f"rlsync: cannot listen on update.engine_address={address} "
                                                   f"(Address already in use): pick another port (0: any free one) "

