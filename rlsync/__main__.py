@@ -14,10 +14,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from rlsync.config import CONFIG_PATH, register_configs
+from rlsync.config.launch import hydra_job, launched, rank_argv
+from rlsync.config.schema import CONFIG_PATH, register_configs
+from rlsync.config.validate import checked_config
 from rlsync.errors import cli, job_errors
-from rlsync.launcher import hydra_job, launched, rank_argv
-from rlsync.validate import checked_config
 
 register_configs()
 
@@ -30,9 +30,11 @@ def hydra_main(dcfg: DictConfig) -> None:
     log_dir = run_dir if rank == 0 else None  # data-parallel ranks > 0 write no error.log: stderr only
     with job_errors(log_dir, sweep_job=f"{hc.job.num} ({run_dir})" if hc.mode == RunMode.MULTIRUN else None, rank=rank):
         cfg = checked_config(dcfg)  # every key and value, before any model is built
-        from rlsync.experiment import run_experiment
+        from rlsync.run.loop import run_experiment
 
-        run_experiment(cfg, run_dir, name=name, group=cfg.wandb.group or sweep_dir.name, overrides=list(hc.overrides.task))
+        run_experiment(
+            cfg, run_dir, name=name, group=cfg.wandb.group or sweep_dir.name, overrides=list(hc.overrides.task)
+        )
 
 
 def main() -> None:

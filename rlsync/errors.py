@@ -17,10 +17,11 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -80,26 +81,43 @@ class BrokenInstall(RlsyncError):
 class UpdateOutOfMemory(RlsyncError):
     """The device ran out of memory inside the weight update: the bucket size is the knob."""
 
-    def __init__(self, *, bucket_mb: float, largest_bucket_mb: float, largest_tensor_mb: float, inflight: int,
-                 phase: str = "during the weight update"):
+    def __init__(
+        self,
+        *,
+        bucket_mb: float,
+        largest_bucket_mb: float,
+        largest_tensor_mb: float,
+        inflight: int,
+        phase: str = "during the weight update",
+    ):
         smaller = bucket_mb / 2
         advice = f"try a smaller update.bucket_mb (e.g. update.bucket_mb={smaller:g})"
         if largest_tensor_mb >= smaller:
-            advice += (f"; the largest tensor ({largest_tensor_mb:.0f} MiB) always travels whole, so also "
-                       f"free memory elsewhere (update.source=host, trainer.offload)")
+            advice += (
+                f"; the largest tensor ({largest_tensor_mb:.0f} MiB) always travels whole, so also "
+                f"free memory elsewhere (update.source=host, trainer.offload)"
+            )
         if inflight > 1:
             advice += f", or update.inflight_buckets=1 (now {inflight} staging buffers)"
-        super().__init__(f"out of device memory {phase} with update.bucket_mb={bucket_mb:g} "
-                         f"(largest bucket {largest_bucket_mb:.0f} MiB): {advice}")
+        super().__init__(
+            f"out of device memory {phase} with update.bucket_mb={bucket_mb:g} "
+            f"(largest bucket {largest_bucket_mb:.0f} MiB): {advice}"
+        )
 
 
 # errno -> what it means for a file we write, in words a user acts on
 WRITE_PROBLEMS = {
-    errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up", errno.EFBIG: "the file is too large "
-    "for this file system or its size limit (ulimit -f)", errno.EROFS: "the file system is read-only",
-    errno.EACCES: "permission denied", errno.EPERM: "permission denied", errno.ENOTDIR: "a part of the path is a "
-    "file, not a directory", errno.EISDIR: "it is a directory", errno.EEXIST: "a file of that name is in the way",
-    errno.ENOENT: "its directory does not exist", errno.EIO: "an I/O error (the disk failed)",
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EFBIG: "the file is too large for this file system or its size limit (ulimit -f)",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.ENOTDIR: "a part of the path is a file, not a directory",
+    errno.EISDIR: "it is a directory",
+    errno.EEXIST: "a file of that name is in the way",
+    errno.ENOENT: "its directory does not exist",
+    errno.EIO: "an I/O error (the disk failed)",
 }
 
 
@@ -137,7 +155,7 @@ class StopOnSignals:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-    def __enter__(self) -> "StopOnSignals":
+    def __enter__(self) -> StopOnSignals:
         self.pending: Optional[int] = None
         self.raised = False
         self.deferring = False
@@ -152,8 +170,12 @@ class StopOnSignals:
 
     def _handle(self, signum: int, frame) -> None:
         if self.raised or self.pending is not None:
-            print(f"rlsync: {signal.Signals(signum).name} again: exiting now without the summary "
-                  f"(metrics.jsonl keeps the finished steps)", file=sys.stderr, flush=True)
+            print(
+                f"rlsync: {signal.Signals(signum).name} again: exiting now without the summary "
+                f"(metrics.jsonl keeps the finished steps)",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(128 + signum)
         if self.deferring:
             self.pending = signum
@@ -181,18 +203,26 @@ class StopOnSignals:
 def from_hydra(err: BaseException) -> Optional[RlsyncError]:
     """The ConfigError (or BadInput) a Hydra/OmegaConf composition error stands for, BrokenInstall when the
     install lacks its configs; None for anything else."""
-    if isinstance(err, MissingConfigException) and "primary config" in str(err).lower() \
-            and not any(CONF_DIR.glob("*.yaml")):
-        return BrokenInstall(f"installation error: this rlsync install has no configs ({CONF_DIR} holds no *.yaml; "
-                             f"Hydra: {first_line(err)}): reinstall rlsync (pip install -e . in a checkout, or a wheel "
-                             f"built by pip wheel . from one)")
+    if (
+        isinstance(err, MissingConfigException)
+        and "primary config" in str(err).lower()
+        and not any(CONF_DIR.glob("*.yaml"))
+    ):
+        return BrokenInstall(
+            f"installation error: this rlsync install has no configs ({CONF_DIR} holds no *.yaml; "
+            f"Hydra: {first_line(err)}): reinstall rlsync (pip install -e . in a checkout, or a wheel "
+            f"built by pip wheel . from one)"
+        )
     if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
         group, _, choice = err.missing_cfg_file.rpartition("/")
-        return ConfigError(group.replace("/", "."), choice, ", ".join(err.options or []) or "no options",
-                           "unknown choice")
+        return ConfigError(
+            group.replace("/", "."), choice, ", ".join(err.options or []) or "no options", "unknown choice"
+        )
     if isinstance(err, OverrideParseException):
         key, _, value = (err.override or "override=").partition("=")
-        return ConfigError(key, value, "key=value in Hydra's override grammar", f"cannot parse ({first_line(err.message)})")
+        return ConfigError(
+            key, value, "key=value in Hydra's override grammar", f"cannot parse ({first_line(err.message)})"
+        )
     cause = err if isinstance(err, OmegaConfBaseException) else err.__cause__
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
         key, value = cause.full_key, override_value(err, cause.full_key, cause.value)
@@ -206,8 +236,12 @@ def from_hydra(err: BaseException) -> Optional[RlsyncError]:
     message = first_line(str(err))
     if "No match in the defaults list" in str(err):  # `update=x` where conf/ has no such group
         group = message.split("'")[1] if "'" in message else message
-        return ConfigError(group, override_value(err, group, ""), "a config group in conf/, or key.subkey=value",
-                           "unknown config group")
+        return ConfigError(
+            group,
+            override_value(err, group, ""),
+            "a config group in conf/, or key.subkey=value",
+            "unknown config group",
+        )
     if isinstance(err, HydraException) or isinstance(cause, OmegaConfBaseException):
         return BadInput(f"bad config: {message}" + (f": {first_line(cause)}" if cause is not None else ""))
     return None
@@ -232,14 +266,19 @@ def sibling_keys(cause) -> str:
     try:
         keys = [k for k in node.keys() if k != "hydra"]
     except Exception:  # noqa: BLE001 - the message still names key and value
-        return "a key of the schema in rlsync/config.py"
+        return "a key of the schema in rlsync/config/schema.py"
     return ", ".join(str(k) for k in keys)
 
 
 def type_phrase(cause) -> str:
     msg = first_line(cause.msg)
-    for marker, phrase in (("Integer", "an integer"), ("Float", "a number"), ("bool", "true or false"),
-                           ("ListConfig", "a list such as [a,b]"), ("String", "a string")):
+    for marker, phrase in (
+        ("Integer", "an integer"),
+        ("Float", "a number"),
+        ("bool", "true or false"),
+        ("ListConfig", "a list such as [a,b]"),
+        ("String", "a string"),
+    ):
         if marker in msg:
             return phrase
     return msg
@@ -294,8 +333,10 @@ def kept(run_dir: Path, *, since: float) -> str:
         summary = json.loads(path.read_text())
     except (OSError, ValueError):
         return ""
-    return (f"; {summary.get('steps_finished', 0)} finished step(s) kept in {run_dir} "
-            f"(summary.json status {summary.get('status')})")
+    return (
+        f"; {summary.get('steps_finished', 0)} finished step(s) kept in {run_dir} "
+        f"(summary.json status {summary.get('status')})"
+    )
 
 
 @contextmanager

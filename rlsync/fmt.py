@@ -7,7 +7,8 @@ formats through here, so a time reads the same wherever it is printed.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any, Optional
 
 MIB = 2**20
 GIB = 2**30
@@ -24,7 +25,7 @@ def time_unit(seconds: float) -> tuple[float, str, int]:
 
 
 def fmt_seconds(x: Optional[float]) -> str:
-    """"0.63 s", "12.3 ms", "n/a"."""
+    """ "0.63 s", "12.3 ms", "n/a"."""
     if x is None:
         return "n/a"
     scale, unit, decimals = time_unit(x)
@@ -32,7 +33,7 @@ def fmt_seconds(x: Optional[float]) -> str:
 
 
 def fmt_range(lo: Optional[float], hi: Optional[float]) -> str:
-    """"0.63 to 0.66 s": both ends in the unit and precision of the larger one."""
+    """ "0.63 to 0.66 s": both ends in the unit and precision of the larger one."""
     if lo is None or hi is None:
         return "n/a"
     if lo == hi:
@@ -42,7 +43,7 @@ def fmt_range(lo: Optional[float], hi: Optional[float]) -> str:
 
 
 def fmt_spread(median: Optional[float], lo: Optional[float], hi: Optional[float]) -> str:
-    """"0.64 s (0.63 to 0.66 s)": a median and the range it sits in (none when every value was the same)."""
+    """ "0.64 s (0.63 to 0.66 s)": a median and the range it sits in (none when every value was the same)."""
     return fmt_seconds(median) + ("" if lo is None or hi is None or lo == hi else f" ({fmt_range(lo, hi)})")
 
 
@@ -67,12 +68,12 @@ def fmt_share(share: Optional[float]) -> str:
 
 
 def fmt_ratio(x: Optional[float]) -> str:
-    """"1.35x", "12.0x", "0.0030x": a ratio of two times, never rounded to zero."""
+    """ "1.35x", "12.0x", "0.0030x": a ratio of two times, never rounded to zero."""
     return "n/a" if x is None else f"{fmt_sig(x, decimals=2 if abs(x) < 10 else 1)}x"
 
 
 def fmt_bytes(n: Optional[float]) -> str:
-    """"512 MiB", "38.1 MiB", "1.11 GiB", "4.00 KiB": binary units, about three significant digits."""
+    """ "512 MiB", "38.1 MiB", "1.11 GiB", "4.00 KiB": binary units, about three significant digits."""
     if n is None:
         return "n/a"
     size, unit = next(((s, u) for s, u in ((GIB, "GiB"), (MIB, "MiB"), (1024, "KiB")) if abs(n) >= s), (1, "B"))
@@ -105,6 +106,6 @@ def first_line(text: Any, default: str = "") -> str:
 
 
 def error_line(err: BaseException) -> str:
-    """"ValueError: the first line of its message": an error in one line for a summary or a log."""
+    """ "ValueError: the first line of its message": an error in one line for a summary or a log."""
     name = type(err).__name__
     return f"{name}: {first_line(err)}" if first_line(err) else name

@@ -8,7 +8,8 @@ registering a class whose module pulls in a heavy dependency (vLLM) imports noth
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Generic, TypeVar, Union
+from collections.abc import Callable
+from typing import Generic, TypeVar, Union
 
 T = TypeVar("T")
 

@@ -24,13 +24,26 @@ ROOT = Path(__file__).resolve().parents[1]
 # Small enough for seconds on two cores, large enough for two measured steps. The copy floors are probed
 # once, before step 0 (run.limit_probe=start): re-probing before every step (the default) would double a tiny
 # run's time; test_offload.py checks both schedules.
-FAST = ["run.steps=3", "run.warmup_steps=1", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
-        "rollout.max_response_len=8", "run.progress=false", "run.limit_probe=start"]
+FAST = [
+    "run.steps=3",
+    "run.warmup_steps=1",
+    "rollout.prompts_per_step=2",
+    "rollout.samples_per_prompt=2",
+    "rollout.max_response_len=8",
+    "run.progress=false",
+    "run.limit_probe=start",
+]
 
 
 def cli_env(**extra) -> dict:
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONPATH": str(ROOT),
-           "HYDRA_FULL_ERROR": "0", **extra}
+    env = {
+        **os.environ,
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "PYTHONPATH": str(ROOT),
+        "HYDRA_FULL_ERROR": "0",
+        **extra,
+    }
     return env
 
 
@@ -45,17 +58,29 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def run_cli(*args: str, module: str = "rlsync", timeout: float = 300, **env) -> subprocess.CompletedProcess:
     """`python -m <module> *args` in a new interpreter: for the slow tier only (the unit tier calls run_main)."""
     assert _in_slow_test[0], "run_cli starts an interpreter: mark the test slow, or call run_main (in this process)"
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=cli_env(**env),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=cli_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 # `python -m <module>` -> the module whose main() that command runs
-ENTRY_POINTS = {"rlsync": "rlsync.__main__", "rlsync.bench": "rlsync.bench", "rlsync.engine": "rlsync.engine",
-                "rlsync.plan": "rlsync.plan.__main__", "rlsync.report": "rlsync.report"}
+ENTRY_POINTS = {
+    "rlsync": "rlsync.__main__",
+    "rlsync.bench": "rlsync.bench.runner",
+    "rlsync.serve": "rlsync.serve.server",
+    "rlsync.plan": "rlsync.plan.__main__",
+    "rlsync.report": "rlsync.report",
+}
 
 
-def run_main(*args: str, module: str = "rlsync", cwd: Path | None = None, environ: dict | None = None,
-             **env) -> subprocess.CompletedProcess:
+def run_main(
+    *args: str, module: str = "rlsync", cwd: Path | None = None, environ: dict | None = None, **env
+) -> subprocess.CompletedProcess:
     """`python -m <module> *args` in this process, as run_cli runs it in a new one: the same argv, working
     directory and environment (cli_env(**env), or `environ` whole), the same entry point (its main(),
     through Hydra's real @hydra.main and rlsync's one-line errors); the exit code from its SystemExit.
@@ -119,7 +144,7 @@ def read_jsonl(path: Path) -> list[dict]:
 @pytest.fixture(scope="session")
 def registered_schemas() -> None:
     """The schemas in Hydra's ConfigStore, once per process (as each entry point registers them on import)."""
-    from rlsync.config import register_configs
+    from rlsync.config.schema import register_configs
 
     register_configs()
 
@@ -130,7 +155,7 @@ def compose(registered_schemas):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from rlsync.config import to_config
+    from rlsync.config.schema import to_config
 
     def _compose(*overrides: str):
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

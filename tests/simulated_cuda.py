@@ -22,8 +22,13 @@ from torch.utils._pytree import tree_leaves, tree_map
 DEVICE = torch.device("meta")  # stands for cuda:0: a device type that needs no driver to be named
 CPU = torch.device("cpu")
 aten = torch.ops.aten
-MOVES = {aten._to_copy.default, aten.copy_.default, aten._copy_from_and_resize.default, aten.copy.default,
-         aten._local_scalar_dense.default}
+MOVES = {
+    aten._to_copy.default,
+    aten.copy_.default,
+    aten._copy_from_and_resize.default,
+    aten.copy.default,
+    aten._local_scalar_dense.default,
+}
 INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
 
 
@@ -38,9 +43,15 @@ class OnCuda(torch.Tensor):
 
     @staticmethod
     def __new__(cls, host: torch.Tensor):
-        out = torch.Tensor._make_wrapper_subclass(cls, host.shape, dtype=host.dtype, device=DEVICE,
-                                                  strides=host.stride(), storage_offset=host.storage_offset(),
-                                                  requires_grad=host.requires_grad)
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            host.shape,
+            dtype=host.dtype,
+            device=DEVICE,
+            strides=host.stride(),
+            storage_offset=host.storage_offset(),
+            requires_grad=host.requires_grad,
+        )
         out.host = host
         return out
 
@@ -78,16 +89,19 @@ class SimulatedCuda(TorchDispatchMode):
             out_device = device_of(args[0])
             for index in tree_leaves(args[1]):
                 if isinstance(index, torch.Tensor) and device_of(index) not in (CPU, out_device):
-                    raise DeviceMismatch(f"{func}: indices should be either on cpu or on the same device as the "
-                                         f"indexed tensor ({out_device}), got {device_of(index)}")
+                    raise DeviceMismatch(
+                        f"{func}: indices should be either on cpu or on the same device as the "
+                        f"indexed tensor ({out_device}), got {device_of(index)}"
+                    )
         elif not tensors:  # a factory: where it is asked to put its result
             out_device = asked or CPU
         else:
             operands = [t for t in tensors if not (device_of(t) == CPU and t.dim() == 0)]  # CPU scalars mix freely
             devices = {device_of(t) for t in operands} or {CPU}
             if len(devices) > 1:
-                raise DeviceMismatch(f"{func}: expected all tensors to be on the same device, "
-                                     f"found {sorted(map(str, devices))}")
+                raise DeviceMismatch(
+                    f"{func}: expected all tensors to be on the same device, found {sorted(map(str, devices))}"
+                )
             out_device = devices.pop()
 
         def unwrap(x):

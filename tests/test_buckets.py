@@ -10,13 +10,16 @@ def metas(*sizes, dtype=BF16):
     return [TensorMeta(f"t{i}", (n,), dtype) for i, n in enumerate(sizes)]
 
 
-@pytest.mark.parametrize("sizes,bucket_bytes,expected", [
-    ((10, 10, 10), 40, [["t0", "t1"], ["t2"]]),          # 2 bytes each: 20 + 20 fits 40, the third overflows
-    ((10, 10, 10), 60, [["t0", "t1", "t2"]]),            # exactly full
-    ((10, 50, 10), 40, [["t0"], ["t1"], ["t2"]]),        # 100-byte tensor alone in its own bucket
-    ((50,), 40, [["t0"]]),                              # a single oversized tensor still travels
-    ((5, 5, 5, 5), 1 << 30, [["t0", "t1", "t2", "t3"]]),  # everything in one
-])
+@pytest.mark.parametrize(
+    "sizes,bucket_bytes,expected",
+    [
+        ((10, 10, 10), 40, [["t0", "t1"], ["t2"]]),  # 2 bytes each: 20 + 20 fits 40, the third overflows
+        ((10, 10, 10), 60, [["t0", "t1", "t2"]]),  # exactly full
+        ((10, 50, 10), 40, [["t0"], ["t1"], ["t2"]]),  # 100-byte tensor alone in its own bucket
+        ((50,), 40, [["t0"]]),  # a single oversized tensor still travels
+        ((5, 5, 5, 5), 1 << 30, [["t0", "t1", "t2", "t3"]]),  # everything in one
+    ],
+)
 def test_plan_by_bytes(sizes, bucket_bytes, expected):
     buckets = plan_buckets(metas(*sizes), bucket_bytes)
     assert [b.names for b in buckets] == expected
@@ -47,7 +50,7 @@ def test_plan_is_deterministic_and_rejects_nonpositive_size():
 def test_qwen3_1p7b_embedding_is_its_own_bucket_at_512_mib(compose):
     from transformers import Qwen3ForCausalLM
 
-    from rlsync.models import hf_config, named_weights
+    from rlsync.model.build import hf_config, named_weights
     from rlsync.sync.buckets import metas_of
 
     with torch.device("meta"):

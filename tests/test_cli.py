@@ -9,17 +9,32 @@ import sys
 import time
 
 import pytest
-
 from conftest import FAST, ROOT, cli_env, read_jsonl, run_cli, run_main
-from rlsync.config import SCHEMAS, key_comment
-from rlsync.validate import leaves
+
+from rlsync.config.schema import SCHEMAS, key_comment
+from rlsync.config.validate import leaves
 
 STEP_METRICS = [
-    "perf/step_time", "perf/rollout_time", "perf/wake_up_time", "perf/log_probs_time", "perf/train_time",
-    "perf/update_weights_time", "perf/sleep_time", "perf/update_weights_bytes", "perf/update_weights_buckets",
-    "perf/update_weights_gbps", "perf/update_weights_limit_time", "perf/update_weights_efficiency",
-    "perf/sleep_bytes", "perf/wake_up_bytes", "rollout/reward_mean", "rollout/response_len_mean",
-    "rollout/truncated_ratio", "train/loss", "train/grad_norm", "train/logprob_abs_diff",
+    "perf/step_time",
+    "perf/rollout_time",
+    "perf/wake_up_time",
+    "perf/log_probs_time",
+    "perf/train_time",
+    "perf/update_weights_time",
+    "perf/sleep_time",
+    "perf/update_weights_bytes",
+    "perf/update_weights_buckets",
+    "perf/update_weights_gbps",
+    "perf/update_weights_limit_time",
+    "perf/update_weights_efficiency",
+    "perf/sleep_bytes",
+    "perf/wake_up_bytes",
+    "rollout/reward_mean",
+    "rollout/response_len_mean",
+    "rollout/truncated_ratio",
+    "train/loss",
+    "train/grad_norm",
+    "train/logprob_abs_diff",
 ]
 
 
@@ -36,9 +51,13 @@ def test_run_prints_table_and_verdict_and_writes_files(tmp_path):
     assert summary["status"] == "finished" and summary["measured_steps"] == 2
     measured = [r["perf/update_weights_time"] for r in rows[1:]]  # warm-up step 0 left out
     assert summary["metrics"]["perf/update_weights_time"] == {
-        "median": statistics.median(measured), "min": min(measured), "max": max(measured)}
+        "median": statistics.median(measured),
+        "min": min(measured),
+        "max": max(measured),
+    }
     assert summary["share"]["update_weights"] == pytest.approx(
-        summary["metrics"]["perf/update_weights_time"]["median"] / summary["metrics"]["perf/step_time"]["median"])
+        summary["metrics"]["perf/update_weights_time"]["median"] / summary["metrics"]["perf/step_time"]["median"]
+    )
     assert summary["config"]["update"]["bucket_mb"] == 512
     assert not (tmp_path / "rlsync.log").exists()  # nothing was logged: no empty Hydra job log
     # what one step offloads (params, grads, optimizer state) the next step brings back
@@ -50,8 +69,14 @@ def test_logprob_gap_is_the_proof_the_update_landed(tmp_path):
     gaps = {}
     for enabled in ("true", "false"):
         out = tmp_path / enabled
-        proc = run_main(*FAST, "run.steps=4", "trainer.lr=1e-3", f"update.enabled={enabled}", "wandb.mode=disabled",
-                       f"hydra.run.dir={out}")
+        proc = run_main(
+            *FAST,
+            "run.steps=4",
+            "trainer.lr=1e-3",
+            f"update.enabled={enabled}",
+            "wandb.mode=disabled",
+            f"hydra.run.dir={out}",
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         gaps[enabled] = [r["train/logprob_abs_diff"] for r in read_jsonl(out / "metrics.jsonl")]
     # bf16 engine vs fp32 trainer: a small gap every step when the update lands ...
@@ -63,9 +88,13 @@ def test_logprob_gap_is_the_proof_the_update_landed(tmp_path):
 
 @pytest.mark.slow
 def test_killed_run_keeps_every_finished_step(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "rlsync", *FAST, "run.steps=200", "wandb.mode=disabled",
-                             f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=cli_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlsync", *FAST, "run.steps=200", "wandb.mode=disabled", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 600  # generous: a loaded 2-core machine can be slow
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
@@ -79,13 +108,16 @@ def test_killed_run_keeps_every_finished_step(tmp_path):
 @pytest.mark.slow
 def test_wandb_offline_run_holds_the_same_numbers(tmp_path):
     run_dir = tmp_path / "run1"
-    proc = run_cli(*FAST, "wandb.mode=offline", f"hydra.run.dir={run_dir}", WANDB_SILENT="false")  # W&B as a user sees it
+    proc = run_cli(
+        *FAST, "wandb.mode=offline", f"hydra.run.dir={run_dir}", WANDB_SILENT="false"
+    )  # W&B as a user sees it
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "of the step" in proc.stdout.splitlines()[-1]
     assert "Run summary" not in proc.stderr and "Run history" not in proc.stderr  # no W&B footer after the verdict
     wandb_dir = next((run_dir / "wandb").glob("offline-run-*"))
-    inspect = subprocess.run(["wandb", "leet", "inspect", "--summary", "--json", str(wandb_dir)],
-                             capture_output=True, text=True, timeout=60)
+    inspect = subprocess.run(
+        ["wandb", "leet", "inspect", "--summary", "--json", str(wandb_dir)], capture_output=True, text=True, timeout=60
+    )
     state = json.loads(inspect.stdout)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert state["state"] == "finished" and state["exit_code"] == 0
@@ -95,15 +127,19 @@ def test_wandb_offline_run_holds_the_same_numbers(tmp_path):
     for key in ("perf/update_weights_time", "perf/step_time", "perf/sleep_time"):
         assert state["summary"][key] == pytest.approx(summary["metrics"][key]["median"])
     assert state["summary"]["verdict"] == summary["verdict"]
-    records = [json.loads(x) for x in subprocess.run(["wandb", "leet", "inspect", "--json", str(wandb_dir)],
-                                                    capture_output=True, text=True, timeout=60).stdout.splitlines()]
+    records = [
+        json.loads(x)
+        for x in subprocess.run(
+            ["wandb", "leet", "inspect", "--json", str(wandb_dir)], capture_output=True, text=True, timeout=60
+        ).stdout.splitlines()
+    ]
     run_record = next(r for r in records if r.get("type") == "run")
     assert run_record["run"]["run_group"] == "run1"
 
 
 def test_every_schema_key_has_its_one_line_comment():
     missing = [key for schema in SCHEMAS.values() for key, *_ in leaves(schema()) if not key_comment(schema, key)]
-    assert not missing, f"keys without a trailing # comment in rlsync/config.py: {missing}"
+    assert not missing, f"keys without a trailing # comment in rlsync/config/schema.py: {missing}"
 
 
 # The runner's --help through its entry point in this process; the other commands' as real processes (slow):
@@ -111,19 +147,27 @@ def test_every_schema_key_has_its_one_line_comment():
 smoke = pytest.mark.slow
 
 
-@pytest.mark.parametrize("module, schema, run", [
-    ("rlsync", "rlsync_schema", run_main),
-    pytest.param("rlsync.bench", "rlsync_bench_schema", run_cli, marks=smoke),
-    pytest.param("rlsync.engine", "rlsync_engine_schema", run_cli, marks=smoke),
-    pytest.param("rlsync.plan", "rlsync_plan_schema", run_cli, marks=smoke),
-], ids=["rlsync", "rlsync.bench", "rlsync.engine", "rlsync.plan"])
+@pytest.mark.parametrize(
+    "module, schema, run",
+    [
+        ("rlsync", "rlsync_schema", run_main),
+        pytest.param("rlsync.bench", "rlsync_bench_schema", run_cli, marks=smoke),
+        pytest.param("rlsync.serve", "rlsync_engine_schema", run_cli, marks=smoke),
+        pytest.param("rlsync.plan", "rlsync_plan_schema", run_cli, marks=smoke),
+    ],
+    ids=["rlsync", "rlsync.bench", "rlsync.serve", "rlsync.plan"],
+)
 def test_help_lists_every_key_with_its_value_and_comment(module, schema, run):
     proc = run("update.bucket_mb=64", "--help", module=module)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     for key, *_ in leaves(SCHEMAS[schema]()):
-        assert any(line.split()[:1] and line.split()[0].startswith(key + "=")
-                   and line.endswith(key_comment(SCHEMAS[schema], key)) for line in lines), key
+        assert any(
+            line.split()[:1]
+            and line.split()[0].startswith(key + "=")
+            and line.endswith(key_comment(SCHEMAS[schema], key))
+            for line in lines
+        ), key
     bucket = next(line for line in lines if line.strip().startswith("update.bucket_mb="))
     assert bucket.split()[0] == "update.bucket_mb=64.0" and "bucket size in MiB" in bucket  # the composed value
     assert "model: qwen3_0p6b, qwen3_1p7b" in proc.stdout  # the config groups, Hydra's own listing

@@ -16,13 +16,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from conftest import FAST, ROOT, cli_env, read_jsonl, run_cli, run_main
 
 DP_RUN = [*FAST, "trainer.lr=1e-3", "update.verify=true", "wandb.mode=disabled"]
 RANK0_ONLY = ("perf/rollout_time", "perf/update_weights_time", "perf/engine_resume_time", "perf/engine_release_time")
-EVERY_RANK = ("perf/step_time", "perf/batch_scatter_time", "perf/wake_up_time", "perf/log_probs_time",
-              "perf/train_time", "perf/grad_allreduce_time", "perf/sleep_time")
+EVERY_RANK = (
+    "perf/step_time",
+    "perf/batch_scatter_time",
+    "perf/wake_up_time",
+    "perf/log_probs_time",
+    "perf/train_time",
+    "perf/grad_allreduce_time",
+    "perf/sleep_time",
+)
 
 
 def launcher_port() -> int:
@@ -34,7 +40,7 @@ def launcher_port() -> int:
     below the kernel's ephemeral range are never handed out that way; each worker process takes its own."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     start = max(1024, low - 8192)
-    taken = {29500, 29610}  # torchrun's and rlsync.engine's default ports, which a test may bind by name
+    taken = {29500, 29610}  # torchrun's and rlsync.serve's default ports, which a test may bind by name
     for i in range(low - start):
         port = start + (os.getpid() * 7 + i) % (low - start)
         if port in taken:
@@ -50,11 +56,25 @@ def launcher_port() -> int:
 
 def accelerate_launch(*args: str, cwd, timeout: float = 300, script: str = "-m rlsync") -> subprocess.CompletedProcess:
     """`accelerate launch` of two ranks. On a CPU, --multi_gpu is its torchrun path (--cpu wants mpirun)."""
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", str(launcher_port())]
-    return subprocess.run([*launch, *script.split(), *args], cwd=cwd, env=cli_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(launcher_port()),
+    ]
+    return subprocess.run(
+        [*launch, *script.split(), *args], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +136,7 @@ GROUPS, GROUP_SIZE, PROMPT_LEN, RESPONSE_LEN = 3, 2, 5, 6  # 3 groups over 2 ran
 def fixed_batch():
     """A batch with uneven answer lengths, so the ranks' shares hold different token counts."""
     from rlsync.engines.base import Generation
-    from rlsync.trainer import group_advantages
+    from rlsync.trainer.grpo import group_advantages
 
     gen = torch.Generator().manual_seed(7)
     rows = GROUPS * GROUP_SIZE
@@ -125,40 +145,60 @@ def fixed_batch():
     response_mask = (torch.arange(RESPONSE_LEN) < answer_lens[:, None]).long()
     attention_mask = torch.cat([torch.ones(rows, PROMPT_LEN, dtype=torch.long), response_mask], dim=1)
     attention_mask[0, :2] = 0  # left padding in one prompt
-    batch = Generation(sequences=sequences, attention_mask=attention_mask, response_mask=response_mask,
-                       logprobs=torch.zeros(rows, RESPONSE_LEN), prompt_len=PROMPT_LEN, truncated=answer_lens == 6)
+    batch = Generation(
+        sequences=sequences,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        logprobs=torch.zeros(rows, RESPONSE_LEN),
+        prompt_len=PROMPT_LEN,
+        truncated=answer_lens == 6,
+    )
     rewards = torch.rand(rows, generator=gen)
     return batch, group_advantages(rewards, GROUP_SIZE)
 
 
 def tiny_trainer(grad_sync=None):
-    from rlsync.config import ModelConfig, TrainerConfig
-    from rlsync.models import build_model
-    from rlsync.trainer import Trainer
+    from rlsync.config.schema import ModelConfig, TrainerConfig
+    from rlsync.model.build import build_model
+    from rlsync.trainer.grpo import Trainer
 
     model = build_model(ModelConfig(), dtype=torch.float32, device=torch.device("cpu"), seed=3)
     # no clipping at this size: a wrongly scaled gradient must show, not be clipped to the same norm
     cfg = TrainerConfig(lr=1e-3, micro_batch_size=2, grad_clip=1e6)
-    return Trainer(model, cfg, allowed_ids=torch.ones(ModelConfig().vocab_size, dtype=torch.bool), temperature=1.0,
-                   grad_sync=grad_sync)
+    return Trainer(
+        model,
+        cfg,
+        allowed_ids=torch.ones(ModelConfig().vocab_size, dtype=torch.bool),
+        temperature=1.0,
+        grad_sync=grad_sync,
+    )
 
 
 def one_step(trainer, batch, advantages, batch_tokens=None) -> dict:
     old_logp = trainer.log_probs(batch)
     metrics = trainer.train_step(batch, old_logp=old_logp, advantages=advantages, batch_tokens=batch_tokens)
     params = dict(trainer.model.named_parameters())
-    return {"metrics": metrics, "tokens": float(batch.response_mask.sum()),
-            "weights": {n: p.detach().clone() for n, p in params.items()},
-            "grads": {n: p.grad.detach().clone() for n, p in params.items()}}
+    return {
+        "metrics": metrics,
+        "tokens": float(batch.response_mask.sum()),
+        "weights": {n: p.detach().clone() for n, p in params.items()},
+        "grads": {n: p.grad.detach().clone() for n, p in params.items()},
+    }
 
 
 def rank_process(rank: int, port: int, out_dir: str) -> None:
     """One rank, as torchrun starts it: the environment (the store is the launcher's, as torchrun's agent
-    hosts it), then rlsync.distributed's own calls."""
+    hosts it), then rlsync.trainer.data_parallel's own calls."""
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2", TORCHELASTIC_USE_AGENT_STORE="True")
-    from rlsync.distributed import DataParallel
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    from rlsync.trainer.data_parallel import DataParallel
 
     dp = DataParallel.from_env()
     with dp:
@@ -170,8 +210,9 @@ def rank_process(rank: int, port: int, out_dir: str) -> None:
                     p.add_(1.0)
         dp.broadcast_weights(trainer.model)
         batch, advantages = fixed_batch() if dp.is_main else (None, None)
-        share, share_advantages, batch_tokens = dp.scatter_groups(batch, advantages, group_size=GROUP_SIZE,
-                                                                  device=torch.device("cpu"))
+        share, share_advantages, batch_tokens = dp.scatter_groups(
+            batch, advantages, group_size=GROUP_SIZE, device=torch.device("cpu")
+        )
         result = one_step(trainer, share, share_advantages, batch_tokens)
         result["rows"] = share.sequences.shape[0]
         dp.check_same_weights(dict(trainer.model.named_parameters()))
@@ -182,8 +223,8 @@ def rank_process(rank: int, port: int, out_dir: str) -> None:
 def test_two_ranks_take_the_single_process_step(tmp_path):
     from datetime import timedelta
 
-    from rlsync.distributed import merge_ranks
     from rlsync.sync.broadcast import listen_store
+    from rlsync.trainer.data_parallel import merge_ranks
 
     # The launcher's store, listening before the ranks start and until they end: a port found free and
     # released for rank 0 to bind could be taken meanwhile (the other test worker's sockets), failing the launch.
@@ -213,13 +254,26 @@ def test_two_ranks_take_the_single_process_step(tmp_path):
 
 
 def test_merge_takes_the_slowest_rank_and_weights_token_means():
-    from rlsync.distributed import merge_ranks
+    from rlsync.trainer.data_parallel import merge_ranks
 
-    rank0 = {"perf/step_time": 1.0, "perf/rollout_time": 0.5, "perf/update_weights_limit_time": 0.01,
-             "train/loss": 0.25, "train/grad_norm": 3.0, "train/logprob_abs_diff": 0.1, "perf/sleep_bytes": 100,
-             "perf/device_mem_after_sleep_gb": 1.0}
-    rank1 = {"perf/step_time": 1.5, "train/loss": 0.5, "train/grad_norm": 3.0, "train/logprob_abs_diff": 0.4,
-             "perf/sleep_bytes": 100, "perf/device_mem_after_sleep_gb": 2.0}
+    rank0 = {
+        "perf/step_time": 1.0,
+        "perf/rollout_time": 0.5,
+        "perf/update_weights_limit_time": 0.01,
+        "train/loss": 0.25,
+        "train/grad_norm": 3.0,
+        "train/logprob_abs_diff": 0.1,
+        "perf/sleep_bytes": 100,
+        "perf/device_mem_after_sleep_gb": 1.0,
+    }
+    rank1 = {
+        "perf/step_time": 1.5,
+        "train/loss": 0.5,
+        "train/grad_norm": 3.0,
+        "train/logprob_abs_diff": 0.4,
+        "perf/sleep_bytes": 100,
+        "perf/device_mem_after_sleep_gb": 2.0,
+    }
     merged = merge_ranks([rank0, rank1], [30, 10])
     assert merged["perf/step_time"] == 1.5  # the step waits for its slowest rank
     assert (merged["perf/step_time_rank_min"], merged["perf/step_time_rank_max"]) == (1.0, 1.5)
@@ -232,7 +286,7 @@ def test_merge_takes_the_slowest_rank_and_weights_token_means():
 
 
 def test_shares_are_whole_groups_and_buckets_keep_one_dtype():
-    from rlsync.distributed import grad_buckets, split_evenly
+    from rlsync.trainer.data_parallel import grad_buckets, split_evenly
 
     assert split_evenly(3, 2) == [2, 1] and split_evenly(8, 4) == [2, 2, 2, 2] and split_evenly(2, 2) == [1, 1]
     grads = [torch.zeros(4), torch.zeros(4), torch.zeros(100), torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2)]
@@ -243,7 +297,7 @@ def test_shares_are_whole_groups_and_buckets_keep_one_dtype():
 def test_a_single_process_has_no_process_group():
     import torch.distributed as dist
 
-    from rlsync.distributed import DataParallel
+    from rlsync.trainer.data_parallel import DataParallel
 
     dp = DataParallel.from_env()
     assert not dp.enabled and dp.is_main
@@ -252,14 +306,20 @@ def test_a_single_process_has_no_process_group():
     assert dp.gather_metrics(metrics, tokens=3) is metrics and not dist.is_initialized()
 
 
-@pytest.mark.parametrize("rank, override, key", [("0", "rollout.prompts_per_step=1", "rollout.prompts_per_step"),
-                                                 ("1", "update.transport=ipc", "update.transport")])
+@pytest.mark.parametrize(
+    "rank, override, key",
+    [
+        ("0", "rollout.prompts_per_step=1", "rollout.prompts_per_step"),
+        ("1", "update.transport=ipc", "update.transport"),
+    ],
+)
 def test_what_two_ranks_cannot_run_is_a_config_error(tmp_path, rank, override, key):
     cwd, run_dir = tmp_path / "cwd", tmp_path / "run"
     cwd.mkdir()
     # the launcher's environment alone: the check comes before any process group is joined
-    proc = run_main(override, "wandb.mode=disabled", f"hydra.run.dir={run_dir}", cwd=cwd, WORLD_SIZE="2", RANK=rank,
-                    LOCAL_RANK=rank)
+    proc = run_main(
+        override, "wandb.mode=disabled", f"hydra.run.dir={run_dir}", cwd=cwd, WORLD_SIZE="2", RANK=rank, LOCAL_RANK=rank
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     who = "" if rank == "0" else f"rank {rank}: "  # every rank prints its line; ranks > 0 say which they are
     assert proc.stderr.strip().splitlines()[-1].startswith(f"rlsync: {who}config error: {key}=")
@@ -276,7 +336,7 @@ def test_a_sweep_under_a_data_parallel_launch_is_refused():
 FAILING_RANK = """
 import os, runpy
 
-from rlsync.trainer import Trainer
+from rlsync.trainer.grpo import Trainer
 
 if os.environ.get("RANK") == "1":
     original, calls = Trainer.train_step, []
@@ -302,8 +362,10 @@ def test_a_failing_rank_is_named_as_the_runs_error(tmp_path):
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("rlsync:")]
     assert "rlsync: rank 1: failed: RuntimeError: rank 1 broke on purpose" in lines, proc.stderr[-3000:]
-    assert ("rlsync: data-parallel rank 1 failed: RuntimeError: rank 1 broke on purpose; 1 finished step(s) kept in "
-            f"{run_dir} (summary.json status failed)") in lines, proc.stderr[-3000:]
+    assert (
+        "rlsync: data-parallel rank 1 failed: RuntimeError: rank 1 broke on purpose; 1 finished step(s) kept in "
+        f"{run_dir} (summary.json status failed)"
+    ) in lines, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["steps_finished"] == 1
     assert summary["error"] == "data-parallel rank 1 failed: RuntimeError: rank 1 broke on purpose"

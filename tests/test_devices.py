@@ -15,20 +15,32 @@ import pytest
 import torch
 from simulated_cuda import DEVICE, DeviceMismatch, SimulatedCuda
 
-from rlsync.config import ModelConfig, RolloutConfig
-from rlsync.devices import cuda_index_to_select, device_memory_metric_names, device_memory_metrics, explicit_device
-from rlsync.distributed import generation_rows
-from rlsync.experiment import score_rollout
-from rlsync.models import ByteTokenizer, build_model, named_weights
+from rlsync.config.schema import ModelConfig, RolloutConfig
 from rlsync.engines.base import EngineSpec, Generation, answer_ids, token_logprobs
 from rlsync.engines.hf import sample_tokens
+from rlsync.measure.devices import (
+    cuda_index_to_select,
+    device_memory_metric_names,
+    device_memory_metrics,
+    explicit_device,
+)
+from rlsync.model.build import ByteTokenizer, build_model, named_weights
+from rlsync.run.loop import score_rollout
 from rlsync.sync.engine_process import generator_here
-from rlsync.tasks import make_prompts
-from rlsync.trainer import grpo_loss
+from rlsync.trainer.data_parallel import generation_rows
+from rlsync.trainer.grpo import grpo_loss
+from rlsync.trainer.task import make_prompts
 
 CPU = torch.device("cpu")
-TINY = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, vocab_size=300)
+TINY = ModelConfig(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=300,
+)
 
 
 def batch(tokenizer, group_size: int = 2) -> tuple[list, Generation]:
@@ -43,9 +55,14 @@ def batch(tokenizer, group_size: int = 2) -> tuple[list, Generation]:
         alive.append([1] * len(a) + [0] * (width - len(a)))
     response_mask = torch.tensor(alive)
     attention = torch.cat([torch.tensor([[0] * (plen - len(p)) + [1] * len(p) for p in prompt_ids]), response_mask], 1)
-    gen = Generation(sequences=torch.tensor(seqs), attention_mask=attention, response_mask=response_mask,
-                     logprobs=-torch.rand(len(answers), width, generator=torch.Generator().manual_seed(0)) * response_mask,
-                     prompt_len=plen, truncated=torch.tensor([False, True, False, True]))
+    gen = Generation(
+        sequences=torch.tensor(seqs),
+        attention_mask=attention,
+        response_mask=response_mask,
+        logprobs=-torch.rand(len(answers), width, generator=torch.Generator().manual_seed(0)) * response_mask,
+        prompt_len=plen,
+        truncated=torch.tensor([False, True, False, True]),
+    )
     return prompts, gen
 
 
@@ -57,7 +74,10 @@ def test_the_simulated_device_refuses_the_old_scoring_pattern():
         on_device = gen.to(DEVICE)
         assert on_device.response_mask.device == DEVICE
         with pytest.raises(DeviceMismatch, match="indices should be either on cpu"):
-            [row[on_device.response_mask[i].bool()] for i, row in enumerate(on_device.sequences[:, gen.prompt_len:].cpu())]
+            [
+                row[on_device.response_mask[i].bool()]
+                for i, row in enumerate(on_device.sequences[:, gen.prompt_len :].cpu())
+            ]
         with pytest.raises(DeviceMismatch, match="same device"):
             torch.tensor([0.5, 0.25, 0.0, 1.0]) * on_device.response_mask.float().sum(1)
 
@@ -78,16 +98,19 @@ def test_loss_and_log_probs_run_with_every_operand_on_the_device():
     _, gen = batch(tokenizer)
     allowed = tokenizer.allowed_ids(TINY.vocab_size)
     logits = torch.randn(*gen.response_mask.shape, TINY.vocab_size, generator=torch.Generator().manual_seed(1))
-    tokens = gen.sequences[:, gen.prompt_len:]
+    tokens = gen.sequences[:, gen.prompt_len :]
     want_logp = token_logprobs(logits, tokens, allowed=allowed, temperature=0.7)
-    want_loss, want_metrics = grpo_loss(want_logp, gen.logprobs, torch.tensor([1.0, -1.0, 0.5, -0.5]),
-                                        gen.response_mask, clip_eps=0.2)
+    want_loss, want_metrics = grpo_loss(
+        want_logp, gen.logprobs, torch.tensor([1.0, -1.0, 0.5, -0.5]), gen.response_mask, clip_eps=0.2
+    )
     with SimulatedCuda():
         d = gen.to(DEVICE)
-        logp = token_logprobs(logits.to(DEVICE), d.sequences[:, d.prompt_len:], allowed=allowed.to(DEVICE),
-                              temperature=0.7)
-        loss, metrics = grpo_loss(logp, d.logprobs, torch.tensor([1.0, -1.0, 0.5, -0.5]).to(DEVICE),
-                                  d.response_mask, clip_eps=0.2)
+        logp = token_logprobs(
+            logits.to(DEVICE), d.sequences[:, d.prompt_len :], allowed=allowed.to(DEVICE), temperature=0.7
+        )
+        loss, metrics = grpo_loss(
+            logp, d.logprobs, torch.tensor([1.0, -1.0, 0.5, -0.5]).to(DEVICE), d.response_mask, clip_eps=0.2
+        )
         assert logp.device == DEVICE and loss.device == DEVICE
         assert torch.equal(logp.cpu(), want_logp) and loss.item() == want_loss.item() and metrics == want_metrics
         # the data-parallel scatter: rank 0 cuts whole groups of the device batch and pickles host copies
@@ -106,23 +129,32 @@ def test_sampling_draws_where_the_generator_is():
 # Drawn by the engine before sampling moved to the engine's device (host multinomial, CPU generator):
 # the CPU stream must not change. Engine: TINY, bf16, trainer weights of seed 0, ids >= 280 masked, EOS 188.
 RECORDED = {
-    1.0: [[251, 135, 47, 206, 91, 255, 11, 171, 243, 33], [136, 15, 80, 188, 258, 258, 258, 258, 258, 258],
-          [99, 63, 145, 245, 269, 104, 271, 38, 205, 211], [7, 114, 68, 192, 130, 44, 188, 258, 258, 258]],
-    0.7: [[154, 69, 212, 12, 65, 224, 253, 241, 61, 42], [117, 218, 208, 143, 242, 242, 203, 264, 127, 165],
-          [83, 128, 59, 250, 28, 100, 82, 218, 167, 57], [264, 167, 268, 74, 271, 182, 176, 31, 276, 206]],
+    1.0: [
+        [251, 135, 47, 206, 91, 255, 11, 171, 243, 33],
+        [136, 15, 80, 188, 258, 258, 258, 258, 258, 258],
+        [99, 63, 145, 245, 269, 104, 271, 38, 205, 211],
+        [7, 114, 68, 192, 130, 44, 188, 258, 258, 258],
+    ],
+    0.7: [
+        [154, 69, 212, 12, 65, 224, 253, 241, 61, 42],
+        [117, 218, 208, 143, 242, 242, 203, 264, 127, 165],
+        [83, 128, 59, 250, 28, 100, 82, 218, 167, 57],
+        [264, 167, 268, 74, 271, 182, 176, 31, 276, 206],
+    ],
 }
 
 
 def test_hf_engine_draws_the_same_tokens_on_the_cpu_as_before():
-    engine = EngineSpec(model=TINY, rollout=RolloutConfig(), device="cpu", allowed_ids=torch.arange(300) < 280,
-                        eos_id=188, pad_id=258).build()
+    engine = EngineSpec(
+        model=TINY, rollout=RolloutConfig(), device="cpu", allowed_ids=torch.arange(300) < 280, eos_id=188, pad_id=258
+    ).build()
     weights = named_weights(build_model(TINY, dtype=torch.float32, device=CPU, seed=0))
     engine.load_weights((n, t.to(engine.dtype)) for n, t in weights.items())
     generator = torch.Generator().manual_seed(0)
     prompts = [[256, 72, 105], [256, 50, 43, 50, 61], [256, 33], [256, 40, 41, 42]]
     for temperature, tokens in RECORDED.items():  # one stream through both: the second continues the first
         gen = engine.generate(prompts, max_new_tokens=10, temperature=temperature, generator=generator)
-        assert gen.sequences[:, gen.prompt_len:].tolist() == tokens
+        assert gen.sequences[:, gen.prompt_len :].tolist() == tokens
 
 
 def test_the_cuda_device_a_process_selects():
@@ -141,4 +173,7 @@ def test_the_engine_rebuilds_the_sampler_on_its_own_device_of_the_same_type():
 
 def test_device_memory_is_reported_on_cuda_only_under_two_names():
     assert device_memory_metrics(CPU, "sleep") == {}
-    assert device_memory_metric_names("sleep") == ("perf/device_mem_after_sleep_gb", "perf/device_mem_used_after_sleep_gb")
+    assert device_memory_metric_names("sleep") == (
+        "perf/device_mem_after_sleep_gb",
+        "perf/device_mem_used_after_sleep_gb",
+    )

@@ -6,20 +6,33 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlsync.config import ModelConfig, RolloutConfig, UpdateConfig
-from rlsync.models import build_model, named_weights
+from rlsync.config.schema import ModelConfig, RolloutConfig, UpdateConfig
 from rlsync.engines.base import EngineSpec
-from rlsync.sync import open_engine, plan_for
+from rlsync.model.build import build_model, named_weights
+from rlsync.sync import open_transport, plan_for
 
 CPU = torch.device("cpu")
-TINY = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, vocab_size=300)
+TINY = ModelConfig(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=300,
+)
 PROMPTS = [[256, 72, 105], [256, 50, 43, 50, 61]]
 
 
 def spec(release_weights: bool) -> EngineSpec:
-    return EngineSpec(model=TINY, rollout=RolloutConfig(release_weights=release_weights), device="cpu",
-                      allowed_ids=torch.ones(TINY.vocab_size, dtype=torch.bool), eos_id=257, pad_id=258)
+    return EngineSpec(
+        model=TINY,
+        rollout=RolloutConfig(release_weights=release_weights),
+        device="cpu",
+        allowed_ids=torch.ones(TINY.vocab_size, dtype=torch.bool),
+        eos_id=257,
+        pad_id=258,
+    )
 
 
 def trainer_weights(seed: int) -> dict[str, torch.Tensor]:
@@ -53,7 +66,7 @@ def test_released_weights_free_their_memory_and_the_update_refills_them(strategy
     weights = trainer_weights(0)
     cfg = UpdateConfig(strategy=strategy, bucket_mb=0.05)  # several buckets
     buckets = plan_for(weights, cfg, torch.bfloat16)
-    handle = open_engine(cfg, spec=spec(release_weights=True), buckets=buckets)
+    handle = open_transport(cfg, spec=spec(release_weights=True), buckets=buckets)
     reference = spec(release_weights=False).build()  # never released: what the same weights generate
     try:
         handle.update_weights(weights)
@@ -94,17 +107,25 @@ def test_runner_with_released_engine_weights_trains_and_generates_the_same(tmp_p
     with the pre-update resume timed as part of perf/engine_resume_time."""
     from test_offload import run_in_process
 
-    rows = {flag: run_in_process(tmp_path / flag, f"rollout.release_weights={flag}", "update.source=host")[0]
-            for flag in ("true", "false")}
-    for key in ("train/loss", "train/grad_norm", "train/logprob_abs_diff", "rollout/reward_mean", "rollout/response_len_mean"):
+    rows = {
+        flag: run_in_process(tmp_path / flag, f"rollout.release_weights={flag}", "update.source=host")[0]
+        for flag in ("true", "false")
+    }
+    for key in (
+        "train/loss",
+        "train/grad_norm",
+        "train/logprob_abs_diff",
+        "rollout/reward_mean",
+        "rollout/response_len_mean",
+    ):
         assert [r[key] for r in rows["true"]] == [r[key] for r in rows["false"]], key
     assert all(r["train/logprob_abs_diff"] < 0.05 for r in rows["true"])  # the engine really has the trainer's weights
     assert all(r["perf/engine_resume_time"] > 0 and r["perf/engine_release_time"] > 0 for r in rows["true"])
 
 
 def test_release_weights_needs_the_update(compose):
+    from rlsync.config.validate import validate
     from rlsync.errors import ConfigError
-    from rlsync.validate import validate
 
     with pytest.raises(ConfigError, match="rollout.release_weights=true.*update.enabled=false"):
         validate(compose("rollout.release_weights=true", "update.enabled=false"))

@@ -7,12 +7,21 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from rlsync.config import Config, UpdateConfig
-from rlsync.models import build_model, named_weights
+from rlsync.config.schema import Config, UpdateConfig
+from rlsync.model.build import build_model, named_weights
 from rlsync.sync import plan_for
 from rlsync.sync.broadcast import BroadcastReceiver
-from rlsync.sync.messages import (WIRE_DTYPES, GenerateRequest, Plan, TensorData, WireError, decode_result,
-                                  encode_result, request_args, request_body)
+from rlsync.sync.messages import (
+    WIRE_DTYPES,
+    GenerateRequest,
+    Plan,
+    TensorData,
+    WireError,
+    decode_result,
+    encode_result,
+    request_args,
+    request_body,
+)
 
 
 @pytest.mark.parametrize("dtype", list(WIRE_DTYPES.values()), ids=list(WIRE_DTYPES))
@@ -34,8 +43,16 @@ def test_a_tensor_whose_bytes_do_not_match_its_shape_is_refused():
 def plan_of(update: UpdateConfig) -> tuple[Plan, list]:
     weights = named_weights(build_model(Config().model, dtype=torch.float32, device=torch.device("cpu"), seed=0))
     buckets = plan_for(weights, update, torch.bfloat16)
-    receiver = BroadcastReceiver(buckets, strategy=update.strategy, inflight=update.inflight_buckets,
-                                 flat_weights=False, port=1234, timeout_s=5, join_timeout_s=5, copy_threads=1)
+    receiver = BroadcastReceiver(
+        buckets,
+        strategy=update.strategy,
+        inflight=update.inflight_buckets,
+        flat_weights=False,
+        port=1234,
+        timeout_s=5,
+        join_timeout_s=5,
+        copy_threads=1,
+    )
     return Plan.model_validate_json(Plan.of(receiver).model_dump_json()), buckets
 
 
@@ -45,12 +62,15 @@ def test_the_plan_crosses_as_json_and_comes_back_as_the_same_buckets():
     assert plan.bucket_plan() == buckets
 
 
-@pytest.mark.parametrize("edit,why", [
-    (lambda b: b[0]["slots"][1].update(offset=b[0]["slots"][1]["offset"] + 1), "not at offset"),
-    (lambda b: b[0]["slots"][1].update(name=b[0]["slots"][0]["name"]), "is repeated"),
-    (lambda b: b[0].update(numel=b[0]["numel"] + 7), "holds"),
-    (lambda b: b[0].update(dtype="int64"), "not a floating-point dtype"),
-])
+@pytest.mark.parametrize(
+    "edit,why",
+    [
+        (lambda b: b[0]["slots"][1].update(offset=b[0]["slots"][1]["offset"] + 1), "not at offset"),
+        (lambda b: b[0]["slots"][1].update(name=b[0]["slots"][0]["name"]), "is repeated"),
+        (lambda b: b[0].update(numel=b[0]["numel"] + 7), "holds"),
+        (lambda b: b[0].update(dtype="int64"), "not a floating-point dtype"),
+    ],
+)
 def test_a_plan_that_does_not_add_up_is_refused(edit, why):
     plan, _ = plan_of(UpdateConfig(bucket_mb=1.0))
     data = plan.model_dump()
@@ -60,8 +80,10 @@ def test_a_plan_that_does_not_add_up_is_refused(edit, why):
         Plan.model_validate(data).bucket_plan()
 
 
-@pytest.mark.parametrize("field,value", [("strategy", "vllm_ipc"), ("inflight", 3), ("timeout_s", float("inf")),
-                                         ("store_port", 0), ("extra", 1)])
+@pytest.mark.parametrize(
+    "field,value",
+    [("strategy", "vllm_ipc"), ("inflight", 3), ("timeout_s", float("inf")), ("store_port", 0), ("extra", 1)],
+)
 def test_a_plan_with_a_value_outside_its_type_is_refused(field, value):
     plan, _ = plan_of(UpdateConfig(bucket_mb=1.0))
     with pytest.raises(ValidationError):
@@ -73,15 +95,23 @@ def test_generate_request_and_reply_round_trip():
 
     state = torch.Generator().manual_seed(3).get_state()
     body = request_body("generate", ([[1, 2], [3]], 4, 0.7, state, "cpu"))
-    prompts, new, temperature, back_state, device = request_args("generate", GenerateRequest.model_validate_json(
-        body.model_dump_json()))
+    prompts, new, temperature, back_state, device = request_args(
+        "generate", GenerateRequest.model_validate_json(body.model_dump_json())
+    )
     assert (prompts, new, temperature, device) == ([[1, 2], [3]], 4, 0.7, "cpu") and torch.equal(back_state, state)
-    gen = Generation(sequences=torch.arange(6).view(2, 3), attention_mask=torch.ones(2, 3, dtype=torch.long),
-                     response_mask=torch.ones(2, 1, dtype=torch.long), logprobs=torch.randn(2, 1), prompt_len=2,
-                     truncated=torch.tensor([True, False]))
+    gen = Generation(
+        sequences=torch.arange(6).view(2, 3),
+        attention_mask=torch.ones(2, 3, dtype=torch.long),
+        response_mask=torch.ones(2, 1, dtype=torch.long),
+        logprobs=torch.randn(2, 1),
+        prompt_len=2,
+        truncated=torch.tensor([True, False]),
+    )
     out, out_state = decode_result("generate", encode_result("generate", (gen, state)))
     for name, value in vars(gen).items():
-        assert torch.equal(getattr(out, name), value) if isinstance(value, torch.Tensor) else getattr(out, name) == value
+        assert (
+            torch.equal(getattr(out, name), value) if isinstance(value, torch.Tensor) else getattr(out, name) == value
+        )
     assert torch.equal(out_state, state)
     with pytest.raises(ValidationError):
         GenerateRequest.model_validate({**body.model_dump(), "generator_device": "cuda; rm -rf /"})

@@ -9,14 +9,19 @@ import sys
 
 import pytest
 import torch
-
 from conftest import FAST, ROOT, cli_env, read_jsonl
+
+from rlsync.config.validate import validate
 from rlsync.engines.base import ENGINES, Engine, EngineSpec, engine_class, engine_names, register_engine
 from rlsync.errors import ConfigError
-from rlsync.validate import validate
 
-SMALL_MODEL = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2", "model.head_dim=16",
-               "model.vocab_size=300"]
+SMALL_MODEL = [
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "model.num_hidden_layers=2",
+    "model.head_dim=16",
+    "model.vocab_size=300",
+]
 
 
 class CountingEngine(Engine):
@@ -30,7 +35,7 @@ class CountingEngine(Engine):
         self.inner, self.device, self.dtype = inner, inner.device, inner.dtype
 
     @classmethod
-    def from_spec(cls, spec: EngineSpec, *, strategy: str) -> "CountingEngine":
+    def from_spec(cls, spec: EngineSpec, *, strategy: str) -> CountingEngine:
         return cls(engine_class("hf").from_spec(spec, strategy=strategy))
 
     def generate(self, prompts, **kwargs):
@@ -62,7 +67,7 @@ def counting():
 
 def run_in_process(compose, run_dir, *overrides: str) -> tuple[list[dict], dict]:
     """`python -m rlsync` without a new interpreter (the registration lives in this one): (rows, summary)."""
-    from rlsync.experiment import run_experiment
+    from rlsync.run.loop import run_experiment
 
     cfg = compose(*FAST, *SMALL_MODEL, "wandb.mode=disabled", *overrides)
     validate(cfg)
@@ -80,8 +85,9 @@ def test_a_registered_engine_runs_whole_steps_with_verify_passing(compose, count
 
 def test_a_registered_engine_runs_in_an_engine_process_too(compose, counting, tmp_path):
     """The engine process never ran this file's registration: the spec carries the engine's class there."""
-    rows, summary = run_in_process(compose, tmp_path, f"rollout.engine={counting}", "update.verify=true",
-                                   "update.transport=ipc", "run.steps=2")
+    rows, summary = run_in_process(
+        compose, tmp_path, f"rollout.engine={counting}", "update.verify=true", "update.transport=ipc", "run.steps=2"
+    )
     assert summary["status"] == "finished" and summary["verification"] == "passed"
     assert len(rows) == 2
     assert CountingEngine.generate_calls == 0  # it generated in the engine process, not here
@@ -118,11 +124,14 @@ def test_registration_forms_and_lazy_paths():
 @pytest.mark.slow  # what a fresh interpreter imports
 def test_the_registry_and_the_run_modules_import_no_engine_dependency():
     """vLLM is imported when its engine starts, not when rlsync (or the vLLM engine's class) is loaded."""
-    code = ("import sys, rlsync.experiment, rlsync.validate, rlsync.engine, rlsync.bench\n"
-            "from rlsync.engines.base import engine_class\n"
-            "assert engine_class('vllm').__name__ == 'VLLMEngine'\n"
-            "print(sorted(m for m in ('vllm', 'rlsync.engines.vllm') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
-                            timeout=120)
+    code = (
+        "import sys, rlsync.run.loop, rlsync.config.validate, rlsync.serve, rlsync.bench\n"
+        "from rlsync.engines.base import engine_class\n"
+        "assert engine_class('vllm').__name__ == 'VLLMEngine'\n"
+        "print(sorted(m for m in ('vllm', 'rlsync.engines.vllm') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[-2] == "['rlsync.engines.vllm']"

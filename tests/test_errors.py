@@ -16,12 +16,12 @@ from typing import Optional
 
 import pytest
 import torch
-
 from conftest import ROOT, cli_env, read_jsonl, run_main
-from rlsync.config import BenchAppConfig, Config, EngineAppConfig, UpdateConfig
+
+from rlsync.config.rules import ANY, Choices, Rule
+from rlsync.config.schema import BenchAppConfig, Config, EngineAppConfig, UpdateConfig
+from rlsync.config.validate import leaves, validate
 from rlsync.errors import ConfigError, Interrupted, JobFailed, StopOnSignals, UpdateOutOfMemory, job_errors
-from rlsync.rules import ANY, Choices, Rule
-from rlsync.validate import leaves, validate
 
 CUDA = torch.cuda.is_available()
 
@@ -55,16 +55,19 @@ BAD_INPUTS = [
     (["run.seed=18446744073709551616"], "run.seed=18446744073709551616"),  # 2^64
     (["wandb.project=team/rlsync"], "wandb.project=team/rlsync"),
     ([f"wandb.tags=[ok,{'x' * 65}]"], "wandb.tags=[ok,xxxx"),
-    pytest.param(["run.device=cuda"], "run.device=cuda",
-                 marks=pytest.mark.skipif(CUDA, reason="this machine has CUDA: run.device=cuda is valid")),
+    pytest.param(
+        ["run.device=cuda"],
+        "run.device=cuda",
+        marks=pytest.mark.skipif(CUDA, reason="this machine has CUDA: run.device=cuda is valid"),
+    ),
 ]
-# The benchmark calls the same checks (rlsync.validate.checked_config): one case per layer, plus its own keys.
+# The benchmark calls the same checks (rlsync.config.validate.checked_config): one case per layer, plus its own keys.
 BENCH_BAD_INPUTS = [
     (["model=qwen9"], "model=qwen9"),
     (["update.bucket_mb=0"], "update.bucket_mb=0"),
     (["bench.repeats=0"], "bench.repeats=0"),
 ]
-# The standalone engine (python -m rlsync.engine) too, with its own key.
+# The standalone engine (python -m rlsync.serve) too, with its own key.
 ENGINE_BAD_INPUTS = [
     (["model=qwen9"], "model=qwen9"),
     (["serve.sessions=-1"], "serve.sessions=-1"),
@@ -91,19 +94,27 @@ def case_id(case) -> str:
 def cli_results(tmp_path_factory):
     """Every bad-input case of the three entry points, each through its entry point in this process
     (each stops before building a model): (module, overrides) -> CompletedProcess."""
-    cases = ([("rlsync", c) for c in BAD_INPUTS] + [("rlsync.bench", c) for c in BENCH_BAD_INPUTS]
-             + [("rlsync.engine", c) for c in ENGINE_BAD_INPUTS])
+    cases = (
+        [("rlsync", c) for c in BAD_INPUTS]
+        + [("rlsync.bench", c) for c in BENCH_BAD_INPUTS]
+        + [("rlsync.serve", c) for c in ENGINE_BAD_INPUTS]
+    )
     cases = [(m, list((c.values if hasattr(c, "values") else c)[0])) for m, c in cases]
     root = tmp_path_factory.mktemp("bad_inputs")
-    return {(m, tuple(o)): run_main("wandb.mode=disabled", f"hydra.run.dir={root / str(i)}", *o, module=m)
-            for i, (m, o) in enumerate(cases)}
+    return {
+        (m, tuple(o)): run_main("wandb.mode=disabled", f"hydra.run.dir={root / str(i)}", *o, module=m)
+        for i, (m, o) in enumerate(cases)
+    }
 
 
-@pytest.mark.parametrize("module,overrides,names", [
-    ("rlsync", ["model=qwen9"], "model=qwen9"),
-    ("rlsync", ["update.bucket_mb=0"], "update.bucket_mb=0"),
-    ("rlsync.bench", ["rollout.samples_per_prompt=1"], "rollout.samples_per_prompt=1"),
-])
+@pytest.mark.parametrize(
+    "module,overrides,names",
+    [
+        ("rlsync", ["model=qwen9"], "model=qwen9"),
+        ("rlsync", ["update.bucket_mb=0"], "update.bucket_mb=0"),
+        ("rlsync.bench", ["rollout.samples_per_prompt=1"], "rollout.samples_per_prompt=1"),
+    ],
+)
 @pytest.mark.slow
 def test_bad_input_from_a_fresh_interpreter(tmp_path, module, overrides, names):
     """The same as the in-process cases below, from a plain `python -m` (no warmed-up parent)."""
@@ -133,7 +144,7 @@ def test_bench_bad_input_is_one_line_and_exit_2(cli_results, overrides, names):
 
 @pytest.mark.parametrize("overrides,names", ENGINE_BAD_INPUTS, ids=[case_id(c) for c in ENGINE_BAD_INPUTS])
 def test_engine_bad_input_is_one_line_and_exit_2(cli_results, overrides, names):
-    check_one_line(cli_results[("rlsync.engine", tuple(overrides))], names)
+    check_one_line(cli_results[("rlsync.serve", tuple(overrides))], names)
 
 
 def test_the_lines_say_what_is_allowed(cli_results):
@@ -161,7 +172,7 @@ def test_debug_switch_shows_the_traceback(tmp_path):
 def test_hydra_errors_become_one_config_error(override, line):
     from hydra import compose, initialize_config_dir
 
-    from rlsync.config import register_configs
+    from rlsync.config.schema import register_configs
     from rlsync.errors import from_hydra
 
     register_configs()
@@ -174,38 +185,57 @@ def test_hydra_errors_become_one_config_error(override, line):
     assert "\n" not in str(error)
 
 
-@pytest.mark.parametrize("overrides,line", [
-    (["+update.speed=2"], "update.speed=2: unknown key"),
-    (["update.bucket_mb=-1"], "update.bucket_mb=-1.0: out of range (allowed: a number of MiB from 9.54e-07"),
-    (["update.bucket_mb=nan"], "update.bucket_mb=nan: not allowed"),
-    (["update.bucket_mb=inf"], "update.bucket_mb=inf: not allowed"),
-    (["model.num_key_value_heads=3"], "model.num_key_value_heads=3: not allowed (allowed: a divisor of"),
-    (["model.vocab_size=100"], "model.vocab_size=100: out of range"),
-    (["update.source=host", "trainer.offload=none"], "update.source=host: not allowed with trainer.offload=none"),
-    (["rollout.max_response_len=50000"], "rollout.max_response_len=50000: out of range"),
-    (["run.verdict_threshold=1.5"], "run.verdict_threshold=1.5: out of range"),
-    (["wandb.project=''"], "wandb.project='': not allowed"),
-    (["wandb.init_timeout=0"], "wandb.init_timeout=0.0: out of range"),
-    (["update.bucket_mb=1e-7"], "update.bucket_mb=1e-07: out of range (allowed: a number of MiB from 9.54e-07 (1 byte) "
-                                "to 8.8e+12 (2^63 - 1 bytes) (the bucket's size))"),
-    (["update.bucket_mb=1e13"], "update.bucket_mb=10000000000000.0: out of range (allowed: a number of MiB from 9.54e-07"),
-    (["trainer.offload_segment_mb=0.0000001"], "trainer.offload_segment_mb=1e-07: out of range (allowed: a number of "
-                                                "MiB from 9.54e-07"),
-    (["run.seed=18446744073709551616"], "run.seed=18446744073709551616: out of range (allowed: 0 to 2^64 - 1 = "
-                                        "18446744073709551615"),
-    (["run.seed=-1"], "run.seed=-1: out of range"),
-    (["wandb.project=a:b"], "wandb.project=a:b: not allowed (allowed: a non-empty name of at most 128 characters, "
-                            "without any of / \\ # ? % : (W&B refuses them))"),
-    ([f"wandb.project={'p' * 129}"], f"wandb.project={'p' * 129}: not allowed"),
-    ([f"wandb.tags=[{'t' * 65}]"], f"wandb.tags=[{'t' * 65}]: not allowed (allowed: a list of tags of 1 to 64 "
-                                   f"characters each (W&B's limit))"),
-    (["wandb.tags=['']"], "wandb.tags=['']: not allowed"),
-], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+@pytest.mark.parametrize(
+    "overrides,line",
+    [
+        (["+update.speed=2"], "update.speed=2: unknown key"),
+        (["update.bucket_mb=-1"], "update.bucket_mb=-1.0: out of range (allowed: a number of MiB from 9.54e-07"),
+        (["update.bucket_mb=nan"], "update.bucket_mb=nan: not allowed"),
+        (["update.bucket_mb=inf"], "update.bucket_mb=inf: not allowed"),
+        (["model.num_key_value_heads=3"], "model.num_key_value_heads=3: not allowed (allowed: a divisor of"),
+        (["model.vocab_size=100"], "model.vocab_size=100: out of range"),
+        (["update.source=host", "trainer.offload=none"], "update.source=host: not allowed with trainer.offload=none"),
+        (["rollout.max_response_len=50000"], "rollout.max_response_len=50000: out of range"),
+        (["run.verdict_threshold=1.5"], "run.verdict_threshold=1.5: out of range"),
+        (["wandb.project=''"], "wandb.project='': not allowed"),
+        (["wandb.init_timeout=0"], "wandb.init_timeout=0.0: out of range"),
+        (
+            ["update.bucket_mb=1e-7"],
+            "update.bucket_mb=1e-07: out of range (allowed: a number of MiB from 9.54e-07 (1 byte) "
+            "to 8.8e+12 (2^63 - 1 bytes) (the bucket's size))",
+        ),
+        (
+            ["update.bucket_mb=1e13"],
+            "update.bucket_mb=10000000000000.0: out of range (allowed: a number of MiB from 9.54e-07",
+        ),
+        (
+            ["trainer.offload_segment_mb=0.0000001"],
+            "trainer.offload_segment_mb=1e-07: out of range (allowed: a number of MiB from 9.54e-07",
+        ),
+        (
+            ["run.seed=18446744073709551616"],
+            "run.seed=18446744073709551616: out of range (allowed: 0 to 2^64 - 1 = 18446744073709551615",
+        ),
+        (["run.seed=-1"], "run.seed=-1: out of range"),
+        (
+            ["wandb.project=a:b"],
+            "wandb.project=a:b: not allowed (allowed: a non-empty name of at most 128 characters, "
+            "without any of / \\ # ? % : (W&B refuses them))",
+        ),
+        ([f"wandb.project={'p' * 129}"], f"wandb.project={'p' * 129}: not allowed"),
+        (
+            [f"wandb.tags=[{'t' * 65}]"],
+            f"wandb.tags=[{'t' * 65}]: not allowed (allowed: a list of tags of 1 to 64 characters each (W&B's limit))",
+        ),
+        (["wandb.tags=['']"], "wandb.tags=['']: not allowed"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
 def test_more_value_rules(overrides, line):
     from hydra import compose, initialize_config_dir
 
-    from rlsync.config import register_configs
-    from rlsync.validate import checked_config
+    from rlsync.config.schema import register_configs
+    from rlsync.config.validate import checked_config
 
     register_configs()
 
@@ -229,10 +259,12 @@ def test_the_largest_seed_and_smallest_sizes_pass():
 
 def test_every_key_a_user_can_set_has_a_rule():
     """Each leaf of every entry point's schema declares its value rule beside it (`key(default, rule)` in
-    rlsync/config.py; `ANY` says so explicitly), so a key cannot be added without one."""
+    rlsync/config/schema.py; `ANY` says so explicitly), so a key cannot be added without one."""
     for schema in (Config, BenchAppConfig, EngineAppConfig):
         missing = [key for key, _, _, rule in leaves(schema()) if not isinstance(rule, (Rule, Choices))]
-        assert missing == [], f"{schema.__name__} keys without a rule: use key(default, rule) in rlsync/config.py"
+        assert missing == [], (
+            f"{schema.__name__} keys without a rule: use key(default, rule) in rlsync/config/schema.py"
+        )
     # ANY only where the type says everything (a switch): a number or a name always has a range or choices
     anything = [(key, hint) for key, _, hint, rule in leaves(BenchAppConfig()) if rule is ANY]
     assert anything and all(hint in (bool, Optional[bool]) for _, hint in anything), anything
@@ -252,9 +284,12 @@ def test_choices_are_looked_up_when_checked(monkeypatch):
 PRESETS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
 
 
-@pytest.mark.parametrize("overrides", [[], ["model=qwen3_0p6b"], ["model=qwen3_8b"], ["rollout=reference"],
-                                       ["run.steps=2", "run.warmup_steps=1"]]
-                         + [[f"experiment={name}"] for name in PRESETS], ids=lambda o: " ".join(o) or "defaults")
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["model=qwen3_0p6b"], ["model=qwen3_8b"], ["rollout=reference"], ["run.steps=2", "run.warmup_steps=1"]]
+    + [[f"experiment={name}"] for name in PRESETS],
+    ids=lambda o: " ".join(o) or "defaults",
+)
 def test_the_shipped_configs_pass(compose, overrides):
     validate(compose(*overrides))
 
@@ -285,17 +320,23 @@ def test_an_existing_checkpoint_directory_passes(tmp_path):
 
 
 def test_out_of_memory_in_the_update_names_the_bucket_size(monkeypatch, capsys, tmp_path):
-    from rlsync.models import build_model, build_tokenizer, named_weights
     from rlsync.engines.base import EngineSpec
-    from rlsync.sync import flat, open_engine, plan_for, update_weights
+    from rlsync.model.build import build_model, build_tokenizer, named_weights
+    from rlsync.sync import flat, open_transport, plan_for, update_weights
 
     cfg, update = Config(), UpdateConfig(bucket_mb=0.05)
     tok = build_tokenizer(cfg.model)
     weights = named_weights(build_model(cfg.model, dtype=torch.float32, device=torch.device("cpu"), seed=0))
     buckets = plan_for(weights, update, torch.bfloat16)
-    spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device="cpu", allowed_ids=tok.allowed_ids(512),
-                      eos_id=tok.eos_id, pad_id=tok.pad_id)
-    engine = open_engine(update, spec=spec, buckets=buckets)
+    spec = EngineSpec(
+        model=cfg.model,
+        rollout=cfg.rollout,
+        device="cpu",
+        allowed_ids=tok.allowed_ids(512),
+        eos_id=tok.eos_id,
+        pad_id=tok.pad_id,
+    )
+    engine = open_transport(update, spec=spec, buckets=buckets)
     update_weights(engine, weights, buckets=buckets, cfg=update, device=torch.device("cpu"), limit_time=1.0)
 
     def out_of_memory(*args, **kwargs):
@@ -333,8 +374,9 @@ def test_a_failed_sweep_job_lets_hydra_go_on(capsys, tmp_path):
     assert capsys.readouterr().err.strip() == "rlsync: job 3: failed: ValueError: bad"
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129)],
-                         ids=["SIGTERM", "SIGINT", "SIGHUP"])
+@pytest.mark.parametrize(
+    "sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129)], ids=["SIGTERM", "SIGINT", "SIGHUP"]
+)
 def test_a_signal_stops_the_step_but_never_a_record_in_progress(sig, code):
     before = signal.getsignal(sig)
     recorded = []
@@ -360,16 +402,18 @@ def test_an_interrupted_job_exits_128_plus_the_signal(capsys, tmp_path):
     with pytest.raises(SystemExit) as exited, job_errors(tmp_path):
         raise KeyboardInterrupt  # Ctrl-C before the run installed its handlers
     assert exited.value.code == 130
-    assert capsys.readouterr().err.splitlines() == ["rlsync: job 0: interrupted: stopped by SIGINT",
-                                                     "rlsync: interrupted: stopped by SIGINT"]
+    assert capsys.readouterr().err.splitlines() == [
+        "rlsync: job 0: interrupted: stopped by SIGINT",
+        "rlsync: interrupted: stopped by SIGINT",
+    ]
 
 
 WANDB_SNIPPET = """
 import sys
 from pathlib import Path
 from typing import Optional
-from rlsync.config import WandbConfig
-from rlsync.sinks import MetricsFile, wandb_run
+from rlsync.config.schema import WandbConfig
+from rlsync.record.sinks import MetricsFile, wandb_run
 
 run_dir = Path(sys.argv[1])
 with wandb_run(WandbConfig(mode=sys.argv[2], init_timeout=10), run_dir=run_dir, name="t", group="g",
@@ -384,17 +428,27 @@ with wandb_run(WandbConfig(mode=sys.argv[2], init_timeout=10), run_dir=run_dir, 
 """
 
 
-@pytest.mark.parametrize("mode,env,expect_mode,failures", [
-    ("online", {"WANDB_MODE": "online"}, "offline", 1),  # no API key: online falls back to offline
-    ("offline", {"WANDB_SERVICE": "3-99999-unix-/nonexistent/wandb.sock"}, "none", 1),  # the service is unreachable
-    ("online", {"WANDB_SERVICE": "3-99999-unix-/nonexistent/wandb.sock"}, "none", 2),
-], ids=["online-without-login", "offline-without-service", "online-without-login-or-service"])
+@pytest.mark.parametrize(
+    "mode,env,expect_mode,failures",
+    [
+        ("online", {"WANDB_MODE": "online"}, "offline", 1),  # no API key: online falls back to offline
+        ("offline", {"WANDB_SERVICE": "3-99999-unix-/nonexistent/wandb.sock"}, "none", 1),  # the service is unreachable
+        ("online", {"WANDB_SERVICE": "3-99999-unix-/nonexistent/wandb.sock"}, "none", 2),
+    ],
+    ids=["online-without-login", "offline-without-service", "online-without-login-or-service"],
+)
 @pytest.mark.slow  # W&B's service is per process: each case needs a fresh one
 def test_wandb_failing_falls_back_and_keeps_the_files(tmp_path, mode, env, expect_mode, failures):
     full_env = {k: v for k, v in cli_env(**env).items() if k not in ("WANDB_API_KEY", "WANDB_SILENT")}
     full_env["WANDB_CONFIG_DIR"] = str(tmp_path / "wandb_config")  # no stored login
-    result = subprocess.run([sys.executable, "-c", WANDB_SNIPPET, str(tmp_path), mode], cwd=ROOT, env=full_env,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", WANDB_SNIPPET, str(tmp_path), mode],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     ours = [ln for ln in result.stderr.splitlines() if ln.startswith("rlsync:")]
     assert len(ours) == failures and all("W&B" in ln and "failed" in ln for ln in ours), result.stderr
@@ -404,24 +458,32 @@ def test_wandb_failing_falls_back_and_keeps_the_files(tmp_path, mode, env, expec
     offline_runs = list((tmp_path / "wandb").glob("offline-run-*"))
     if expect_mode == "offline":
         assert offline_runs and "logging offline" in ours[0]
-        state = json.loads(subprocess.run(["wandb", "leet", "inspect", "--summary", "--json", str(offline_runs[0])],
-                                          capture_output=True, text=True, timeout=60).stdout)
+        state = json.loads(
+            subprocess.run(
+                ["wandb", "leet", "inspect", "--summary", "--json", str(offline_runs[0])],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            ).stdout
+        )
         assert state["summary"]["perf/step_time"] == 1.5
     else:
         assert "local files only" in ours[-1]
 
 
 def test_a_failed_verification_is_said_in_the_summary_and_the_closing_table(tmp_path, capsys):
-    from rlsync.experiment import Experiment, print_closing
-    from rlsync.recorder import Recorder
+    from rlsync.record.recorder import Recorder
+    from rlsync.run.loop import Experiment, print_closing
     from rlsync.sync import WeightMismatch
 
     cfg = Config()
     cfg.run.steps, cfg.run.warmup_steps, cfg.update.verify = 4, 1, True
     recorder = Recorder(tmp_path)
     experiment = Experiment(cfg, recorder)
-    recorder.rows = [{"step": s, "perf/step_time": 1.0 + s, "perf/update_weights_time": 0.1,
-                      "perf/update_weights_buckets": 2} for s in range(3)]
+    recorder.rows = [
+        {"step": s, "perf/step_time": 1.0 + s, "perf/update_weights_time": 0.1, "perf/update_weights_buckets": 2}
+        for s in range(3)
+    ]
     recorder.status, recorder.failure = "failed", WeightMismatch("engine tensor 'lm_head.weight' differs")
     summary = experiment.summary()
     recorder.write_summary(summary)
@@ -439,18 +501,21 @@ def test_a_failed_verification_is_said_in_the_summary_and_the_closing_table(tmp_
 
 
 def test_out_of_memory_while_opening_the_engine_names_the_bucket_size_too(monkeypatch):
-    import rlsync.experiment as experiment
+    import rlsync.run.loop as experiment
     from rlsync.sync import is_out_of_memory
 
     def out_of_memory(*args, **kwargs):  # the staging buffers are allocated when the engine opens
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB")
 
-    monkeypatch.setattr(experiment, "open_engine", out_of_memory)
+    monkeypatch.setattr(experiment, "open_transport", out_of_memory)
     with pytest.raises(UpdateOutOfMemory, match=r"opening the engine and its update buffers with update.bucket_mb=512"):
         experiment.Experiment(Config()).setup()
     # an engine process's OOM arrives as its own error type, named in the first line
-    assert is_out_of_memory(RuntimeError("the engine process failed during 'update': torch.OutOfMemoryError: CUDA "
-                                         "out of memory\nTraceback ..."))
+    assert is_out_of_memory(
+        RuntimeError(
+            "the engine process failed during 'update': torch.OutOfMemoryError: CUDA out of memory\nTraceback ..."
+        )
+    )
     assert not is_out_of_memory(RuntimeError("the engine process failed during 'update': KeyError\nOutOfMemoryError"))
 
 
@@ -467,11 +532,18 @@ def small_checkpoint(tmp_path_factory):
     so a refusal naming the keys proves the check came before any weight was read."""
     from transformers import Qwen3ForCausalLM
 
-    from rlsync.config import ModelConfig
-    from rlsync.models import hf_config
+    from rlsync.config.schema import ModelConfig
+    from rlsync.model.build import hf_config
 
-    cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=32, vocab_size=512)
+    cfg = ModelConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=512,
+    )
     path = tmp_path_factory.mktemp("checkpoint")
     Qwen3ForCausalLM(hf_config(cfg)).save_pretrained(path)
     weights = next(path.glob("*.safetensors"))
@@ -487,8 +559,14 @@ def test_a_checkpoint_of_another_architecture_is_refused_naming_the_keys(small_c
     assert len(lines) == 1 and "Traceback" not in result.stderr
     line = lines[0]
     assert line.startswith(f"rlsync: config error: model.pretrained={path}: its architecture differs (")
-    for key, theirs, ours in [("hidden_size", 64, 256), ("intermediate_size", 128, 512), ("num_hidden_layers", 2, 4),
-                              ("num_attention_heads", 2, 4), ("num_key_value_heads", 1, 2), ("head_dim", 32, 64)]:
+    for key, theirs, ours in [
+        ("hidden_size", 64, 256),
+        ("intermediate_size", 128, 512),
+        ("num_hidden_layers", 2, 4),
+        ("num_attention_heads", 2, 4),
+        ("num_key_value_heads", 1, 2),
+        ("head_dim", 32, 64),
+    ]:
         assert f"{key}={theirs} in the checkpoint but model.{key}={ours}" in line
         assert f"model.{key}={theirs}" in line.split("allowed: ")[1]  # the overrides that fix it
     assert "vocab_size" not in line  # equal keys are not named
@@ -497,7 +575,7 @@ def test_a_checkpoint_of_another_architecture_is_refused_naming_the_keys(small_c
 
 def test_build_model_checks_the_checkpoint_before_loading_weights(small_checkpoint):
     """A hub id's config.json is only seen when it arrives: build_model checks it before the weights."""
-    from rlsync.models import build_model
+    from rlsync.model.build import build_model
 
     path, cfg = small_checkpoint
     wrong = Config().model
@@ -505,8 +583,14 @@ def test_build_model_checks_the_checkpoint_before_loading_weights(small_checkpoi
     with pytest.raises(ConfigError, match="its architecture differs"):
         build_model(wrong, dtype=torch.float32, device=torch.device("cpu"), seed=0)
     right = Config().model
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "head_dim"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+    ):
         setattr(right, key, getattr(cfg, key))
     right.pretrained = str(path)
     validate(Config(model=right))  # matching keys pass; the engine is then built from the same architecture

@@ -15,13 +15,17 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, cli_env
 
 pytestmark = pytest.mark.slow
 NAME = re.compile(r"^[A-Za-z0-9._-]+$")
-SMOKE_SKIPS = {"small_tiny_bench_direct", "small_tiny_bench_broadcast", "small_tiny_release_weights",
-               "small_tiny_two_copy", "tiny_moe_ipc"}  # tiny_* steps exactly, on the CPU (or suite runs)
+SMOKE_SKIPS = {
+    "small_tiny_bench_direct",
+    "small_tiny_bench_broadcast",
+    "small_tiny_release_weights",
+    "small_tiny_two_copy",
+    "tiny_moe_ipc",
+}  # tiny_* steps exactly, on the CPU (or suite runs)
 
 
 def smoke(out: Path, tmp_path: Path, **env) -> subprocess.Popen:
@@ -30,8 +34,15 @@ def smoke(out: Path, tmp_path: Path, **env) -> subprocess.Popen:
     no_wandb.mkdir(parents=True, exist_ok=True)
     (no_wandb / "__init__.py").write_text('raise ImportError("wandb is not installed on the GPU machine")\n')
     env = cli_env(PYTHONPATH=f"{no_wandb.parent}:{ROOT}", OUT=str(out), TMPDIR=str(tmp_path), **env)
-    return subprocess.Popen(["bash", "experiments/gpu_check.sh", "--smoke"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        ["bash", "experiments/gpu_check.sh", "--smoke"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def table_rows(out: Path) -> tuple[dict[str, str], str]:
@@ -68,9 +79,21 @@ def test_the_smoke_runs_every_step_and_brings_back_three_files(tmp_path):
     assert "0 step(s) failed or timed out" in last
     assert {name for name, result in rows.items() if result.startswith("skipped (smoke)")} == SMOKE_SKIPS, rows
     assert all(result == "passed" for name, result in rows.items() if name not in SMOKE_SKIPS), rows
-    assert {"environment", "cuda_ipc_probe", "tiny_direct", "tiny_ipc", "tiny_broadcast", "tiny_ipc_source_host",
-            "tiny_release_weights", "tiny_two_copy", "small_tiny_bench_ipc", "small_tiny_offload",
-            "large_tiny_bench_direct", "large_tiny_offload", "study_transports"} <= set(rows)
+    assert {
+        "environment",
+        "cuda_ipc_probe",
+        "tiny_direct",
+        "tiny_ipc",
+        "tiny_broadcast",
+        "tiny_ipc_source_host",
+        "tiny_release_weights",
+        "tiny_two_copy",
+        "small_tiny_bench_ipc",
+        "small_tiny_offload",
+        "large_tiny_bench_direct",
+        "large_tiny_offload",
+        "study_transports",
+    } <= set(rows)
     assert_comes_back(out)
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.log", "results.tgz", "table.txt"]
     files = tarball(out)
@@ -79,7 +102,9 @@ def test_the_smoke_runs_every_step_and_brings_back_three_files(tmp_path):
     for transport in ("direct", "ipc", "broadcast"):  # every transport verified the update it landed
         summary = json.loads(files[f"tiny_{transport}/run/summary.json"])
         assert (summary["status"], summary["verification"]) == ("finished", "passed")
-        assert "estimate" in summary["memory"] and "peak_rss_bytes" in summary["memory"]["measured"]  # check off, recorded
+        assert (
+            "estimate" in summary["memory"] and "peak_rss_bytes" in summary["memory"]["measured"]
+        )  # check off, recorded
     assert b"wandb not installed" in files["environment/output.txt"]
     assert b"PYTORCH_CUDA_ALLOC_CONF was" in files["environment/output.txt"]
     assert "study_transports/sweep/report.md" in files

@@ -4,15 +4,16 @@ the pinned twin's size in the memory estimate."""
 from __future__ import annotations
 
 import torch
+from simulated_cuda import SimulatedAllocator
 
-from rlsync import devices, memory
-from rlsync.config import MIB
-from rlsync.experiment import memory_record
-from rlsync.offload import plan_pin_chunks
+from rlsync.config.schema import MIB
+from rlsync.measure import devices
+from rlsync.measure.timing import DeviceMemory
+from rlsync.run import memory_check as memory
+from rlsync.run.loop import memory_record
 from rlsync.sync import flat, ipc
 from rlsync.sync.buckets import TensorMeta, plan_buckets
-from rlsync.timing import DeviceMemory
-from simulated_cuda import SimulatedAllocator
+from rlsync.trainer.offload import plan_pin_chunks
 
 CUDA = torch.device("cuda", 0)
 GB = 10**9
@@ -77,36 +78,39 @@ def test_ipc_open_synchronizes_after_copying_weights_into_the_shared_buffers(mon
 
 def test_the_pinned_twin_is_estimated_per_chunk_as_the_offload_pins_it(compose):
     """On CUDA the twin is pinned in chunks of at most trainer.offload_pin_chunk_mb, each rounded up
-    to a power of two on its own (rlsync.offload); one rounding of the whole copy overstates it (9.5 GB
+    to a power of two on its own (rlsync.trainer.offload); one rounding of the whole copy overstates it (9.5 GB
     of Qwen3-0.6B state -> 16 GiB)."""
     cfg = compose("model=qwen3_0p6b", "trainer.offload_memory=twin", "trainer.offload=full")
     extra = memory.estimate(cfg, cuda=True, runtime_bytes=0).process["offload_host"]
     shapes = list(memory.model_shapes(cfg.model))
     params = [memory.numel(s) * 4 for _, s in shapes]
-    travelling = params + [b for b in params for _ in range(2)] + params  # as rlsync.offload lays them out
+    travelling = params + [b for b in params for _ in range(2)] + params  # as rlsync.trainer.offload lays them out
     chunks = plan_pin_chunks(travelling, 1024 * MIB)
     assert extra == sum(memory.pinned_bytes(end - start) for start, end in chunks)
     assert sum(travelling) <= extra < memory.pinned_bytes(sum(travelling))
     assert extra < 1.2 * sum(travelling)  # whole chunks of 1 GiB lose nothing to the rounding
-    smaller = compose("model=qwen3_0p6b", "trainer.offload_memory=twin", "trainer.offload=full",
-                      "trainer.offload_pin_chunk_mb=64")
+    smaller = compose(
+        "model=qwen3_0p6b", "trainer.offload_memory=twin", "trainer.offload=full", "trainer.offload_pin_chunk_mb=64"
+    )
     assert memory.estimate(smaller, cuda=True, runtime_bytes=0).process["offload_host"] != extra
 
 
 def test_the_estimate_matches_the_chunks_an_offloader_allocates(compose):
     """The same chunks, from the config alone and from a real Offloader (twin, on the CPU)."""
-    from rlsync.models import build_model
-    from rlsync.offload import Offloader
+    from rlsync.model.build import build_model
+    from rlsync.trainer.offload import Offloader
 
-    cfg = compose("model=tiny", "trainer.offload_memory=twin", "trainer.offload=full", "trainer.offload_pin_chunk_mb=0.01")
+    cfg = compose(
+        "model=tiny", "trainer.offload_memory=twin", "trainer.offload=full", "trainer.offload_pin_chunk_mb=0.01"
+    )
     model = build_model(cfg.model, dtype=torch.float32, device=torch.device("cpu"), seed=0)
     optimizer = torch.optim.AdamW(model.parameters())
-    offloader = Offloader(model, optimizer, mode="full", device=torch.device("cpu"), memory="twin",
-                          pin_chunk_bytes=int(0.01 * MIB))
+    offloader = Offloader(
+        model, optimizer, mode="full", device=torch.device("cpu"), memory="twin", pin_chunk_bytes=int(0.01 * MIB)
+    )
     chunks = [c.host.numel() for s in offloader.segments for c in s.twin]
     offloader.close()
     assert len(chunks) > 1
     expected = sum(memory.pinned_bytes(n) for n in chunks)
     assert memory.estimate(cfg, cuda=True, runtime_bytes=0).process["offload_host"] == expected
     assert memory.estimate(cfg, cuda=False, runtime_bytes=0).process["offload_extra"] == sum(chunks)
-

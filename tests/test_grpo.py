@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from rlsync.tasks import longest_common_subsequence, make_prompts, reward
-from rlsync.trainer import group_advantages, grpo_loss
+from rlsync.trainer.grpo import group_advantages, grpo_loss
+from rlsync.trainer.task import longest_common_subsequence, make_prompts, reward
 
 
 def test_group_advantages_by_hand():
@@ -72,9 +72,14 @@ def uneven_batch():
     sequences = torch.randint(3, 256, (rows, PROMPT_LEN + RESPONSE_LEN), generator=gen)
     response_mask = (torch.arange(RESPONSE_LEN) < torch.tensor(ANSWER_LENS)[:, None]).long()
     attention_mask = torch.cat([torch.ones(rows, PROMPT_LEN, dtype=torch.long), response_mask], dim=1)
-    batch = Generation(sequences=sequences, attention_mask=attention_mask, response_mask=response_mask,
-                       logprobs=torch.zeros(rows, RESPONSE_LEN), prompt_len=PROMPT_LEN,
-                       truncated=torch.tensor(ANSWER_LENS) == RESPONSE_LEN)
+    batch = Generation(
+        sequences=sequences,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        logprobs=torch.zeros(rows, RESPONSE_LEN),
+        prompt_len=PROMPT_LEN,
+        truncated=torch.tensor(ANSWER_LENS) == RESPONSE_LEN,
+    )
     logp = fresh_trainer(rows).log_probs(batch)  # [rows, resp_len]
     perturbed = torch.tensor([1.0, 1.0, 1.0, 0.0])[:, None]  # [rows, 1]
     old_logp = (logp + torch.randn(rows, RESPONSE_LEN, generator=gen) * perturbed) * response_mask
@@ -84,9 +89,9 @@ def uneven_batch():
 
 def fresh_trainer(micro_batch_size: int):
     """The same seeded weights every call, so every train step starts from the same model."""
-    from rlsync.config import ModelConfig, TrainerConfig
-    from rlsync.models import build_model
-    from rlsync.trainer import Trainer
+    from rlsync.config.schema import ModelConfig, TrainerConfig
+    from rlsync.model.build import build_model
+    from rlsync.trainer.grpo import Trainer
 
     model = build_model(ModelConfig(), dtype=torch.float32, device=torch.device("cpu"), seed=3)
     cfg = TrainerConfig(micro_batch_size=micro_batch_size, kl_coef=0.1)
@@ -94,8 +99,9 @@ def fresh_trainer(micro_batch_size: int):
 
 
 def train_metrics(micro_batch_size: int, batch, advantages, old_logp, ref_logp, batch_tokens=None) -> dict:
-    return fresh_trainer(micro_batch_size).train_step(batch, old_logp=old_logp, advantages=advantages,
-                                                      ref_logp=ref_logp, batch_tokens=batch_tokens)
+    return fresh_trainer(micro_batch_size).train_step(
+        batch, old_logp=old_logp, advantages=advantages, ref_logp=ref_logp, batch_tokens=batch_tokens
+    )
 
 
 @pytest.mark.parametrize("micro_batch_size", [1, 3], ids=["four-micro-batches", "micro-batches-of-3-and-1"])
@@ -104,8 +110,15 @@ def test_train_step_metrics_are_the_whole_batch_over_micro_batches(micro_batch_s
     whole = train_metrics(len(ANSWER_LENS), batch, advantages, old_logp, ref_logp)  # one micro-batch
     split = train_metrics(micro_batch_size, batch, advantages, old_logp, ref_logp)
     # the last micro-batch alone (the last row, unperturbed) reads 0: its value cannot pass for the batch's
-    _, last = grpo_loss(logp[-1:], old_logp[-1:], advantages[-1:], batch.response_mask[-1:], clip_eps=0.2,
-                        ref_logp=ref_logp[-1:], kl_coef=0.1)
+    _, last = grpo_loss(
+        logp[-1:],
+        old_logp[-1:],
+        advantages[-1:],
+        batch.response_mask[-1:],
+        clip_eps=0.2,
+        ref_logp=ref_logp[-1:],
+        kl_coef=0.1,
+    )
     assert last["train/clip_frac"] == 0.0 and last["train/kl"] == pytest.approx(0.0, abs=1e-6)
     assert whole["train/clip_frac"] > 0.1 and whole["train/kl"] > 0.1
     for key in ("train/loss", "train/clip_frac", "train/kl"):
@@ -114,17 +127,22 @@ def test_train_step_metrics_are_the_whole_batch_over_micro_batches(micro_batch_s
 
 def test_train_step_metrics_of_data_parallel_shares_merge_to_the_whole_batch():
     """Each rank passes the whole batch's tokens for its loss; its per-token metrics stay its own tokens' means."""
-    from rlsync.distributed import generation_rows, merge_ranks
+    from rlsync.trainer.data_parallel import generation_rows, merge_ranks
 
     batch, advantages, _, old_logp, ref_logp = uneven_batch()
     whole = train_metrics(len(ANSWER_LENS), batch, advantages, old_logp, ref_logp)
     batch_tokens = sum(ANSWER_LENS)
     shares = [slice(0, 3), slice(3, 4)]  # uneven shares, the first one in two micro-batches
-    ranks = [train_metrics(2, generation_rows(batch, rows), advantages[rows], old_logp[rows], ref_logp[rows],
-                           batch_tokens=batch_tokens) for rows in shares]
+    ranks = [
+        train_metrics(
+            2, generation_rows(batch, rows), advantages[rows], old_logp[rows], ref_logp[rows], batch_tokens=batch_tokens
+        )
+        for rows in shares
+    ]
     merged = merge_ranks(ranks, [sum(ANSWER_LENS[rows]) for rows in shares])
     for key in ("train/loss", "train/clip_frac", "train/kl"):
         assert merged[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
+
 
 def test_reward_partial_credit():
     assert reward("hello", "hello") == 1.0

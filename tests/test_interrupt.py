@@ -19,12 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from conftest import FAST, ROOT, cli_env, read_jsonl, run_main
 
 # Cheap steps, and many of them: the test stops the run long before the end.
-LONG = ["run.steps=1000", "run.warmup_steps=1", "rollout.prompts_per_step=1", "rollout.samples_per_prompt=2",
-        "rollout.max_response_len=4", "run.progress=false"]
+LONG = [
+    "run.steps=1000",
+    "run.warmup_steps=1",
+    "rollout.prompts_per_step=1",
+    "rollout.samples_per_prompt=2",
+    "rollout.max_response_len=4",
+    "run.progress=false",
+]
 WAIT_S = 300  # generous: other jobs load this 2-core machine
 
 
@@ -62,8 +67,17 @@ def outcomes(tmp_path_factory) -> dict[str, Outcome]:
     root = tmp_path_factory.mktemp("interrupt")
     plans = {  # name -> (args, how to stop it once 2 steps are done; None: let it end)
         "SIGTERM": ([*LONG, "wandb.mode=offline"], lambda p: p.send_signal(signal.SIGTERM)),
-        "sweep": (["-m", *LONG, "run.steps=2", "wandb.mode=disabled", f"hydra.sweep.dir={root / 'sweep'}",
-                   "update.bucket_mb=-1,1"], None),
+        "sweep": (
+            [
+                "-m",
+                *LONG,
+                "run.steps=2",
+                "wandb.mode=disabled",
+                f"hydra.sweep.dir={root / 'sweep'}",
+                "update.bucket_mb=-1,1",
+            ],
+            None,
+        ),
         "ipc": ([*LONG, "update.transport=ipc", "wandb.mode=disabled"], kill_engine),
     }
     procs = {name: start(root / name, *args, f"hydra.run.dir={root / name}") for name, (args, _) in plans.items()}
@@ -84,7 +98,9 @@ def outcomes(tmp_path_factory) -> dict[str, Outcome]:
             proc.kill()
             proc.wait()
             exited[name] = time.time()
-    return {name: Outcome(root / name, proc.returncode, stopped.get(name), exited[name]) for name, proc in procs.items()}
+    return {
+        name: Outcome(root / name, proc.returncode, stopped.get(name), exited[name]) for name, proc in procs.items()
+    }
 
 
 def stderr_lines(run_dir: Path) -> list[str]:
@@ -116,14 +132,22 @@ def test_sigterm_stops_the_run_and_keeps_the_finished_steps(outcomes):
     lines = stderr_lines(run.run_dir)
     assert not any("Traceback" in ln for ln in lines)
     ours = [ln for ln in lines if ln.startswith("rlsync:")]
-    assert ours == [f"rlsync: interrupted: stopped by {sig.name}; {summary['steps_finished']} finished step(s) kept in "
-                    f"{run.run_dir} (summary.json status interrupted)"]
+    assert ours == [
+        f"rlsync: interrupted: stopped by {sig.name}; {summary['steps_finished']} finished step(s) kept in "
+        f"{run.run_dir} (summary.json status interrupted)"
+    ]
     closing = (run.run_dir.parent / f"{sig.name}.out").read_text()
     assert "interrupted" in closing and "WARNING: only" in closing  # the closing table says the numbers are partial
     if wandb_mode == "offline":  # the W&B run is finished as failed, with the signal's exit code
         wandb_dir = next((run.run_dir / "wandb").glob("offline-run-*"))
-        state = json.loads(subprocess.run(["wandb", "leet", "inspect", "--summary", "--json", str(wandb_dir)],
-                                          capture_output=True, text=True, timeout=60).stdout)
+        state = json.loads(
+            subprocess.run(
+                ["wandb", "leet", "inspect", "--summary", "--json", str(wandb_dir)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            ).stdout
+        )
         assert (state["state"], state["exit_code"]) == ("failed", code)
         assert state["summary"]["status"] == "interrupted"
 
@@ -189,7 +213,7 @@ def test_a_dead_engine_is_one_line_within_seconds(outcomes):
 HOLD_AND_DIE = """
 import os, signal, sys
 from pathlib import Path
-from rlsync.runlock import RunLock
+from rlsync.record.run_lock import RunLock
 lock = RunLock(Path(sys.argv[1])).__enter__()
 print(os.getpid(), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)  # dies holding it: the kernel drops the flock, the holder stays written
@@ -217,12 +241,19 @@ def test_one_live_run_per_directory_then_sighup_keeps_the_steps_and_a_dead_holde
         wait_for_steps(run_dir, first, 1)
         # a second run, and a benchmark, in the directory the first one holds: refused, nothing touched
         for module in ("rlsync", "rlsync.bench"):
-            second = subprocess.run([sys.executable, "-m", module, *FAST, "wandb.mode=disabled", f"hydra.run.dir={run_dir}"],
-                                    cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=WAIT_S)
+            second = subprocess.run(
+                [sys.executable, "-m", module, *FAST, "wandb.mode=disabled", f"hydra.run.dir={run_dir}"],
+                cwd=ROOT,
+                env=cli_env(),
+                capture_output=True,
+                text=True,
+                timeout=WAIT_S,
+            )
             lines = ours(second)
             assert second.returncode == 2, second.stderr
-            assert len(lines) == 1 and lines[0].startswith(f"rlsync: run directory {run_dir} is in use by another "
-                                                           f"run (pid {first.pid} on "), lines
+            assert len(lines) == 1 and lines[0].startswith(
+                f"rlsync: run directory {run_dir} is in use by another run (pid {first.pid} on "
+            ), lines
             assert ", started 20" in lines[0] and "hydra.run.dir" in lines[0]
         assert not (run_dir / "error.log").exists() and not (run_dir / "metrics.jsonl.prev").exists()
         assert first.poll() is None  # the first run goes on
@@ -238,19 +269,34 @@ def test_one_live_run_per_directory_then_sighup_keeps_the_steps_and_a_dead_holde
     assert summary["error"] == "Interrupted: stopped by SIGHUP"
     assert [ln for ln in stderr_lines(run_dir) if ln.startswith("rlsync:")] == [
         f"rlsync: interrupted: stopped by SIGHUP; {summary['steps_finished']} finished step(s) kept in {run_dir} "
-        f"(summary.json status interrupted)"]
+        f"(summary.json status interrupted)"
+    ]
     first_summary, first_rows = (run_dir / "summary.json").read_text(), (run_dir / "metrics.jsonl").read_text()
 
     # a run killed while holding the directory: the next run takes it over with a note, and keeps the first's record
-    dead = subprocess.run([sys.executable, "-c", HOLD_AND_DIE, str(run_dir)], cwd=ROOT, env=cli_env(),
-                          capture_output=True, text=True, timeout=120)
+    dead = subprocess.run(
+        [sys.executable, "-c", HOLD_AND_DIE, str(run_dir)],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert dead.returncode == -signal.SIGKILL
     dead_pid = int(dead.stdout.split()[0])
-    third = subprocess.run([sys.executable, "-m", "rlsync", *FAST, "wandb.mode=disabled", f"hydra.run.dir={run_dir}"],
-                           cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=WAIT_S)
+    third = subprocess.run(
+        [sys.executable, "-m", "rlsync", *FAST, "wandb.mode=disabled", f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
     assert third.returncode == 0, third.stderr
-    assert ours(third) == [f"rlsync: note: taking over run directory {run_dir} from a run that is no longer alive "
-                           f"(pid {dead_pid} on {socket.gethostname()}, started " + ours(third)[0].split("started ")[1]]
+    assert ours(third) == [
+        f"rlsync: note: taking over run directory {run_dir} from a run that is no longer alive "
+        f"(pid {dead_pid} on {socket.gethostname()}, started " + ours(third)[0].split("started ")[1]
+    ]
     assert json.loads((run_dir / "summary.json").read_text())["steps_finished"] == 3
     assert (run_dir / "summary.json.prev").read_text() == first_summary  # nothing of the first run lost
     assert (run_dir / "metrics.jsonl.prev").read_text() == first_rows
@@ -263,7 +309,9 @@ def test_a_summary_that_cannot_be_written_says_where_the_steps_are(tmp_path):
     result = run_main(*FAST, "wandb.mode=disabled", f"hydra.run.dir={tmp_path}")
     lines = ours(result)
     assert result.returncode == 1, result.stderr
-    assert lines == [f"rlsync: cannot write {tmp_path / 'summary.json'}: the disk is full (No space left on device); "
-                     f"all 3 finished step(s) are kept in {tmp_path / 'metrics.jsonl'}"]
+    assert lines == [
+        f"rlsync: cannot write {tmp_path / 'summary.json'}: the disk is full (No space left on device); "
+        f"all 3 finished step(s) are kept in {tmp_path / 'metrics.jsonl'}"
+    ]
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2]
     assert not (tmp_path / "summary.json").exists() and not (tmp_path / "summary.tmp").exists()

@@ -8,7 +8,6 @@ import subprocess
 
 import grimp
 import pytest
-
 from conftest import ROOT, cli_env
 
 
@@ -23,6 +22,12 @@ def test_import_contracts_hold():
 
 def test_no_import_circles():
     graph = grimp.build_graph("rlsync")
-    circles = sorted({tuple(sorted((a, b))) for a in graph.modules for b in graph.find_modules_directly_imported_by(a)
-                      if a != b and graph.chain_exists(importer=b, imported=a)})
+    circles = sorted(
+        {
+            tuple(sorted((a, b)))
+            for a in graph.modules
+            for b in graph.find_modules_directly_imported_by(a)
+            if a != b and graph.chain_exists(importer=b, imported=a)
+        }
+    )
     assert circles == [], f"modules that import each other (directly or through others): {circles}"

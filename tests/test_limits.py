@@ -6,13 +6,21 @@ import math
 import pytest
 import torch
 
-import rlsync.limits
-from rlsync.config import Config, UpdateConfig
-from rlsync.limits import (CopyProbe, Limits, Way, best_copy, copy_bandwidth, copy_candidates, crosses_host_link,
-                           update_floor_bytes)
-from rlsync.models import build_model, named_weights
-from rlsync.offload import Offloader
+import rlsync.measure.limits
+from rlsync.config.schema import Config, UpdateConfig
+from rlsync.measure.limits import (
+    CopyProbe,
+    Limits,
+    Way,
+    best_copy,
+    copy_bandwidth,
+    copy_candidates,
+    crosses_host_link,
+    update_floor_bytes,
+)
+from rlsync.model.build import build_model, named_weights
 from rlsync.sync import plan_for
+from rlsync.trainer.offload import Offloader
 
 GB = 10**9
 
@@ -77,19 +85,21 @@ def test_the_update_probe_copies_the_update_dtypes_and_counts_what_they_read_and
 
 
 def test_probe_buffers_are_capped_by_the_larger_dtype(monkeypatch):
-    monkeypatch.setattr(rlsync.limits, "PROBE_CAP_BYTES", 8 << 20)
-    src, dst = rlsync.limits.probe_buffers(1 << 40, src=CPU, dst=CPU, dtypes=FP32_BF16)
+    monkeypatch.setattr(rlsync.measure.limits, "PROBE_CAP_BYTES", 8 << 20)
+    src, dst = rlsync.measure.limits.probe_buffers(1 << 40, src=CPU, dst=CPU, dtypes=FP32_BF16)
     assert src.nbytes == 8 << 20 and dst.nbytes == 4 << 20  # the fp32 side at the cap, not 2 TiB of bf16
-    src, dst = rlsync.limits.probe_buffers(1, src=CPU, dst=CPU, dtypes=FP32_BF16)
-    assert dst.nbytes == rlsync.limits.PROBE_MIN_BYTES and src.nbytes == 2 * dst.nbytes
+    src, dst = rlsync.measure.limits.probe_buffers(1, src=CPU, dst=CPU, dtypes=FP32_BF16)
+    assert dst.nbytes == rlsync.measure.limits.PROBE_MIN_BYTES and src.nbytes == 2 * dst.nbytes
 
 
 def test_limits_record_how_the_update_floor_was_measured():
     """summary.json's limits say which dtypes, threads and method gave the update's floor."""
     limits = Limits(CPU, update_bytes=2 << 20, state_bytes=4 << 20, read_bytes=4 << 20, dtypes=FP32_BF16)
     d = limits.as_dict()
-    ways = {f"{w.threads} thread{'s' if w.threads > 1 else ''}, {w.method}" for w in copy_candidates(
-        torch.empty(1, dtype=torch.bfloat16), torch.empty(1))}
+    ways = {
+        f"{w.threads} thread{'s' if w.threads > 1 else ''}, {w.method}"
+        for w in copy_candidates(torch.empty(1, dtype=torch.bfloat16), torch.empty(1))
+    }
     assert d["update_probe"].startswith("float32->bfloat16, ") and d["update_probe"].split(", ", 1)[1] in ways
     assert d["update_copy_gbps"] > 0 and d["device_copy_gbps"] > 0
     assert limits.update_limit == pytest.approx(((4 << 20) + (2 << 20)) / limits.update_copy)
@@ -101,7 +111,7 @@ def test_cpu_candidates_include_the_update_own_copy():
     the copy the update does is always one of the probe's candidates, so the probe cannot be slower."""
     ways = copy_candidates(torch.empty(1, dtype=torch.bfloat16), torch.empty(1))
     assert Way("copy_", 1) in ways and Way("copy_", torch.get_num_threads()) in ways
-    assert {w.method for w in ways} == set(rlsync.limits.COPY_METHODS) and ways[0] == Way("copy_", 1)
+    assert {w.method for w in ways} == set(rlsync.measure.limits.COPY_METHODS) and ways[0] == Way("copy_", 1)
 
 
 class FakeMachine:
@@ -110,7 +120,7 @@ class FakeMachine:
     def __init__(self, monkeypatch, seconds: dict[Way, list[float]]):
         self.now, self.seconds, self.calls = 0.0, {w: list(s) for w, s in seconds.items()}, []
         for method in {w.method for w in seconds}:  # "chunked": a second method, as one worth trying would be
-            monkeypatch.setitem(rlsync.limits.COPY_METHODS, method, self.copier(method))
+            monkeypatch.setitem(rlsync.measure.limits.COPY_METHODS, method, self.copier(method))
 
     def copier(self, method):
         def copy(dst, src):
@@ -118,6 +128,7 @@ class FakeMachine:
             self.calls.append(way)
             times = self.seconds[way]
             self.now += times.pop(0) if len(times) > 1 else times[0]
+
         return copy
 
     def clock(self) -> float:
@@ -126,8 +137,15 @@ class FakeMachine:
 
 def test_best_copy_keeps_the_fastest_candidate_and_its_best_round(monkeypatch):
     ways = [Way("copy_", 1), Way("chunked", 1), Way("copy_", 2), Way("chunked", 2)]
-    machine = FakeMachine(monkeypatch, {Way("copy_", 1): [0.123, 0.130, 0.125], Way("chunked", 1): [0.2],
-                                        Way("copy_", 2): [0.150, 0.100, 0.140], Way("chunked", 2): [0.3]})
+    machine = FakeMachine(
+        monkeypatch,
+        {
+            Way("copy_", 1): [0.123, 0.130, 0.125],
+            Way("chunked", 1): [0.2],
+            Way("copy_", 2): [0.150, 0.100, 0.140],
+            Way("chunked", 2): [0.3],
+        },
+    )
     before = torch.get_num_threads()
     a, b = torch.ones(4), torch.empty(4, dtype=torch.bfloat16)
     best = best_copy(b, a, 3, budget_s=0.0, warm_up=False, candidates=ways, clock=machine.clock)
@@ -141,7 +159,7 @@ def test_probe_floor_is_not_above_the_update_own_copy_timed_alike(monkeypatch):
     """The floor time for the update's bytes is at most that of a plain one-thread fp32 -> bf16 `copy_`
     of the same tensors (the update's own copy), whichever way the machine favours."""
     n = 1 << 20
-    monkeypatch.setitem(rlsync.limits.COPY_METHODS, "chunked", None)  # a second method among the candidates
+    monkeypatch.setitem(rlsync.measure.limits.COPY_METHODS, "chunked", None)  # a second method among the candidates
     ways = copy_candidates(torch.empty(1, dtype=torch.bfloat16), torch.empty(1))
     own = Way("copy_", 1)
     assert own in ways and Way("chunked", 1) in ways
@@ -150,7 +168,7 @@ def test_probe_floor_is_not_above_the_update_own_copy_timed_alike(monkeypatch):
         if faster != own:
             seconds[faster] = [0.1]
         machine = FakeMachine(monkeypatch, seconds)
-        monkeypatch.setattr(rlsync.limits, "CLOCK", machine.clock)  # CopyProbe's clock
+        monkeypatch.setattr(rlsync.measure.limits, "CLOCK", machine.clock)  # CopyProbe's clock
         probe = CopyProbe(CPU, update_bytes=2 * n, read_bytes=4 * n, source="device", dtypes=FP32_BF16)
         floor = probe.limit_time()
         direct = probe.floor_bytes / probe.moved * 0.123  # the plain one-thread copy_, the same bytes

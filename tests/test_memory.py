@@ -9,10 +9,11 @@ import sys
 
 import pytest
 import torch
-
 from conftest import FAST, cli_env, read_jsonl, run_cli, run_main
-from rlsync import memory
-from rlsync.config import Config
+
+from rlsync.config.schema import Config
+from rlsync.measure import memory as memory_use
+from rlsync.run import memory_check as memory
 
 QWEN3_0P6B_PARAMS = 596_049_920  # Qwen/Qwen3-0.6B's published count, the tied embedding once
 
@@ -27,7 +28,7 @@ def test_parameter_shapes_are_the_models_own(compose, name, tied):
     """The analytic shapes are what transformers builds (on the meta device: nothing allocated)."""
     from transformers import Qwen3ForCausalLM
 
-    from rlsync.models import hf_config
+    from rlsync.model.build import hf_config
 
     cfg = model_cfg(compose, name)
     cfg.tie_word_embeddings = tied
@@ -84,7 +85,7 @@ def test_a_run_that_cannot_fit_is_refused_naming_what_to_change(compose, monkeyp
 def test_the_missions_example_is_refused_before_any_model_is_built(tmp_path):
     """`python -m rlsync model=qwen3_1p7b update.bucket_mb=512`: 1.7B parameters in fp32 AdamW need
     about 32 GB for the trainer alone."""
-    available = memory.host_available_bytes()
+    available = memory_use.host_available_bytes()
     result = run_main("model=qwen3_1p7b", "update.bucket_mb=512", "wandb.mode=disabled", f"hydra.run.dir={tmp_path}")
     if available is not None and available > 40 * 2**30:
         pytest.skip(f"this machine has {available / 2**30:.0f} GiB available: the example fits here")
@@ -106,7 +107,8 @@ def test_the_estimate_is_within_25_percent_of_the_measured_peak(tmp_path):
     record = summary["memory"]
     assert record["measured"]["peak_rss_bytes"] > 0 and record["estimate"]["process_bytes"] > 0
     assert record["process_estimate_over_peak_rss"] == pytest.approx(
-        record["estimate"]["process_bytes"] / record["measured"]["peak_rss_bytes"])
+        record["estimate"]["process_bytes"] / record["measured"]["peak_rss_bytes"]
+    )
     assert 0.75 <= record["process_estimate_over_peak_rss"] <= 1.25, record
 
 
@@ -114,7 +116,7 @@ def test_the_estimate_is_within_25_percent_of_the_measured_peak(tmp_path):
 def test_peak_rss_is_this_process_own_and_resets():
     """The peak is the process's own (a child of a large process does not report its parent's, as
     ru_maxrss would) and reset_peak_rss starts it again from now (each multirun job its own)."""
-    code = "from rlsync.memory import peak_rss_bytes; print(peak_rss_bytes())"
+    code = "from rlsync.measure.memory import peak_rss_bytes; print(peak_rss_bytes())"
     ballast = bytearray(768 * 2**20)
     ballast[::4096] = b"\x01" * len(ballast[::4096])  # touch every page: this process's peak is > 768 MiB
     child = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=60)
@@ -122,8 +124,7 @@ def test_peak_rss_is_this_process_own_and_resets():
     assert child.returncode == 0, child.stderr
     assert int(child.stdout) < 512 * 2**20  # the child imported torch: ~200-400 MiB, not its parent's peak
 
-    before = memory.peak_rss_bytes()
-    memory.reset_peak_rss()
-    assert memory.peak_rss_bytes() <= before
-    assert memory.peak_rss_bytes() >= memory.rss_bytes() - 2**20
-
+    before = memory_use.peak_rss_bytes()
+    memory_use.reset_peak_rss()
+    assert memory_use.peak_rss_bytes() <= before
+    assert memory_use.peak_rss_bytes() >= memory_use.rss_bytes() - 2**20

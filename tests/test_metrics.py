@@ -1,4 +1,4 @@
-"""The catalogue (rlsync/metrics.py): a phase declared there and timed in the step reaches every sink.
+"""The catalogue (rlsync/measure/metrics.py): a phase declared there and timed in the step reaches every sink.
 
 One real run of the tiny model, in this process (the catalogue is this process's), with a phase
 added to the catalogue and timed by a hook in the step; then every place a phase shows up is read
@@ -14,7 +14,6 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import FAST, read_jsonl
 
 MINE = "my_phase"
@@ -23,8 +22,8 @@ MINE = "my_phase"
 @pytest.fixture
 def my_phase(monkeypatch: pytest.MonkeyPatch):
     """`my_phase` declared (a console column, just before the trainer's offload) and timed in every step."""
-    from rlsync import metrics
-    from rlsync.experiment import Experiment
+    from rlsync.measure import metrics
+    from rlsync.run.loop import Experiment
 
     monkeypatch.setattr(metrics, "PHASES", metrics.PHASES)  # the catalogue as it was, back after the test
     phase = metrics.Phase(MINE, "my phase", "mine", "#000000", console=True)
@@ -41,10 +40,10 @@ def my_phase(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_a_declared_phase_reaches_every_sink(my_phase, compose, tmp_path, capsys, drawn, monkeypatch):
-    from rlsync.distributed import merge_ranks
-    from rlsync.experiment import run_experiment
     from rlsync.report import write_report
     from rlsync.report.wandb_report import phase_metrics
+    from rlsync.run.loop import run_experiment
+    from rlsync.trainer.data_parallel import merge_ranks
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "run"
@@ -60,12 +59,23 @@ def test_a_declared_phase_reaches_every_sink(my_phase, compose, tmp_path, capsys
     assert summary["share"][MINE] == pytest.approx(median / summary["metrics"]["perf/step_time"]["median"])
 
     header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("step "))
-    assert header.split()[1:] == ["rollout", "onload", "logprobs", "train", "update", "mine", "offload", "step",
-                                  "lp_diff", "reward"]
+    assert header.split()[1:] == [
+        "rollout",
+        "onload",
+        "logprobs",
+        "train",
+        "update",
+        "mine",
+        "offload",
+        "step",
+        "lp_diff",
+        "reward",
+    ]
 
     (wandb_dir,) = (run_dir / "wandb").glob("offline-run-*")
-    inspect = subprocess.run(["wandb", "leet", "inspect", "--summary", "--json", str(wandb_dir)],
-                             capture_output=True, text=True, timeout=60)
+    inspect = subprocess.run(
+        ["wandb", "leet", "inspect", "--summary", "--json", str(wandb_dir)], capture_output=True, text=True, timeout=60
+    )
     state = json.loads(inspect.stdout)
     assert state["summary"][key] == pytest.approx(median)
     assert state["summary"][f"share/{MINE}"] == pytest.approx(summary["share"][MINE])
@@ -89,7 +99,7 @@ def test_a_declared_phase_reaches_every_sink(my_phase, compose, tmp_path, capsys
 
 
 def test_adding_a_phase_twice_or_before_an_unknown_one_is_refused(monkeypatch):
-    from rlsync import metrics
+    from rlsync.measure import metrics
 
     monkeypatch.setattr(metrics, "PHASES", metrics.PHASES)
     with pytest.raises(ValueError, match="already declared"):

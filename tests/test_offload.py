@@ -7,20 +7,32 @@ import statistics
 
 import pytest
 import torch
-
 from conftest import FAST, ROOT, read_jsonl, run_main
-from rlsync.config import ModelConfig, TrainerConfig
-from rlsync.errors import ConfigError
-from rlsync.models import build_model
+
+from rlsync.config.schema import ModelConfig, TrainerConfig
 from rlsync.engines.base import Generation
-from rlsync.offload import Offloader, empty_host_cache, plan_pin_chunks, plan_segments, resolve_memory
-from rlsync.trainer import Trainer
+from rlsync.errors import ConfigError
+from rlsync.model.build import build_model
+from rlsync.trainer.grpo import Trainer
+from rlsync.trainer.offload import Offloader, empty_host_cache, plan_pin_chunks, plan_segments, resolve_memory
 
 CPU = torch.device("cpu")
-TINY = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, vocab_size=300)
-SMALL_MODEL = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2", "model.head_dim=16",
-               "model.vocab_size=300"]
+TINY = ModelConfig(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=300,
+)
+SMALL_MODEL = [
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "model.num_hidden_layers=2",
+    "model.head_dim=16",
+    "model.vocab_size=300",
+]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -37,13 +49,15 @@ def run_in_process(run_dir, *overrides: str) -> tuple[list[dict], dict]:
     """One real run through the composed config and the runner, without a new interpreter: (rows, summary)."""
     from hydra import compose, initialize_config_dir
 
-    from rlsync.config import register_configs, to_config
-    from rlsync.experiment import run_experiment
-    from rlsync.validate import validate
+    from rlsync.config.schema import register_configs, to_config
+    from rlsync.config.validate import validate
+    from rlsync.run.loop import run_experiment
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = to_config(compose(config_name="config", overrides=[*FAST, *SMALL_MODEL, "wandb.mode=disabled", *overrides]))
+        cfg = to_config(
+            compose(config_name="config", overrides=[*FAST, *SMALL_MODEL, "wandb.mode=disabled", *overrides])
+        )
     validate(cfg)
     run_experiment(cfg, run_dir, name="test", group="test")
     return read_jsonl(run_dir / "metrics.jsonl"), json.loads((run_dir / "summary.json").read_text())
@@ -51,8 +65,12 @@ def run_in_process(run_dir, *overrides: str) -> tuple[list[dict], dict]:
 
 def make_trainer(seed: int = 0) -> Trainer:
     model = build_model(TINY, dtype=torch.float32, device=CPU, seed=seed)
-    return Trainer(model, TrainerConfig(lr=1e-2, micro_batch_size=2), allowed_ids=torch.ones(TINY.vocab_size, dtype=torch.bool),
-                   temperature=1.0)
+    return Trainer(
+        model,
+        TrainerConfig(lr=1e-2, micro_batch_size=2),
+        allowed_ids=torch.ones(TINY.vocab_size, dtype=torch.bool),
+        temperature=1.0,
+    )
 
 
 def make_batch(seed: int, batch: int = 4, prompt: int = 5, response: int = 6) -> tuple[Generation, torch.Tensor]:
@@ -60,9 +78,14 @@ def make_batch(seed: int, batch: int = 4, prompt: int = 5, response: int = 6) ->
     seqs = torch.randint(0, TINY.vocab_size, (batch, prompt + response), generator=g)
     response_mask = torch.ones(batch, response, dtype=torch.long)
     response_mask[0, -2:] = 0  # one answer ended early
-    gen = Generation(sequences=seqs, attention_mask=torch.cat([torch.ones(batch, prompt, dtype=torch.long), response_mask], 1),
-                     response_mask=response_mask, logprobs=torch.zeros(batch, response), prompt_len=prompt,
-                     truncated=torch.zeros(batch, dtype=torch.bool))
+    gen = Generation(
+        sequences=seqs,
+        attention_mask=torch.cat([torch.ones(batch, prompt, dtype=torch.long), response_mask], 1),
+        response_mask=response_mask,
+        logprobs=torch.zeros(batch, response),
+        prompt_len=prompt,
+        truncated=torch.zeros(batch, dtype=torch.bool),
+    )
     return gen, torch.randn(batch, generator=g)
 
 
@@ -91,19 +114,38 @@ def state_of(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8) if b.dim() else b)
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8) if b.dim() else b)
+    )
 
 
 SEGMENT = 40 * 1024  # bytes: TINY's embedding (75 KiB) is over it, so move mode has oversized and packed segments
 # (and twin's host copy, pinned in chunks of at most this, has oversized and packed chunks too)
 # (memory, mode, free_device): twin as on CUDA and as on a CPU; move, the CPU default, with and without dropped grads
-LAYOUTS = [("twin", "full", False), ("twin", "full", True), ("twin", "drop_grads", False), ("twin", "drop_grads", True),
-           ("move", "full", None), ("move", "drop_grads", None), ("move", "drop_grads", True)]
+LAYOUTS = [
+    ("twin", "full", False),
+    ("twin", "full", True),
+    ("twin", "drop_grads", False),
+    ("twin", "drop_grads", True),
+    ("move", "full", None),
+    ("move", "drop_grads", None),
+    ("move", "drop_grads", True),
+]
 
 
 def offloader_for(trainer: Trainer, memory: str, mode: str, free_device: bool | None = None) -> Offloader:
-    return Offloader(trainer.model, trainer.optimizer, mode=mode, device=CPU, memory=memory, segment_bytes=SEGMENT,
-                     free_device=free_device, pin_chunk_bytes=SEGMENT)
+    return Offloader(
+        trainer.model,
+        trainer.optimizer,
+        mode=mode,
+        device=CPU,
+        memory=memory,
+        segment_bytes=SEGMENT,
+        free_device=free_device,
+        pin_chunk_bytes=SEGMENT,
+    )
 
 
 @pytest.mark.parametrize("memory,mode,free_device", LAYOUTS)
@@ -139,9 +181,16 @@ def test_round_trip_is_bit_exact_and_keeps_tensor_objects(memory, mode, free_dev
             assert same_bits(after[key], value), key
 
 
-@pytest.mark.parametrize("memory,mode,free_device", [("twin", "full", False), ("twin", "full", True),
-                                                     ("twin", "drop_grads", True), ("move", "full", None),
-                                                     ("move", "drop_grads", None)])
+@pytest.mark.parametrize(
+    "memory,mode,free_device",
+    [
+        ("twin", "full", False),
+        ("twin", "full", True),
+        ("twin", "drop_grads", True),
+        ("move", "full", None),
+        ("move", "drop_grads", None),
+    ],
+)
 def test_training_through_sleep_wake_cycles_equals_training_without(memory, mode, free_device):
     reference = make_trainer()
     train(reference, 4)
@@ -155,14 +204,17 @@ def test_training_through_sleep_wake_cycles_equals_training_without(memory, mode
             assert same_bits(got[f"{name}.{key}"], ref[f"{name}.{key}"]), f"{name}.{key}"
 
 
-@pytest.mark.parametrize("sizes,cap,expected", [
-    ([10, 10, 10], 25, [[0, 1], [2]]),
-    ([10, 15, 10], 25, [[0, 1], [2]]),  # exactly the cap fits
-    ([10, 40, 10], 25, [[0], [1], [2]]),  # over the cap: alone, between its neighbours' segments
-    ([40, 40], 25, [[0], [1]]),
-    ([5, 5, 5], None, [[0, 1, 2]]),  # twin: one segment
-    ([], 25, []),
-])
+@pytest.mark.parametrize(
+    "sizes,cap,expected",
+    [
+        ([10, 10, 10], 25, [[0, 1], [2]]),
+        ([10, 15, 10], 25, [[0, 1], [2]]),  # exactly the cap fits
+        ([10, 40, 10], 25, [[0], [1], [2]]),  # over the cap: alone, between its neighbours' segments
+        ([40, 40], 25, [[0], [1]]),
+        ([5, 5, 5], None, [[0, 1, 2]]),  # twin: one segment
+        ([], 25, []),
+    ],
+)
 def test_plan_segments(sizes, cap, expected):
     assert plan_segments(sizes, cap) == expected
 
@@ -186,7 +238,7 @@ def test_pin_chunk_plan_covers_every_byte_and_keeps_the_cap(seed):
         assert start in bounds and end in bounds and end > start  # cut between tensors
         inside = [b for b in bounds if start < b < end]
         assert end - start <= cap or not inside, (start, end, cap)  # over the cap: one tensor alone
-    for (a, b), (_, c) in zip(chunks, chunks[1:]):
+    for (a, _b), (_, c) in zip(chunks, chunks[1:]):
         assert c - a > cap  # greedy: no two neighbours fit one chunk
 
 
@@ -265,11 +317,16 @@ def test_move_host_weights_are_the_params_while_asleep():
     assert all(host[name].data_ptr() == t.data_ptr() for name, t in weights.items())
 
 
-@pytest.mark.parametrize("override,line", [("trainer.offload_memory=halfway", "trainer.offload_memory=halfway"),
-                                           ("trainer.offload_segment_mb=0", "trainer.offload_segment_mb=0"),
-                                           ("trainer.offload_pin_chunk_mb=-1", "trainer.offload_pin_chunk_mb=-1")])
+@pytest.mark.parametrize(
+    "override,line",
+    [
+        ("trainer.offload_memory=halfway", "trainer.offload_memory=halfway"),
+        ("trainer.offload_segment_mb=0", "trainer.offload_segment_mb=0"),
+        ("trainer.offload_pin_chunk_mb=-1", "trainer.offload_pin_chunk_mb=-1"),
+    ],
+)
 def test_bad_offload_memory_keys_are_named(compose, override, line):
-    from rlsync.validate import validate
+    from rlsync.config.validate import validate
 
     with pytest.raises(ConfigError, match=line):
         validate(compose(override))
@@ -283,7 +340,7 @@ def test_memory_auto_is_move_on_a_cpu_and_twin_on_cuda():
 
 
 def test_bad_memory_names_the_choices(compose):
-    from rlsync.validate import validate  # checked once, before any model is built: not by the Offloader
+    from rlsync.config.validate import validate  # checked once, before any model is built: not by the Offloader
 
     with pytest.raises(ConfigError, match=r"trainer.offload_memory=halfway.*auto, twin, move"):
         validate(compose("trainer.offload_memory=halfway"))
@@ -301,14 +358,14 @@ def test_offload_none_copies_nothing_and_touches_nothing():
 
 
 def test_bad_mode_names_the_key(compose):
-    from rlsync.validate import validate  # checked once, before any model is built: not by the Offloader
+    from rlsync.config.validate import validate  # checked once, before any model is built: not by the Offloader
 
     with pytest.raises(ConfigError, match=r"trainer.offload=half.*none, full, drop_grads"):
         validate(compose("trainer.offload=half"))
 
 
 def test_bench_offload_reports_bytes_time_and_limit():
-    from rlsync.bench_offload import bench_offload, table
+    from rlsync.bench.offload import bench_offload, table
 
     result = bench_offload(TINY, repeats=2, warmup=1, device=CPU, mode="drop_grads")
     summary, rows = result["summary"], result["rows"]
@@ -322,7 +379,9 @@ def test_bench_offload_reports_bytes_time_and_limit():
         assert d["min"] <= d["time"] <= d["max"] and d["limit_time"] > 0
         for r in rows:  # each repeat against the copy probed beside it
             assert r[f"perf/{phase}_bytes"] == d["bytes"]
-            assert r[f"perf/{phase}_efficiency"] == pytest.approx(r[f"perf/{phase}_limit_time"] / r[f"perf/{phase}_time"])
+            assert r[f"perf/{phase}_efficiency"] == pytest.approx(
+                r[f"perf/{phase}_limit_time"] / r[f"perf/{phase}_time"]
+            )
         assert d["efficiency"] == pytest.approx(statistics.median(r[f"perf/{phase}_efficiency"] for r in rows[1:]))
     assert summary["offload"]["host_first_touch_time"] > 0
     assert "| onload |" in table([summary])
@@ -333,7 +392,9 @@ def runner_runs(tmp_path_factory):
     """The real runner, in this process, with offload full and none: (rows, summary) by mode."""
     # full: memory=auto (move on a CPU), in 0.1 MiB segments (the state is 1.5 MB); none: nothing laid out
     runs = {"full": ("trainer.offload=full", "trainer.offload_segment_mb=0.1"), "none": ("trainer.offload=none",)}
-    runs.update({f"host_{memory}": ("update.source=host", f"trainer.offload_memory={memory}") for memory in ("move", "twin")})
+    runs.update(
+        {f"host_{memory}": ("update.source=host", f"trainer.offload_memory={memory}") for memory in ("move", "twin")}
+    )
     return {name: run_in_process(tmp_path_factory.mktemp(name), *overrides) for name, overrides in runs.items()}
 
 
@@ -350,8 +411,12 @@ def test_runner_logs_offload_metrics_and_first_touch(runner_runs):
     for row in rows:
         for phase in ("sleep", "wake_up"):
             assert row[f"perf/{phase}_bytes"] == offload["host_bytes"]
-            assert row[f"perf/{phase}_gbps"] == pytest.approx(row[f"perf/{phase}_bytes"] / row[f"perf/{phase}_time"] / 1e9)
-            assert row[f"perf/{phase}_efficiency"] == pytest.approx(row[f"perf/{phase}_limit_time"] / row[f"perf/{phase}_time"])
+            assert row[f"perf/{phase}_gbps"] == pytest.approx(
+                row[f"perf/{phase}_bytes"] / row[f"perf/{phase}_time"] / 1e9
+            )
+            assert row[f"perf/{phase}_efficiency"] == pytest.approx(
+                row[f"perf/{phase}_limit_time"] / row[f"perf/{phase}_time"]
+            )
     assert "perf/sleep_time" in summary["metrics"] and "perf/wake_up_efficiency" in summary["metrics"]
 
 
@@ -366,8 +431,16 @@ def test_runner_with_offload_none_moves_nothing_and_trains_the_same(runner_runs)
 
 def test_bench_cli_offload_target(tmp_path):
     run_dir = tmp_path / "bench"
-    proc = run_main(*SMALL_MODEL, "wandb.mode=disabled", f"hydra.run.dir={run_dir}", "bench.target=offload",
-                    "bench.warmup=1", "bench.repeats=2", "trainer.offload=drop_grads", module="rlsync.bench")
+    proc = run_main(
+        *SMALL_MODEL,
+        "wandb.mode=disabled",
+        f"hydra.run.dir={run_dir}",
+        "bench.target=offload",
+        "bench.warmup=1",
+        "bench.repeats=2",
+        "trainer.offload=drop_grads",
+        module="rlsync.bench",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["target"] == "offload" and summary["offload"]["mode"] == "drop_grads"
@@ -388,15 +461,15 @@ def test_runner_update_from_host_copies_in_move_mode(runner_runs):
 def test_runner_measures_the_floors_before_each_step(tmp_path, monkeypatch, probe):
     """run.limit_probe=every_step: each step's limits come from a probe taken just before it (here a
     fake probe that reports a faster machine every time); start: every step shares set-up's."""
-    import rlsync.limits
+    import rlsync.measure.limits
 
     probes = []
 
     def faster_each_time(nbytes, *, src, dst, repeats=3, dtypes=None):
         probes.append(nbytes)
-        return rlsync.limits.Bandwidth(1e9 * len(probes), "fake")
+        return rlsync.measure.limits.Bandwidth(1e9 * len(probes), "fake")
 
-    monkeypatch.setattr(rlsync.limits, "copy_bandwidth", faster_each_time)
+    monkeypatch.setattr(rlsync.measure.limits, "copy_bandwidth", faster_each_time)
     rows, summary = run_in_process(tmp_path, f"run.limit_probe={probe}")
     assert summary["setup"]["limit_probe"] == probe
     for key in ("perf/update_weights_limit_time", "perf/sleep_limit_time", "perf/wake_up_limit_time"):
@@ -406,5 +479,6 @@ def test_runner_measures_the_floors_before_each_step(tmp_path, monkeypatch, prob
         else:
             assert limits == sorted(limits, reverse=True) and len(set(limits)) == len(rows), key
     for r in rows:
-        assert r["perf/update_weights_efficiency"] == pytest.approx(r["perf/update_weights_limit_time"]
-                                                                    / r["perf/update_weights_time"])
+        assert r["perf/update_weights_efficiency"] == pytest.approx(
+            r["perf/update_weights_limit_time"] / r["perf/update_weights_time"]
+        )

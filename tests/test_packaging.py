@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import FAST, ROOT
 
 pytestmark = [pytest.mark.packaging, pytest.mark.slow]
@@ -28,8 +27,14 @@ pytestmark = [pytest.mark.packaging, pytest.mark.slow]
 def sh(*cmd, cwd: Path, timeout: float = 300, **env) -> subprocess.CompletedProcess:
     """A command as a user runs it: no PYTHONPATH into the checkout, W&B off."""
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYDRA_FULL_ERROR")}
-    return subprocess.run([str(c) for c in cmd], cwd=cwd, env={**base, "WANDB_MODE": "disabled", **env},
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env={**base, "WANDB_MODE": "disabled", **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -63,8 +68,9 @@ def venv(path: Path, *install: str) -> Path:
     python = path / "bin" / "python"
     purelib = ok(sh(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", cwd=path.parent))
     own = Path(purelib.stdout.strip())
-    (own / "zz_running_environment.pth").write_text("".join(f"import site; site.addsitedir({d!r})\n"
-                                                           for d in running_site_dirs()))
+    (own / "zz_running_environment.pth").write_text(
+        "".join(f"import site; site.addsitedir({d!r})\n" for d in running_site_dirs())
+    )
     ok(sh(python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", *install, cwd=path.parent))
     return path / "bin"
 
@@ -78,7 +84,7 @@ def assert_help_and_completion(bin_dir: Path, cwd: Path) -> None:
     shown = ok(sh(bin_dir / "rlsync", "--help", cwd=cwd)).stdout
     assert "update.bucket_mb=512.0" in shown and "bucket size in MiB" in shown
     assert "bench.repeats=10" in ok(sh(bin_dir / "rlsync-bench", "--help", cwd=cwd)).stdout
-    assert "serve.sessions=0" in ok(sh(bin_dir / "rlsync-engine", "--help", cwd=cwd)).stdout
+    assert "serve.sessions=0" in ok(sh(bin_dir / "rlsync-serve", "--help", cwd=cwd)).stdout
     script = ok(sh(bin_dir / "rlsync", "--shell-completion", "install=bash", cwd=cwd)).stdout
     assert script.rstrip().endswith("hydra_bash_completion rlsync")  # keyed to the console script's name
     offered = ok(sh(bin_dir / "rlsync", "--shell-completion", "query=bash", cwd=cwd, COMP_LINE="rlsync update.tr"))
@@ -87,8 +93,21 @@ def assert_help_and_completion(bin_dir: Path, cwd: Path) -> None:
 
 def test_wheel_install_runs_every_console_script_outside_the_checkout(tmp_path):
     src = source_copy(tmp_path / "src")
-    ok(sh(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", src, "-w", tmp_path / "wheels",
-          cwd=tmp_path))
+    ok(
+        sh(
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            src,
+            "-w",
+            tmp_path / "wheels",
+            cwd=tmp_path,
+        )
+    )
     wheel = next((tmp_path / "wheels").glob("rlsync-*.whl"))
     bin_dir = venv(tmp_path / "venv", str(wheel))
     work = tmp_path / "work"

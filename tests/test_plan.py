@@ -10,11 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, cli_env, run_main
 
 from rlsync.plan import compare, cost, planner, profiles
 from rlsync.plan.calibrate import calibration_file, observations_under
-
-from conftest import ROOT, cli_env, run_main
 
 KNOWN = {  # setup key -> (per_call_s, per_tensor_s, per_byte_s); per_tensor's tensor term: per pooled tensor
     "direct/bucketed": (60e-6, 40e-6, 1 / 6e9),
@@ -27,17 +26,30 @@ KNOWN = {  # setup key -> (per_call_s, per_tensor_s, per_byte_s); per_tensor's t
 # The issue's bound: the planner never allocates the weights (8B: ~470 MiB, 235B: ~540 MiB, mostly torch).
 RSS_LIMIT = 2**30
 
+
 def synthetic(noise: float = 0.0, seed: int = 0) -> list[cost.Observation]:
     """Runs a machine with the KNOWN coefficients would give: spread in calls, tensors and bytes."""
     rng = random.Random(seed)
     out = []
     for key, (c, t, b) in KNOWN.items():
         setup = cost.Setup.from_key(key)
-        for tensors, pooled, elements in [(46, 21, 2.5e6), (706, 1, 4.6e6), (24, 15, 2.2e8), (310, 197, 6e8),
-                                          (1200, 300, 1e7)]:
-            for buckets in ([1, max(1, tensors // 8), tensors] if setup.strategy == "bucketed" else [tensors]):
-                w = cost.work(setup, tensors=tensors, buckets=buckets, elements=int(elements),
-                              trainer_dtype="bfloat16", engine_dtype="bfloat16", pooled=pooled)
+        for tensors, pooled, elements in [
+            (46, 21, 2.5e6),
+            (706, 1, 4.6e6),
+            (24, 15, 2.2e8),
+            (310, 197, 6e8),
+            (1200, 300, 1e7),
+        ]:
+            for buckets in [1, max(1, tensors // 8), tensors] if setup.strategy == "bucketed" else [tensors]:
+                w = cost.work(
+                    setup,
+                    tensors=tensors,
+                    buckets=buckets,
+                    elements=int(elements),
+                    trainer_dtype="bfloat16",
+                    engine_dtype="bfloat16",
+                    pooled=pooled,
+                )
                 time_s = w.calls * c + (w.tensors if setup.strategy == "bucketed" else w.pooled) * t + w.bytes * b
                 out.append(cost.Observation(setup, w, time_s * (1 + rng.uniform(-noise, noise)), 0.01))
     return out
@@ -76,8 +88,15 @@ def test_fit_relative_to_the_copy_floor_recovers_the_multiple_whatever_the_load(
 
 def test_fit_keeps_coefficients_non_negative():
     setup = cost.Setup("direct", "bucketed")
-    obs = [cost.Observation(setup, cost.Work(calls, tensors, nbytes), t) for calls, tensors, nbytes, t in
-           [(1, 10, 1e8, 0.05), (10, 10, 1e8, 0.04), (100, 100, 1e6, 0.01), (1, 100, 1e7, 0.02)]]
+    obs = [
+        cost.Observation(setup, cost.Work(calls, tensors, nbytes), t)
+        for calls, tensors, nbytes, t in [
+            (1, 10, 1e8, 0.05),
+            (10, 10, 1e8, 0.04),
+            (100, 100, 1e6, 0.01),
+            (1, 100, 1e7, 0.02),
+        ]
+    ]
     coef = cost.fit(obs)["direct/bucketed"]
     assert min(coef.per_call_s, coef.per_tensor_s, coef.per_byte_s) >= 0
 
@@ -91,16 +110,24 @@ def test_moved_bytes_count_the_copies_and_the_conversion():
 
 
 def calibration_of(coefficients=KNOWN, measured=True) -> dict:
-    return {"kind": profiles.KIND, "version": 1, "measured": measured, "machine": {"device": "cpu", "cpus": 2},
-            "dtypes": {"trainer": "bfloat16", "engine": "bfloat16"},
-            "coefficients": {k: cost.Coefficients(*v, points=5, rel_residual_max=0.1).as_dict()
-                             for k, v in coefficients.items()}}
+    return {
+        "kind": profiles.KIND,
+        "version": 1,
+        "measured": measured,
+        "machine": {"device": "cpu", "cpus": 2},
+        "dtypes": {"trainer": "bfloat16", "engine": "bfloat16"},
+        "coefficients": {
+            k: cost.Coefficients(*v, points=5, rel_residual_max=0.1).as_dict() for k, v in coefficients.items()
+        },
+    }
 
 
 def test_plan_schema_prediction_and_flags(compose):
-    from rlsync.config import PlanAppConfig, to_config
+    from rlsync.config.schema import PlanAppConfig, to_config
 
-    cfg = compose("model=qwen3_1p7b", "trainer.dtype=bfloat16", "update.flat_engine_weights=false")  # the two-copy setup KNOWN holds
+    cfg = compose(
+        "model=qwen3_1p7b", "trainer.dtype=bfloat16", "update.flat_engine_weights=false"
+    )  # the two-copy setup KNOWN holds
     cfg = to_config(__import__("omegaconf").OmegaConf.structured(PlanAppConfig(**vars(cfg))), PlanAppConfig)
     plan = planner.make_plan(cfg, calibration=calibration_of(), calibration_where="test", bucket_sizes=[64, 512, 1024])
     planner.check_plan(json.loads(json.dumps(plan)))  # the schema, through JSON
@@ -113,7 +140,9 @@ def test_plan_schema_prediction_and_flags(compose):
     pred = plan["prediction"]
     c, t, b = KNOWN["direct/bucketed"]
     assert pred["calls"] == 7 and pred["time_s"] == pytest.approx(7 * c + 310 * t + 1_720_574_976 * 8 * b)
-    assert pred["low_s"] == pytest.approx(pred["time_s"] * 0.9) and pred["high_s"] == pytest.approx(pred["time_s"] * 1.1)
+    assert pred["low_s"] == pytest.approx(pred["time_s"] * 0.9) and pred["high_s"] == pytest.approx(
+        pred["time_s"] * 1.1
+    )
     kinds = {f["kind"]: f for f in plan["flags"]}
     assert {"tensor_over_bucket", "staging", "per_tensor_overhead", "overhead_share"} <= set(kinds)
     assert "model.embed_tokens.weight (594 MiB)" in kinds["tensor_over_bucket"]["message"]
@@ -134,15 +163,18 @@ def test_plan_schema_prediction_and_flags(compose):
 def test_the_default_plan_predicts_the_one_copy_update_it_resolves(compose):
     """update.flat_engine_weights=null: the headline prediction, its table column and the flags are
     the flat (one-copy) setup's, as the update resolves it; not the two-copy path's coefficients."""
-    from rlsync.config import PlanAppConfig, to_config
+    from rlsync.config.schema import PlanAppConfig, to_config
 
     cfg = compose("model=qwen3_1p7b", "trainer.dtype=bfloat16", "rollout.dtype=bfloat16")
     assert cfg.update.flat_engine_weights is None
     cfg = to_config(__import__("omegaconf").OmegaConf.structured(PlanAppConfig(**vars(cfg))), PlanAppConfig)
     plan = planner.make_plan(cfg, calibration=profiles.resolve("h100")[1], calibration_where="h100", bucket_sizes=[512])
     assert plan["setup"]["flat_engine_weights"] is True
-    flat = next(r for r in plan["predictions"] if r["strategy"] == "bucketed" and r["bucket_mb"] == 512
-                and r["transport"] == "direct")
+    flat = next(
+        r
+        for r in plan["predictions"]
+        if r["strategy"] == "bucketed" and r["bucket_mb"] == 512 and r["transport"] == "direct"
+    )
     assert flat["flat"] is True and plan["prediction"]["time_s"] == pytest.approx(flat["time_s"])
     assert plan["prediction"]["moved_bytes"] == plan["model"]["params"] * 4  # one bf16 -> bf16 copy: read 2 + write 2
     assert "flat buffer" in next(f["message"] for f in plan["flags"] if f["kind"] == "tensor_over_bucket")
@@ -162,14 +194,17 @@ def plan_with_rss(tmp_path: Path, *overrides: str) -> tuple[dict, int, str]:
 
     VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss across exec, so a child of a large
     pytest process would report the parent's peak (1.15 GiB in a full suite run)."""
-    code = ("import runpy, sys\n"
-            f"sys.argv = ['rlsync.plan', *{list(overrides)!r}, 'hydra.run.dir={tmp_path}']\n"
-            "try:\n    runpy.run_module('rlsync.plan', run_name='__main__')\nexcept SystemExit as e:\n"
-            "    assert not e.code, e.code\n"
-            "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
-            "print('PEAK_RSS', int(hwm.split()[1]) * 1024)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
-                          timeout=120)
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['rlsync.plan', *{list(overrides)!r}, 'hydra.run.dir={tmp_path}']\n"
+        "try:\n    runpy.run_module('rlsync.plan', run_name='__main__')\nexcept SystemExit as e:\n"
+        "    assert not e.code, e.code\n"
+        "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
+        "print('PEAK_RSS', int(hwm.split()[1]) * 1024)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rss = int(proc.stdout.rsplit("PEAK_RSS", 1)[1].split()[0])
     return json.loads((tmp_path / "plan.json").read_text()), rss, proc.stdout
@@ -199,10 +234,18 @@ def test_plan_of_qwen3_235b_a22b(tmp_path):
 def test_calibrate_quick_end_to_end_then_compare_and_refit(tmp_path):
     cal = tmp_path / "cal.json"
     run_dir = tmp_path / "run"
-    proc = run_main("plan.calibrate=true", "plan.calibrate_quick=true", "plan.calibrate_transports=[direct]",
-                    "plan.calibrate_repeats=2", "plan.calibrate_flat=false", "update.flat_engine_weights=false",
-                    "trainer.dtype=bfloat16", f"plan.calibration={cal}",
-                    f"hydra.run.dir={run_dir}", module="rlsync.plan")
+    proc = run_main(
+        "plan.calibrate=true",
+        "plan.calibrate_quick=true",
+        "plan.calibrate_transports=[direct]",
+        "plan.calibrate_repeats=2",
+        "plan.calibrate_flat=false",
+        "update.flat_engine_weights=false",
+        "trainer.dtype=bfloat16",
+        f"plan.calibration={cal}",
+        f"hydra.run.dir={run_dir}",
+        module="rlsync.plan",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(cal.read_text())
     assert data["kind"] == profiles.KIND and data["measured"] is True
@@ -234,32 +277,65 @@ def test_calibrate_quick_end_to_end_then_compare_and_refit(tmp_path):
 
 
 def test_fit_from_a_directory_of_runs(tmp_path):
-    proc = run_main(f"plan.fit_from={tmp_path}", f"plan.calibration={tmp_path / 'c.json'}",
-                    f"hydra.run.dir={tmp_path}/r", module="rlsync.plan")
+    proc = run_main(
+        f"plan.fit_from={tmp_path}",
+        f"plan.calibration={tmp_path / 'c.json'}",
+        f"hydra.run.dir={tmp_path}/r",
+        module="rlsync.plan",
+    )
     assert proc.returncode != 0 and "no finished rlsync.bench update runs" in proc.stderr
 
 
-def bench_run(model: str, transport: str, strategy: str, bucket_mb: float, seconds: float, *, largest_bucket: int,
-              peak: int, tensors: int = 310, params: int = 1_720_574_976):
+def bench_run(
+    model: str,
+    transport: str,
+    strategy: str,
+    bucket_mb: float,
+    seconds: float,
+    *,
+    largest_bucket: int,
+    peak: int,
+    tensors: int = 310,
+    params: int = 1_720_574_976,
+):
     from rlsync.report.table import Run
 
-    stats = {"perf/update_weights_time": {"median": seconds, "min": seconds * 0.95, "max": seconds * 1.05},
-             "perf/update_weights_peak_bytes": {"median": peak, "min": peak, "max": peak}}
-    summary = {"kind": "bench", "target": "update", "status": "finished", "model": {"name": model, "params": params,
-               "tensors": tensors}, "metrics": stats, "machine": {"device": "cpu", "cpus": 2},
-               "setup": {"transport": transport, "strategy": strategy, "bucket_mb": bucket_mb, "flat_engine_weights": False,
-                         "buckets": 7 if strategy == "bucketed" else tensors, "largest_bucket_bytes": largest_bucket,
-                         "trainer_dtype": "bfloat16", "engine_dtype": "bfloat16"}}
-    return Run(Path(f"/runs/{transport}_{strategy}"), f"{transport}_{strategy}", [], "finished", None, summary, {}, stats, 5)
+    stats = {
+        "perf/update_weights_time": {"median": seconds, "min": seconds * 0.95, "max": seconds * 1.05},
+        "perf/update_weights_peak_bytes": {"median": peak, "min": peak, "max": peak},
+    }
+    summary = {
+        "kind": "bench",
+        "target": "update",
+        "status": "finished",
+        "model": {"name": model, "params": params, "tensors": tensors},
+        "metrics": stats,
+        "machine": {"device": "cpu", "cpus": 2},
+        "setup": {
+            "transport": transport,
+            "strategy": strategy,
+            "bucket_mb": bucket_mb,
+            "flat_engine_weights": False,
+            "buckets": 7 if strategy == "bucketed" else tensors,
+            "largest_bucket_bytes": largest_bucket,
+            "trainer_dtype": "bfloat16",
+            "engine_dtype": "bfloat16",
+        },
+    }
+    return Run(
+        Path(f"/runs/{transport}_{strategy}"), f"{transport}_{strategy}", [], "finished", None, summary, {}, stats, 5
+    )
 
 
 def test_report_sizes_the_known_pain_and_fits_the_cost_model():
     from rlsync.report import sizing
 
     emb = 151936 * 2048 * 2
-    runs = [bench_run("qwen3_1p7b", "ipc", "bucketed", 512, 1.0, largest_bucket=emb, peak=emb),
-            bench_run("qwen3_1p7b", "ipc", "per_tensor", 512, 4.0, largest_bucket=emb, peak=emb),
-            bench_run("qwen3_1p7b", "direct", "bucketed", 1024, 0.8, largest_bucket=2**30 - 1, peak=2**30)]
+    runs = [
+        bench_run("qwen3_1p7b", "ipc", "bucketed", 512, 1.0, largest_bucket=emb, peak=emb),
+        bench_run("qwen3_1p7b", "ipc", "per_tensor", 512, 4.0, largest_bucket=emb, peak=emb),
+        bench_run("qwen3_1p7b", "direct", "bucketed", 1024, 0.8, largest_bucket=2**30 - 1, peak=2**30),
+    ]
     lines = "\n".join(sizing.pain_lines(runs))
     assert "tensor larger than the bucket: qwen3_1p7b at 512 MiB: its largest bucket is 594 MiB" in lines
     assert "at 1024 MiB" not in lines.split("staging")[0]  # 1024 MiB holds the embedding
@@ -268,20 +344,23 @@ def test_report_sizes_the_known_pain_and_fits_the_cost_model():
     data = sizing.cost_fit(runs)
     assert set(data["coefficients"]) == {"ipc/bucketed", "ipc/per_tensor", "direct/bucketed"}
     assert data["machine"]["fitted_from_runs"] is True
-    assert "ipc/per_tensor" in "\n".join(sizing.fit_lines(data))
+    assert "ipc/per_tensor" in "\n".join(sizing.cost_fit_lines(data))
 
 
-@pytest.mark.parametrize("overrides, says", [
-    (["plan.calibrate=true", "plan.fit_from=/tmp"], "plan.fit_from=/tmp: not allowed with plan.calibrate=true"),
-    (["plan.bucket_sizes=[0]"], "plan.bucket_sizes=[0.0]: not allowed"),
-])
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["plan.calibrate=true", "plan.fit_from=/tmp"], "plan.fit_from=/tmp: not allowed with plan.calibrate=true"),
+        (["plan.bucket_sizes=[0]"], "plan.bucket_sizes=[0.0]: not allowed"),
+    ],
+)
 def test_plan_config_rules(tmp_path, overrides, says):
     proc = run_main(*overrides, f"hydra.run.dir={tmp_path}", module="rlsync.plan")
     assert proc.returncode == 2 and says in proc.stderr
 
 
 def test_a_staged_copy_read_back_from_the_cache_is_not_counted_as_moved(tmp_path):
-    from rlsync.limits import cache_resident_elements, llc_bytes
+    from rlsync.measure.limits import cache_resident_elements, llc_bytes
 
     n, cached = 1_000_000, 400_000
     ipc = cost.Setup("ipc", "per_tensor")  # into the slot (read 2 + write 2), then the load (read 2 + write 2)
@@ -309,7 +388,7 @@ def test_the_plan_counts_the_cache_of_the_calibration_machine(compose):
     q_proj and o_proj (2048 x 2048), k_proj and v_proj (1024 x 2048), the two norms (2048) and
     q_norm, k_norm (128): 12,587,264 elements; 28 layers and the final norm: 352,445,440. Not the
     MLP (6144 x 2048) nor the embedding."""
-    from rlsync.config import PlanAppConfig, to_config
+    from rlsync.config.schema import PlanAppConfig, to_config
 
     cfg = compose("model=qwen3_1p7b", "trainer.dtype=bfloat16", "update.strategy=per_tensor", "update.transport=ipc")
     cfg = to_config(__import__("omegaconf").OmegaConf.structured(PlanAppConfig(**vars(cfg))), PlanAppConfig)

@@ -16,8 +16,13 @@ DOCS = ROOT / "docs"
 SHOWN = [README, DOCS / "config.md"]  # the pages that show --help outputs
 
 # The primary config of each command (rlsync/conf/<name>.yaml).
-CONFIG_OF = {"rlsync": "config", "rlsync.bench": "bench", "rlsync.engine": "engine", "rlsync.plan": "plan"}
-SCRIPTS = {"rlsync": "rlsync", "rlsync-bench": "rlsync.bench", "rlsync-engine": "rlsync.engine", "rlsync-plan": "rlsync.plan"}
+CONFIG_OF = {"rlsync": "config", "rlsync.bench": "bench", "rlsync.serve": "engine", "rlsync.plan": "plan"}
+SCRIPTS = {
+    "rlsync": "rlsync",
+    "rlsync-bench": "rlsync.bench",
+    "rlsync-serve": "rlsync.serve",
+    "rlsync-plan": "rlsync.plan",
+}
 
 COMMAND = re.compile(r"^\$ (?:python -m (?P<module>[\w.]+)|(?P<script>rlsync[\w-]*))(?P<args>(?: \S+)*?) --help$")
 GROUP_LINE = re.compile(r"^(?P<group>[a-z_]+): (?P<options>[\w, ]+)$")
@@ -87,7 +92,7 @@ def hydra_conf():
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from rlsync.config import register_configs
+    from rlsync.config.schema import register_configs
 
     register_configs()  # the schemas the primary configs start from, and the help's resolvers
 
@@ -135,7 +140,9 @@ def problems(block: HelpBlock, real_groups: dict[str, list[str]], composed) -> l
 
 
 def all_blocks() -> list[HelpBlock]:
-    return [b for page in SHOWN for b in help_blocks(page.read_text(encoding="utf-8"), page.relative_to(ROOT).as_posix())]
+    return [
+        b for page in SHOWN for b in help_blocks(page.read_text(encoding="utf-8"), page.relative_to(ROOT).as_posix())
+    ]
 
 
 def test_the_readme_shows_a_help_output_with_groups_and_keys():
@@ -143,7 +150,7 @@ def test_the_readme_shows_a_help_output_with_groups_and_keys():
     assert readme, "README.md shows no `$ python -m rlsync ... --help` output"
     assert any(len(b.groups) >= 3 and len(b.keys) >= 5 for b in readme), [(b.groups, b.keys) for b in readme]
     every = all_blocks()
-    assert {b.module for b in every} >= {"rlsync", "rlsync.bench", "rlsync.engine", "rlsync.plan"}  # docs/config.md
+    assert {b.module for b in every} >= {"rlsync", "rlsync.bench", "rlsync.serve", "rlsync.plan"}  # docs/config.md
     assert sum(len(b.keys) for b in every) >= 80  # docs/config.md lists every key
 
 

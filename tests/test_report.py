@@ -109,9 +109,20 @@ def write_job(job: Path, model: str, bucket_mb: float, with_summary: bool = True
         "measured_steps": len(measured),
         "kind": "run",
         "model": {"name": model, "params": MODELS[model] // 2, "update_bytes": MODELS[model], "tensors": 24},
-        "setup": {"transport": "direct", "strategy": "bucketed", "bucket_mb": bucket_mb, "source": "device", "device": "cpu", "engine": "hf", "max_response_len": 32},
+        "setup": {
+            "transport": "direct",
+            "strategy": "bucketed",
+            "bucket_mb": bucket_mb,
+            "source": "device",
+            "device": "cpu",
+            "engine": "hf",
+            "max_response_len": 32,
+        },
         "metrics": metrics,
-        "share": {p: metrics[f"perf/{p}_time"]["median"] / step for p in ("update_weights", "sleep", "wake_up", "rollout", "log_probs", "train")},
+        "share": {
+            p: metrics[f"perf/{p}_time"]["median"] / step
+            for p in ("update_weights", "sleep", "wake_up", "rollout", "log_probs", "train")
+        },
         "verdict": f"update is {metrics['perf/update_weights_time']['median'] / step:.2%} of the step: tune rollout and training first",
         "overrides": overrides,
         "config": config,
@@ -142,8 +153,16 @@ def timed(stem: str, nbytes: int, seconds: float, limit: float) -> dict:
     }
 
 
-def bench_rows(target: str, update_bytes: int, transport: str, repeats: int = STEPS - WARMUP, noise: float = 0.01,
-               per_bucket_s: float = 0.0, bucket_mb: float = 512.0, peak_bytes: int | None = None) -> list[dict]:
+def bench_rows(
+    target: str,
+    update_bytes: int,
+    transport: str,
+    repeats: int = STEPS - WARMUP,
+    noise: float = 0.01,
+    per_bucket_s: float = 0.0,
+    bucket_mb: float = 512.0,
+    peak_bytes: int | None = None,
+) -> list[dict]:
     """metrics.jsonl of a bench: one row per repeat (warm-up ones first), its target's metrics, no step.
     Repeat i takes (1 + noise * i) times the base time; each bucket adds per_bucket_s."""
     rows = []
@@ -152,7 +171,9 @@ def bench_rows(target: str, update_bytes: int, transport: str, repeats: int = ST
         if target == "update":
             fixed, bandwidth = TRANSPORT_COST[transport]
             fixed += per_bucket_s * -(-update_bytes // int(bucket_mb * 2**20))  # ceil: the bucket count
-            metrics = timed("update_weights", update_bytes, (fixed + update_bytes / bandwidth) * slow, update_bytes * 2 / 20e9)
+            metrics = timed(
+                "update_weights", update_bytes, (fixed + update_bytes / bandwidth) * slow, update_bytes * 2 / 20e9
+            )
             metrics.update({"perf/update_weights_peak_bytes": peak_bytes} if peak_bytes else {})
         else:
             state_bytes = update_bytes * 8  # float32 weights, grads and two AdamW moments
@@ -162,9 +183,19 @@ def bench_rows(target: str, update_bytes: int, transport: str, repeats: int = ST
     return rows
 
 
-def write_bench_job(job: Path, model: str, transport: str = "direct", target: str = "update", *, bucket_mb: float = 512.0,
-                    strategy: str = "bucketed", repeats: int = STEPS - WARMUP, noise: float = 0.01,
-                    per_bucket_s: float = 0.0, update_bytes: int | None = None) -> None:
+def write_bench_job(
+    job: Path,
+    model: str,
+    transport: str = "direct",
+    target: str = "update",
+    *,
+    bucket_mb: float = 512.0,
+    strategy: str = "bucketed",
+    repeats: int = STEPS - WARMUP,
+    noise: float = 0.01,
+    per_bucket_s: float = 0.0,
+    update_bytes: int | None = None,
+) -> None:
     """A finished `python -m rlsync.bench` job: summary.json of kind "bench" (no step, share or verdict)."""
     update_bytes = update_bytes or MODELS[model]
     overrides = [f"model={model}", f"update.transport={transport}", f"bench.target={target}"]
@@ -185,7 +216,15 @@ def write_bench_job(job: Path, model: str, transport: str = "direct", target: st
         "warmup_steps": WARMUP,
         "measured_steps": repeats,
         "model": {"name": model, "params": update_bytes // 2, "update_bytes": update_bytes, "tensors": 24},
-        "setup": {"transport": transport, "strategy": strategy, "bucket_mb": bucket_mb, "source": "device", "flat_engine_weights": False, "device": "cpu", "engine": "hf"},
+        "setup": {
+            "transport": transport,
+            "strategy": strategy,
+            "bucket_mb": bucket_mb,
+            "source": "device",
+            "flat_engine_weights": False,
+            "device": "cpu",
+            "engine": "hf",
+        },
         "offload": {"state": "trainer", "mode": "full", "memory": "move"} if target == "offload" else None,
         "metrics": measured_stats([r for r in rows if r["step"] >= WARMUP]),
         "overrides": overrides,
@@ -235,7 +274,12 @@ def offline_env(tmp_path: Path) -> dict:
     """W&B offline, with no key and no home config to find one in."""
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
-    return {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb_dir"), "HOME": str(home), "WANDB_CONFIG_DIR": str(home / ".config" / "wandb")}
+    return {
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path / "wandb_dir"),
+        "HOME": str(home),
+        "WANDB_CONFIG_DIR": str(home / ".config" / "wandb"),
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -356,14 +400,21 @@ def test_bench_verdict_is_its_time_against_the_copy_floor(tmp_path: Path, target
     verdict = table_row(load_job(job))["verdict"]
     assert "step" not in verdict
     metrics = json.loads((job / "summary.json").read_text())["metrics"]
-    phases = {"update": [("update_weights", "update alone")], "offload": [("sleep", "offload alone"), ("wake_up", "onload alone")]}
+    phases = {
+        "update": [("update_weights", "update alone")],
+        "offload": [("sleep", "offload alone"), ("wake_up", "onload alone")],
+    }
     for stem, label in phases[target]:
         seconds = metrics[f"perf/{stem}_time"]["median"]
         limit = metrics[f"perf/{stem}_limit_time"]["median"]
         ratio = 1 / metrics[f"perf/{stem}_efficiency"]["median"]
         assert f"{label}: {fmt_seconds(seconds)} median, {ratio:.2f}x the copy floor of {fmt_seconds(limit)}" in verdict
     state = fmt_bytes(MODELS["tiny"] * 8)  # what bench_rows offloads
-    setup = "(transport direct, bucketed, 512 MiB)" if target == "update" else f"(trainer state, offload full, memory move, {state})"
+    setup = (
+        "(transport direct, bucketed, 512 MiB)"
+        if target == "update"
+        else f"(trainer state, offload full, memory move, {state})"
+    )
     assert verdict.endswith(setup), verdict
 
 
@@ -393,7 +444,9 @@ def test_fit_per_transport(tmp_path: Path, drawn: dict) -> None:
     md = (sweep / "report.md").read_text()
     fit_section = md.split("## Update time against bytes")[1].split("## Plots")[0]
     assert [line[:24] for line in fit_section.split("\n") if line.startswith("- ")] == [
-        "- transport direct: upda", "- transport broadcast: u", "- transport ipc: no fit "
+        "- transport direct: upda",
+        "- transport broadcast: u",
+        "- transport ipc: no fit ",
     ]
     assert "update alone:" in md and "no step time" not in md  # bench verdicts
 
@@ -433,8 +486,14 @@ def test_step_timeline_per_step_with_warmup_and_share(sweep: Path, tmp_path: Pat
     runs = [row["job"] for row in result.rows if row["job"] != "bench"]
     legend = [text.get_text() for text in share_ax.get_legend().get_texts()]
     assert [entry.split(":")[0] for entry in legend] == runs  # the bench is left out
-    for entry, row in zip(legend, (r for r in result.rows if r["job"] != "bench")):  # each line named by what sets it apart
-        own = [o for o in row["override_list"] if not all(o in r["override_list"] for r in result.rows if r["job"] != "bench")]
+    for entry, row in zip(
+        legend, (r for r in result.rows if r["job"] != "bench")
+    ):  # each line named by what sets it apart
+        own = [
+            o
+            for o in row["override_list"]
+            if not all(o in r["override_list"] for r in result.rows if r["job"] != "bench")
+        ]
         assert own and all(o in entry.replace("\n  ", " ") for o in own), entry
     assert len(times_ax.get_lines()) == 2 * len(runs)  # step and update time per run
 
@@ -523,7 +582,7 @@ def test_build_report_blocks_offline(sweep: Path) -> None:
     from rlsync.report.wandb_report import build_report_blocks, phase_metrics
 
     result = write_report([sweep], log_wandb=False)
-    report = build_report_blocks("sweep-7", "rlsync-test", "someone", result.rows, table_markdown=result.markdown_table)
+    report = build_report_blocks("sweep-7", "rlsync-test", "someone", result.rows, table_markdown=result.table_markdown)
     assert isinstance(report, wr.Report)
     assert (report.entity, report.project) == ("someone", "rlsync-test")
     assert report.id == ""  # never saved
@@ -615,7 +674,10 @@ MALFORMED = {
     "setup_list": lambda s: {**s, "setup": ["direct"]},
     "steps_string": lambda s: {**s, "measured_steps": "four"},
     "share_dict": lambda s: {**s, "share": {"update_weights": {"x": 1}}},
-    "threshold_string": lambda s: {**s, "config": {**s["config"], "run": {**s["config"]["run"], "verdict_threshold": "3%"}}},
+    "threshold_string": lambda s: {
+        **s,
+        "config": {**s["config"], "run": {**s["config"]["run"], "verdict_threshold": "3%"}},
+    },
     "model_name_list": lambda s: {**s, "model": {**s["model"], "name": ["tiny"]}},
     "a_list": lambda s: [s],
     "truncated": None,  # the file cut in half
@@ -625,7 +687,7 @@ MALFORMED = {
 def test_malformed_summaries_are_failed_runs_with_one_line_each(tmp_path: Path) -> None:
     root = tmp_path / "sweeps" / "broken"
     write_job(root / "0", "tiny", 1.0)  # one good run, so the report is written
-    for num, (name, breaking) in enumerate(MALFORMED.items(), start=1):
+    for num, breaking in enumerate(MALFORMED.values(), start=1):
         job = root / str(num)
         write_job(job, "tiny", 1.0)
         path = job / "summary.json"
@@ -636,11 +698,11 @@ def test_malformed_summaries_are_failed_runs_with_one_line_each(tmp_path: Path) 
     assert "Traceback" not in proc.stderr + proc.stdout
     failed = [ln for ln in proc.stdout.splitlines() if ln.startswith("failed: ")]
     assert len(failed) == len(MALFORMED), proc.stdout
-    for num, name in enumerate(MALFORMED, start=1):
+    for num in range(1, len(MALFORMED) + 1):
         line = next(ln for ln in failed if ln.startswith(f"failed: {num} "))
         assert "summary.json" in line or "malformed run record" in line, line
     assert "metrics is list [1, 2, 3], not an object" in proc.stdout
-    assert "measured_steps is str \"four\", not an integer" in proc.stdout
+    assert 'measured_steps is str "four", not an integer' in proc.stdout
     assert "not valid JSON" in proc.stdout and "holds a list" in proc.stdout
     assert f"1 runs reported, {len(MALFORMED)} failed." in (root / "report.md").read_text()
 
@@ -652,7 +714,8 @@ def test_an_output_path_under_a_file_ends_with_one_line_naming_it(sweep: Path, t
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         f"rlsync.report: cannot write {blocker / 'report'}: a part of the path is a file, not a directory "
-        f"(Not a directory)"]
+        f"(Not a directory)"
+    ]
 
 
 def test_a_full_disk_ends_with_one_line_naming_the_file(sweep: Path, tmp_path: Path) -> None:
@@ -662,7 +725,8 @@ def test_a_full_disk_ends_with_one_line_naming_the_file(sweep: Path, tmp_path: P
     proc = run_report(str(sweep), "--no-wandb", "--out", str(out))
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
-        f"rlsync.report: cannot write {out / 'report.md'}: the disk is full (No space left on device)"]
+        f"rlsync.report: cannot write {out / 'report.md'}: the disk is full (No space left on device)"
+    ]
 
 
 @pytest.mark.slow
@@ -674,8 +738,15 @@ def test_a_file_size_limit_ends_with_one_line(sweep: Path, tmp_path: Path) -> No
     limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))  # noqa: E731
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     full_env.update({"PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"})
-    proc = subprocess.run([sys.executable, "-m", "rlsync.report", str(sweep), "--no-wandb", "--out", str(out)],
-                          capture_output=True, text=True, env=full_env, cwd=REPO, timeout=180, preexec_fn=limit)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlsync.report", str(sweep), "--no-wandb", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=REPO,
+        timeout=180,
+        preexec_fn=limit,
+    )
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"rlsync.report: cannot write {out}"), lines

@@ -29,8 +29,15 @@ def transport_sweep(root: Path, noise: float = 0.01, repeats: int = 4) -> Path:
     """Two transports x two bucket sizes of one model, as bench jobs 0-3 (direct 1, direct 4, ipc 1, ipc 4)."""
     jobs = [(t, b) for t in ("direct", "ipc") for b in BUCKETS]
     for num, (transport, bucket) in enumerate(jobs):
-        write_bench_job(root / str(num), "tiny", transport, bucket_mb=bucket, noise=noise, repeats=repeats,
-                        per_bucket_s=PER_BUCKET_S)
+        write_bench_job(
+            root / str(num),
+            "tiny",
+            transport,
+            bucket_mb=bucket,
+            noise=noise,
+            repeats=repeats,
+            per_bucket_s=PER_BUCKET_S,
+        )
     return root
 
 
@@ -88,8 +95,10 @@ def test_too_few_repeats_warn_naming_the_runs(tmp_path: Path) -> None:
     proc = run_report(str(sweep), "--no-wandb")
     assert proc.returncode == 0, proc.stderr
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("best: ")]  # the console says it too
-    assert ("Warning: run 1 measured 2 repeats and run 0 measured 2 repeats, fewer than 3: too few to tell a real "
-            "difference from noise") in line
+    assert (
+        "Warning: run 1 measured 2 repeats and run 0 measured 2 repeats, fewer than 3: too few to tell a real "
+        "difference from noise"
+    ) in line
     assert line.removeprefix("best: ") in (sweep / "report.md").read_text()
     assert "| 2 |" in proc.stdout  # the table's n column
 
@@ -180,7 +189,9 @@ def test_real_bench_sweep_reported_twice_keeps_one_wandb_report_run(tmp_path: Pa
     with (sweep / "report.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 4 and all(r["measured_steps"] == "3" for r in rows)
-    assert all(float(r["update_time_min"]) <= float(r["update_time_median"]) <= float(r["update_time_max"]) for r in rows)
+    assert all(
+        float(r["update_time_min"]) <= float(r["update_time_median"]) <= float(r["update_time_max"]) for r in rows
+    )
 
     (run_dir,) = (sweep / "wandb").glob("offline-run-*")  # one report run: the rerun replaced the callback's
     run_id = run_dir.name.split("-", 3)[-1]  # offline-run-<time>-<id>

@@ -8,15 +8,14 @@ repeat on the tiny model, in this process (the ipc schemes start their engine pr
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
-from conftest import ROOT
-from rlsync.bench import run_bench
-from rlsync.config import BenchAppConfig, RolloutConfig, UpdateConfig, flat_engine_weights_choice, to_config
+from rlsync.bench.runner import run_bench
+from rlsync.config.schema import BenchAppConfig, RolloutConfig, UpdateConfig, flat_engine_weights_choice, to_config
 from rlsync.sync.auto import copy_threads_choice, resolve_update
 
 SCHEMES = sorted(p.stem for p in (ROOT / "rlsync" / "conf" / "scheme").glob("*.yaml"))
@@ -71,8 +70,15 @@ def test_the_framework_schemes_knobs():
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_each_scheme_runs_a_benchmark_repeat_on_the_tiny_model(scheme, tmp_path):
-    cfg = compose_app("bench", f"scheme={scheme}", "bench.warmup=0", "bench.repeats=1", "wandb.mode=disabled",
-                      "update.bucket_mb=1", "update.verify=true")  # small buckets: several of them; verify: the weights landed
+    cfg = compose_app(
+        "bench",
+        f"scheme={scheme}",
+        "bench.warmup=0",
+        "bench.repeats=1",
+        "wandb.mode=disabled",
+        "update.bucket_mb=1",
+        "update.verify=true",
+    )  # small buckets: several of them; verify: the weights landed
     result = run_bench(cfg, tmp_path, name=scheme, group="test")
     assert result["status"] == "finished", result
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -86,16 +92,19 @@ def test_each_scheme_runs_a_benchmark_repeat_on_the_tiny_model(scheme, tmp_path)
         assert "perf/update_weights_load_time" not in summary["metrics"]
 
 
-@pytest.mark.parametrize("engine, transport, strategy, release, want", [
-    ("hf", "direct", "bucketed", False, True),
-    ("hf", "ipc", "bucketed", False, True),
-    ("hf", "broadcast", "bucketed", False, True),
-    ("hf", "direct", "bucketed", True, True),  # the direct engine frees its flat buffers itself
-    ("hf", "ipc", "bucketed", True, False),  # shared memory the engine cannot free
-    ("hf", "direct", "per_tensor", False, False),
-    ("vllm", "direct", "bucketed", False, False),
-    ("vllm", "ipc", "bucketed", False, False),
-])
+@pytest.mark.parametrize(
+    "engine, transport, strategy, release, want",
+    [
+        ("hf", "direct", "bucketed", False, True),
+        ("hf", "ipc", "bucketed", False, True),
+        ("hf", "broadcast", "bucketed", False, True),
+        ("hf", "direct", "bucketed", True, True),  # the direct engine frees its flat buffers itself
+        ("hf", "ipc", "bucketed", True, False),  # shared memory the engine cannot free
+        ("hf", "direct", "per_tensor", False, False),
+        ("vllm", "direct", "bucketed", False, False),
+        ("vllm", "ipc", "bucketed", False, False),
+    ],
+)
 def test_flat_engine_weights_auto_is_on_wherever_the_engine_can_hold_them(engine, transport, strategy, release, want):
     update = UpdateConfig(transport=transport, strategy=strategy)
     on, why = flat_engine_weights_choice(update, RolloutConfig(engine=engine, release_weights=release))
@@ -111,7 +120,10 @@ def test_an_explicit_flat_engine_weights_is_kept(explicit):
 def test_copy_threads_auto_takes_the_probes_fastest_and_explicit_values_stay():
     assert copy_threads_choice(UpdateConfig(), probe_threads=2, probe_how="timed")[0] == 2
     assert copy_threads_choice(UpdateConfig(), probe_threads=0)[0] == 0  # not a CPU copy: torch's default
-    assert copy_threads_choice(UpdateConfig(copy_threads=0), probe_threads=2) == (0, "set explicitly (0: torch's default)")
+    assert copy_threads_choice(UpdateConfig(copy_threads=0), probe_threads=2) == (
+        0,
+        "set explicitly (0: torch's default)",
+    )
     assert copy_threads_choice(UpdateConfig(copy_threads=3), probe_threads=1)[0] == 3
     resolved, why = resolve_update(UpdateConfig(), RolloutConfig(), probe_threads=2)
     assert (resolved.flat_engine_weights, resolved.copy_threads) == (True, 2)
@@ -119,8 +131,8 @@ def test_copy_threads_auto_takes_the_probes_fastest_and_explicit_values_stay():
 
 
 def test_copy_threads_rejects_a_negative_count(compose):
+    from rlsync.config.validate import validate
     from rlsync.errors import ConfigError
-    from rlsync.validate import validate
 
     cfg = compose("update.copy_threads=-1")
     with pytest.raises(ConfigError, match="update.copy_threads"):
@@ -161,5 +173,8 @@ def test_a_fewer_threads_win_is_timed_again_so_a_passing_disturbance_loses():
     assert threads == 1 and len(pauses) == auto.CONFIRM and f"over {auto.CONFIRM + 1} timings" in how
     # the most threads winning, or a sample too small for the choice to matter, is believed at once
     assert auto.fastest_of(rounds({1: 0.030, 2: 0.016}), rounds=1, sleep=pauses.append)[0] == 2
-    assert auto.fastest_of(rounds({1: 0.001, 2: 0.004}), rounds=1, sleep=pauses.append) == (1, "best of 1: 1 thread 1.0 ms, 2 threads 4.0 ms")
+    assert auto.fastest_of(rounds({1: 0.001, 2: 0.004}), rounds=1, sleep=pauses.append) == (
+        1,
+        "best of 1: 1 thread 1.0 ms, 2 threads 4.0 ms",
+    )
     assert len(pauses) == auto.CONFIRM  # no pause added by the last two

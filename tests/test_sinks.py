@@ -3,10 +3,10 @@
 import json
 
 import pytest
-
 from conftest import read_jsonl
+
 from rlsync.errors import WriteFailed
-from rlsync.sinks import MetricsFile, write_json
+from rlsync.record.sinks import MetricsFile, write_json
 
 
 def write_run(run_dir, rows: list[dict]) -> None:
@@ -67,8 +67,12 @@ def test_a_rerun_sets_the_previous_summary_and_error_aside(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps({"status": "failed"}))
     (tmp_path / "error.log").write_text("Error: failed: boom\n")
     write_run(tmp_path, [{"step": 0}, {"step": 1}])  # killed before writing its summary
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["error.log.prev", "metrics.jsonl", "metrics.jsonl.prev",
-                                                          "summary.json.prev"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "error.log.prev",
+        "metrics.jsonl",
+        "metrics.jsonl.prev",
+        "summary.json.prev",
+    ]
     assert json.loads((tmp_path / "summary.json.prev").read_text()) == {"status": "failed"}
 
 
@@ -80,7 +84,9 @@ def test_a_fresh_run_dir_gets_metrics_jsonl_alone(tmp_path):
 def test_every_row_is_fsynced_as_it_is_written(tmp_path, monkeypatch):
     """A killed run keeps every step it finished: each write reaches the disk before it returns."""
     synced = []
-    monkeypatch.setattr("rlsync.sinks.os.fsync", lambda fd: synced.append((tmp_path / "metrics.jsonl").read_text()))
+    monkeypatch.setattr(
+        "rlsync.record.sinks.os.fsync", lambda fd: synced.append((tmp_path / "metrics.jsonl").read_text())
+    )
     metrics = MetricsFile(tmp_path)
     metrics.write({"step": 0})
     metrics.write({"step": 1})

@@ -1,6 +1,6 @@
-"""The broadcast transport across machines: `python -m rlsync.engine` started on its own, joined over HTTP.
+"""The broadcast transport across machines: `python -m rlsync.serve` started on its own, joined over HTTP.
 
-Everything on localhost, with real processes: the engine is a `python -m rlsync.engine` subprocess
+Everything on localhost, with real processes: the engine is a `python -m rlsync.serve` subprocess
 listening on a free port; the trainer side is this test process (or a `python -m rlsync`
 subprocess) joining it with `update.engine_address`. Bit-exact engine weights after updates for
 each strategy, generation equal to an in-process engine's, a refused plan for another model, a
@@ -31,33 +31,41 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import FAST, ROOT, cli_env, read_jsonl, run_main
-from rlsync.config import ModelConfig, UpdateConfig
-from rlsync.sync import open_engine, plan_for, update_weights
-from rlsync.sync.engine_process import EngineDied, EngineFailed
-from rlsync.sync.remote import TOKEN_ENV, EngineUnreachable, parse_address
 from test_transports import BF16, CPU, SMALL_BUCKET_MB, Trainer, assert_engine_holds
 
-slow_server = pytest.mark.slow  # a `python -m rlsync.engine` server process of its own
+from rlsync.config.schema import ModelConfig, UpdateConfig
+from rlsync.sync import open_transport, plan_for, update_weights
+from rlsync.sync.engine_process import EngineDied, EngineFailed
+from rlsync.sync.remote import TOKEN_ENV, EngineUnreachable, parse_address
+
+slow_server = pytest.mark.slow  # a `python -m rlsync.serve` server process of its own
 START_S = 120  # an engine start (imports, model build) on two busy cores
 REQUEST_TIMEOUT = "serve.request_timeout_s=1"  # idle and stalled clients are dropped after 1 s, not 10
 MAX_REQUEST = "serve.max_request_mb=1"  # an oversized body is sent in a moment
 
 
 class StandaloneEngine:
-    """`python -m rlsync.engine ...` in a subprocess; its stdout and stderr lines are collected as they come."""
+    """`python -m rlsync.serve ...` in a subprocess; its stdout and stderr lines are collected as they come."""
 
     def __init__(self, tmp: Path, *overrides: str, env: dict | None = None):
-        args = [sys.executable, "-m", "rlsync.engine", "update.engine_address=127.0.0.1:0", f"hydra.run.dir={tmp}",
-                *overrides]
-        self.proc = subprocess.Popen(args, cwd=ROOT, env=env or cli_env(), stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        args = [
+            sys.executable,
+            "-m",
+            "rlsync.serve",
+            "update.engine_address=127.0.0.1:0",
+            f"hydra.run.dir={tmp}",
+            *overrides,
+        ]
+        self.proc = subprocess.Popen(
+            args, cwd=ROOT, env=env or cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         self.lines: list[str] = []
         self.errors: list[str] = []
-        self.readers = [threading.Thread(target=lambda src=src, dst=dst: dst.extend(iter(src.readline, "")),
-                                         daemon=True)
-                        for src, dst in ((self.proc.stdout, self.lines), (self.proc.stderr, self.errors))]
+        self.readers = [
+            threading.Thread(target=lambda src=src, dst=dst: dst.extend(iter(src.readline, "")), daemon=True)
+            for src, dst in ((self.proc.stdout, self.lines), (self.proc.stderr, self.errors))
+        ]
         for reader in self.readers:
             reader.start()
         listening = self.wait_for("listening on")
@@ -104,23 +112,36 @@ def one_update_lands(trainer: Trainer, update: UpdateConfig) -> None:
 
 
 def remote_update(address: str, **kw) -> UpdateConfig:
-    settings = {"bucket_mb": SMALL_BUCKET_MB, "verify": True, "engine_timeout_s": 60, "engine_connect_timeout_s": 60, **kw}
+    settings = {
+        "bucket_mb": SMALL_BUCKET_MB,
+        "verify": True,
+        "engine_timeout_s": 60,
+        "engine_connect_timeout_s": 60,
+        **kw,
+    }
     return UpdateConfig(transport="broadcast", engine_address=address, **settings)
 
 
-@pytest.mark.parametrize("strategy,inflight,flat", [
-    pytest.param("bucketed", 1, False, id="bucketed"),
-    pytest.param("per_tensor", 2, False, id="per_tensor-inflight2"),
-    pytest.param("bucketed", 2, True, id="bucketed-flat-inflight2"),
-])
+@pytest.mark.parametrize(
+    "strategy,inflight,flat",
+    [
+        pytest.param("bucketed", 1, False, id="bucketed"),
+        pytest.param("per_tensor", 2, False, id="per_tensor-inflight2"),
+        pytest.param("bucketed", 2, True, id="bucketed-flat-inflight2"),
+    ],
+)
 @slow_server
 def test_standalone_engine_receives_bit_exact_updates(engine_server, strategy, inflight, flat):
     trainer = Trainer()
-    update = remote_update(engine_server.address, strategy=strategy, inflight_buckets=inflight, flat_engine_weights=flat)
+    update = remote_update(
+        engine_server.address, strategy=strategy, inflight_buckets=inflight, flat_engine_weights=flat
+    )
     engine, buckets = trainer.open(update)
     try:
         assert engine.process.pid is None  # no process of ours: the engine was started on its own
-        assert_listens_on_loopback_only(os.getpid())  # the group's store and gloo device: 127.0.0.1, where the engine is
+        assert_listens_on_loopback_only(
+            os.getpid()
+        )  # the group's store and gloo device: 127.0.0.1, where the engine is
         for source in ("device", "host", "device"):
             sent = trainer.source(source)
             metrics = update_weights(engine, sent, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
@@ -158,12 +179,12 @@ def test_generation_over_http_equals_an_engine_in_this_process(engine_server):
 def test_engine_refuses_a_plan_for_another_model(engine_server):
     trainer = Trainer()
     other = ModelConfig(hidden_size=128, intermediate_size=256)  # the tiny model, narrower
-    from rlsync.models import build_model, named_weights
+    from rlsync.model.build import build_model, named_weights
 
     weights = named_weights(build_model(other, dtype=torch.float32, device=CPU, seed=0))
     update = remote_update(engine_server.address)
     with pytest.raises(EngineFailed) as caught:
-        open_engine(update, spec=trainer.spec, buckets=plan_for(weights, update, BF16))
+        open_transport(update, spec=trainer.spec, buckets=plan_for(weights, update, BF16))
     first = str(caught.value).splitlines()[0]
     assert f"the engine at {engine_server.address} failed during 'start': PlanMismatch:" in first
     assert "(512, 128)" in first and "(512, 256)" in first and "model" in first  # which tensor, both shapes, the fix
@@ -205,8 +226,14 @@ time.sleep(600)
 @slow_server
 def test_a_trainer_killed_mid_session_leaves_the_engine_serving(engine_server):
     """SIGKILL, so the trainer never closes its session: the engine notices and takes the next one."""
-    killed = subprocess.Popen([sys.executable, "-c", KILLED_TRAINER, engine_server.address], cwd=ROOT, env=cli_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = subprocess.Popen(
+        [sys.executable, "-c", KILLED_TRAINER, engine_server.address],
+        cwd=ROOT,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert killed.stdout.readline().strip() == "updated", killed.stderr.read() if killed.poll() is not None else ""
     finally:
@@ -267,19 +294,34 @@ def test_health_answers_while_the_engine_works(engine_server):
 
 HOSTILE = [  # (what the client sends, how its line on the engine's stderr reads)
     pytest.param(b"\x16\x03\x01\x02\x00garbage\x00\xff\r\n\r\n", "is not an HTTP request", id="garbage"),
-    pytest.param(b"GET /health HTTP/1.1\r\nHost: e\r\nX-Big: " + b"a" * 100_000,  # a head that never ends
-                 "is not an HTTP request (or a header over the size limit)", id="oversized-header"),
-    pytest.param(b"POST /v1/session HTTP/1.1\r\nHost: e\r\nContent-Length: 1099511627776\r\n\r\n",
-                 "announced a body of 1099511627776 bytes", id="oversized-length-header"),
-    pytest.param(b"POST /v1/session HTTP/1.1\r\nHost: e\r\nTransfer-Encoding: chunked\r\n\r\n"
-                 + (b"10000\r\n" + b"x" * 0x10000 + b"\r\n") * 17, "sent a body over the limit of 1048576 bytes",
-                 id="oversized-body"),
+    pytest.param(
+        b"GET /health HTTP/1.1\r\nHost: e\r\nX-Big: " + b"a" * 100_000,  # a head that never ends
+        "is not an HTTP request (or a header over the size limit)",
+        id="oversized-header",
+    ),
+    pytest.param(
+        b"POST /v1/session HTTP/1.1\r\nHost: e\r\nContent-Length: 1099511627776\r\n\r\n",
+        "announced a body of 1099511627776 bytes",
+        id="oversized-length-header",
+    ),
+    pytest.param(
+        b"POST /v1/session HTTP/1.1\r\nHost: e\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + (b"10000\r\n" + b"x" * 0x10000 + b"\r\n") * 17,
+        "sent a body over the limit of 1048576 bytes",
+        id="oversized-body",
+    ),
     pytest.param(b"", "closed the connection without sending a request", id="connect-and-close"),
     pytest.param(None, "sent no complete request within serve.request_timeout_s=1 s", id="idle"),
-    pytest.param(b"POST /v1/session HTTP/1.1\r\nHost: e\r\nContent-Length: 100\r\n\r\n{\"bu",
-                 "did not send its request body within serve.request_timeout_s=1 s", id="stalled-body"),
-    pytest.param(b"POST /v1/session HTTP/1.1\r\nHost: e\r\nContent-Length: 20\r\n\r\n{\"buckets\": \"all\"}  ",
-                 "sent a malformed 'session' request", id="untyped-plan"),
+    pytest.param(
+        b'POST /v1/session HTTP/1.1\r\nHost: e\r\nContent-Length: 100\r\n\r\n{"bu',
+        "did not send its request body within serve.request_timeout_s=1 s",
+        id="stalled-body",
+    ),
+    pytest.param(
+        b'POST /v1/session HTTP/1.1\r\nHost: e\r\nContent-Length: 20\r\n\r\n{"buckets": "all"}  ',
+        "sent a malformed 'session' request",
+        id="untyped-plan",
+    ),
 ]
 
 
@@ -324,8 +366,9 @@ def test_no_engine_at_the_address_is_one_clear_error():
     trainer = Trainer()
     update = remote_update(address, engine_connect_timeout_s=1)
     start = time.monotonic()
-    with pytest.raises(EngineUnreachable, match=f"no rlsync engine answered at update.engine_address={address} "
-                                                f"within 1 s"):
+    with pytest.raises(
+        EngineUnreachable, match=f"no rlsync engine answered at update.engine_address={address} within 1 s"
+    ):
         trainer.open(update)
     assert time.monotonic() - start < 10
 
@@ -337,12 +380,19 @@ def test_a_trainer_pointed_at_a_silent_listener_fails_within_its_connect_timeout
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)
         address = f"127.0.0.1:{silent.getsockname()[1]}"
-        result = run_main(*FAST, "update.transport=broadcast", f"update.engine_address={address}",
-                          "update.engine_connect_timeout_s=2", "wandb.mode=disabled", f"hydra.run.dir={tmp_path}")
+        result = run_main(
+            *FAST,
+            "update.transport=broadcast",
+            f"update.engine_address={address}",
+            "update.engine_connect_timeout_s=2",
+            "wandb.mode=disabled",
+            f"hydra.run.dir={tmp_path}",
+        )
     assert result.returncode == 1, result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"rlsync: no rlsync engine answered at update.engine_address={address} within 2 s "
-                           f"(timed out): start one there"), result.stderr
+    assert last.startswith(
+        f"rlsync: no rlsync engine answered at update.engine_address={address} within 2 s (timed out): start one there"
+    ), result.stderr
     assert [ln for ln in result.stderr.splitlines() if ln.startswith("rlsync:")] == [last]
 
 
@@ -362,8 +412,9 @@ def test_a_token_engine_never_runs_a_pickle_and_refuses_a_wrong_token(tmp_path, 
     channel framed them, or as request bodies with and without the token, are never loaded; the
     right token's trainer is served; `serve.sessions=1` exits after it."""
     token = "s3cret-for-this-test"
-    server = StandaloneEngine(tmp_path / "engine", "serve.sessions=1", REQUEST_TIMEOUT,
-                              env=cli_env(**{TOKEN_ENV: token}))
+    server = StandaloneEngine(
+        tmp_path / "engine", "serve.sessions=1", REQUEST_TIMEOUT, env=cli_env(**{TOKEN_ENV: token})
+    )
     assert server.wait_for("listening on").endswith("(token required)")
     marker = tmp_path / "pickle-ran"
     payload = pickle.dumps(Touch(marker))
@@ -397,14 +448,17 @@ def test_a_token_engine_never_runs_a_pickle_and_refuses_a_wrong_token(tmp_path, 
 @pytest.mark.parametrize("token", [None, " "], ids=["unset", "blank"])
 def test_an_engine_beyond_loopback_without_a_token_refuses_to_start(tmp_path, token):
     env = {k: v for k, v in cli_env().items() if k != TOKEN_ENV} | ({} if token is None else {TOKEN_ENV: token})
-    result = run_main("update.engine_address=0.0.0.0:0", f"hydra.run.dir={tmp_path}", module="rlsync.engine",
-                      environ=env)
+    result = run_main(
+        "update.engine_address=0.0.0.0:0", f"hydra.run.dir={tmp_path}", module="rlsync.serve", environ=env
+    )
     assert result.returncode == 2, result.stderr
     assert "listening" not in result.stdout
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("rlsync: config error: update.engine_address=0.0.0.0:0: listens beyond loopback "
-                               f"without a token ({TOKEN_ENV} is {'unset' if token is None else 'empty'})")
+    assert lines[0].startswith(
+        "rlsync: config error: update.engine_address=0.0.0.0:0: listens beyond loopback "
+        f"without a token ({TOKEN_ENV} is {'unset' if token is None else 'empty'})"
+    )
 
 
 def test_an_engine_on_a_taken_port_says_so_in_one_line(tmp_path):
@@ -412,11 +466,13 @@ def test_an_engine_on_a_taken_port_says_so_in_one_line(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         address = f"127.0.0.1:{taken.getsockname()[1]}"
-        result = run_main(f"update.engine_address={address}", f"hydra.run.dir={tmp_path}", module="rlsync.engine")
+        result = run_main(f"update.engine_address={address}", f"hydra.run.dir={tmp_path}", module="rlsync.serve")
     assert result.returncode == 1, result.stderr
-    assert result.stderr.strip().splitlines() == [f"rlsync: cannot listen on update.engine_address={address} "
-                                                  f"(Address already in use): pick another port (0: any free one) "
-                                                  f"or address"]
+    assert result.stderr.strip().splitlines() == [
+        f"rlsync: cannot listen on update.engine_address={address} "
+        f"(Address already in use): pick another port (0: any free one) "
+        f"or address"
+    ]
 
 
 def test_a_local_broadcast_group_listens_on_loopback_only():
@@ -488,7 +544,7 @@ def listening_sockets(pid: int) -> dict[int, ipaddress.IPv4Address | ipaddress.I
                 continue
             hex_addr, hex_port = local.split(":")
             raw = bytes.fromhex(hex_addr)
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # /proc prints 32-bit words host-order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # /proc prints 32-bit words host-order
             found[int(hex_port, 16)] = ipaddress.ip_address(raw)
     return found
 
@@ -499,11 +555,14 @@ def assert_listens_on_loopback_only(pid: int) -> dict:
     return found
 
 
-@pytest.mark.parametrize("text,parsed", [
-    ("127.0.0.1:29610", ("127.0.0.1", 29610)),
-    ("node-3.cluster:0", ("node-3.cluster", 0)),
-    ("[::1]:29610", ("::1", 29610)),
-])
+@pytest.mark.parametrize(
+    "text,parsed",
+    [
+        ("127.0.0.1:29610", ("127.0.0.1", 29610)),
+        ("node-3.cluster:0", ("node-3.cluster", 0)),
+        ("[::1]:29610", ("::1", 29610)),
+    ],
+)
 def test_parse_address(text, parsed):
     assert parse_address(text) == parsed
 

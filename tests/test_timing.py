@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import rlsync.sync.direct as direct
-from rlsync.config import Config, UpdateConfig
-from rlsync.models import build_model, build_tokenizer, named_weights
+from rlsync.config.schema import Config, UpdateConfig
 from rlsync.engines.base import EngineSpec
-from rlsync.sync import open_engine, plan_for, update_weights
-from rlsync.timing import EventTimer, HostTimer, unit_timer
+from rlsync.measure.timing import EventTimer, HostTimer, unit_timer
+from rlsync.model.build import build_model, build_tokenizer, named_weights
+from rlsync.sync import open_transport, plan_for, update_weights
 
 CPU = torch.device("cpu")
 
@@ -136,13 +136,22 @@ def test_direct_update_with_event_timing_syncs_once(monkeypatch, strategy):
         return made[-1]
 
     monkeypatch.setattr(direct, "unit_timer", fake_unit_timer)
-    cfg, update = Config(), UpdateConfig(strategy=strategy, bucket_mb=0.05, flat_engine_weights=False)  # the two-copy path: pack and load events
+    cfg, update = (
+        Config(),
+        UpdateConfig(strategy=strategy, bucket_mb=0.05, flat_engine_weights=False),
+    )  # the two-copy path: pack and load events
     tok = build_tokenizer(cfg.model)
     weights = named_weights(build_model(cfg.model, dtype=torch.float32, device=CPU, seed=1))
     buckets = plan_for(weights, update, torch.bfloat16)
-    spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device="cpu", allowed_ids=tok.allowed_ids(512),
-                      eos_id=tok.eos_id, pad_id=tok.pad_id)
-    engine = open_engine(update, spec=spec, buckets=buckets)
+    spec = EngineSpec(
+        model=cfg.model,
+        rollout=cfg.rollout,
+        device="cpu",
+        allowed_ids=tok.allowed_ids(512),
+        eos_id=tok.eos_id,
+        pad_id=tok.pad_id,
+    )
+    engine = open_transport(update, spec=spec, buckets=buckets)
     try:
         metrics = update_weights(engine, weights, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
     finally:

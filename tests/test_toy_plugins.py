@@ -7,20 +7,25 @@ import json
 
 import pytest
 import torch
-
 from conftest import FAST, read_jsonl
-from rlsync.config import UpdateConfig
+
+from rlsync.config.schema import UpdateConfig
+from rlsync.config.validate import validate
 from rlsync.engines.base import ENGINES, EngineSpec, register_engine
 from rlsync.engines.hf import HFEngine
 from rlsync.errors import ConfigError
-from rlsync.experiment import run_experiment
+from rlsync.measure.timing import HostTimer
+from rlsync.run.loop import run_experiment
 from rlsync.sync.base import TRANSPORTS, Transport, UpdateResult, register_transport
 from rlsync.sync.buckets import Bucket
-from rlsync.timing import HostTimer
-from rlsync.validate import validate
 
-SMALL_MODEL = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2", "model.head_dim=16",
-               "model.vocab_size=300"]
+SMALL_MODEL = [
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "model.num_hidden_layers=2",
+    "model.head_dim=16",
+    "model.vocab_size=300",
+]
 
 
 class ToyEngine(HFEngine):
@@ -81,8 +86,14 @@ def toys():
 
 
 def test_a_registered_engine_and_transport_run_whole_steps_with_verify_passing(compose, toys, tmp_path):
-    cfg = compose(*FAST, *SMALL_MODEL, "wandb.mode=disabled", f"rollout.engine={toys}", f"update.transport={toys}",
-                  "update.verify=true")
+    cfg = compose(
+        *FAST,
+        *SMALL_MODEL,
+        "wandb.mode=disabled",
+        f"rollout.engine={toys}",
+        f"update.transport={toys}",
+        "update.verify=true",
+    )
     validate(cfg)
     run_experiment(cfg, tmp_path, name="test", group="test")
     rows = read_jsonl(tmp_path / "metrics.jsonl")
@@ -116,8 +127,12 @@ class OwnTransferEngine(HFEngine):
     def check_config(cls, cfg) -> None:
         super().check_config(cfg)
         if cfg.update.strategy == "toy_copy" and cfg.update.inflight_buckets != 1:
-            raise ConfigError("update.inflight_buckets", cfg.update.inflight_buckets, "1 (toy_copy stages nothing)",
-                              "not allowed with update.strategy=toy_copy")
+            raise ConfigError(
+                "update.inflight_buckets",
+                cfg.update.inflight_buckets,
+                "1 (toy_copy stages nothing)",
+                "not allowed with update.strategy=toy_copy",
+            )
 
     def native_update(self, weights, *, bucket_bytes):
         type(self).native_updates += 1
@@ -136,8 +151,14 @@ def own_transfer():
 
 
 def test_an_engine_declares_its_strategies_and_rules_and_runs_verified_steps(compose, own_transfer, tmp_path):
-    cfg = compose(*FAST, *SMALL_MODEL, "wandb.mode=disabled", f"rollout.engine={own_transfer}",
-                  "update.strategy=toy_copy", "update.verify=true")
+    cfg = compose(
+        *FAST,
+        *SMALL_MODEL,
+        "wandb.mode=disabled",
+        f"rollout.engine={own_transfer}",
+        "update.strategy=toy_copy",
+        "update.verify=true",
+    )
     validate(cfg)  # update.strategy offers the engine's own strategy
     run_experiment(cfg, tmp_path, name="test", group="test")
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -145,9 +166,12 @@ def test_an_engine_declares_its_strategies_and_rules_and_runs_verified_steps(com
     assert OwnTransferEngine.native_updates == 4  # the first sync, then one update per step: its own path
     with pytest.raises(ConfigError) as caught:  # its own rule, in the one validation pass
         validate(compose(f"rollout.engine={own_transfer}", "update.strategy=toy_copy", "update.inflight_buckets=2"))
-    assert str(caught.value) == ("update.inflight_buckets=2: not allowed with update.strategy=toy_copy "
-                                 "(allowed: 1 (toy_copy stages nothing))")
+    assert str(caught.value) == (
+        "update.inflight_buckets=2: not allowed with update.strategy=toy_copy (allowed: 1 (toy_copy stages nothing))"
+    )
     with pytest.raises(ConfigError) as caught:  # another engine is refused the strategy, naming its owner
         validate(compose("rollout.engine=hf", "update.strategy=toy_copy"))
-    assert str(caught.value) == ("update.strategy=toy_copy: not allowed with rollout.engine=hf (allowed: bucketed, "
-                                 "per_tensor (toy_copy is Toy's own transfer: set rollout.engine=toy_own))")
+    assert str(caught.value) == (
+        "update.strategy=toy_copy: not allowed with rollout.engine=hf (allowed: bucketed, "
+        "per_tensor (toy_copy is Toy's own transfer: set rollout.engine=toy_own))"
+    )

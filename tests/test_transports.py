@@ -20,14 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import FAST, ROOT, cli_env, read_jsonl, run_main
-from rlsync.config import Config, UpdateConfig
-from rlsync.models import build_model, build_tokenizer, named_weights
-from rlsync.offload import Offloader
+
+from rlsync.config.schema import Config, UpdateConfig
 from rlsync.engines.base import EngineSpec
-from rlsync.sync import WeightMismatch, checksum, open_engine, plan_for, update_weights
+from rlsync.model.build import build_model, build_tokenizer, named_weights
+from rlsync.sync import WeightMismatch, checksum, open_transport, plan_for, update_weights
 from rlsync.sync.engine_process import EngineDied
+from rlsync.trainer.offload import Offloader
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
@@ -43,13 +43,19 @@ class Trainer:
         self.model = build_model(cfg.model, dtype=torch.float32, device=CPU, seed=seed)
         self.offloader = Offloader(self.model, None, mode="full", device=CPU)
         self.weights = named_weights(self.model)
-        self.spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device="cpu", allowed_ids=tok.allowed_ids(512),
-                               eos_id=tok.eos_id, pad_id=tok.pad_id)
+        self.spec = EngineSpec(
+            model=cfg.model,
+            rollout=cfg.rollout,
+            device="cpu",
+            allowed_ids=tok.allowed_ids(512),
+            eos_id=tok.eos_id,
+            pad_id=tok.pad_id,
+        )
 
     def open(self, update: UpdateConfig) -> tuple:
         """(engine, bucket plan): the engine behind `update`'s transport, for these weights."""
         buckets = plan_for(self.weights, update, BF16)
-        return open_engine(update, spec=self.spec, buckets=buckets), buckets
+        return open_transport(update, spec=self.spec, buckets=buckets), buckets
 
     def source(self, name: str) -> dict[str, torch.Tensor]:
         """The weights to send, freshly changed (a trained step), live or from the host copy."""
@@ -90,12 +96,19 @@ PROCESS_CASES = [
 @pytest.mark.parametrize("transport,strategy,inflight,flat", PROCESS_CASES)
 def test_process_engine_is_bit_exact_for_both_sources(transport, strategy, inflight, flat):
     trainer = Trainer()
-    update = UpdateConfig(transport=transport, strategy=strategy, inflight_buckets=inflight, flat_engine_weights=flat,
-                          bucket_mb=SMALL_BUCKET_MB, verify=True, engine_timeout_s=120)
+    update = UpdateConfig(
+        transport=transport,
+        strategy=strategy,
+        inflight_buckets=inflight,
+        flat_engine_weights=flat,
+        bucket_mb=SMALL_BUCKET_MB,
+        verify=True,
+        engine_timeout_s=120,
+    )
     buckets = plan_for(trainer.weights, update, BF16)
     largest_tensor = max(t.numel() * 2 for t in trainer.weights.values())
     assert max(b.nbytes for b in buckets) == largest_tensor > SMALL_BUCKET_MB * 2**20  # one tensor alone, oversized
-    engine = open_engine(update, spec=trainer.spec, buckets=buckets)
+    engine = open_transport(update, spec=trainer.spec, buckets=buckets)
     try:
         for source in ("device", "host", "device"):
             sent = trainer.source(source)
@@ -109,8 +122,12 @@ def test_process_engine_is_bit_exact_for_both_sources(transport, strategy, infli
 
         # The staging memory the bucket size costs, counted once per buffer on either side.
         slot = max(b.nbytes for b in buckets)  # == the largest tensor here, so per_tensor's slot too
-        expected = {("ipc", False): inflight * slot, ("ipc", True): 0,
-                    ("broadcast", False): 2 * inflight * slot, ("broadcast", True): inflight * slot}
+        expected = {
+            ("ipc", False): inflight * slot,
+            ("ipc", True): 0,
+            ("broadcast", False): 2 * inflight * slot,
+            ("broadcast", True): inflight * slot,
+        }
         assert metrics["perf/update_weights_peak_bytes"] == expected[transport, flat and strategy == "bucketed"]
     finally:
         engine.close()
@@ -125,7 +142,7 @@ def test_direct_is_bit_exact(strategy, source, flat):
     trainer = Trainer()
     update = UpdateConfig(strategy=strategy, bucket_mb=SMALL_BUCKET_MB, flat_engine_weights=flat, verify=True)
     buckets = plan_for(trainer.weights, update, BF16)
-    engine = open_engine(update, spec=trainer.spec, buckets=buckets)
+    engine = open_transport(update, spec=trainer.spec, buckets=buckets)
     for _ in range(2):
         sent = trainer.source(source)
         metrics = update_weights(engine, sent, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
@@ -145,7 +162,7 @@ def test_ipc_generates_what_the_in_process_engine_generates():
         for transport in ("direct", "ipc"):
             update = UpdateConfig(transport=transport)
             buckets = plan_for(weights, update, BF16)
-            engines[transport] = open_engine(update, spec=trainer.spec, buckets=buckets)
+            engines[transport] = open_transport(update, spec=trainer.spec, buckets=buckets)
             update_weights(engines[transport], weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
         prompts = [[256, *b"12+7="], [256, *b"3*4=?"], [256, 65]]
         outs, states = {}, {}
@@ -194,7 +211,7 @@ def test_a_dead_engine_is_a_clear_error_within_seconds(transport):
     trainer = Trainer()
     update = UpdateConfig(transport=transport, bucket_mb=SMALL_BUCKET_MB)
     buckets = plan_for(trainer.weights, update, BF16)
-    engine = open_engine(update, spec=trainer.spec, buckets=buckets)
+    engine = open_transport(update, spec=trainer.spec, buckets=buckets)
     try:
         update_weights(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
         kill_after(engine.process.pid, 0.5)
@@ -215,12 +232,14 @@ def test_a_broadcast_engine_killed_mid_update_does_not_hang_the_trainer():
     trainer = Trainer()
     update = UpdateConfig(transport="broadcast", bucket_mb=SMALL_BUCKET_MB, engine_timeout_s=120)
     buckets = plan_for(trainer.weights, update, BF16)
-    engine = open_engine(update, spec=trainer.spec, buckets=buckets)
+    engine = open_transport(update, spec=trainer.spec, buckets=buckets)
     os.kill(engine.process.pid, signal.SIGSTOP)  # frozen: the trainer's broadcasts cannot complete
     kill_after(engine.process.pid, 0.5)
     start = time.monotonic()
     try:
-        with pytest.raises(EngineDied, match=r"exit code -9 \(killed by SIGKILL\) while the trainer waited for a weight"):
+        with pytest.raises(
+            EngineDied, match=r"exit code -9 \(killed by SIGKILL\) while the trainer waited for a weight"
+        ):
             update_weights(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
         assert time.monotonic() - start < 5.0
     finally:
@@ -252,9 +271,18 @@ def test_broadcast_leaves_the_default_process_group_alone():
 
 def test_whole_step_runs_with_broadcast(tmp_path):
     run_dir = tmp_path / "run"
-    fast = [o for o in FAST if not o.startswith(("run.steps=", "run.warmup_steps="))] + ["run.steps=1", "run.warmup_steps=0"]
-    proc = run_main(*fast, "update.transport=broadcast", "update.verify=true", f"update.bucket_mb={SMALL_BUCKET_MB}",
-                    "wandb.mode=disabled", f"hydra.run.dir={run_dir}")
+    fast = [o for o in FAST if not o.startswith(("run.steps=", "run.warmup_steps="))] + [
+        "run.steps=1",
+        "run.warmup_steps=0",
+    ]
+    proc = run_main(
+        *fast,
+        "update.transport=broadcast",
+        "update.verify=true",
+        f"update.bucket_mb={SMALL_BUCKET_MB}",
+        "wandb.mode=disabled",
+        f"hydra.run.dir={run_dir}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["setup"]["transport"] == "broadcast"
@@ -309,11 +337,25 @@ def test_whole_step_runs_with_ipc_and_a_killed_engine_ends_it_clearly(tmp_path):
     """Steps run through the ipc engine; killing it mid-run fails the run within seconds with the engine's
     exit code, and metrics.jsonl and summary.json keep the steps that finished."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "rlsync", *[o for o in FAST if not o.startswith("run.steps=")],
-                             "run.steps=50", "update.transport=ipc",
-                             f"update.bucket_mb={SMALL_BUCKET_MB}", "update.inflight_buckets=2",
-                             "wandb.mode=disabled", f"hydra.run.dir={run_dir}"],
-                            cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rlsync",
+            *[o for o in FAST if not o.startswith("run.steps=")],
+            "run.steps=50",
+            "update.transport=ipc",
+            f"update.bucket_mb={SMALL_BUCKET_MB}",
+            "update.inflight_buckets=2",
+            "wandb.mode=disabled",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=ROOT,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         metrics = run_dir / "metrics.jsonl"
         deadline = time.monotonic() + 240
@@ -340,8 +382,8 @@ def test_whole_step_runs_with_ipc_and_a_killed_engine_ends_it_clearly(tmp_path):
 
 
 def test_validation_rejects_released_flat_ipc_weights_before_building_anything():
+    from rlsync.config.validate import validate
     from rlsync.errors import ConfigError
-    from rlsync.validate import validate
 
     cfg = Config()
     cfg.update.transport, cfg.update.flat_engine_weights, cfg.rollout.release_weights = "ipc", True, True

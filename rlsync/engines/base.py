@@ -24,9 +24,9 @@ from typing import ClassVar
 
 import torch
 
-from rlsync.config import ModelConfig, RolloutConfig
+from rlsync.config.schema import ModelConfig, RolloutConfig
 from rlsync.errors import ConfigError
-from rlsync.models import torch_dtype
+from rlsync.model.build import torch_dtype
 from rlsync.registry import Registry
 
 CHECKSUM_CHUNK = 1 << 22  # elements per step: bounds the checksum's int64 temporaries (32 MiB each)
@@ -41,7 +41,7 @@ class Generation:
     prompt_len: int
     truncated: torch.Tensor  # [batch] bool: hit max_response_len without EOS
 
-    def to(self, device: torch.device) -> "Generation":
+    def to(self, device: torch.device) -> Generation:
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
         return Generation(**moved)
 
@@ -61,7 +61,7 @@ class EngineSpec:
     def dtype(self) -> torch.dtype:
         return torch_dtype(self.rollout.dtype)
 
-    def build(self, *, strategy: str = "bucketed") -> "Engine":
+    def build(self, *, strategy: str = "bucketed") -> Engine:
         """The engine named by rollout.engine; `strategy` (update.strategy) picks vLLM's own transfer path."""
         return build_engine(self, strategy)
 
@@ -135,8 +135,9 @@ class Rollout(ABC):
     the way weights reach it, rlsync.sync.base.Transport), which forwards these to its engine."""
 
     @abstractmethod
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
-                 generator: torch.Generator) -> Generation:
+    def generate(
+        self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, generator: torch.Generator
+    ) -> Generation:
         """Sample an answer to each prompt (token ids), seeded from `generator`, which comes back
         advanced as if the sampling ran here (wherever the engine runs)."""
 
@@ -179,7 +180,7 @@ class Engine(Preloaded, Rollout):
     # step loop resumes the engine before every update (vLLM's sleep always does).
     release_takes_weights: ClassVar[bool] = False
 
-    # What an engine accepts is asked of its class, before any model is built (rlsync.validate).
+    # What an engine accepts is asked of its class, before any model is built (rlsync.config.validate).
     @classmethod
     def check_config(cls, cfg) -> None:
         """This engine's rules across the config's keys: a ConfigError naming the key. By default only
@@ -187,9 +188,13 @@ class Engine(Preloaded, Rollout):
         strategy = cfg.update.strategy
         if strategy in own_strategy_names() and strategy not in cls.own_strategies:
             owner, owner_cls = strategy_owner(strategy)
-            raise ConfigError("update.strategy", strategy, f"bucketed, per_tensor ({strategy} is "
-                              f"{owner_cls.title or owner}'s own transfer: set rollout.engine={owner})",
-                              f"not allowed with rollout.engine={cfg.rollout.engine}")
+            raise ConfigError(
+                "update.strategy",
+                strategy,
+                f"bucketed, per_tensor ({strategy} is "
+                f"{owner_cls.title or owner}'s own transfer: set rollout.engine={owner})",
+                f"not allowed with rollout.engine={cfg.rollout.engine}",
+            )
 
     @classmethod
     def check_machine(cls, cfg) -> None:
@@ -207,7 +212,7 @@ class Engine(Preloaded, Rollout):
 
     @classmethod
     @abstractmethod
-    def from_spec(cls, spec: EngineSpec, *, strategy: str) -> "Engine":
+    def from_spec(cls, spec: EngineSpec, *, strategy: str) -> Engine:
         """Build the engine `spec` describes; `strategy` is update.strategy (an engine may have its own path)."""
 
     @abstractmethod
@@ -229,8 +234,7 @@ class Engine(Preloaded, Rollout):
         """One checksum per weight (update.verify compares them with the trainer's)."""
         return {name: checksum(t) for name, t in self.weights.items()}
 
-    def native_update(self, weights: dict[str, torch.Tensor], *,
-                      bucket_bytes: int) -> tuple[dict[str, float], int]:
+    def native_update(self, weights: dict[str, torch.Tensor], *, bucket_bytes: int) -> tuple[dict[str, float], int]:
         """An engine's own trainer-to-engine transfer (update.strategy=vllm_ipc); most engines have none.
 
         Returns the seconds per phase it can tell apart ("pack", "load") and the staging bytes it held."""
@@ -244,10 +248,13 @@ class Engine(Preloaded, Rollout):
 # The registry: rollout.engine -> engine class
 # ----------------------------------------------------------------------------------------------
 
-ENGINES: Registry[Engine] = Registry("rollout.engine", {
-    "hf": "rlsync.engines.hf:HFEngine",  # transformers, embedded
-    "vllm": "rlsync.engines.vllm:VLLMEngine",  # vLLM in this process (the extra: pip install -e '.[vllm]')
-})
+ENGINES: Registry[Engine] = Registry(
+    "rollout.engine",
+    {
+        "hf": "rlsync.engines.hf:HFEngine",  # transformers, embedded
+        "vllm": "rlsync.engines.vllm:VLLMEngine",  # vLLM in this process (the extra: pip install -e '.[vllm]')
+    },
+)
 register_engine = ENGINES.register  # register_engine("mine", "mypackage.mine:MyEngine"), or as a decorator
 engine_names = ENGINES.names  # the values rollout.engine accepts, in registration order
 engine_class = ENGINES.resolve  # the class registered under a name, imported the first time
@@ -266,6 +273,7 @@ def strategy_owner(strategy: str) -> tuple[str, type[Engine]]:
 def build_engine(spec: EngineSpec, strategy: str = "bucketed") -> Engine:
     """The engine named by `spec.rollout.engine`, built from `spec`."""
     return engine_class(spec.rollout.engine).from_spec(spec, strategy=strategy)
+
 
 def answer_ids(gen: Generation) -> list[list[int]]:
     """Each row's sampled answer tokens (through EOS, without the padding after it), on the host.

@@ -13,22 +13,21 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from rlsync.config import ModelConfig
-from rlsync.devices import copy_into
+from rlsync.config.schema import ModelConfig
 from rlsync.engines.base import Engine, EngineSpec, Generation, left_pad, position_ids
-from rlsync.architecture import build_empty, update_tensors
+from rlsync.measure.devices import copy_into
+from rlsync.model.architecture import build_empty, update_tensors
 
 
 def sample_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per row of `probs` [batch, vocab], drawn with `generator`: [batch] on probs' device.
 
-    The draw happens on the generator's device: a generator on the engine's device (rlsync.devices.sampler)
+    The draw happens on the generator's device: a generator on the engine's device (rlsync.measure.devices.sampler)
     samples in place, with no [batch, vocab] copy per token; a CPU generator serving a CUDA engine (a
     trainer on the host driving an engine on a GPU) draws on the host, as PyTorch requires a generator
     of the tensor's device type. On a CPU both are the same draw.
     """
     return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
-
 
 
 def cache_kwarg(model: nn.Module) -> str:
@@ -42,9 +41,18 @@ class HFEngine(Engine):
     preload = ("transformers.models.qwen3.modeling_qwen3",)
     holds_flat_weights = True  # its parameters are plain tensors by trainer name: flat views can replace them
 
-    def __init__(self, model_cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
-                 allowed_ids: torch.Tensor, eos_id: int, pad_id: int, release_weights: bool = False):
-        # storage only: the first weight update fills it (rlsync.architecture: any causal LM, Qwen3 from the keys)
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        allowed_ids: torch.Tensor,
+        eos_id: int,
+        pad_id: int,
+        release_weights: bool = False,
+    ):
+        # storage only: the first weight update fills it (rlsync.model.architecture: any causal LM, Qwen3 from the keys)
         model = build_empty(model_cfg, dtype=dtype, device=device)
         self.model = model.eval().requires_grad_(False)
         self.device, self.dtype = device, dtype
@@ -56,9 +64,16 @@ class HFEngine(Engine):
         self.released: list[tuple[torch.UntypedStorage, int]] = []  # weight storages freed by release(), their sizes
 
     @classmethod
-    def from_spec(cls, spec: EngineSpec, *, strategy: str) -> "HFEngine":
-        return cls(spec.model, dtype=spec.dtype, device=torch.device(spec.device), allowed_ids=spec.allowed_ids,
-                   eos_id=spec.eos_id, pad_id=spec.pad_id, release_weights=spec.rollout.release_weights)
+    def from_spec(cls, spec: EngineSpec, *, strategy: str) -> HFEngine:
+        return cls(
+            spec.model,
+            dtype=spec.dtype,
+            device=torch.device(spec.device),
+            allowed_ids=spec.allowed_ids,
+            eos_id=spec.eos_id,
+            pad_id=spec.pad_id,
+            release_weights=spec.rollout.release_weights,
+        )
 
     def release(self) -> None:
         """Give the memory back after generation, wherever the engine runs (this process or its own).
@@ -76,8 +91,10 @@ class HFEngine(Engine):
             for storage in storages.values():
                 # shared memory (CPU) or memory opened from a CUDA IPC handle belongs to the trainer's side
                 if not storage.resizable() or (storage.device.type == "cpu" and storage.is_shared()):
-                    raise RuntimeError("rollout.release_weights=true: the engine's weights live in memory shared with "
-                                       "the trainer and cannot be freed by the engine; set rollout.release_weights=false")
+                    raise RuntimeError(
+                        "rollout.release_weights=true: the engine's weights live in memory shared with "
+                        "the trainer and cannot be freed by the engine; set rollout.release_weights=false"
+                    )
             for storage in storages.values():
                 self.released.append((storage, storage.nbytes()))
                 storage.resize_(0)
@@ -109,8 +126,9 @@ class HFEngine(Engine):
             copy_into(params[name], tensor)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
-                 generator: torch.Generator) -> Generation:
+    def generate(
+        self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, generator: torch.Generator
+    ) -> Generation:
         from transformers import DynamicCache  # loaded with the model already (models.py: transformers stays lazy)
 
         ids, mask = left_pad(prompts, self.pad_id)
@@ -122,8 +140,13 @@ class HFEngine(Engine):
         alive = []  # [batch] per step: 1 if the token at this step was sampled (not padding)
         step_ids, step_pos, full_mask = ids, position_ids(mask), mask
         for _ in range(max_new_tokens):
-            out = self.model(input_ids=step_ids, attention_mask=full_mask, position_ids=step_pos,
-                             use_cache=True, **{self._cache_kw: cache})
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=full_mask,
+                position_ids=step_pos,
+                use_cache=True,
+                **{self._cache_kw: cache},
+            )
             logits = out.logits[:, -1, :].float()  # [batch, vocab]
             scaled = logits / (temperature if temperature > 0 else 1.0)
             scaled = scaled.masked_fill(~self.allowed, float("-inf"))

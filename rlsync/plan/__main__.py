@@ -11,10 +11,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from rlsync.config import CONFIG_PATH, PlanAppConfig, register_configs
+from rlsync.config.launch import hydra_job
+from rlsync.config.schema import CONFIG_PATH, PlanAppConfig, register_configs
+from rlsync.config.validate import checked_config
 from rlsync.errors import cli, job_errors
-from rlsync.launcher import hydra_job
-from rlsync.validate import checked_config
 
 register_configs()
 
@@ -34,11 +34,12 @@ def run_plan(cfg: PlanAppConfig, run_dir) -> dict:
         where = profiles.save(data, p.calibration)
         (run_dir / "calibration.json").write_text(json.dumps(data, indent=2) + "\n")
         print(f"Calibration written to {where} ({len(data['observations'])} runs):")
-        print("\n".join(calibrate.fit_lines(data)))
+        print("\n".join(calibrate.coefficient_lines(data)))
         print()
     where, data = profiles.resolve(p.calibration)
-    plan = planner.make_plan(cfg, calibration=data, calibration_where=where, bucket_sizes=list(p.bucket_sizes),
-                             copy_gbps=p.copy_gbps)
+    plan = planner.make_plan(
+        cfg, calibration=data, calibration_where=where, bucket_sizes=list(p.bucket_sizes), copy_gbps=p.copy_gbps
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
     print(planner.render(plan))
@@ -59,8 +60,17 @@ def fitted_machine(data: dict) -> dict:
     import datetime as _dt
 
     date = _dt.datetime.fromtimestamp(summary.stat().st_mtime, _dt.timezone.utc).isoformat(timespec="seconds")
-    return {"date": date, "load_average": None, "device": m.get("device"), "cpus": m.get("cpus"), "torch": m.get("torch"), "platform": m.get("platform"),
-            "cuda": str(m.get("device", "")).startswith("cuda"), "gpu": m.get("gpu"), "fitted_from_runs": True}
+    return {
+        "date": date,
+        "load_average": None,
+        "device": m.get("device"),
+        "cpus": m.get("cpus"),
+        "torch": m.get("torch"),
+        "platform": m.get("platform"),
+        "cuda": str(m.get("device", "")).startswith("cuda"),
+        "gpu": m.get("gpu"),
+        "fitted_from_runs": True,
+    }
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="plan")

@@ -25,18 +25,35 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
 
 from omegaconf import OmegaConf
 
-from rlsync.config import BenchAppConfig, Config
+from rlsync.config.schema import BenchAppConfig, Config
 from rlsync.plan import cost, profiles
 
-DEEP = {"name": "deep", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 64,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 512}
-WIDE = {"name": "wide", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 2,
-        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936}
+DEEP = {
+    "name": "deep",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "vocab_size": 512,
+}
+WIDE = {
+    "name": "wide",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+}
 PRESETS = Path(__file__).resolve().parent.parent / "conf" / "model"
 
 
@@ -50,13 +67,25 @@ def model_keys(name: str) -> dict:
 
 # (model, transport, strategy, bucket_mb): the grid; small buckets give many calls for few bytes
 GRID = [
-    ("tiny", "direct", "bucketed", 512), ("deep", "direct", "bucketed", 512), ("deep", "direct", "bucketed", 0.0625),
-    ("wide", "direct", "bucketed", 512), ("qwen3_0p6b", "direct", "bucketed", 512), ("qwen3_0p6b", "direct", "bucketed", 4),
-    ("tiny", "direct", "per_tensor", 512), ("deep", "direct", "per_tensor", 512), ("wide", "direct", "per_tensor", 512),
+    ("tiny", "direct", "bucketed", 512),
+    ("deep", "direct", "bucketed", 512),
+    ("deep", "direct", "bucketed", 0.0625),
+    ("wide", "direct", "bucketed", 512),
+    ("qwen3_0p6b", "direct", "bucketed", 512),
+    ("qwen3_0p6b", "direct", "bucketed", 4),
+    ("tiny", "direct", "per_tensor", 512),
+    ("deep", "direct", "per_tensor", 512),
+    ("wide", "direct", "per_tensor", 512),
     ("qwen3_0p6b", "direct", "per_tensor", 512),
-    ("tiny", "ipc", "bucketed", 512), ("deep", "ipc", "bucketed", 512), ("deep", "ipc", "bucketed", 0.0625),
-    ("wide", "ipc", "bucketed", 512), ("qwen3_0p6b", "ipc", "bucketed", 512), ("qwen3_0p6b", "ipc", "bucketed", 4),
-    ("tiny", "ipc", "per_tensor", 512), ("deep", "ipc", "per_tensor", 512), ("wide", "ipc", "per_tensor", 512),
+    ("tiny", "ipc", "bucketed", 512),
+    ("deep", "ipc", "bucketed", 512),
+    ("deep", "ipc", "bucketed", 0.0625),
+    ("wide", "ipc", "bucketed", 512),
+    ("qwen3_0p6b", "ipc", "bucketed", 512),
+    ("qwen3_0p6b", "ipc", "bucketed", 4),
+    ("tiny", "ipc", "per_tensor", 512),
+    ("deep", "ipc", "per_tensor", 512),
+    ("wide", "ipc", "per_tensor", 512),
     ("qwen3_0p6b", "ipc", "per_tensor", 512),
 ]
 QUICK_MODELS = ("tiny", "deep")  # plan.calibrate_quick=true: seconds, for tests and smoke runs
@@ -69,18 +98,35 @@ def grid(*, quick: bool, flat: bool, transports: Iterable[str]) -> list[tuple[st
     return jobs
 
 
-def bench_config(cfg: Config, model: str, transport: str, strategy: str, bucket_mb: float, flat: bool,
-                 repeats: int) -> BenchAppConfig:
+def bench_config(
+    cfg: Config, model: str, transport: str, strategy: str, bucket_mb: float, flat: bool, repeats: int
+) -> BenchAppConfig:
     """The benchmark job: the plan's config (dtypes, copy_threads, device) with the grid point's model and update."""
-    from rlsync.validate import validate
+    from rlsync.config.validate import validate
 
     base = OmegaConf.structured(BenchAppConfig)
-    keep = {k: OmegaConf.to_container(OmegaConf.structured(getattr(cfg, k))) for k in ("update", "rollout", "trainer", "run")}
-    keep["update"].update(transport=transport, strategy=strategy, bucket_mb=float(bucket_mb), flat_engine_weights=flat,
-                          verify=False, engine_address=None)
+    keep = {
+        k: OmegaConf.to_container(OmegaConf.structured(getattr(cfg, k)))
+        for k in ("update", "rollout", "trainer", "run")
+    }
+    keep["update"].update(
+        transport=transport,
+        strategy=strategy,
+        bucket_mb=float(bucket_mb),
+        flat_engine_weights=flat,
+        verify=False,
+        engine_address=None,
+    )
     keep["rollout"]["release_weights"] = False
-    merged = OmegaConf.merge(base, keep, {"model": model_keys(model), "wandb": {"mode": "disabled"},
-                                          "bench": {"target": "update", "warmup": 1, "repeats": repeats}})
+    merged = OmegaConf.merge(
+        base,
+        keep,
+        {
+            "model": model_keys(model),
+            "wandb": {"mode": "disabled"},
+            "bench": {"target": "update", "warmup": 1, "repeats": repeats},
+        },
+    )
     out = OmegaConf.to_object(merged)
     validate(out, types=False)
     return out
@@ -94,15 +140,35 @@ def observation(summary: dict, source: str = "") -> Optional[cost.Observation]:
     t = summary.get("metrics", {}).get("perf/update_weights_time") or {}
     if s.get("strategy") not in ("bucketed", "per_tensor") or not t.get("median"):
         return None
-    setup = cost.Setup(s["transport"], s["strategy"], bool(s.get("flat_engine_weights")) and s["strategy"] == "bucketed")
-    w = cost.work(setup, tensors=m["tensors"], buckets=s["buckets"], elements=m["params"],
-                  trainer_dtype=s["trainer_dtype"], engine_dtype=s["engine_dtype"],
-                  pooled=m.get("pooled_tensors") or 0,  # runs from before the count: 0 (the column carries nothing)
-                  cached=s.get("cache_resident_elements") or 0)  # runs from before it: every byte counted
+    setup = cost.Setup(
+        s["transport"], s["strategy"], bool(s.get("flat_engine_weights")) and s["strategy"] == "bucketed"
+    )
+    w = cost.work(
+        setup,
+        tensors=m["tensors"],
+        buckets=s["buckets"],
+        elements=m["params"],
+        trainer_dtype=s["trainer_dtype"],
+        engine_dtype=s["engine_dtype"],
+        pooled=m.get("pooled_tensors") or 0,  # runs from before the count: 0 (the column carries nothing)
+        cached=s.get("cache_resident_elements") or 0,
+    )  # runs from before it: every byte counted
     spread = (t["max"] - t["min"]) / 2 / t["median"] if t.get("max") is not None else 0.0
-    return cost.Observation(setup, w, t["median"], spread, floor_s_per_byte(summary), source=source, model=m["name"],
-                            extra={"bucket_mb": s.get("bucket_mb"), "trainer_dtype": s["trainer_dtype"],
-                                   "engine_dtype": s["engine_dtype"], "device": s.get("device")})
+    return cost.Observation(
+        setup,
+        w,
+        t["median"],
+        spread,
+        floor_s_per_byte(summary),
+        source=source,
+        model=m["name"],
+        extra={
+            "bucket_mb": s.get("bucket_mb"),
+            "trainer_dtype": s["trainer_dtype"],
+            "engine_dtype": s["engine_dtype"],
+            "device": s.get("device"),
+        },
+    )
 
 
 def floor_s_per_byte(summary: dict) -> Optional[float]:
@@ -142,8 +208,9 @@ def at_floor_dict(c: cost.Coefficients) -> dict:
 def calibration_file(observations: list[cost.Observation], *, device: str, seconds: Optional[float] = None) -> dict:
     """The calibration: coefficients per setup, the machine, and the runs behind them."""
     if not observations:
-        raise ValueError("no finished rlsync.bench update runs to fit (kind bench, target update, "
-                         "strategy bucketed or per_tensor)")
+        raise ValueError(
+            "no finished rlsync.bench update runs to fit (kind bench, target update, strategy bucketed or per_tensor)"
+        )
     coef = cost.fit(observations)
     coef_floor = cost.fit(observations, relative_to_floor=True)
     floors = [o.floor_s_per_byte for o in observations if o.floor_s_per_byte]
@@ -151,18 +218,37 @@ def calibration_file(observations: list[cost.Observation], *, device: str, secon
     rows = []
     for o in observations:
         fitted = coef[o.setup.key].predict(o.work, o.setup)
-        rows.append({"setup": o.setup.key, "model": o.model, "bucket_mb": o.extra.get("bucket_mb"), "calls": o.work.calls,
-                     "tensors": o.work.tensors, "bytes": o.work.bytes, "time_s": o.time_s, "spread": o.spread,
-                     "fitted_s": fitted, "floor_gbps": 1e-9 / o.floor_s_per_byte if o.floor_s_per_byte else None, "rel_error": (o.time_s - fitted) / fitted if fitted else None, "source": o.source})
+        rows.append(
+            {
+                "setup": o.setup.key,
+                "model": o.model,
+                "bucket_mb": o.extra.get("bucket_mb"),
+                "calls": o.work.calls,
+                "tensors": o.work.tensors,
+                "bytes": o.work.bytes,
+                "time_s": o.time_s,
+                "spread": o.spread,
+                "fitted_s": fitted,
+                "floor_gbps": 1e-9 / o.floor_s_per_byte if o.floor_s_per_byte else None,
+                "rel_error": (o.time_s - fitted) / fitted if fitted else None,
+                "source": o.source,
+            }
+        )
     trainer, engine = next(iter(dtypes)) if len(dtypes) == 1 else ("mixed", "mixed")
-    return {"kind": profiles.KIND, "version": profiles.VERSION, "measured": True, "machine": profiles.machine_now(device),
-            "dtypes": {"trainer": trainer, "engine": engine}, "seconds": seconds,
-            "model": "time = calls x per_call_s + tensors x per_tensor_s + moved bytes x per_byte_s (rlsync/plan/cost.py)",
-            "coefficients": {k: c.as_dict() for k, c in coef.items()},
-            # the same model with bytes in units of each run's copy floor: per_byte_s x 1e9 = multiple of the floor
-            "coefficients_at_floor": {k: at_floor_dict(c) for k, c in coef_floor.items()},
-            "floor_gbps": 1e-9 / statistics.median(floors) if floors else None,  # the runs' median copy floor
-            "observations": rows}
+    return {
+        "kind": profiles.KIND,
+        "version": profiles.VERSION,
+        "measured": True,
+        "machine": profiles.machine_now(device),
+        "dtypes": {"trainer": trainer, "engine": engine},
+        "seconds": seconds,
+        "model": "time = calls x per_call_s + tensors x per_tensor_s + moved bytes x per_byte_s (rlsync/plan/cost.py)",
+        "coefficients": {k: c.as_dict() for k, c in coef.items()},
+        # the same model with bytes in units of each run's copy floor: per_byte_s x 1e9 = multiple of the floor
+        "coefficients_at_floor": {k: at_floor_dict(c) for k, c in coef_floor.items()},
+        "floor_gbps": 1e-9 / statistics.median(floors) if floors else None,  # the runs' median copy floor
+        "observations": rows,
+    }
 
 
 RETRY_RESIDUAL = 0.3  # a job this far off the fit of the others is run again once: the faster of the two counts
@@ -174,7 +260,7 @@ def calibrate(cfg, out_dir: Path, *, log=print) -> dict:
     On a shared machine a job that ran while something else took the cores or the memory bandwidth
     comes out slow: a job whose fitted residual is over RETRY_RESIDUAL is run again once and the
     faster median kept (load only ever slows a copy)."""
-    from rlsync.devices import resolve_device
+    from rlsync.measure.devices import resolve_device
 
     p = cfg.plan
     jobs = grid(quick=p.calibrate_quick, flat=p.calibrate_flat, transports=p.calibrate_transports)
@@ -189,8 +275,15 @@ def calibrate(cfg, out_dir: Path, *, log=print) -> dict:
     for i, o in list(observations.items()):
         fitted = coef[o.setup.key].predict(o.work, o.setup)
         if fitted > 0 and abs(o.time_s - fitted) / fitted > RETRY_RESIDUAL:
-            again = run_job(cfg, runs, i, jobs[i], log=log, label=f"again ({(o.time_s - fitted) / fitted:+.0%} off the fit)",
-                            suffix=AGAIN)
+            again = run_job(
+                cfg,
+                runs,
+                i,
+                jobs[i],
+                log=log,
+                label=f"again ({(o.time_s - fitted) / fitted:+.0%} off the fit)",
+                suffix=AGAIN,
+            )
             if again and again.time_s < o.time_s:
                 observations[i] = again
     device = str(resolve_device(cfg.run.device))
@@ -198,7 +291,7 @@ def calibrate(cfg, out_dir: Path, *, log=print) -> dict:
 
 
 def run_job(cfg, runs: Path, i: int, job: tuple, *, log, label: str, suffix: str = "") -> Optional[cost.Observation]:
-    from rlsync.bench import run_bench
+    from rlsync.bench.runner import run_bench
 
     model, transport, strategy, bucket_mb, flat = job
     name = f"{i:02d}_{model}_{transport}_{strategy}{'_flat' if flat else ''}_{bucket_mb:g}{suffix}"
@@ -210,23 +303,35 @@ def run_job(cfg, runs: Path, i: int, job: tuple, *, log, label: str, suffix: str
     except Exception as err:  # one failed job (out of memory, say) leaves the others to fit
         summary = {"error": f"{type(err).__name__}: {err}"}
     o = observation(summary or {}, str(runs / name))
-    log(f"calibration {label} {name}: "
-        + (f"{o.time_s * 1e3:.2f} ms ({o.work.calls} calls, {o.work.tensors} tensors, {o.work.bytes / 2**20:.1f} MiB "
-           f"moved), {time.perf_counter() - t0:.1f} s" if o else f"failed ({(summary or {}).get('error')})"))
+    log(
+        f"calibration {label} {name}: "
+        + (
+            f"{o.time_s * 1e3:.2f} ms ({o.work.calls} calls, {o.work.tensors} tensors, {o.work.bytes / 2**20:.1f} MiB "
+            f"moved), {time.perf_counter() - t0:.1f} s"
+            if o
+            else f"failed ({(summary or {}).get('error')})"
+        )
+    )
     return o
 
 
-def fit_lines(data: dict) -> list[str]:
+def coefficient_lines(data: dict) -> list[str]:
     """The calibration's coefficients and fit quality, one line per setup."""
     out = []
     for key, c in sorted(data["coefficients"].items()):
         bw = c.get("bandwidth_gbps")
-        out.append(f"  {key:22s} per call {c['per_call_s'] * 1e6:9.2f} us, per tensor {c['per_tensor_s'] * 1e6:8.2f} us, "
-                   f"{'%.2f GB/s' % bw if bw else 'bytes unresolved':>12s}; {c.get('points', 0)} runs, residual max "
-                   f"{c.get('rel_residual_max', 0) * 100:.1f} % rms {c.get('rel_residual_rms', 0) * 100:.1f} %, "
-                   f"repeat spread {c.get('repeat_spread', 0) * 100:.1f} %"
-                   + (" (UNDERDETERMINED: no more runs than coefficients, so the residual says nothing; "
-                      "calibrate with plan.calibrate=true)" if c.get("points", 0) <= coefficient_count(key) else ""))
+        out.append(
+            f"  {key:22s} per call {c['per_call_s'] * 1e6:9.2f} us, per tensor {c['per_tensor_s'] * 1e6:8.2f} us, "
+            f"{f'{bw:.2f} GB/s' if bw else 'bytes unresolved':>12s}; {c.get('points', 0)} runs, residual max "
+            f"{c.get('rel_residual_max', 0) * 100:.1f} % rms {c.get('rel_residual_rms', 0) * 100:.1f} %, "
+            f"repeat spread {c.get('repeat_spread', 0) * 100:.1f} %"
+            + (
+                " (UNDERDETERMINED: no more runs than coefficients, so the residual says nothing; "
+                "calibrate with plan.calibrate=true)"
+                if c.get("points", 0) <= coefficient_count(key)
+                else ""
+            )
+        )
     return out
 
 

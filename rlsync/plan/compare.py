@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
 
 from rlsync.fmt import fmt_seconds, markdown_table
 from rlsync.plan.calibrate import floor_s_per_byte
@@ -58,11 +59,15 @@ def matching_prediction(plans: list[dict], bench: dict) -> tuple[Optional[dict],
     for plan in plans:
         ps = plan["setup"]
         if (plan["model"]["name"], ps["trainer_dtype"], ps["engine_dtype"]) != (
-                bench["model"]["name"], s["trainer_dtype"], s["engine_dtype"]):
+            bench["model"]["name"],
+            s["trainer_dtype"],
+            s["engine_dtype"],
+        ):
             continue
         for row in plan["predictions"]:
             if (row["transport"], row["strategy"], row["flat"]) == (s["transport"], s["strategy"], flat) and (
-                    s["strategy"] != "bucketed" or row["bucket_mb"] == s["bucket_mb"]):
+                s["strategy"] != "bucketed" or row["bucket_mb"] == s["bucket_mb"]
+            ):
                 return plan, row
     return None, None
 
@@ -79,32 +84,68 @@ def compare(plans: list[dict], benches: list[dict], tolerance: float = TOLERANCE
         f = pred.get("at_floor") if pred else None
         at_floor = f["overhead_s"] + f["floor_multiple"] * pred["moved_bytes"] * floor if f and floor else None
         floor_err = (at_floor - t["median"]) / t["median"] if at_floor else None
-        rows.append({"model": b["model"]["name"], "transport": s["transport"] + (" flat" if s.get("flat_engine_weights") else ""),
-                     "strategy": s["strategy"], "bucket_mb": s["bucket_mb"] if s["strategy"] == "bucketed" else None,
-                     "calls": pred["calls"] if pred else None, "tensors": b["model"]["tensors"],
-                     "predicted_s": pred["time_s"] if pred else None, "low_s": pred["low_s"] if pred else None,
-                     "high_s": pred["high_s"] if pred else None, "measured_s": t["median"], "min_s": t["min"],
-                     "max_s": t["max"], "error": err, "within": err is not None and abs(err) <= tolerance,
-                     "in_range": pred is not None and pred["low_s"] <= t["median"] <= pred["high_s"],
-                     "at_floor_s": at_floor, "floor_gbps": 1e-9 / floor if floor else None, "floor_error": floor_err,
-                     "floor_within": floor_err is not None and abs(floor_err) <= tolerance,
-                     "measured": pred.get("measured") if pred else None, "bench": b["_path"],
-                     "plan": plan["_path"] if plan else None})
+        rows.append(
+            {
+                "model": b["model"]["name"],
+                "transport": s["transport"] + (" flat" if s.get("flat_engine_weights") else ""),
+                "strategy": s["strategy"],
+                "bucket_mb": s["bucket_mb"] if s["strategy"] == "bucketed" else None,
+                "calls": pred["calls"] if pred else None,
+                "tensors": b["model"]["tensors"],
+                "predicted_s": pred["time_s"] if pred else None,
+                "low_s": pred["low_s"] if pred else None,
+                "high_s": pred["high_s"] if pred else None,
+                "measured_s": t["median"],
+                "min_s": t["min"],
+                "max_s": t["max"],
+                "error": err,
+                "within": err is not None and abs(err) <= tolerance,
+                "in_range": pred is not None and pred["low_s"] <= t["median"] <= pred["high_s"],
+                "at_floor_s": at_floor,
+                "floor_gbps": 1e-9 / floor if floor else None,
+                "floor_error": floor_err,
+                "floor_within": floor_err is not None and abs(floor_err) <= tolerance,
+                "measured": pred.get("measured") if pred else None,
+                "bench": b["_path"],
+                "plan": plan["_path"] if plan else None,
+            }
+        )
     return sorted(rows, key=lambda r: (r["tensors"], r["model"], r["transport"], r["strategy"]))
 
 
 def table(rows: list[dict], tolerance: float = TOLERANCE) -> str:
-    head = ["model", "transport", "strategy", "calls", "predicted (range)", "measured median (min to max)", "error",
-            f"within {tolerance:.0%}", "at the bench's copy floor", "error"]
-    body = [[r["model"], r["transport"], r["strategy"] + (f" {r['bucket_mb']:g} MiB" if r["bucket_mb"] else ""),
-             r["calls"] if r["calls"] is not None else "-",
-             (f"{fmt_seconds(r['predicted_s'])} ({fmt_seconds(r['low_s'])} to {fmt_seconds(r['high_s'])})"
-              + ("" if r["measured"] is not False else " unmeasured")) if r["predicted_s"] is not None else "no plan",
-             f"{fmt_seconds(r['measured_s'])} ({fmt_seconds(r['min_s'])} to {fmt_seconds(r['max_s'])})",
-             f"{r['error'] * 100:+.1f} %" if r["error"] is not None else "-",
-             ("yes" if r["within"] else "NO") if r["error"] is not None else "-",
-             f"{fmt_seconds(r['at_floor_s'])} ({r['floor_gbps']:.1f} GB/s)" if r.get("at_floor_s") else "-",
-             f"{r['floor_error'] * 100:+.1f} %" if r.get("floor_error") is not None else "-"] for r in rows]
+    head = [
+        "model",
+        "transport",
+        "strategy",
+        "calls",
+        "predicted (range)",
+        "measured median (min to max)",
+        "error",
+        f"within {tolerance:.0%}",
+        "at the bench's copy floor",
+        "error",
+    ]
+    body = [
+        [
+            r["model"],
+            r["transport"],
+            r["strategy"] + (f" {r['bucket_mb']:g} MiB" if r["bucket_mb"] else ""),
+            r["calls"] if r["calls"] is not None else "-",
+            (
+                f"{fmt_seconds(r['predicted_s'])} ({fmt_seconds(r['low_s'])} to {fmt_seconds(r['high_s'])})"
+                + ("" if r["measured"] is not False else " unmeasured")
+            )
+            if r["predicted_s"] is not None
+            else "no plan",
+            f"{fmt_seconds(r['measured_s'])} ({fmt_seconds(r['min_s'])} to {fmt_seconds(r['max_s'])})",
+            f"{r['error'] * 100:+.1f} %" if r["error"] is not None else "-",
+            ("yes" if r["within"] else "NO") if r["error"] is not None else "-",
+            f"{fmt_seconds(r['at_floor_s'])} ({r['floor_gbps']:.1f} GB/s)" if r.get("at_floor_s") else "-",
+            f"{r['floor_error'] * 100:+.1f} %" if r.get("floor_error") is not None else "-",
+        ]
+        for r in rows
+    ]
     return markdown_table(head, body)
 
 
@@ -115,18 +156,26 @@ def write(paths: list[str], out: Optional[Path], tolerance: float = TOLERANCE) -
     rows = compare(plans, benches, tolerance)
     cal = {p["calibration"]["describe"] for p in plans}
     scored = [r for r in rows if r["error"] is not None]
-    text = "\n".join([
-        "Predicted (rlsync.plan) against measured (rlsync.bench, median of the timed repeats) update time.",
-        "", *(f"Calibration: {c}" for c in sorted(cal)), "",
-        table(rows, tolerance), "",
-        f"{sum(r['within'] for r in scored)} of {len(scored)} predictions within {tolerance:.0%} of the measured median"
-        + (f"; {len(rows) - len(scored)} runs without a matching plan" if len(scored) < len(rows) else "") + "; at "
-        f"each bench's own copy floor {sum(r['floor_within'] for r in scored)} of "
-        f"{sum(r['floor_error'] is not None for r in scored)}.", "",
-        "predicted: the plan's time, from the calibration's absolute bandwidth (its range: the fit's worst residual or "
-        "the repeats' spread). At the bench's copy floor: the same model fitted with bytes in units of each run's copy "
-        "floor (rlsync.limits, re-timed beside every repeat), evaluated at the floor the benchmark measured: what the "
-        "plan predicts once the machine's floor at that moment is known (plan.copy_gbps)."])
+    text = "\n".join(
+        [
+            "Predicted (rlsync.plan) against measured (rlsync.bench, median of the timed repeats) update time.",
+            "",
+            *(f"Calibration: {c}" for c in sorted(cal)),
+            "",
+            table(rows, tolerance),
+            "",
+            f"{sum(r['within'] for r in scored)} of {len(scored)} predictions within {tolerance:.0%} of the measured median"
+            + (f"; {len(rows) - len(scored)} runs without a matching plan" if len(scored) < len(rows) else "")
+            + "; at "
+            f"each bench's own copy floor {sum(r['floor_within'] for r in scored)} of "
+            f"{sum(r['floor_error'] is not None for r in scored)}.",
+            "",
+            "predicted: the plan's time, from the calibration's absolute bandwidth (its range: the fit's worst residual or "
+            "the repeats' spread). At the bench's copy floor: the same model fitted with bytes in units of each run's copy "
+            "floor (rlsync.measure.limits, re-timed beside every repeat), evaluated at the floor the benchmark measured: what the "
+            "plan predicts once the machine's floor at that moment is known (plan.copy_gbps).",
+        ]
+    )
     if out:
         Path(out).write_text(text + "\n")
         Path(out).with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")

@@ -9,7 +9,7 @@ a call is a different thing in each (a staged bucket, a message to another proce
 - tensors: per named tensor, whatever the grouping (the views, the per-tensor `copy_` launches inside
   a bucket's pack and load). For `per_tensor` calls and tensors are the same count, so there this
   column counts the *pooled* tensors instead (`Work.pooled`): those whose copy runs on torch's CPU
-  thread pool (more than 32,768 elements, rlsync.sync.threads.POOL_GRAIN), each copy waking the
+  thread pool (more than 32,768 elements, rlsync.measure.threads.POOL_GRAIN), each copy waking the
   pool's sleeping threads, in both processes over ipc: such a message costs a few times one copied
   on one thread (experiments/sizing/README.md, "Measurements behind the cost model").
 - bytes: read + written by the update's copies, the dtype conversion counted (trainer.dtype ->
@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Optional
+from typing import Optional
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TERMS = ("per_call_s", "per_tensor_s", "per_byte_s")
@@ -49,7 +50,7 @@ class Setup:
         return f"{self.transport}/{self.strategy}" + ("/flat" if self.flat else "")
 
     @classmethod
-    def from_key(cls, key: str) -> "Setup":
+    def from_key(cls, key: str) -> Setup:
         transport, strategy, *rest = key.split("/")
         return cls(transport, strategy, rest == ["flat"])
 
@@ -67,7 +68,7 @@ def moved_bytes(setup: Setup, elements: int, trainer_dtype: str, engine_dtype: s
     """Bytes read + written by the update's copies that reach memory: the first converts trainer ->
     engine dtype, the others copy the engine dtype. `cached`: elements of the units (tensors for
     per_tensor, buckets otherwise) whose staging fits in half the CPU's last-level cache
-    (rlsync.limits.cache_resident_elements): the second copy reads those from the cache the first
+    (rlsync.measure.limits.cache_resident_elements): the second copy reads those from the cache the first
     just wrote them to, so that read is not counted (experiments/sizing/README.md, "Measurements
     behind the cost model")."""
     t, e = DTYPE_BYTES[trainer_dtype], DTYPE_BYTES[engine_dtype]
@@ -82,7 +83,7 @@ class Work:
     calls: int
     tensors: int
     bytes: int
-    pooled: int = 0  # tensors whose CPU copy runs on torch's thread pool (rlsync.sync.threads.pooled)
+    pooled: int = 0  # tensors whose CPU copy runs on torch's thread pool (rlsync.measure.threads.pooled)
 
     def row(self, setup: Setup) -> list[float]:
         """The design-matrix row; per_tensor's tensor column counts the pooled tensors (its calls count them all)."""
@@ -94,8 +95,17 @@ def tensor_term(setup: Setup) -> str:
     return "pooled tensors" if setup.strategy == "per_tensor" else "tensors"
 
 
-def work(setup: Setup, *, tensors: int, buckets: int, elements: int, trainer_dtype: str, engine_dtype: str,
-         pooled: int = 0, cached: int = 0) -> Work:
+def work(
+    setup: Setup,
+    *,
+    tensors: int,
+    buckets: int,
+    elements: int,
+    trainer_dtype: str,
+    engine_dtype: str,
+    pooled: int = 0,
+    cached: int = 0,
+) -> Work:
     calls = tensors if setup.strategy == "per_tensor" else buckets
     return Work(calls, tensors, moved_bytes(setup, elements, trainer_dtype, engine_dtype, cached), pooled)
 
@@ -123,8 +133,11 @@ class Coefficients:
 
     def terms(self, w: Work, setup: Setup) -> dict[str, float]:
         calls, tensors, nbytes = w.row(setup)
-        return {"calls_s": calls * self.per_call_s, "tensors_s": tensors * self.per_tensor_s,
-                "bytes_s": nbytes * self.per_byte_s}
+        return {
+            "calls_s": calls * self.per_call_s,
+            "tensors_s": tensors * self.per_tensor_s,
+            "bytes_s": nbytes * self.per_byte_s,
+        }
 
     def predict(self, w: Work, setup: Setup) -> float:
         return sum(self.terms(w, setup).values())
@@ -135,7 +148,7 @@ class Coefficients:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Coefficients":
+    def from_dict(cls, d: dict) -> Coefficients:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
@@ -147,7 +160,9 @@ class Observation:
     work: Work
     time_s: float  # median over the timed repeats
     spread: float = 0.0  # (max - min) / 2 / median
-    floor_s_per_byte: Optional[float] = None  # the run's own copy floor: seconds per byte read + written (rlsync.limits)
+    floor_s_per_byte: Optional[float] = (
+        None  # the run's own copy floor: seconds per byte read + written (rlsync.measure.limits)
+    )
     source: str = ""  # where it came from (a run dir)
     model: str = ""
     extra: dict = field(default_factory=dict)
@@ -204,5 +219,10 @@ def predict(coef: Coefficients, w: Work, setup: Setup) -> dict:
     t = coef.predict(w, setup)
     e = coef.rel_error
     terms = coef.terms(w, setup)
-    return {"time_s": t, "low_s": t * max(0.0, 1 - e), "high_s": t * (1 + e),
-            "terms": terms, "shares": {k: (v / t if t > 0 else None) for k, v in terms.items()}}
+    return {
+        "time_s": t,
+        "low_s": t * max(0.0, 1 - e),
+        "high_s": t * (1 + e),
+        "terms": terms,
+        "shares": {k: (v / t if t > 0 else None) for k, v in terms.items()},
+    }

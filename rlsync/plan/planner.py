@@ -1,8 +1,8 @@
 """The bucket plan of a config, and its predicted update time, from the config alone.
 
-`make_plan(cfg, calibration)` lists the update's tensors (`rlsync.memory.param_shapes`, the same
+`make_plan(cfg, calibration)` lists the update's tensors (`rlsync.run.memory_check.param_shapes`, the same
 names and shapes the update sends), plans the buckets for each bucket size (`rlsync.sync.buckets`,
-the planner the update itself uses), estimates the staging and peak memory (`rlsync.memory`) and,
+the planner the update itself uses), estimates the staging and peak memory (`rlsync.run.memory_check`) and,
 where the calibration has coefficients for a setup, predicts the update time with a range
 (`rlsync.plan.cost`). Nothing is allocated: a 235B model plans in seconds.
 
@@ -16,14 +16,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from rlsync.config import MIB, Config, flat_engine_weights_choice
+from rlsync.config.schema import MIB, Config, flat_engine_weights_choice
 from rlsync.fmt import fmt_bytes, fmt_seconds, fmt_share, markdown_table
-from rlsync.memory import DTYPE_BYTES, estimate, param_shapes, staging_bytes
-from rlsync.models import torch_dtype
+from rlsync.measure.limits import cache_resident_elements
+from rlsync.measure.threads import pooled
+from rlsync.model.build import torch_dtype
 from rlsync.plan import cost, profiles
+from rlsync.run.memory_check import DTYPE_BYTES, estimate, param_shapes, staging_bytes
 from rlsync.sync.buckets import TensorMeta, plan_buckets
-from rlsync.limits import cache_resident_elements
-from rlsync.sync.threads import pooled
 
 SCHEMA_VERSION = 1
 STRATEGIES = ("bucketed", "per_tensor")
@@ -43,7 +43,9 @@ class Planner:
     """One model's tensors and a calibration's coefficients; plans and predicts per bucket size and setup."""
 
     def __init__(self, cfg: Config, calibration: Optional[dict], *, copy_gbps: Optional[float] = None):
-        flat, _ = flat_engine_weights_choice(cfg.update, cfg.rollout, cfg.model)  # null (auto) as the update resolves it
+        flat, _ = flat_engine_weights_choice(
+            cfg.update, cfg.rollout, cfg.model
+        )  # null (auto) as the update resolves it
         cfg = with_update(cfg, flat_engine_weights=flat)
         self.cfg, self.calibration = cfg, calibration
         self.coefficients = profiles.coefficients(calibration)
@@ -73,9 +75,14 @@ class Planner:
         over = [m for m in self.metas if m.nbytes > cap]
         cfg = with_update(self.cfg, bucket_mb=bucket_mb, strategy="bucketed")
         trainer_staging, engine_staging = staging_bytes(cfg, self.shapes)
-        return {"bucket_mb": bucket_mb, "buckets": len(plan), "largest_bucket_bytes": max(b.nbytes for b in plan),
-                "tensors_over_bucket": len(over), "tensors_over_bucket_bytes": sum(m.nbytes for m in over),
-                "staging_bytes": trainer_staging + engine_staging}
+        return {
+            "bucket_mb": bucket_mb,
+            "buckets": len(plan),
+            "largest_bucket_bytes": max(b.nbytes for b in plan),
+            "tensors_over_bucket": len(over),
+            "tensors_over_bucket_bytes": sum(m.nbytes for m in over),
+            "staging_bytes": trainer_staging + engine_staging,
+        }
 
     def predict(self, setup: cost.Setup, bucket_mb: Optional[float]) -> Optional[dict]:
         """`setup`'s predicted time at `bucket_mb` (per_tensor: None, it sends no buckets)."""
@@ -83,12 +90,26 @@ class Planner:
         if coef is None:
             return None
         buckets = [b.numel for b in self.plan(bucket_mb)] if bucket_mb is not None else []
-        w = cost.work(setup, tensors=len(self.metas), buckets=len(buckets), elements=self.elements,
-                      trainer_dtype=self.cfg.trainer.dtype, engine_dtype=self.cfg.rollout.dtype, pooled=self.pooled,
-                      cached=cache_resident_elements(setup.strategy, self.numels, buckets, self.dtype.itemsize, self.llc))
-        return {**cost.predict(coef, w, setup), "calls": w.calls, "tensors": w.tensors, "pooled_tensors": w.pooled,
-                "tensor_term": {"count": w.row(setup)[1], "counts": cost.tensor_term(setup)}, "moved_bytes": w.bytes,
-                "measured": self.measured, "at_floor": self.predict_at_floor(setup, w)}
+        w = cost.work(
+            setup,
+            tensors=len(self.metas),
+            buckets=len(buckets),
+            elements=self.elements,
+            trainer_dtype=self.cfg.trainer.dtype,
+            engine_dtype=self.cfg.rollout.dtype,
+            pooled=self.pooled,
+            cached=cache_resident_elements(setup.strategy, self.numels, buckets, self.dtype.itemsize, self.llc),
+        )
+        return {
+            **cost.predict(coef, w, setup),
+            "calls": w.calls,
+            "tensors": w.tensors,
+            "pooled_tensors": w.pooled,
+            "tensor_term": {"count": w.row(setup)[1], "counts": cost.tensor_term(setup)},
+            "moved_bytes": w.bytes,
+            "measured": self.measured,
+            "at_floor": self.predict_at_floor(setup, w),
+        }
 
     def predict_at_floor(self, setup: cost.Setup, w: cost.Work) -> Optional[dict]:
         """The model fitted with bytes in units of the copy floor: time at a given floor (GB/s read + written)
@@ -101,8 +122,15 @@ class Planner:
         multiple = coef.per_byte_s * 1e9
         t = overhead + multiple * w.bytes / (self.floor_gbps * 1e9)
         e = coef.rel_error
-        return {"overhead_s": overhead, "floor_multiple": multiple, "floor_gbps": self.floor_gbps, "time_s": t,
-                "low_s": t * max(0.0, 1 - e), "high_s": t * (1 + e), "rel_error": e}
+        return {
+            "overhead_s": overhead,
+            "floor_multiple": multiple,
+            "floor_gbps": self.floor_gbps,
+            "time_s": t,
+            "low_s": t * max(0.0, 1 - e),
+            "high_s": t * (1 + e),
+            "rel_error": e,
+        }
 
     def predictions(self, bucket_sizes: list[float]) -> list[dict]:
         """Every calibrated setup of the configured flat_engine_weights at every bucket size (per_tensor once)."""
@@ -114,8 +142,9 @@ class Planner:
             sizes = bucket_sizes if setup.strategy == "bucketed" else [None]
             for mb in sizes:
                 p = self.predict(setup, mb)
-                rows.append({"transport": setup.transport, "strategy": setup.strategy, "flat": setup.flat,
-                             "bucket_mb": mb, **p})
+                rows.append(
+                    {"transport": setup.transport, "strategy": setup.strategy, "flat": setup.flat, "bucket_mb": mb, **p}
+                )
         return rows
 
     def per_tensor_share(self, transport: str, bucket_mb: float) -> Optional[float]:
@@ -126,8 +155,15 @@ class Planner:
         return (per_tensor["time_s"] - bucketed["time_s"]) / per_tensor["time_s"]
 
 
-def make_plan(cfg: Config, *, calibration: Optional[dict], calibration_where: str, bucket_sizes: list[float],
-              cuda: Optional[bool] = None, copy_gbps: Optional[float] = None) -> dict:
+def make_plan(
+    cfg: Config,
+    *,
+    calibration: Optional[dict],
+    calibration_where: str,
+    bucket_sizes: list[float],
+    cuda: Optional[bool] = None,
+    copy_gbps: Optional[float] = None,
+) -> dict:
     """plan.json: the tensors, the buckets per bucket size, memory, the predicted time and the flags."""
     p = Planner(cfg, calibration, copy_gbps=copy_gbps)
     cfg = p.cfg  # update.flat_engine_weights=null (auto) resolved, as the update resolves it
@@ -153,22 +189,44 @@ def make_plan(cfg: Config, *, calibration: Optional[dict], calibration_where: st
     plan = {
         "kind": "plan",
         "schema": SCHEMA_VERSION,
-        "model": {"name": cfg.model.name, "params": p.elements, "tensors": len(p.metas),
-                  "update_bytes": p.elements * e, "read_bytes": p.elements * t,
-                  "largest_tensor": {"name": p.largest.name, "shape": list(p.largest.shape), "bytes": p.largest.nbytes}},
-        "setup": {"transport": u.transport, "strategy": u.strategy, "flat_engine_weights": u.flat_engine_weights,
-                  "bucket_mb": u.bucket_mb, "inflight_buckets": u.inflight_buckets, "trainer_dtype": cfg.trainer.dtype,
-                  "engine_dtype": cfg.rollout.dtype, "source": u.source, "cuda": cuda,
-                  "copy_gbps": copy_gbps},
-        "calibration": {"where": calibration_where, "measured": p.measured if calibration else None,
-                        "machine": (calibration or {}).get("machine"), "dtypes": (calibration or {}).get("dtypes"),
-                        "describe": profiles.describe(calibration_where, calibration)},
+        "model": {
+            "name": cfg.model.name,
+            "params": p.elements,
+            "tensors": len(p.metas),
+            "update_bytes": p.elements * e,
+            "read_bytes": p.elements * t,
+            "largest_tensor": {"name": p.largest.name, "shape": list(p.largest.shape), "bytes": p.largest.nbytes},
+        },
+        "setup": {
+            "transport": u.transport,
+            "strategy": u.strategy,
+            "flat_engine_weights": u.flat_engine_weights,
+            "bucket_mb": u.bucket_mb,
+            "inflight_buckets": u.inflight_buckets,
+            "trainer_dtype": cfg.trainer.dtype,
+            "engine_dtype": cfg.rollout.dtype,
+            "source": u.source,
+            "cuda": cuda,
+            "copy_gbps": copy_gbps,
+        },
+        "calibration": {
+            "where": calibration_where,
+            "measured": p.measured if calibration else None,
+            "machine": (calibration or {}).get("machine"),
+            "dtypes": (calibration or {}).get("dtypes"),
+            "describe": profiles.describe(calibration_where, calibration),
+        },
         "buckets": table,
         "prediction": prediction,
         "predictions": p.predictions(sizes),
-        "memory": {"staging_bytes": sum(staging), "staging_trainer_bytes": staging[0], "staging_engine_bytes": staging[1],
-                   "update_alone_peak_bytes": update_alone, "run_peak_host_bytes": run_peak.host_bytes,
-                   "run_peak_device_bytes": run_peak.device_bytes or None},
+        "memory": {
+            "staging_bytes": sum(staging),
+            "staging_trainer_bytes": staging[0],
+            "staging_engine_bytes": staging[1],
+            "update_alone_peak_bytes": update_alone,
+            "run_peak_host_bytes": run_peak.host_bytes,
+            "run_peak_device_bytes": run_peak.device_bytes or None,
+        },
     }
     plan["flags"] = flags(plan, configured)
     return plan
@@ -180,32 +238,59 @@ def flags(plan: dict, configured: dict) -> list[dict]:
     s, lt = plan["setup"], plan["model"]["largest_tensor"]
     cap = int(s["bucket_mb"] * MIB)
     if s["strategy"] == "bucketed" and configured["tensors_over_bucket"]:
-        out.append({"kind": "tensor_over_bucket", "tensors": configured["tensors_over_bucket"],
-                    "largest_tensor_bytes": lt["bytes"], "bucket_bytes": cap,
-                    "message": f"{configured['tensors_over_bucket']} tensor(s) larger than the {fmt_bytes(cap)} bucket, "
-                               f"the largest {lt['name']} ({fmt_bytes(lt['bytes'])}): each travels alone in its own "
-                               f"bucket, and " + (f"that bucket's flat buffer is {fmt_bytes(configured['largest_bucket_bytes'])}"
-                                                  if s["flat_engine_weights"] else
-                                                  f"the staging buffer grows to {fmt_bytes(configured['largest_bucket_bytes'])}")})
+        out.append(
+            {
+                "kind": "tensor_over_bucket",
+                "tensors": configured["tensors_over_bucket"],
+                "largest_tensor_bytes": lt["bytes"],
+                "bucket_bytes": cap,
+                "message": f"{configured['tensors_over_bucket']} tensor(s) larger than the {fmt_bytes(cap)} bucket, "
+                f"the largest {lt['name']} ({fmt_bytes(lt['bytes'])}): each travels alone in its own "
+                f"bucket, and "
+                + (
+                    f"that bucket's flat buffer is {fmt_bytes(configured['largest_bucket_bytes'])}"
+                    if s["flat_engine_weights"]
+                    else f"the staging buffer grows to {fmt_bytes(configured['largest_bucket_bytes'])}"
+                ),
+            }
+        )
     if plan["memory"]["staging_bytes"]:
-        out.append({"kind": "staging", "bytes": plan["memory"]["staging_bytes"],
-                    "message": f"staging: {fmt_bytes(plan['memory']['staging_bytes'])} for update.bucket_mb="
-                               f"{s['bucket_mb']:g} x inflight_buckets={s['inflight_buckets']} "
-                               f"({s['strategy']}, {s['transport']}{' flat' if s['flat_engine_weights'] else ''})"})
+        out.append(
+            {
+                "kind": "staging",
+                "bytes": plan["memory"]["staging_bytes"],
+                "message": f"staging: {fmt_bytes(plan['memory']['staging_bytes'])} for update.bucket_mb="
+                f"{s['bucket_mb']:g} x inflight_buckets={s['inflight_buckets']} "
+                f"({s['strategy']}, {s['transport']}{' flat' if s['flat_engine_weights'] else ''})",
+            }
+        )
     share = configured.get("per_tensor_share")
     if share is not None:
-        verdict = (f"bucketing at {s['bucket_mb']:g} MiB saves {fmt_share(share)} of a per_tensor update's time"
-                   if share >= 0 else f"per_tensor is faster here: bucketing at {s['bucket_mb']:g} MiB takes "
-                   f"{fmt_share(-share)} of the per_tensor time more (its second copy outweighs the calls it saves)")
-        out.append({"kind": "per_tensor_overhead", "share": share,
-                    "message": f"per-tensor overhead share on {s['transport']} (per_tensor - bucketed) / per_tensor "
-                               f"= {fmt_share(share)}: {verdict} (predicted)"})
+        verdict = (
+            f"bucketing at {s['bucket_mb']:g} MiB saves {fmt_share(share)} of a per_tensor update's time"
+            if share >= 0
+            else f"per_tensor is faster here: bucketing at {s['bucket_mb']:g} MiB takes "
+            f"{fmt_share(-share)} of the per_tensor time more (its second copy outweighs the calls it saves)"
+        )
+        out.append(
+            {
+                "kind": "per_tensor_overhead",
+                "share": share,
+                "message": f"per-tensor overhead share on {s['transport']} (per_tensor - bucketed) / per_tensor "
+                f"= {fmt_share(share)}: {verdict} (predicted)",
+            }
+        )
     pred = plan["prediction"]
     if pred:
         overhead = (pred["terms"]["calls_s"] + pred["terms"]["tensors_s"]) / pred["time_s"] if pred["time_s"] else None
-        out.append({"kind": "overhead_share", "share": overhead,
-                    "message": f"per-call and per-tensor costs are {fmt_share(overhead)} of the predicted update "
-                               "(the rest is bytes / bandwidth)"})
+        out.append(
+            {
+                "kind": "overhead_share",
+                "share": overhead,
+                "message": f"per-call and per-tensor costs are {fmt_share(overhead)} of the predicted update "
+                "(the rest is bytes / bandwidth)",
+            }
+        )
     return out
 
 
@@ -213,40 +298,69 @@ def render(plan: dict) -> str:
     """The console view of plan.json."""
     m, s, mem = plan["model"], plan["setup"], plan["memory"]
     lt = m["largest_tensor"]
-    lines = [f"Plan: {m['name']}, {m['params'] / 1e9:.3f}B parameters, {m['tensors']} tensors, "
-             f"{fmt_bytes(m['update_bytes'])} in {s['engine_dtype']} ({m['update_bytes']:,} bytes); largest tensor "
-             f"{lt['name']} {tuple(lt['shape'])} {fmt_bytes(lt['bytes'])}",
-             f"Update: {s['transport']}{' flat' if s['flat_engine_weights'] else ''}, {s['strategy']}, "
-             f"{s['trainer_dtype']} -> {s['engine_dtype']}, inflight_buckets={s['inflight_buckets']}",
-             f"Calibration: {plan['calibration']['describe']}", ""]
+    lines = [
+        f"Plan: {m['name']}, {m['params'] / 1e9:.3f}B parameters, {m['tensors']} tensors, "
+        f"{fmt_bytes(m['update_bytes'])} in {s['engine_dtype']} ({m['update_bytes']:,} bytes); largest tensor "
+        f"{lt['name']} {tuple(lt['shape'])} {fmt_bytes(lt['bytes'])}",
+        f"Update: {s['transport']}{' flat' if s['flat_engine_weights'] else ''}, {s['strategy']}, "
+        f"{s['trainer_dtype']} -> {s['engine_dtype']}, inflight_buckets={s['inflight_buckets']}",
+        f"Calibration: {plan['calibration']['describe']}",
+        "",
+    ]
     unmeasured = "" if plan["calibration"]["measured"] is not False else " (unmeasured)"
-    head = ["bucket", "buckets", "largest bucket", "over bucket", "staging", f"bucketed{unmeasured}",
-            f"per_tensor{unmeasured}", "per-tensor overhead"]
-    rows = [[f"{r['bucket_mb']:g} MiB" + (" *" if r["bucket_mb"] == s["bucket_mb"] else ""), r["buckets"],
-             fmt_bytes(r["largest_bucket_bytes"]), r["tensors_over_bucket"] or "-", fmt_bytes(r["staging_bytes"]),
-             fmt_seconds(r["bucketed_time_s"]), fmt_seconds(r["per_tensor_time_s"]), fmt_share(r["per_tensor_share"])]
-            for r in plan["buckets"]]
-    lines += [markdown_table(head, rows), "(* the configured update.bucket_mb; staging for the configured transport)", ""]
+    head = [
+        "bucket",
+        "buckets",
+        "largest bucket",
+        "over bucket",
+        "staging",
+        f"bucketed{unmeasured}",
+        f"per_tensor{unmeasured}",
+        "per-tensor overhead",
+    ]
+    rows = [
+        [
+            f"{r['bucket_mb']:g} MiB" + (" *" if r["bucket_mb"] == s["bucket_mb"] else ""),
+            r["buckets"],
+            fmt_bytes(r["largest_bucket_bytes"]),
+            r["tensors_over_bucket"] or "-",
+            fmt_bytes(r["staging_bytes"]),
+            fmt_seconds(r["bucketed_time_s"]),
+            fmt_seconds(r["per_tensor_time_s"]),
+            fmt_share(r["per_tensor_share"]),
+        ]
+        for r in plan["buckets"]
+    ]
+    lines += [
+        markdown_table(head, rows),
+        "(* the configured update.bucket_mb; staging for the configured transport)",
+        "",
+    ]
     pred = plan["prediction"]
     if pred:
-        lines.append(f"Predicted update time{unmeasured}: {fmt_seconds(pred['time_s'])} "
-                     f"({fmt_seconds(pred['low_s'])} to {fmt_seconds(pred['high_s'])}) = {pred['calls']} calls "
-                     f"{fmt_seconds(pred['terms']['calls_s'])} + {pred['tensor_term']['count']} {pred['tensor_term']['counts']} "
-                     f"{fmt_seconds(pred['terms']['tensors_s'])} + {fmt_bytes(pred['moved_bytes'])} moved "
-                     f"{fmt_seconds(pred['terms']['bytes_s'])}")
+        lines.append(
+            f"Predicted update time{unmeasured}: {fmt_seconds(pred['time_s'])} "
+            f"({fmt_seconds(pred['low_s'])} to {fmt_seconds(pred['high_s'])}) = {pred['calls']} calls "
+            f"{fmt_seconds(pred['terms']['calls_s'])} + {pred['tensor_term']['count']} {pred['tensor_term']['counts']} "
+            f"{fmt_seconds(pred['terms']['tensors_s'])} + {fmt_bytes(pred['moved_bytes'])} moved "
+            f"{fmt_seconds(pred['terms']['bytes_s'])}"
+        )
         f = pred.get("at_floor")
         if f:
             whose = "plan.copy_gbps" if plan["setup"].get("copy_gbps") else "the calibration runs' median"
-            lines.append(f"  at a copy floor of {f['floor_gbps']:.2f} GB/s ({whose}): "
-                         f"{fmt_seconds(f['time_s'])} ({fmt_seconds(f['low_s'])} to {fmt_seconds(f['high_s'])}) = "
-                         f"{fmt_seconds(f['overhead_s'])} per call and tensor + {f['floor_multiple']:.2f}x the floor's time for the moved bytes")
+            lines.append(
+                f"  at a copy floor of {f['floor_gbps']:.2f} GB/s ({whose}): "
+                f"{fmt_seconds(f['time_s'])} ({fmt_seconds(f['low_s'])} to {fmt_seconds(f['high_s'])}) = "
+                f"{fmt_seconds(f['overhead_s'])} per call and tensor + {f['floor_multiple']:.2f}x the floor's time for the moved bytes"
+            )
     else:
-        lines.append("Predicted update time: n/a (no coefficients for "
-                     f"{setup_of_plan(plan)} in the calibration)")
+        lines.append(f"Predicted update time: n/a (no coefficients for {setup_of_plan(plan)} in the calibration)")
     peak_dev = f", device {fmt_bytes(mem['run_peak_device_bytes'])}" if mem["run_peak_device_bytes"] else ""
-    lines.append(f"Memory: staging {fmt_bytes(mem['staging_bytes'])}; the update alone (rlsync.bench: trainer and "
-                 f"engine weights + staging) {fmt_bytes(mem['update_alone_peak_bytes'])}; a whole run (AdamW state in "
-                 f"{s['trainer_dtype']}, runtime not counted) host {fmt_bytes(mem['run_peak_host_bytes'])}{peak_dev}")
+    lines.append(
+        f"Memory: staging {fmt_bytes(mem['staging_bytes'])}; the update alone (rlsync.bench: trainer and "
+        f"engine weights + staging) {fmt_bytes(mem['update_alone_peak_bytes'])}; a whole run (AdamW state in "
+        f"{s['trainer_dtype']}, runtime not counted) host {fmt_bytes(mem['run_peak_host_bytes'])}{peak_dev}"
+    )
     for f in plan["flags"]:
         lines.append(f"Flag {f['kind']}: {f['message']}")
     return "\n".join(lines)
@@ -258,8 +372,16 @@ def setup_of_plan(plan: dict) -> str:
 
 
 PLAN_KEYS = {  # plan.json's schema: key -> type, checked by tests and by rlsync.plan.compare when it reads one
-    "kind": str, "schema": int, "model": dict, "setup": dict, "calibration": dict, "buckets": list,
-    "prediction": (dict, type(None)), "predictions": list, "memory": dict, "flags": list,
+    "kind": str,
+    "schema": int,
+    "model": dict,
+    "setup": dict,
+    "calibration": dict,
+    "buckets": list,
+    "prediction": (dict, type(None)),
+    "predictions": list,
+    "memory": dict,
+    "flags": list,
 }
 
 
@@ -269,4 +391,3 @@ def check_plan(plan: dict) -> None:
             raise ValueError(f"plan.json: {k!r} missing or not {kind}")
     if plan["kind"] != "plan" or plan["schema"] != SCHEMA_VERSION:
         raise ValueError(f"plan.json: kind {plan['kind']!r} schema {plan['schema']!r}, expected plan {SCHEMA_VERSION}")
-

@@ -42,18 +42,36 @@ def gpu_profile(name: str, device: str, copy_tbps: float, source: str) -> dict:
         "ipc/bucketed/flat": Coefficients(1e-3, 5e-6, per_byte),
         "ipc/per_tensor": Coefficients(0.5e-3, 0.0, per_byte),
     }
-    return {"kind": KIND, "version": VERSION, "measured": False, "name": name, "source": source,
-            "machine": {"device": device, "cuda": True},
-            "coefficients": {k: c.as_dict() for k, c in coef.items()}}
+    return {
+        "kind": KIND,
+        "version": VERSION,
+        "measured": False,
+        "name": name,
+        "source": source,
+        "machine": {"device": device, "cuda": True},
+        "coefficients": {k: c.as_dict() for k, c in coef.items()},
+    }
 
 
 PROFILES = {  # plan.calibration=NAME
-    "h200": lambda: gpu_profile("h200", "NVIDIA H200", 4.3, "device-to-device copy ~4.3 TB/s read + written "
-                                "(design notes, one H200); call costs guessed"),
-    "h100": lambda: gpu_profile("h100", "NVIDIA H100 80GB HBM3", 2.6, "HBM3 3.35 TB/s published peak, ~80 % "
-                                "of it for a copy; call costs guessed"),
-    "a100": lambda: gpu_profile("a100", "NVIDIA A100-SXM4-80GB", 1.6, "HBM2e 2.0 TB/s published peak, ~80 % "
-                                "of it for a copy; call costs guessed"),
+    "h200": lambda: gpu_profile(
+        "h200",
+        "NVIDIA H200",
+        4.3,
+        "device-to-device copy ~4.3 TB/s read + written (design notes, one H200); call costs guessed",
+    ),
+    "h100": lambda: gpu_profile(
+        "h100",
+        "NVIDIA H100 80GB HBM3",
+        2.6,
+        "HBM3 3.35 TB/s published peak, ~80 % of it for a copy; call costs guessed",
+    ),
+    "a100": lambda: gpu_profile(
+        "a100",
+        "NVIDIA A100-SXM4-80GB",
+        1.6,
+        "HBM2e 2.0 TB/s published peak, ~80 % of it for a copy; call costs guessed",
+    ),
 }
 
 
@@ -62,14 +80,21 @@ def machine_now(device: str = "cpu") -> dict:
 
     import torch
 
-    info = {"platform": platform.platform(), "node": platform.node(), "python": platform.python_version(),
-            "torch": torch.__version__, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "device": device, "cuda": device.startswith("cuda"),
-            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    info = {
+        "platform": platform.platform(),
+        "node": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+        "cuda": device.startswith("cuda"),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(device)
     else:  # the CPU copies' cache: the plan counts the bytes a staged copy reads back from it (cost.moved_bytes)
-        from rlsync.limits import llc_bytes
+        from rlsync.measure.limits import llc_bytes
 
         info["llc_bytes"] = llc_bytes()
     try:
@@ -110,12 +135,16 @@ def coefficients(data: Optional[dict], which: str = "coefficients") -> dict[str,
 
 def describe(where: str, data: Optional[dict]) -> str:
     if data is None:
-        return f"no calibration at {where}: run python -m rlsync.plan plan.calibrate=true (a few minutes) to predict times"
+        return (
+            f"no calibration at {where}: run python -m rlsync.plan plan.calibrate=true (a few minutes) to predict times"
+        )
     m = data.get("machine", {})
     if not data.get("measured", True):
         return f"{where}: UNMEASURED ({data.get('source', 'published figures')}), {m.get('device', '?')}"
     load = m.get("load_average")
-    return (f"{where}: measured {m.get('date', '?')} on {m.get('device', '?')} ({m.get('cpus', '?')} cpus, torch "
-            f"{m.get('torch', '?')}{', load ' + format(load[0], '.2f') if load else ''}), dtypes "
-            f"{data.get('dtypes', {}).get('trainer', '?')} -> {data.get('dtypes', {}).get('engine', '?')}, "
-            f"{len(data.get('observations', []))} runs")
+    return (
+        f"{where}: measured {m.get('date', '?')} on {m.get('device', '?')} ({m.get('cpus', '?')} cpus, torch "
+        f"{m.get('torch', '?')}{', load ' + format(load[0], '.2f') if load else ''}), dtypes "
+        f"{data.get('dtypes', {}).get('trainer', '?')} -> {data.get('dtypes', {}).get('engine', '?')}, "
+        f"{len(data.get('observations', []))} runs"
+    )

@@ -24,15 +24,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 from rlsync.errors import WriteFailed
 from rlsync.report import sizing
-from rlsync.report.plots import write_plots
 from rlsync.report.markdown import write_csv, write_markdown
-from rlsync.report.table import (Failure, ReportResult, Run, best_settings, collect, fit_by_setup, fit_lines, job_label,
-                                 load_job, markdown_table, table_cells, table_row)
+from rlsync.report.plots import write_plots
+from rlsync.report.table import (
+    Failure,
+    ReportResult,
+    Run,
+    best_settings,
+    collect,
+    fit_by_setup,
+    job_label,
+    load_job,
+    rows_markdown,
+    table_cells,
+    table_row,
+    update_fit_lines,
+)
 
 __all__ = ["load_job", "main", "print_result", "table_row", "write_report"]
 
@@ -51,7 +64,9 @@ def choose_group(runs: list[Run], out_dir: Path) -> str:
     return groups.pop() if len(groups) == 1 else out_dir.resolve().name
 
 
-def write_report(paths: Iterable[str | Path], out_dir: Optional[str | Path] = None, log_wandb: bool = True) -> ReportResult:
+def write_report(
+    paths: Iterable[str | Path], out_dir: Optional[str | Path] = None, log_wandb: bool = True
+) -> ReportResult:
     """Read every run under `paths`, write report.md, report.csv and the plots, log to W&B.
 
     Never raises for a bad run or a W&B problem: those end up in `result.failures`, `result.notes`
@@ -68,7 +83,7 @@ def write_report(paths: Iterable[str | Path], out_dir: Optional[str | Path] = No
     for item in [*runs, *failures]:
         item.job = job_label(item.path, item.sweep, several)
     result.rows = table_rows(result)
-    result.markdown_table = markdown_table(result.rows)
+    result.table_markdown = rows_markdown(result.rows)
     result.fits = fit_by_setup(result.rows)
 
     target = out
@@ -86,7 +101,9 @@ def write_report(paths: Iterable[str | Path], out_dir: Optional[str | Path] = No
         write_csv(target, result.rows)
     except OSError as err:
         raise WriteFailed(Path(err.filename) if err.filename else target, err) from err
-    result.files = [out / "report.md", out / "report.csv", *plots] + ([out / "calibration.json"] if result.calibration else [])
+    result.files = [out / "report.md", out / "report.csv", *plots] + (
+        [out / "calibration.json"] if result.calibration else []
+    )
 
     if log_wandb and runs:
         from rlsync.report import wandb_report  # wandb only when a run logs to it
@@ -104,9 +121,15 @@ def table_rows(result: ReportResult) -> list[dict[str, Any]]:
             row = table_row(run)
             table_cells(row)  # formatting is where a wrong type would show
         except Exception as err:  # noqa: BLE001 - one bad record costs its own row
-            result.failures.append(Failure(run.path, run.job, run.overrides,
-                                           f"malformed run record ({type(err).__name__}: {err})".splitlines()[0],
-                                           run.sweep))
+            result.failures.append(
+                Failure(
+                    run.path,
+                    run.job,
+                    run.overrides,
+                    f"malformed run record ({type(err).__name__}: {err})".splitlines()[0],
+                    run.sweep,
+                )
+            )
             continue
         rows.append(row)
         kept.append(run)
@@ -131,10 +154,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 def print_result(result: ReportResult) -> None:
     print(f"rlsync report: {result.group} ({len(result.runs)} runs, {len(result.failures)} failed)")
     if result.rows:
-        print(result.markdown_table)
+        print(result.table_markdown)
         for best in best_settings(result.rows):  # the same sentences as report.md's "Best setting"
             print(f"best: {best.describe()}")
-        print("\n".join(fit_lines(result.fits)))
+        print("\n".join(update_fit_lines(result.fits)))
     for note in result.notes:
         print(f"note: {note}")
     for failure in result.failures:
@@ -161,8 +184,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             import traceback
 
             traceback.print_exc()
-        print(f"rlsync.report: failed: {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-              f" (RLSYNC_DEBUG=1 shows the traceback)", file=sys.stderr)
+        print(
+            f"rlsync.report: failed: {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+            f" (RLSYNC_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
         return 1
 
 
@@ -173,7 +199,10 @@ def report_main(args: argparse.Namespace) -> int:
         return 1
     print_result(result)
     if not result.ok:
-        print(f"rlsync.report: no run measured a step ({len(result.failures)} failed); see {result.out_dir / 'report.md'}", file=sys.stderr)
+        print(
+            f"rlsync.report: no run measured a step ({len(result.failures)} failed); see {result.out_dir / 'report.md'}",
+            file=sys.stderr,
+        )
         return 1
     if args.wandb_report:
         from rlsync.report import wandb_report  # wandb only when a run logs to it

@@ -8,8 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from rlsync.report import sizing
-from rlsync.report.table import (TABLE_NOTE, ReportResult, best_settings, common_overrides, csv_fields, fit_lines,
-                                 machine_line, phase_table, run_label)
+from rlsync.report.table import (
+    TABLE_NOTE,
+    ReportResult,
+    best_settings,
+    common_overrides,
+    csv_fields,
+    machine_line,
+    phase_table,
+    run_label,
+    update_fit_lines,
+)
 
 
 def write_markdown(path: Path, result: ReportResult, plots: list[Path], sources: list[Path]) -> None:
@@ -20,7 +29,7 @@ def write_markdown(path: Path, result: ReportResult, plots: list[Path], sources:
     out += ["## Best setting", ""]
     out += [f"- {best.describe()}" for best in best_settings(result.rows)] or ["No run measured a time to compare."]
     out += ["", "## Runs", "", TABLE_NOTE, ""]
-    out += [result.markdown_table if result.rows else "No run measured a step.", ""]
+    out += [result.table_markdown if result.rows else "No run measured a step.", ""]
     out += ["## Step by phase", "", "Median per phase (its share of the median step).", ""]
     out += [phase_table(result.rows), ""]
     out += ["## Verdicts", ""]
@@ -29,9 +38,9 @@ def write_markdown(path: Path, result: ReportResult, plots: list[Path], sources:
     out += ["", "## Sizing the known pain", ""]
     out += sizing.pain_lines(result.runs)
     out += ["", "## Cost model (the planner's coefficients, fitted to these runs)", ""]
-    out += sizing.fit_lines(result.calibration)
+    out += sizing.cost_fit_lines(result.calibration)
     out += ["", "## Update time against bytes", ""]
-    out += [*fit_lines(result.fits), ""]
+    out += [*update_fit_lines(result.fits), ""]
     out += ["## Plots", ""]
     out += [f"![{p.stem.replace('_', ' ')}]({p.name})" for p in plots]
     out += [f"- {note}" for note in result.notes]

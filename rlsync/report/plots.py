@@ -10,17 +10,18 @@ from __future__ import annotations
 import importlib.util
 import math
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from rlsync import fmt, metrics
+from rlsync import fmt
 from rlsync.fmt import MIB
+from rlsync.measure import metrics
 from rlsync.report.table import PER_TENSOR, Fit, FitGroup, common_overrides, model_label, setup_label
 
 Row = dict[str, Any]
 TIMELINE_MAX_RUNS = 8  # more lines than this no longer read apart in one panel
 TIMELINE_LABEL_WIDTH = 38  # characters per legend line
-
 
 
 def number(value: Any) -> Optional[float]:
@@ -50,8 +51,12 @@ def per_tensor_levels(ax, rows: list[Row], y_key: str, scale: float, colors_used
     levels = by_setup([r for r in rows if r.get("strategy") == PER_TENSOR], y_key, y_key)
     for index, (label, rs) in enumerate(levels.items()):
         for row in rs:  # one per run; several runs of one setup share the colour and the label
-            ax.axhline(row[y_key] * scale, color=f"C{colors_used + index}", linestyle=":",
-                       label=label if row is rs[0] else None)
+            ax.axhline(
+                row[y_key] * scale,
+                color=f"C{colors_used + index}",
+                linestyle=":",
+                label=label if row is rs[0] else None,
+            )
     return len(levels)
 
 
@@ -150,7 +155,9 @@ def draw_single_fit(ax, group: FitGroup, xs: list[float], scale: float, unit: st
     """Every run on one line: points by model and setup, the line in black, its numbers in a box."""
     fit = group.fit
     for model, rs in by_setup(group.rows, "update_bytes", "update_time_median").items():
-        ax.scatter([r["update_bytes"] / MIB for r in rs], [r["update_time_median"] * scale for r in rs], label=model, zorder=3)
+        ax.scatter(
+            [r["update_bytes"] / MIB for r in rs], [r["update_time_median"] * scale for r in rs], label=model, zorder=3
+        )
     fit_line(ax, fit, xs, scale, color="k", linestyle="--", label="fit")
     bandwidth = fit.bandwidth_gbps
     text = f"fixed cost {fit.fixed_s * scale:.3g} {unit}\n" + (
@@ -187,7 +194,7 @@ def step_parts(row: Row) -> dict[str, float]:
 
 
 def bucket_label(row: Row) -> str:
-    """"512 MiB"; "per_tensor" for a run without buckets; "" when the bucket size is not known."""
+    """ "512 MiB"; "per_tensor" for a run without buckets; "" when the bucket size is not known."""
     if row.get("strategy") == PER_TENSOR:
         return PER_TENSOR
     bucket = number(row.get("bucket_mb"))
@@ -208,7 +215,7 @@ def plot_step_breakdown(rows: list[Row], fits: list[FitGroup], path: Path) -> Op
         if any(heights):
             ax.bar(labels, heights, bottom=bottoms, color=phase.color or None, label=phase.label)
             bottoms = [b + h for b, h in zip(bottoms, heights)]
-    for x, ((row, parts), top) in enumerate(zip(bars, bottoms)):
+    for x, ((_row, parts), top) in enumerate(zip(bars, bottoms)):
         if "update_weights" in parts and sum(parts.values()) > 0:
             share = parts["update_weights"] / sum(parts.values())
             ax.annotate(f"update {fmt.fmt_share(share)}", (x, top), ha="center", va="bottom", fontsize="small")
@@ -227,10 +234,20 @@ def plot_peak_memory_vs_bucket(rows: list[Row], fits: list[FitGroup], path: Path
         return f"{path.name} skipped: needs runs with perf/update_weights_peak_bytes at two or more bucket sizes"
     fig, ax = new_axes("Peak update memory vs bucket size")
     for index, (label, rs) in enumerate(series.items()):
-        ax.plot([r["bucket_mb"] for r in rs], [r["update_peak_bytes_max"] / MIB for r in rs], marker="o",
-                color=f"C{index}", label=label)
-    per_tensor_levels(ax, [r for r in rows if number(r.get("update_peak_bytes_max")) is not None],
-                      "update_peak_bytes_max", 1 / MIB, len(series))
+        ax.plot(
+            [r["bucket_mb"] for r in rs],
+            [r["update_peak_bytes_max"] / MIB for r in rs],
+            marker="o",
+            color=f"C{index}",
+            label=label,
+        )
+    per_tensor_levels(
+        ax,
+        [r for r in rows if number(r.get("update_peak_bytes_max")) is not None],
+        "update_peak_bytes_max",
+        1 / MIB,
+        len(series),
+    )
     bucket_axis(ax, sorted(buckets))
     ax.set_ylim(bottom=0)
     ax.set_ylabel("perf/update_weights_peak_bytes, max (MiB)")
@@ -256,8 +273,13 @@ def timeline_label(row: Row, drawn: list[Row]) -> str:
     common = set(common_overrides(drawn))
     own = [o for o in row.get("override_list", []) if o not in common]
     if own and len(drawn) > 1:  # wrapped: a long legend would squeeze the panels beside it
-        return textwrap.fill(f"{row['job']}: {' '.join(own)}", width=TIMELINE_LABEL_WIDTH, subsequent_indent="  ",
-                             break_long_words=False, break_on_hyphens=False)
+        return textwrap.fill(
+            f"{row['job']}: {' '.join(own)}",
+            width=TIMELINE_LABEL_WIDTH,
+            subsequent_indent="  ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
     parts = [row.get("model"), row.get("transport"), bucket_label(row)]
     return f"{row['job']}: {', '.join(str(p) for p in parts if p)}"
 
@@ -297,7 +319,9 @@ def plot_step_timeline(rows: list[Row], fits: list[FitGroup], path: Path) -> Opt
         times_ax.plot(steps, [p["step_time"] * scale for p in row["timeline"]], color=color, marker=".")
         updated = [p for p in row["timeline"] if p["update_time"] is not None]
         update_steps = [p["step"] for p in updated]
-        times_ax.plot(update_steps, [p["update_time"] * scale for p in updated], color=color, marker=".", linestyle="--")
+        times_ax.plot(
+            update_steps, [p["update_time"] * scale for p in updated], color=color, marker=".", linestyle="--"
+        )
         shares = [100 * p["update_time"] / p["step_time"] for p in updated]
         share_ax.plot(update_steps, shares, color=color, marker=".", label=timeline_label(row, drawn))
     warmup_label = shade_warmup([times_ax, share_ax], drawn)
@@ -318,7 +342,7 @@ def plot_step_timeline(rows: list[Row], fits: list[FitGroup], path: Path) -> Opt
     share_ax.legend(title="run", fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     save(fig, path)
     if len(runs) > len(drawn):
-        left_out = ", ".join(r["job"] for r in runs[len(drawn):])
+        left_out = ", ".join(r["job"] for r in runs[len(drawn) :])
         return f"{path.name} shows the first {len(drawn)} of {len(runs)} runs with per-step times; left out: {left_out}"
     return None
 

@@ -18,15 +18,20 @@ from typing import Optional
 from rlsync.fmt import MIB, fmt_bytes, fmt_seconds, fmt_share
 from rlsync.report.table import Run
 
-
 SETUP_KEYS = ("transport", "strategy", "bucket_mb")  # what a summary must say for its run to be sized
 
 
 def update_benches(runs: list[Run]) -> list[Run]:
     """The update benchmarks whose summary says what this section needs (older or partial records are left out)."""
-    return [r for r in runs if r.summary.get("kind") == "bench" and r.summary.get("target") == "update"
-            and r.stat("perf/update_weights_time") and all(k in r.summary.get("setup", {}) for k in SETUP_KEYS)
-            and "name" in r.summary.get("model", {})]
+    return [
+        r
+        for r in runs
+        if r.summary.get("kind") == "bench"
+        and r.summary.get("target") == "update"
+        and r.stat("perf/update_weights_time")
+        and all(k in r.summary.get("setup", {}) for k in SETUP_KEYS)
+        and "name" in r.summary.get("model", {})
+    ]
 
 
 def pain_lines(runs: list[Run]) -> list[str]:
@@ -36,17 +41,26 @@ def pain_lines(runs: list[Run]) -> list[str]:
         s, m = r.summary["setup"], r.summary["model"]
         cap = s["bucket_mb"] * MIB
         if s["strategy"] == "bucketed" and (s.get("largest_bucket_bytes") or 0) > cap:
-            out.append(f"- tensor larger than the bucket: {m['name']} at {s['bucket_mb']:g} MiB: its largest bucket is "
-                       f"{fmt_bytes(s['largest_bucket_bytes'])}, one tensor alone ({r.job})")
+            out.append(
+                f"- tensor larger than the bucket: {m['name']} at {s['bucket_mb']:g} MiB: its largest bucket is "
+                f"{fmt_bytes(s['largest_bucket_bytes'])}, one tensor alone ({r.job})"
+            )
     staging = {}
     for r in benches:
         s = r.summary["setup"]
-        key = (r.summary["model"]["name"], s["transport"], s["strategy"], s["bucket_mb"] if s["strategy"] == "bucketed" else None)
+        key = (
+            r.summary["model"]["name"],
+            s["transport"],
+            s["strategy"],
+            s["bucket_mb"] if s["strategy"] == "bucketed" else None,
+        )
         staging[key] = r.stat("perf/update_weights_peak_bytes", "max")
     for (model, transport, strategy, mb), peak in sorted(staging.items(), key=lambda kv: tuple(map(str, kv[0]))):
         if peak:
-            out.append(f"- staging memory: {model} {transport} {strategy}{f' {mb:g} MiB' if mb else ''}: {fmt_bytes(peak)} "
-                       "(the update's peak bytes, staging included)")
+            out.append(
+                f"- staging memory: {model} {transport} {strategy}{f' {mb:g} MiB' if mb else ''}: {fmt_bytes(peak)} "
+                "(the update's peak bytes, staging included)"
+            )
     for line in per_tensor_shares(benches):
         out.append(f"- per-tensor overhead share: {line}")
     return out or ["No update benchmark among the runs."]
@@ -63,12 +77,16 @@ def per_tensor_shares(benches: list[Run]) -> list[str]:
         if not per_tensor:
             continue
         pt = per_tensor[0].stat("perf/update_weights_time")
-        for b in sorted((r for r in group if r.summary["setup"]["strategy"] == "bucketed"),
-                        key=lambda r: r.summary["setup"]["bucket_mb"]):
+        for b in sorted(
+            (r for r in group if r.summary["setup"]["strategy"] == "bucketed"),
+            key=lambda r: r.summary["setup"]["bucket_mb"],
+        ):
             bt = b.stat("perf/update_weights_time")
             share = (pt - bt) / pt
-            out.append(f"{model} {transport} at {b.summary['setup']['bucket_mb']:g} MiB: {fmt_share(share)} "
-                       f"(per_tensor {fmt_seconds(pt)}, bucketed {fmt_seconds(bt)})")
+            out.append(
+                f"{model} {transport} at {b.summary['setup']['bucket_mb']:g} MiB: {fmt_share(share)} "
+                f"(per_tensor {fmt_seconds(pt)}, bucketed {fmt_seconds(bt)})"
+            )
     return out
 
 
@@ -86,16 +104,21 @@ def cost_fit(runs: list[Run]) -> Optional[dict]:
     if not observations:
         return None
     data = calibration_file(observations, device=str(runs[0].summary.get("machine", {}).get("device", "?")))
-    data["machine"].update({k: v for k, v in runs[0].summary.get("machine", {}).items() if k in ("cpus", "torch", "gpu")})
+    data["machine"].update(
+        {k: v for k, v in runs[0].summary.get("machine", {}).items() if k in ("cpus", "torch", "gpu")}
+    )
     data["machine"]["fitted_from_runs"] = True
     return data
 
 
-def fit_lines(data: Optional[dict]) -> list[str]:
+def cost_fit_lines(data: Optional[dict]) -> list[str]:
     if data is None:
         return ["No update benchmark among the runs: nothing to fit."]
-    from rlsync.plan.calibrate import fit_lines as coefficient_lines
+    from rlsync.plan.calibrate import coefficient_lines
 
-    return ["time = calls x per_call + tensors x per_tensor + moved bytes / bandwidth (rlsync/plan/cost.py), per setup; "
-            "written to calibration.json here (`python -m rlsync.plan plan.calibration=calibration.json`):", "",
-            "    " + "\n    ".join(line.strip() for line in coefficient_lines(data))]
+    return [
+        "time = calls x per_call + tensors x per_tensor + moved bytes / bandwidth (rlsync/plan/cost.py), per setup; "
+        "written to calibration.json here (`python -m rlsync.plan plan.calibration=calibration.json`):",
+        "",
+        "    " + "\n    ".join(line.strip() for line in coefficient_lines(data)),
+    ]

@@ -11,23 +11,34 @@ import math
 import os
 import platform
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
-from rlsync import metrics
-from rlsync.fmt import (MIB, fmt_bytes, fmt_mib, fmt_range, fmt_ratio, fmt_seconds, fmt_share, fmt_sig, fmt_spread,
-                        markdown_table as table_markdown)
-from rlsync.summary import stats_over
+from rlsync.fmt import (
+    MIB,
+    fmt_bytes,
+    fmt_mib,
+    fmt_range,
+    fmt_ratio,
+    fmt_seconds,
+    fmt_share,
+    fmt_sig,
+    fmt_spread,
+    markdown_table,
+)
+from rlsync.measure import metrics
+from rlsync.record.summary import stats_over
 
 DEFAULT_WARMUP_STEPS = 2
-DEFAULT_VERDICT_THRESHOLD = 0.03  # update share of the step above which tuning it pays (design.md)
+DEFAULT_VERDICT_THRESHOLD = 0.03  # update share of the step above which tuning it pays (run.verdict_threshold)
 MIN_MEASURED = 3  # fewer measured steps (or bench repeats) than this and a min-max range says little
 MIN_FIT_SIZES = 3  # distinct update sizes that make a line of time against bytes meaningful by themselves
 PER_TENSOR = "per_tensor"  # the strategy to which a bucket size does not apply
 
 # report.csv columns: raw seconds, bytes and ratios (never formatted strings); between these two,
-# each of the step's parts (the catalogue's, rlsync/metrics.py) as <phase>_time_median: see csv_fields().
+# each of the step's parts (the catalogue's, rlsync/measure/metrics.py) as <phase>_time_median: see csv_fields().
 CSV_HEAD = (
     "job", "overrides", "status", "model", "params", "engine", "scheme", "transport", "strategy", "bucket_mb",
     "flat_engine_weights", "device", "measured_steps",
@@ -140,7 +151,7 @@ class ReportResult:
     notes: list[str] = field(default_factory=list)  # skipped plots, unreadable paths
     fits: list[FitGroup] = field(default_factory=list)  # one per transport (strategy, engine) of the runs
     wandb_line: Optional[str] = None  # one line on what happened with W&B logging
-    markdown_table: str = ""
+    table_markdown: str = ""
     calibration: Optional[dict] = None  # the planner's coefficients fitted to the update benchmarks (report.sizing)
 
     @property
@@ -198,16 +209,48 @@ def read_summary(path: Path) -> dict:
 # what the report reads from a summary, and the types it needs (None is always allowed)
 NUMBER, TEXT, COUNT, TABLE, LIST = "a number", "a string", "an integer", "an object", "a list"
 SUMMARY_TYPES = {
-    "status": TEXT, "error": TEXT, "verdict": TEXT, "warning": TEXT, "target": TEXT, "kind": TEXT,
-    "warmup_steps": COUNT, "measured_steps": COUNT, "steps_finished": COUNT, "steps_requested": COUNT,
-    "metrics": TABLE, "share": TABLE, "setup": TABLE, "model": TABLE, "machine": TABLE, "limits": TABLE,
-    "offload": TABLE, "config": TABLE, "overrides": LIST, "memory": TABLE,
-    "model.name": TEXT, "model.params": NUMBER, "model.update_bytes": NUMBER,
-    "setup.bucket_mb": NUMBER, "setup.transport": TEXT, "setup.strategy": TEXT, "setup.device": TEXT,
-    "setup.engine": TEXT, "setup.source": TEXT, "offload.state": TEXT, "offload.mode": TEXT, "offload.memory": TEXT,
-    "config.run": TABLE, "config.update": TABLE, "config.model": TABLE, "config.rollout": TABLE,
-    "config.trainer": TABLE, "config.wandb": TABLE, "config.bench": TABLE,
-    "config.run.warmup_steps": COUNT, "config.run.verdict_threshold": NUMBER, "config.update.bucket_mb": NUMBER,
+    "status": TEXT,
+    "error": TEXT,
+    "verdict": TEXT,
+    "warning": TEXT,
+    "target": TEXT,
+    "kind": TEXT,
+    "warmup_steps": COUNT,
+    "measured_steps": COUNT,
+    "steps_finished": COUNT,
+    "steps_requested": COUNT,
+    "metrics": TABLE,
+    "share": TABLE,
+    "setup": TABLE,
+    "model": TABLE,
+    "machine": TABLE,
+    "limits": TABLE,
+    "offload": TABLE,
+    "config": TABLE,
+    "overrides": LIST,
+    "memory": TABLE,
+    "model.name": TEXT,
+    "model.params": NUMBER,
+    "model.update_bytes": NUMBER,
+    "setup.bucket_mb": NUMBER,
+    "setup.transport": TEXT,
+    "setup.strategy": TEXT,
+    "setup.device": TEXT,
+    "setup.engine": TEXT,
+    "setup.source": TEXT,
+    "offload.state": TEXT,
+    "offload.mode": TEXT,
+    "offload.memory": TEXT,
+    "config.run": TABLE,
+    "config.update": TABLE,
+    "config.model": TABLE,
+    "config.rollout": TABLE,
+    "config.trainer": TABLE,
+    "config.wandb": TABLE,
+    "config.bench": TABLE,
+    "config.run.warmup_steps": COUNT,
+    "config.run.verdict_threshold": NUMBER,
+    "config.update.bucket_mb": NUMBER,
 }
 
 
@@ -343,8 +386,20 @@ def read_job(run_dir: Path, sweep: Optional[Path] = None) -> Run | Failure:
         reason = error or (error_line(run_dir) if status == "failed" else f"{status} before any measured step")
         return Failure(run_dir, run_dir.name, overrides, reason, sweep)
     measured = summary.get("measured_steps", measured)
-    return Run(run_dir, run_dir.name, overrides, status, error, summary, config, stats, measured, sweep,
-               warmup_steps=int(warmup), step_rows=rows)
+    return Run(
+        run_dir,
+        run_dir.name,
+        overrides,
+        status,
+        error,
+        summary,
+        config,
+        stats,
+        measured,
+        sweep,
+        warmup_steps=int(warmup),
+        step_rows=rows,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -396,7 +451,7 @@ def collect(paths: Iterable[Path]) -> tuple[list[Run], list[Failure], list[Path]
 
 
 def job_label(path: Path, sweep: Optional[Path], several_sweeps: bool) -> str:
-    """"3" inside one sweep; "<sweep>/3" when several sweeps are compared."""
+    """ "3" inside one sweep; "<sweep>/3" when several sweeps are compared."""
     return f"{sweep.name}/{path.name}" if sweep is not None and several_sweeps else path.name
 
 
@@ -441,7 +496,7 @@ def table_row(run: Run) -> dict[str, Any]:
     row["update_bytes"] = run.stat("perf/update_weights_bytes") or model.get("update_bytes")
     row["update_buckets_median"] = run.stat("perf/update_weights_buckets")
     row["update_peak_bytes_max"] = run.stat("perf/update_weights_peak_bytes", "max")
-    row["verdict"] = verdict(run, row["update_share"])
+    row["verdict"] = run_verdict(run, row["update_share"])
     row["bench"] = bench_target(run)  # its measured rows are repeats of the target, not steps
     row["warmup_steps"] = run.warmup_steps
     row["timeline"] = timeline(run)
@@ -454,14 +509,16 @@ def timeline(run: Run) -> list[dict[str, Any]]:
     Empty for a bench: its rows are repeats of the update alone, with no step around them.
     """
     points = []
-    for index, metrics in enumerate(run.step_rows):
-        step_time, update_time = metrics.get("perf/step_time"), metrics.get("perf/update_weights_time")
+    for index, row in enumerate(run.step_rows):
+        step_time, update_time = row.get("perf/step_time"), row.get("perf/update_weights_time")
         if is_number(step_time):
-            points.append({
-                "step": metrics.get("step", index),  # tolerate rows without a step, as step_stats does
-                "step_time": float(step_time),
-                "update_time": float(update_time) if is_number(update_time) else None,
-            })
+            points.append(
+                {
+                    "step": row.get("step", index),  # tolerate rows without a step, as step_stats does
+                    "step_time": float(step_time),
+                    "update_time": float(update_time) if is_number(update_time) else None,
+                }
+            )
     return points
 
 
@@ -474,7 +531,7 @@ def update_share(run: Run) -> Optional[float]:
     return update / step if update is not None and step else None
 
 
-def verdict(run: Run, share: Optional[float]) -> str:
+def run_verdict(run: Run, share: Optional[float]) -> str:
     """The runner's verdict; for a bench, what it timed against the copy floor (it has no step to
     share); for a run without either, a line built from the share of the step."""
     warning = run.summary.get("warning")
@@ -507,7 +564,7 @@ def bench_target(run: Run) -> Optional[str]:
 
 
 def bench_verdict(run: Run, target: str) -> str:
-    """"update alone: 0.18 s median, 1.91x the copy floor of 0.097 s (transport direct, bucketed, 512 MiB)".
+    """ "update alone: 0.18 s median, 1.91x the copy floor of 0.097 s (transport direct, bucketed, 512 MiB)".
 
     The ratio is 1 / the median efficiency, each repeat against the floor probed beside it (as the
     table's efficiency column and the bench's closing table), so a shared machine's drift cancels.
@@ -579,16 +636,22 @@ def fit_problem(rows: list[dict[str, Any]]) -> Optional[str]:
     if len(sizes) >= MIN_FIT_SIZES:
         return None
     if len(sizes) < 2:
-        return (f"{len(timed)} runs, all of one update size; a line needs {MIN_FIT_SIZES} sizes, "
-                "or 2 whose times stand apart")
+        return (
+            f"{len(timed)} runs, all of one update size; a line needs {MIN_FIT_SIZES} sizes, "
+            "or 2 whose times stand apart"
+        )
     few = [r["job"] for r in timed if (r.get("measured_steps") or 0) < MIN_MEASURED]
     if few:
-        return (f"two update sizes only, and runs {', '.join(few)} measured fewer than {MIN_MEASURED} steps or "
-                "repeats: a line through two noisy points is not shown; add a third size or more steps")
+        return (
+            f"two update sizes only, and runs {', '.join(few)} measured fewer than {MIN_MEASURED} steps or "
+            "repeats: a line through two noisy points is not shown; add a third size or more steps"
+        )
     spans = [time_span([r for r in timed if float(r["update_bytes"]) == size]) for size in sizes]
     if spans_overlap(*spans):
-        return ("two update sizes only, and their update times overlap (min to max): the slope would be noise; "
-                "add a third size or more steps")
+        return (
+            "two update sizes only, and their update times overlap (min to max): the slope would be noise; "
+            "add a third size or more steps"
+        )
     return None
 
 
@@ -618,11 +681,13 @@ def fit_by_setup(rows: list[dict[str, Any]]) -> list[FitGroup]:
     groups: dict[str, list[dict[str, Any]]] = {}
     for row in timed:
         groups.setdefault(", ".join(f"{key} {row.get(key) or 'n/a'}" for key in differing), []).append(row)
-    return [FitGroup(label, members, fit_update_time(members), fit_problem(members) or "")
-            for label, members in groups.items()]
+    return [
+        FitGroup(label, members, fit_update_time(members), fit_problem(members) or "")
+        for label, members in groups.items()
+    ]
 
 
-def fit_lines(groups: list[FitGroup]) -> list[str]:
+def update_fit_lines(groups: list[FitGroup]) -> list[str]:
     """The fit section of report.md: one line, or one bullet per transport when the runs differ in it;
     where no line is meaningful, one line saying why."""
     if len(groups) > 1:
@@ -647,9 +712,11 @@ def model_label(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 
 def setup_label(row: dict[str, Any], bucket: bool = True) -> str:
-    """"direct, bucket 512 MiB", "ipc, per_tensor", "direct (ENGINE), STRATEGY": how the run updated.
+    """ "direct, bucket 512 MiB", "ipc, per_tensor", "direct (ENGINE), STRATEGY": how the run updated.
     A per_tensor run has no bucket size, whatever update.bucket_mb said."""
-    transport = str(row.get("transport") or "n/a") + ("" if row.get("engine") in (None, "hf") else f" ({row['engine']})")
+    transport = str(row.get("transport") or "n/a") + (
+        "" if row.get("engine") in (None, "hf") else f" ({row['engine']})"
+    )
     strategy = row.get("strategy")
     if strategy in (None, "bucketed"):
         how = f"bucket {fmt_bucket(row.get('bucket_mb'))} MiB" if bucket else "bucketed"
@@ -689,12 +756,18 @@ class Best:
         if second == lead:
             line = f"{what}: a tie between {self.run_text(best)} and {self.run_text(other)} (equal medians)."
         else:
-            line = (f"{what}: {self.run_text(best)}; {fmt_lead(lead, second)} faster ({fmt_seconds(second - lead)} less) "
-                    f"than the runner-up {self.run_text(other)}.")
-        return f"{line} Warning: {self.warning}" if self.warning else f"{line} The ranges do not overlap: the difference is real."
+            line = (
+                f"{what}: {self.run_text(best)}; {fmt_lead(lead, second)} faster ({fmt_seconds(second - lead)} less) "
+                f"than the runner-up {self.run_text(other)}."
+            )
+        return (
+            f"{line} Warning: {self.warning}"
+            if self.warning
+            else f"{line} The ranges do not overlap: the difference is real."
+        )
 
     def run_text(self, row: dict[str, Any]) -> str:
-        """"run 2 (ipc, bucket 512 MiB) 1.21 ms median (1.18 to 1.30 ms over 3 repeats)"."""
+        """ "run 2 (ipc, bucket 512 MiB) 1.21 ms median (1.18 to 1.30 ms over 3 repeats)"."""
         stem = self.stem
         spread = fmt_spread(row[f"{stem}_time_median"], row.get(f"{stem}_time_min"), row.get(f"{stem}_time_max"))
         return f"run {row['job']} ({setup_label(row)}) {spread} over {row.get('measured_steps')} {measured_unit(row)}"
@@ -717,8 +790,10 @@ def ranking_warning(best: dict[str, Any], other: dict[str, Any], stem: str) -> s
         named = " and ".join(f"run {r['job']} measured {r.get('measured_steps') or 0} {measured_unit(r)}" for r in few)
         return f"{named}, fewer than {MIN_MEASURED}: too few to tell a real difference from noise (raise {more})."
     if spans_overlap(time_span([best], stem), time_span([other], stem)):
-        return (f"the min-max ranges of runs {best['job']} and {other['job']} overlap: the difference may be noise "
-                f"(raise {more}).")
+        return (
+            f"the min-max ranges of runs {best['job']} and {other['job']} overlap: the difference may be noise "
+            f"(raise {more})."
+        )
     return ""
 
 
@@ -743,7 +818,7 @@ def best_settings(rows: list[dict[str, Any]]) -> list[Best]:
 
 
 def fmt_efficiency(eff: Optional[float]) -> str:
-    """"0.82 (1.22x limit)", "0.0031 (323x limit)": limit / time, and how many times the limit the update took."""
+    """ "0.82 (1.22x limit)", "0.0031 (323x limit)": limit / time, and how many times the limit the update took."""
     if eff is None or eff <= 0:
         return "n/a"
     return f"{fmt_sig(eff)} ({fmt_ratio(1 / eff)} limit)"
@@ -779,7 +854,7 @@ def common_overrides(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def run_label(row: dict[str, Any], common: Iterable[str] = ()) -> str:
-    """"3: model=qwen3_1p7b update.bucket_mb=512", leaving out the overrides all runs share."""
+    """ "3: model=qwen3_1p7b update.bucket_mb=512", leaving out the overrides all runs share."""
     own = [o for o in row["override_list"] if o not in set(common)]
     return f"{row['job']}: {' '.join(own)}" if own else row["job"]
 
@@ -791,7 +866,8 @@ def table_cells(row: dict[str, Any], common: Iterable[str] = ()) -> list[str]:
     return [
         run,
         str(row["model"] or "n/a"),
-        str(row["transport"] or "n/a") + ("" if row["engine"] in (None, "hf") else f" ({row['engine']})"),  # engine if not hf
+        str(row["transport"] or "n/a")
+        + ("" if row["engine"] in (None, "hf") else f" ({row['engine']})"),  # engine if not hf
         bucket_cell(row),
         str(row["measured_steps"]),
         fmt_spread(row["update_time_median"], row["update_time_min"], row["update_time_max"]),
@@ -804,10 +880,10 @@ def table_cells(row: dict[str, Any], common: Iterable[str] = ()) -> list[str]:
     ]
 
 
-def markdown_table(rows: list[dict[str, Any]]) -> str:
+def rows_markdown(rows: list[dict[str, Any]]) -> str:
     common = common_overrides(rows)
     out = [f"Overrides of every run: {' '.join(common)}", ""] if common else []
-    return "\n".join([*out, table_markdown(TABLE_HEADER, [table_cells(row, common) for row in rows])])
+    return "\n".join([*out, markdown_table(TABLE_HEADER, [table_cells(row, common) for row in rows])])
 
 
 def phase_table(rows: list[dict[str, Any]]) -> str:
@@ -824,7 +900,7 @@ def phase_table(rows: list[dict[str, Any]]) -> str:
 
     common = common_overrides(rows)
     cells = [[run_label(r, common), *(cell(r, p) for p in timed), fmt_seconds(r["step_time_median"])] for r in rows]
-    return table_markdown(["run", *(p.label for p in timed), "step (median)"], cells)
+    return markdown_table(["run", *(p.label for p in timed), "step (median)"], cells)
 
 
 def machine_line(runs: list[Run]) -> str:

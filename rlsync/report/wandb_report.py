@@ -27,8 +27,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from rlsync import metrics
 from rlsync.fmt import error_line
+from rlsync.measure import metrics
 from rlsync.report.table import TABLE_HEADER, ReportResult, best_settings, common_overrides, csv_fields, table_cells
 
 REPORT_JOB_TYPE = "report"
@@ -299,7 +299,7 @@ def publish_report(result: ReportResult) -> str:
                 settings["project"],
                 entity,
                 result.rows,
-                table_markdown=result.markdown_table,
+                table_markdown=result.table_markdown,
                 fit_line="; ".join(group.describe() for group in result.fits),
                 best_lines=tuple(best.describe() for best in best_settings(result.rows)),
             )

@@ -1,6 +1,6 @@
 """The weight update: the trainer's new weights into the rollout engine.
 
-`open_engine` starts the engine described by an `EngineSpec` behind the configured transport and
+`open_transport` starts the engine described by an `EngineSpec` behind the configured transport and
 returns a handle with one interface whatever the transport (`Transport`, sync/base.py: `generate`,
 `release`, `resume`, `update_weights`, `weights`, `checksums`, `close`); the transports are a
 registry there (`register_transport`), whose built-ins are:
@@ -20,16 +20,24 @@ from __future__ import annotations
 
 import torch
 
-from rlsync.config import MIB, UpdateConfig, bucket_bytes
+from rlsync.config.schema import MIB, UpdateConfig, bucket_bytes
 from rlsync.engines.base import EngineSpec, checksum  # checksum: the engines' weight fingerprint, which verify compares
 from rlsync.errors import UpdateOutOfMemory
-from rlsync.sync.base import (  # noqa: F401 - also rlsync.sync's names, for its callers
-    BACKENDS, SOURCES, STRATEGIES, TRANSPORTS, Transport, UpdateResult, register_transport, transport_class,
-    transport_names)
+from rlsync.measure.threads import cpu_threads
+from rlsync.measure.timing import DeviceMemory, Stopwatch
 from rlsync.sync.auto import resolve_update
+from rlsync.sync.base import (  # noqa: F401 - also rlsync.sync's names, for its callers
+    BACKENDS,
+    SOURCES,
+    STRATEGIES,
+    TRANSPORTS,
+    Transport,
+    UpdateResult,
+    register_transport,
+    transport_class,
+    transport_names,
+)
 from rlsync.sync.buckets import Bucket, metas_of, plan_buckets
-from rlsync.sync.threads import cpu_threads
-from rlsync.timing import DeviceMemory, Stopwatch
 
 
 class WeightMismatch(RuntimeError):
@@ -40,10 +48,10 @@ def plan_for(weights: dict[str, torch.Tensor], cfg: UpdateConfig, engine_dtype: 
     return plan_buckets(metas_of(weights, engine_dtype), bucket_bytes(cfg))
 
 
-def open_engine(cfg: UpdateConfig, *, spec: EngineSpec, buckets: list[Bucket]) -> Transport:
+def open_transport(cfg: UpdateConfig, *, spec: EngineSpec, buckets: list[Bucket]) -> Transport:
     """Start the engine described by `spec` behind update.transport (the registry: sync/base.py).
 
-    The config was validated before any model was built (rlsync/validate.py), its cross-key rules too.
+    The config was validated before any model was built (rlsync/config/validate.py), its cross-key rules too.
     The transports take its nulls (auto) resolved: the entry points resolve them with the thread probe
     (rlsync.sync.auto.resolve_for_run); what is still null here is resolved without it.
     """
@@ -55,11 +63,20 @@ def open_engine(cfg: UpdateConfig, *, spec: EngineSpec, buckets: list[Bucket]) -
 def verify(trainer_weights: dict[str, torch.Tensor], engine_checksums: dict[str, int], dtype: torch.dtype) -> None:
     for name, tensor in trainer_weights.items():
         if checksum(tensor.to(dtype)) != engine_checksums[name]:
-            raise WeightMismatch(f"weight update verification failed: engine tensor {name!r} differs from the trainer's")
+            raise WeightMismatch(
+                f"weight update verification failed: engine tensor {name!r} differs from the trainer's"
+            )
 
 
-def update_weights(engine: Transport, weights: dict[str, torch.Tensor], *, buckets: list[Bucket], cfg: UpdateConfig,
-                   device: torch.device, limit_time: float) -> dict[str, float]:
+def update_weights(
+    engine: Transport,
+    weights: dict[str, torch.Tensor],
+    *,
+    buckets: list[Bucket],
+    cfg: UpdateConfig,
+    device: torch.device,
+    limit_time: float,
+) -> dict[str, float]:
     """One timed weight update; the metrics family `perf/update_weights_*`.
 
     Peak bytes: the staging buffers the update holds (the transport's own accounting, both sides of a
@@ -99,8 +116,13 @@ def is_out_of_memory(err: BaseException) -> bool:
     return "OutOfMemoryError" in first or "CUDA out of memory" in first
 
 
-def out_of_memory(buckets: list[Bucket], cfg: UpdateConfig, phase: str = "during the weight update") -> UpdateOutOfMemory:
-    return UpdateOutOfMemory(bucket_mb=cfg.bucket_mb, largest_bucket_mb=max(b.nbytes for b in buckets) / MIB,
-                             largest_tensor_mb=max(s.meta.nbytes for b in buckets for s in b.slots) / MIB,
-                             inflight=cfg.inflight_buckets, phase=phase)
-
+def out_of_memory(
+    buckets: list[Bucket], cfg: UpdateConfig, phase: str = "during the weight update"
+) -> UpdateOutOfMemory:
+    return UpdateOutOfMemory(
+        bucket_mb=cfg.bucket_mb,
+        largest_bucket_mb=max(b.nbytes for b in buckets) / MIB,
+        largest_tensor_mb=max(s.meta.nbytes for b in buckets for s in b.slots) / MIB,
+        inflight=cfg.inflight_buckets,
+        phase=phase,
+    )

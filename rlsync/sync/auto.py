@@ -1,11 +1,11 @@
 """The update's `null` (auto) knobs, resolved in one place, each with the reason it took its value.
 
-- `update.flat_engine_weights=null`: `rlsync.config.flat_engine_weights_choice` (config alone: the
+- `update.flat_engine_weights=null`: `rlsync.config.schema.flat_engine_weights_choice` (config alone: the
   engine, transport, strategy and rollout.release_weights decide it; the memory estimate reads it too).
 - `update.copy_threads=null`: the CPU thread count that copies the update's own tensors fastest
   (`fastest_threads`): a sample of them (`sample`, up to SAMPLE_BYTES) copied and cast as the update
   packs them, on one thread, torch's threads and every core, taking turns. Not the copy probe's one
-  large copy (`rlsync.limits`): each of the update's many copies waits at an OpenMP barrier, free on
+  large copy (`rlsync.measure.limits`): each of the update's many copies waits at an OpenMP barrier, free on
   idle cores and milliseconds when another process holds one (experiments/transports/README.md). A
   win of fewer threads is timed again before it is believed (`fastest_of`).
 
@@ -21,17 +21,19 @@ import time
 
 import torch
 
-from rlsync.config import ModelConfig, RolloutConfig, UpdateConfig, flat_engine_weights_choice
-from rlsync.devices import copy_into
+from rlsync.config.schema import ModelConfig, RolloutConfig, UpdateConfig, flat_engine_weights_choice
+from rlsync.measure.devices import copy_into
+from rlsync.measure.threads import cpu_threads
 from rlsync.sync.buckets import Bucket
-from rlsync.sync.threads import cpu_threads
 
-SAMPLE_BYTES = 128 << 20  # engine bytes of the update's tensors the thread timing copies (a sample across the plan: sample())
+SAMPLE_BYTES = (
+    128 << 20
+)  # engine bytes of the update's tensors the thread timing copies (a sample across the plan: sample())
 ROUNDS = 3  # each candidate's best of this many, taking turns
 
 
 def thread_candidates() -> list[int]:
-    from rlsync.limits import machine_threads  # lazy: limits imports this package's threads module
+    from rlsync.measure.limits import machine_threads  # lazy: limits imports this package's threads module
 
     return sorted({1, torch.get_num_threads(), machine_threads()})
 
@@ -54,8 +56,9 @@ def sample(buckets: list[Bucket], cap_bytes: int = SAMPLE_BYTES) -> list:
 
 
 @torch.no_grad()
-def fastest_threads(weights: dict[str, torch.Tensor], buckets: list[Bucket], device: torch.device,
-                    rounds: int = ROUNDS) -> tuple[int, str]:
+def fastest_threads(
+    weights: dict[str, torch.Tensor], buckets: list[Bucket], device: torch.device, rounds: int = ROUNDS
+) -> tuple[int, str]:
     """(thread count, how it was found): a sample of the update's tensors copied as the update copies them
     (trainer tensor -> engine dtype, one copy each, into one scratch buffer), on each candidate thread
     count in turn; 0 where the copy is not a CPU copy (threads do not drive it)."""
@@ -68,7 +71,7 @@ def fastest_threads(weights: dict[str, torch.Tensor], buckets: list[Bucket], dev
     scratch = torch.empty(numel, dtype=buckets[0].dtype, device=device)
     views, offset = [], 0
     for name in names:
-        views.append((scratch[offset: offset + weights[name].numel()].view(weights[name].shape), weights[name]))
+        views.append((scratch[offset : offset + weights[name].numel()].view(weights[name].shape), weights[name]))
         offset += weights[name].numel()
     for dst, src in views:  # first touch, untimed
         copy_into(dst, src)
@@ -128,19 +131,35 @@ def copy_threads_choice(update: UpdateConfig, *, probe_threads: int, probe_how: 
     return probe_threads, f"auto: fastest on {probe_threads} thread{'s' if probe_threads > 1 else ''} ({probe_how})"
 
 
-def resolve_update(update: UpdateConfig, rollout: RolloutConfig, *, probe_threads: int,
-                   probe_how: str = "", model: ModelConfig | None = None) -> tuple[UpdateConfig, dict]:
+def resolve_update(
+    update: UpdateConfig,
+    rollout: RolloutConfig,
+    *,
+    probe_threads: int,
+    probe_how: str = "",
+    model: ModelConfig | None = None,
+) -> tuple[UpdateConfig, dict]:
     """(the update config with every null resolved, {key: value, key_why: reason} for the summary)."""
     flat, flat_why = flat_engine_weights_choice(update, rollout, model)
     threads, threads_why = copy_threads_choice(update, probe_threads=probe_threads, probe_how=probe_how)
     resolved = dataclasses.replace(update, flat_engine_weights=flat, copy_threads=threads)
-    return resolved, {"flat_engine_weights": flat, "flat_engine_weights_why": flat_why,
-                      "copy_threads": threads, "copy_threads_why": threads_why}
+    return resolved, {
+        "flat_engine_weights": flat,
+        "flat_engine_weights_why": flat_why,
+        "copy_threads": threads,
+        "copy_threads_why": threads_why,
+    }
 
 
-def resolve_for_run(update: UpdateConfig, rollout: RolloutConfig, *, weights: dict[str, torch.Tensor],
-                    buckets: list[Bucket], device: torch.device,
-                    model: ModelConfig | None = None) -> tuple[UpdateConfig, dict]:
+def resolve_for_run(
+    update: UpdateConfig,
+    rollout: RolloutConfig,
+    *,
+    weights: dict[str, torch.Tensor],
+    buckets: list[Bucket],
+    device: torch.device,
+    model: ModelConfig | None = None,
+) -> tuple[UpdateConfig, dict]:
     """`resolve_update` at an entry point: the thread count timed on the update's own tensors, only
     when update.copy_threads is null (auto)."""
     threads, how = fastest_threads(weights, buckets, device) if update.copy_threads is None else (0, "")

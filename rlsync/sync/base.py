@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlsync.config import UpdateConfig
+from rlsync.config.schema import UpdateConfig
 from rlsync.engines.base import Engine, EngineSpec, Preloaded, Rollout, checksum, own_strategy_names
 from rlsync.registry import Registry
 from rlsync.sync.buckets import Bucket
@@ -32,10 +32,10 @@ SOURCES = ("device", "host")
 BACKENDS = ("auto", "gloo")  # not nccl: it refuses two ranks on one GPU, where the colocated engine sits
 
 
-
 def strategy_names() -> tuple[str, ...]:
     """The values update.strategy accepts: the transports' strategies, then the engines' own."""
     return STRATEGIES + own_strategy_names()
+
 
 @dataclass
 class UpdateResult:
@@ -62,7 +62,7 @@ class Transport(Rollout):
     last_update: UpdateResult | None = None
 
     @classmethod
-    def open(cls, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig) -> "Transport":
+    def open(cls, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig) -> Transport:
         """Start the engine `spec` describes behind this transport, for the update `buckets` plans."""
         return cls(spec, buckets, cfg)
 
@@ -123,11 +123,14 @@ class Receiver(Preloaded, ABC):
 # The registry: update.transport -> transport class
 # ----------------------------------------------------------------------------------------------
 
-TRANSPORTS: Registry[Transport] = Registry("update.transport", {
-    "direct": "rlsync.sync.direct:LocalEngine",  # the engine in the trainer's process
-    "ipc": "rlsync.sync.ipc:IpcEngine",  # the engine in its own process; buckets through shared staging buffers
-    "broadcast": "rlsync.sync.broadcast:BroadcastEngine",  # the engine in its own process; one broadcast per bucket
-})
+TRANSPORTS: Registry[Transport] = Registry(
+    "update.transport",
+    {
+        "direct": "rlsync.sync.direct:DirectTransport",  # the engine in the trainer's process
+        "ipc": "rlsync.sync.ipc:IpcTransport",  # the engine in its own process; buckets through shared staging buffers
+        "broadcast": "rlsync.sync.broadcast:BroadcastTransport",  # the engine in its own process; one broadcast per bucket
+    },
+)
 register_transport = TRANSPORTS.register  # register_transport("mine", "mypackage.mine:Mine"), or as a decorator
 transport_names = TRANSPORTS.names  # the values update.transport accepts, in registration order
 transport_class = TRANSPORTS.resolve  # the class registered under a name, imported the first time

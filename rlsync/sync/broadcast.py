@@ -3,7 +3,7 @@
 As in Miles/slime's non-colocated mode: the trainer (rank 0) and the engine process
 (rank 1) form a two-rank gloo group (see `resolve_backend` for NCCL) over a TCP store that the
 trainer hosts on a free port. The engine process is started here, or (`update.engine_address`) is
-an engine started on its own, on this machine or another (`python -m rlsync.engine`,
+an engine started on its own, on this machine or another (`python -m rlsync.serve`,
 sync/remote.py), which reaches the trainer's store at the address the trainer connected from. The
 store and both ends of the group listen on one address only: loopback for an engine process
 started here; for a standalone engine, each side's end of the control connection. The
@@ -19,7 +19,7 @@ is on the wire, the engine receives bucket k+1 while loading bucket k.
 Split metrics: `pack` (trainer), `transfer` (the time the trainer waits for the wire; with two in
 flight only the part packing did not hide), `load` (the engine's copy, timed in the engine process).
 On CUDA `pack` and `load` are CUDA events read after one sync at the end of the update on each side
-(rlsync.timing.EventTimer); gloo orders a CUDA broadcast after the current stream's work and makes
+(rlsync.measure.timing.EventTimer); gloo orders a CUDA broadcast after the current stream's work and makes
 `wait()` order the stream after it (ProcessGroupGloo's CUDA work), so no unit needs a sync of its
 own. `transfer` is a host-side wait, on the host clock; on CUDA it also holds the pack's kernels
 still running when the broadcast starts (gloo's staging copy waits for them).
@@ -36,13 +36,13 @@ import torch
 import torch.distributed as dist
 
 import rlsync.sync.flat as flat
-from rlsync.config import UpdateConfig
+from rlsync.config.schema import UpdateConfig
 from rlsync.engines.base import Engine, EngineSpec
+from rlsync.measure.threads import cpu_threads
+from rlsync.measure.timing import DeviceMemory, HostTimer, unit_timer
 from rlsync.sync.base import Receiver, UpdateResult
 from rlsync.sync.buckets import Bucket, Slot, largest_bucket_bytes
 from rlsync.sync.engine_process import EngineProcess, ForwardsToEngineProcess
-from rlsync.sync.threads import cpu_threads
-from rlsync.timing import DeviceMemory, HostTimer, unit_timer
 
 HOST = "127.0.0.1"  # an engine process started here: the store and both ends of the group listen on loopback only
 TRAINER, ENGINE = 0, 1  # ranks
@@ -66,8 +66,15 @@ def listen_store(host: str, timeout: timedelta) -> dist.TCPStore:
         sock.bind((host, 0))
         sock.listen(128)
         port = sock.getsockname()[1]
-        return dist.TCPStore(host, port, world_size=2, is_master=True, wait_for_workers=False, timeout=timeout,
-                             master_listen_fd=sock.detach())
+        return dist.TCPStore(
+            host,
+            port,
+            world_size=2,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timeout,
+            master_listen_fd=sock.detach(),
+        )
     finally:
         sock.close()  # after detach(): a no-op; on an error before it: frees the socket
 
@@ -95,8 +102,18 @@ def slot_numel(buckets: list[Bucket], strategy: str) -> int:
 class BroadcastReceiver(Receiver):
     """The engine-side half: joins the group, receives each broadcast and loads it (pickled to the engine)."""
 
-    def __init__(self, buckets: list[Bucket], *, strategy: str, inflight: int, flat_weights: bool, port: int,
-                 timeout_s: float, join_timeout_s: float, copy_threads: int):
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        *,
+        strategy: str,
+        inflight: int,
+        flat_weights: bool,
+        port: int,
+        timeout_s: float,
+        join_timeout_s: float,
+        copy_threads: int,
+    ):
         self.buckets, self.strategy, self.inflight, self.flat_weights = buckets, strategy, inflight, flat_weights
         self.copy_threads = copy_threads
         self.host, self.port, self.timeout_s = HOST, port, timeout_s  # a standalone engine sets `host`
@@ -107,16 +124,18 @@ class BroadcastReceiver(Receiver):
         self.group = None
 
     def open(self, engine: Engine) -> dict:
-        store = dist.TCPStore(self.host, self.port, world_size=2, is_master=False,
-                              timeout=timedelta(seconds=self.join_timeout_s))
+        store = dist.TCPStore(
+            self.host, self.port, world_size=2, is_master=False, timeout=timedelta(seconds=self.join_timeout_s)
+        )
         self.group = join_group(store, ENGINE, timedelta(seconds=self.timeout_s), self.bind_host)
         device, dtype = engine.device, self.buckets[0].dtype
         if self.flat_weights:
             self.flat = flat.allocate(self.buckets, device)
             flat.bind(engine.weights, self.buckets, self.flat)
         if not (self.flat_weights and self.strategy == "bucketed"):
-            self.slots = [flat.empty(slot_numel(self.buckets, self.strategy), dtype, device)
-                          for _ in range(self.inflight)]
+            self.slots = [
+                flat.empty(slot_numel(self.buckets, self.strategy), dtype, device) for _ in range(self.inflight)
+            ]
         return {"staging_bytes": sum(s.numel() * s.element_size() for s in self.slots)}
 
     def target(self, k: int, unit: Bucket, numel: int) -> torch.Tensor:
@@ -151,7 +170,7 @@ class BroadcastReceiver(Receiver):
         self.slots, self.flat, self.group = [], None, None
 
 
-class BroadcastEngine(ForwardsToEngineProcess):
+class BroadcastTransport(ForwardsToEngineProcess):
     def __init__(self, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig):
         self.group = None
         self.device = torch.device(spec.device)
@@ -168,22 +187,36 @@ class BroadcastEngine(ForwardsToEngineProcess):
 
             host = reach(cfg.engine_address, timeout_s=cfg.engine_connect_timeout_s)
         self.store = listen_store(host, timedelta(seconds=join_timeout_s))
-        self.slots = [flat.empty(slot_numel(buckets, cfg.strategy), buckets[0].dtype, self.device)
-                      for _ in range(cfg.inflight_buckets)]
+        self.slots = [
+            flat.empty(slot_numel(buckets, cfg.strategy), buckets[0].dtype, self.device)
+            for _ in range(cfg.inflight_buckets)
+        ]
         self.engine_staging = 0
-        receiver = BroadcastReceiver(buckets, strategy=cfg.strategy, inflight=cfg.inflight_buckets,
-                                     flat_weights=cfg.flat_engine_weights, port=self.store.port,
-                                     timeout_s=cfg.engine_timeout_s, join_timeout_s=join_timeout_s,
-                                     copy_threads=cfg.copy_threads)
+        receiver = BroadcastReceiver(
+            buckets,
+            strategy=cfg.strategy,
+            inflight=cfg.inflight_buckets,
+            flat_weights=cfg.flat_engine_weights,
+            port=self.store.port,
+            timeout_s=cfg.engine_timeout_s,
+            join_timeout_s=join_timeout_s,
+            copy_threads=cfg.copy_threads,
+        )
         if cfg.engine_address:  # an engine started on its own: it checks the plan against its model
-            self.process = EngineProcess.remote(cfg.engine_address, receiver, timeout_s=cfg.engine_timeout_s,
-                                                connect_timeout_s=cfg.engine_connect_timeout_s)
+            self.process = EngineProcess.over_http(
+                cfg.engine_address,
+                receiver,
+                timeout_s=cfg.engine_timeout_s,
+                connect_timeout_s=cfg.engine_connect_timeout_s,
+            )
         else:
             self.process = EngineProcess(spec, receiver, strategy=cfg.strategy, timeout_s=cfg.engine_timeout_s)
         try:
             self.process.send("open")
-            self.process.join_thread(lambda: setattr(self, "group", join_group(self.store, TRAINER, timeout, host)),
-                                     f"the {backend} process group")
+            self.process.join_thread(
+                lambda: setattr(self, "group", join_group(self.store, TRAINER, timeout, host)),
+                f"the {backend} process group",
+            )
             self.engine_staging = self.process.reply("open").result["staging_bytes"]
         except BaseException:
             self.close()
@@ -210,10 +243,16 @@ class BroadcastEngine(ForwardsToEngineProcess):
         for row, load in zip(rows, reply.result["load_times"], strict=True):
             row["load_time"] = load
         trainer_staging = sum(s.numel() * s.element_size() for s in self.slots)
-        return UpdateResult({"pack": timer.seconds["pack"], "transfer": waits.seconds["transfer"],
-                             "load": sum(reply.result["load_times"])}, rows,
-                            staging_bytes=trainer_staging + self.engine_staging,
-                            engine_peak_bytes=reply.result["peak_extra"])
+        return UpdateResult(
+            {
+                "pack": timer.seconds["pack"],
+                "transfer": waits.seconds["transfer"],
+                "load": sum(reply.result["load_times"]),
+            },
+            rows,
+            staging_bytes=trainer_staging + self.engine_staging,
+            engine_peak_bytes=reply.result["peak_extra"],
+        )
 
     def _wait(self, row: dict, work, waits: HostTimer) -> None:
         with waits("transfer", row):

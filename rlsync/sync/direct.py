@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from rlsync.config import UpdateConfig
+from rlsync.config.schema import UpdateConfig
 from rlsync.engines.base import Engine, EngineSpec, Generation
+from rlsync.measure.timing import unit_timer
 from rlsync.sync import flat
 from rlsync.sync.base import Transport, UpdateResult
 from rlsync.sync.buckets import Bucket, largest_bucket_bytes
-from rlsync.timing import unit_timer
 
 
-class LocalEngine(Transport):
+class DirectTransport(Transport):
     """`engine`, built in this process, behind the update `buckets` plans (`open` builds it from the spec)."""
 
     def __init__(self, engine: Engine, buckets: list[Bucket], *, strategy: str, flat_weights: bool = False):
@@ -37,8 +37,10 @@ class LocalEngine(Transport):
             self.staging = torch.empty(numel, dtype=engine.dtype, device=engine.device)
 
     @classmethod
-    def open(cls, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig) -> "LocalEngine":
-        return cls(spec.build(strategy=cfg.strategy), buckets, strategy=cfg.strategy, flat_weights=cfg.flat_engine_weights)
+    def open(cls, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig) -> DirectTransport:
+        return cls(
+            spec.build(strategy=cfg.strategy), buckets, strategy=cfg.strategy, flat_weights=cfg.flat_engine_weights
+        )
 
     def generate(self, prompts: list[list[int]], **kwargs) -> Generation:
         return self.engine.generate(prompts, **kwargs)

@@ -17,8 +17,8 @@ process between them, raising `EngineDied` with its exit code. Both sides first 
 for `SPIN_S` (`spin_poll`): a per-tensor update is thousands of tiny messages, each answered within
 tens of microseconds, and a process that sleeps between them pays a wake-up per message.
 
-`EngineProcess.remote` speaks the same protocol to an engine started on its own (`python -m
-rlsync.engine`, typed messages over HTTP: sync/remote.py); there the engine is alive as long as its
+`EngineProcess.over_http` speaks the same protocol to an engine started on its own (`python -m
+rlsync.serve`, typed messages over HTTP: sync/remote.py); there the engine is alive as long as its
 session is.
 """
 
@@ -36,8 +36,8 @@ from contextlib import contextmanager
 import torch
 import torch.multiprocessing as mp
 
-from rlsync.devices import select_device
 from rlsync.engines.base import Engine, EngineSpec, engine_class
+from rlsync.measure.devices import select_device
 from rlsync.sync.base import Receiver, Transport
 
 POLL_S = 0.05  # liveness check interval while waiting on the engine
@@ -99,8 +99,7 @@ class EngineServer:
     def generate(self, prompts, max_new_tokens, temperature, generator_state, generator_device):
         generator = torch.Generator(device=generator_here(torch.device(generator_device), self.engine.device))
         generator.set_state(generator_state)
-        gen = self.engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   generator=generator)
+        gen = self.engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, generator=generator)
         return gen.to(torch.device("cpu")), generator.get_state()  # never CUDA IPC handles back: CPU, small
 
     def release(self):
@@ -117,7 +116,7 @@ class EngineServer:
 
     def close(self):
         """The engine process's peak resident set (bytes), for the run's memory record."""
-        from rlsync.memory import peak_rss_bytes  # here: the engine process needs it once, at the end
+        from rlsync.measure.memory import peak_rss_bytes  # here: the engine process needs it once, at the end
 
         return peak_rss_bytes()
 
@@ -158,7 +157,7 @@ def serve_requests(conn, server: EngineServer) -> str:
     """Answer "start", then each request in order until "close" or the trainer's side of `conn` closes.
 
     The engine process's loop (a pipe; the standalone engine answers the same requests over HTTP:
-    rlsync/engine_app.py). Returns how the session ended; never raises for a trainer that went away.
+    rlsync/serve/app.py). Returns how the session ended; never raises for a trainer that went away.
     """
     try:
         t_prev_send = time.monotonic()
@@ -219,11 +218,12 @@ def passive_openmp(enabled: bool):
         del os.environ["OMP_WAIT_POLICY"]
 
 
-class Reply:
+class Answer:
     """One answered request: the result and the handoff latency around the engine's work."""
 
-    def __init__(self, result, *, sent: float, waited: float, received: float, t_recv: float, t_send: float,
-                 t_prev_send: float):
+    def __init__(
+        self, result, *, sent: float, waited: float, received: float, t_recv: float, t_send: float, t_prev_send: float
+    ):
         self.result = result
         # in: from our send (or the engine finishing its previous request, if later) to the engine reading it;
         # out: from the engine's send (or us starting to wait, if later) to us reading it.
@@ -233,22 +233,29 @@ class Reply:
 class EngineProcess:
     """Start the engine process and talk to it; `close()` always leaves no process behind.
 
-    `EngineProcess.remote(address, ...)` talks the same way to an engine started on its own.
+    `EngineProcess.over_http(address, ...)` talks the same way to an engine started on its own.
     """
 
     def __init__(self, spec: EngineSpec, receiver: Receiver, *, strategy: str, timeout_s: float):
         preload = (*engine_class(spec.rollout.engine).preload_modules(), *receiver.preload_modules())
         ctx = start_context(torch.device(spec.device), preload)
         conn, child = ctx.Pipe(duplex=True)
-        process = ctx.Process(target=serve, args=(child, spec, receiver, strategy), name="rlsync-engine", daemon=True)
+        process = ctx.Process(target=serve, args=(child, spec, receiver, strategy), name="rlsync-serve", daemon=True)
         with passive_openmp(engine_class(spec.rollout.engine).passive_cpu_threads):
             process.start()
         child.close()
-        self._attach(conn, process, timeout_s, who=f"the engine process (pid {process.pid})",
-                     ended=lambda: f"died with {exit_description(process.exitcode)}")
+        self._attach(
+            conn,
+            process,
+            timeout_s,
+            who=f"the engine process (pid {process.pid})",
+            ended=lambda: f"died with {exit_description(process.exitcode)}",
+        )
 
     @classmethod
-    def remote(cls, address: str, receiver: Receiver, *, timeout_s: float, connect_timeout_s: float) -> "EngineProcess":
+    def over_http(
+        cls, address: str, receiver: Receiver, *, timeout_s: float, connect_timeout_s: float
+    ) -> EngineProcess:
         """The engine serving at `address` (sync/remote.py): open a session with this trainer's receiver
         (the update's plan and settings) and wait until the engine has checked that plan against its model."""
         # Here, not at the top: this module is preloaded in every engine process (forkserver, spawn), which
@@ -257,8 +264,13 @@ class EngineProcess:
 
         self = cls.__new__(cls)
         wire = open_session(address, receiver, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
-        self._attach(wire, RemotePeer(wire), timeout_s, who=f"the engine at {address}",
-                     ended=lambda: f"closed the connection (it stopped, or the network failed: {wire.why_closed})")
+        self._attach(
+            wire,
+            RemotePeer(wire),
+            timeout_s,
+            who=f"the engine at {address}",
+            ended=lambda: f"closed the connection (it stopped, or the network failed: {wire.why_closed})",
+        )
         return self
 
     def _attach(self, conn, process, timeout_s: float, *, who: str, ended: Callable[[], str]) -> None:
@@ -295,7 +307,7 @@ class EngineProcess:
         self._sent.append((op, sent))
         return sent
 
-    def reply(self, op: str) -> Reply:
+    def reply(self, op: str) -> Answer:
         """The answer to the oldest outstanding request, which must be `op`."""
         expected, sent = self._sent[0]
         assert expected == op, f"engine protocol: waiting for {op!r}, but {expected!r} is answered first"
@@ -325,8 +337,10 @@ class EngineProcess:
                 self._early.append(message)
             self.check_alive(what)
             if time.monotonic() - start > self.timeout_s:
-                raise TimeoutError(f"{self.who} is alive but gave no answer for {what} "
-                                   f"within update.engine_timeout_s={self.timeout_s:g} s")
+                raise TimeoutError(
+                    f"{self.who} is alive but gave no answer for {what} "
+                    f"within update.engine_timeout_s={self.timeout_s:g} s"
+                )
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
@@ -361,8 +375,9 @@ class EngineProcess:
     def generate(self, prompts, *, max_new_tokens: int, temperature: float, generator: torch.Generator):
         """Generation in the engine process; the sampler's state goes there and comes back advanced,
         so the random stream is the same as with the engine in this process."""
-        gen, state = self.call("generate", prompts, max_new_tokens, temperature, generator.get_state(),
-                               str(generator.device))
+        gen, state = self.call(
+            "generate", prompts, max_new_tokens, temperature, generator.get_state(), str(generator.device)
+        )
         generator.set_state(state)
         return gen
 
@@ -420,15 +435,16 @@ class EngineProcess:
     def _death(self, what: str) -> str:
         return f"{self.who} {self._ended()} while the trainer waited for {what}"
 
-    def _unpack(self, message: tuple, *, sent: float, waited: float) -> Reply:
+    def _unpack(self, message: tuple, *, sent: float, waited: float) -> Answer:
         received = time.monotonic()
         if message[0] == "error":
             _, op, tb = message
             last = tb.strip().splitlines()[-1]
             raise EngineFailed(f"{self.who} failed during {op!r}: {last}\n{tb}")
         _, op, result, t_recv, t_send, t_prev_send = message
-        return Reply(result, sent=sent, waited=waited, received=received, t_recv=t_recv, t_send=t_send,
-                     t_prev_send=t_prev_send)
+        return Answer(
+            result, sent=sent, waited=waited, received=received, t_recv=t_recv, t_send=t_send, t_prev_send=t_prev_send
+        )
 
     def _raise_died(self, what: str):
         self.process.join(0.5)

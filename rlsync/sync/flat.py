@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import torch
 
-from rlsync.devices import copy_into
+from rlsync.measure.devices import copy_into
 from rlsync.sync.buckets import Bucket
 
 
@@ -45,13 +45,17 @@ def bind(engine_weights: dict[str, torch.Tensor], buckets: list[Bucket], buffers
     planned = {s.meta.name: s.meta for b in buckets for s in b.slots}
     if set(planned) != set(engine_weights):
         missing, extra = sorted(set(planned) - set(engine_weights)), sorted(set(engine_weights) - set(planned))
-        raise ValueError("update.flat_engine_weights=true needs the engine's weights to match the trainer's names; "
-                         f"not in the engine: {missing[:3]}, not in the trainer: {extra[:3]}")
+        raise ValueError(
+            "update.flat_engine_weights=true needs the engine's weights to match the trainer's names; "
+            f"not in the engine: {missing[:3]}, not in the trainer: {extra[:3]}"
+        )
     for bucket, buffer in zip(buckets, buffers, strict=True):
         for name, view in views(bucket, buffer):
             param = engine_weights[name]
             if tuple(param.shape) != tuple(view.shape) or param.dtype != view.dtype:
-                raise ValueError(f"update.flat_engine_weights=true: engine weight {name!r} is {tuple(param.shape)} "
-                                 f"{param.dtype}, the plan says {tuple(view.shape)} {view.dtype}")
+                raise ValueError(
+                    f"update.flat_engine_weights=true: engine weight {name!r} is {tuple(param.shape)} "
+                    f"{param.dtype}, the plan says {tuple(view.shape)} {view.dtype}"
+                )
             view.copy_(param.data)
             param.data = view  # the parameter object stays (modules and tied weights keep pointing at it)

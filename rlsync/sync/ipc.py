@@ -1,6 +1,6 @@
 """The `ipc` transport: the engine in its own process, buckets handed over in shared buffers.
 
-As in the reference system's colocated mode: the trainer packs a bucket into a staging buffer the
+As in Miles/slime's colocated update: the trainer packs a bucket into a staging buffer the
 engine process maps too (CPU shared memory; CUDA IPC on a GPU), sends a short message naming the
 bucket and the buffer, and the engine copies from the buffer into its weights by name. The staging
 buffers are allocated once, as large as the largest bucket (or tensor, for `per_tensor`), and reused.
@@ -14,7 +14,7 @@ Split metrics: `pack` (trainer), `transfer` (the messages' handoff latency, both
 time a message waits for a busy peer), `load` (the engine's copy, timed in the engine process).
 On CUDA each side synchronizes once per message, the sync the hand-off needs (the trainer before
 telling the engine the bytes are there, the engine before answering that the slot is free again);
-`pack` and `load` are CUDA events around the work (rlsync.timing.EventTimer).
+`pack` and `load` are CUDA events around the work (rlsync.measure.timing.EventTimer).
 """
 
 from __future__ import annotations
@@ -23,22 +23,28 @@ from collections import deque
 
 import torch
 
-from rlsync.config import UpdateConfig
-from rlsync.devices import copy_into
+from rlsync.config.schema import UpdateConfig
 from rlsync.engines.base import Engine, EngineSpec
+from rlsync.measure.devices import copy_into
+from rlsync.measure.threads import cpu_threads
+from rlsync.measure.timing import DeviceMemory, synchronize, unit_timer
 from rlsync.sync import flat
 from rlsync.sync.base import Receiver, UpdateResult
 from rlsync.sync.buckets import Bucket, largest_bucket_bytes
 from rlsync.sync.engine_process import EngineProcess, ForwardsToEngineProcess
-from rlsync.sync.threads import cpu_threads
-from rlsync.timing import DeviceMemory, synchronize, unit_timer
 
 
 class IpcReceiver(Receiver):
     """The engine-side half: loads named views of a shared staging buffer (pickled to the engine process)."""
 
-    def __init__(self, buckets: list[Bucket], *, slots: list[torch.Tensor], flat_weights: list[torch.Tensor] | None,
-                 copy_threads: int):
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        *,
+        slots: list[torch.Tensor],
+        flat_weights: list[torch.Tensor] | None,
+        copy_threads: int,
+    ):
         self.buckets, self.slots, self.flat, self.copy_threads = buckets, slots, flat_weights, copy_threads
 
     def open(self, engine: Engine) -> dict:
@@ -70,7 +76,7 @@ class IpcReceiver(Receiver):
         self.slots = self.flat = None
 
 
-class IpcEngine(ForwardsToEngineProcess):
+class IpcTransport(ForwardsToEngineProcess):
     def __init__(self, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig):
         self.device = torch.device(spec.device)
         self.buckets, self.strategy = buckets, cfg.strategy
@@ -123,7 +129,7 @@ class IpcEngine(ForwardsToEngineProcess):
                 with timer("pack", rows[-1]):
                     if key[0] == "bucket":
                         flat.pack(item, weights, buffer)
-                    else:  # a host source is cast on the device, as flat.pack does (rlsync.devices.copy_into)
+                    else:  # a host source is cast on the device, as flat.pack does (rlsync.measure.devices.copy_into)
                         copy_into(buffer, weights[item].reshape(-1))
                 timer.handoff()  # the bytes are in the buffer before the engine is told
                 self.process.send("update", (*key, k % len(self.slots)))
@@ -134,8 +140,12 @@ class IpcEngine(ForwardsToEngineProcess):
             load = sum(r["load_time"] for r in rows)
         timer.resolve()
         staging = sum(s.numel() * s.element_size() for s in self.slots)  # shared: the same pages on both sides
-        return UpdateResult({"pack": timer.seconds["pack"], "transfer": transfer, "load": load}, rows,
-                            staging_bytes=staging, engine_peak_bytes=engine_peak)
+        return UpdateResult(
+            {"pack": timer.seconds["pack"], "transfer": transfer, "load": load},
+            rows,
+            staging_bytes=staging,
+            engine_peak_bytes=engine_peak,
+        )
 
     def _finish(self, row: dict) -> int:
         reply = self.process.reply("update")

@@ -1,4 +1,4 @@
-"""The typed messages between a trainer and a standalone engine (`python -m rlsync.engine`), as JSON.
+"""The typed messages between a trainer and a standalone engine (`python -m rlsync.serve`), as JSON.
 
 Every request body and reply on the control plane is one of these pydantic models, validated on
 arrival: a field of the wrong type, a dtype outside `WIRE_DTYPES`, a plan whose layout does not add
@@ -27,9 +27,18 @@ from rlsync.engines.base import Generation
 from rlsync.sync.buckets import Bucket, Slot, TensorMeta
 
 # Every dtype that may cross the wire, by name (never looked up on torch by a name we were sent).
-WIRE_DTYPES = {"bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
-               "int32": torch.int32, "int64": torch.int64, "float16": torch.float16, "bfloat16": torch.bfloat16,
-               "float32": torch.float32, "float64": torch.float64}
+WIRE_DTYPES = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
 DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
 DtypeName = Literal["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
 OPS = ("open", "update", "generate", "release", "resume", "checksums", "weights", "close")
@@ -62,7 +71,7 @@ class TensorData(Message):
         return shape
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> "TensorData":
+    def of(cls, tensor: torch.Tensor) -> TensorData:
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)
         raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
         return cls(dtype=DTYPE_NAMES[tensor.dtype], shape=list(tensor.shape), data=base64.b64encode(raw).decode())
@@ -72,8 +81,9 @@ class TensorData(Message):
         raw = base64.b64decode(self.data, validate=True)
         numel = math.prod(self.shape)
         if len(raw) != numel * dtype.itemsize:
-            raise WireError(f"a {self.dtype} tensor of shape {self.shape} needs {numel * dtype.itemsize} bytes, "
-                            f"got {len(raw)}")
+            raise WireError(
+                f"a {self.dtype} tensor of shape {self.shape} needs {numel * dtype.itemsize} bytes, got {len(raw)}"
+            )
         if not raw:
             return torch.empty(self.shape, dtype=dtype)
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(self.shape)
@@ -110,14 +120,25 @@ class Plan(Message):
     join_timeout_s: float = Field(gt=0, allow_inf_nan=False)  # the store and the rendezvous (capped too)
 
     @classmethod
-    def of(cls, receiver) -> "Plan":
-        buckets = [PlanBucket(dtype=DTYPE_NAMES[b.dtype], numel=b.numel,
-                              slots=[PlanSlot(name=s.meta.name, shape=list(s.meta.shape), offset=s.offset)
-                                     for s in b.slots])
-                   for b in receiver.buckets]
-        return cls(buckets=buckets, strategy=receiver.strategy, inflight=receiver.inflight,
-                   flat_weights=receiver.flat_weights, copy_threads=receiver.copy_threads, store_port=receiver.port,
-                   timeout_s=receiver.timeout_s, join_timeout_s=receiver.join_timeout_s)
+    def of(cls, receiver) -> Plan:
+        buckets = [
+            PlanBucket(
+                dtype=DTYPE_NAMES[b.dtype],
+                numel=b.numel,
+                slots=[PlanSlot(name=s.meta.name, shape=list(s.meta.shape), offset=s.offset) for s in b.slots],
+            )
+            for b in receiver.buckets
+        ]
+        return cls(
+            buckets=buckets,
+            strategy=receiver.strategy,
+            inflight=receiver.inflight,
+            flat_weights=receiver.flat_weights,
+            copy_threads=receiver.copy_threads,
+            store_port=receiver.port,
+            timeout_s=receiver.timeout_s,
+            join_timeout_s=receiver.join_timeout_s,
+        )
 
     def bucket_plan(self) -> list[Bucket]:
         """The buckets, laid out as `plan_buckets` lays them out (each tensor right after the last,
@@ -177,7 +198,7 @@ class OpenResult(Message):
     staging_bytes: int
 
 
-class UpdateResult(Message):
+class LoadResult(Message):
     load_times: list[float]
     peak_extra: int
 
@@ -224,9 +245,16 @@ class Failure(Message):
 
 
 REQUESTS: dict[str, type[Message]] = {op: Empty for op in OPS} | {"generate": GenerateRequest}
-RESULTS: dict[str, Optional[type[Message]]] = {"open": OpenResult, "update": UpdateResult, "generate": GenerateResult,
-                                               "checksums": ChecksumsResult, "weights": WeightsResult,
-                                               "release": None, "resume": None, "close": None}
+RESULTS: dict[str, Optional[type[Message]]] = {
+    "open": OpenResult,
+    "update": LoadResult,
+    "generate": GenerateResult,
+    "checksums": ChecksumsResult,
+    "weights": WeightsResult,
+    "release": None,
+    "resume": None,
+    "close": None,
+}
 
 
 def encode_result(op: str, result) -> Optional[dict]:
@@ -234,7 +262,7 @@ def encode_result(op: str, result) -> Optional[dict]:
     if op == "open":
         return OpenResult(**result).model_dump()
     if op == "update":
-        return UpdateResult(**result).model_dump()
+        return LoadResult(**result).model_dump()
     if op == "generate":
         gen, state = result
         data = {k: (TensorData.of(v) if isinstance(v, torch.Tensor) else v) for k, v in vars(gen).items()}
@@ -252,7 +280,7 @@ def decode_result(op: str, result: Optional[dict]):
     if model is None:
         return None
     typed = model.model_validate(result)
-    if isinstance(typed, (OpenResult, UpdateResult)):
+    if isinstance(typed, (OpenResult, LoadResult)):
         return typed.model_dump()
     if isinstance(typed, GenerateResult):
         fields = {k: (v.tensor() if isinstance(v, TensorData) else v) for k, v in vars(typed.generation).items()}
@@ -266,15 +294,24 @@ def request_body(op: str, args: tuple) -> Message:
     """The request model for EngineServer's `op` called with `args`."""
     if op == "generate":
         prompts, max_new_tokens, temperature, state, device = args
-        return GenerateRequest(prompts=[list(map(int, p)) for p in prompts], max_new_tokens=max_new_tokens,
-                               temperature=temperature, generator_state=TensorData.of(state),
-                               generator_device=device)
+        return GenerateRequest(
+            prompts=[list(map(int, p)) for p in prompts],
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            generator_state=TensorData.of(state),
+            generator_device=device,
+        )
     return Empty()
 
 
 def request_args(op: str, body: Message) -> tuple:
     """EngineServer's `op` arguments from its request model (the inverse of `request_body`)."""
     if isinstance(body, GenerateRequest):
-        return (body.prompts, body.max_new_tokens, body.temperature, body.generator_state.tensor(),
-                body.generator_device)
+        return (
+            body.prompts,
+            body.max_new_tokens,
+            body.temperature,
+            body.generator_state.tensor(),
+            body.generator_device,
+        )
     return ("update",) if op == "update" else ()

@@ -1,4 +1,4 @@
-"""An engine at the other end of an HTTP connection: the trainer's side of `python -m rlsync.engine`.
+"""An engine at the other end of an HTTP connection: the trainer's side of `python -m rlsync.serve`.
 
 The `broadcast` transport normally starts its engine process itself and talks to it through a
 pipe. With `update.engine_address=HOST:PORT` it joins an engine started on its own instead (on this
@@ -34,7 +34,7 @@ from rlsync.errors import RlsyncError
 from rlsync.sync.messages import SESSION_HEADER, Failure, Health, Plan, Reply, SessionEvent, decode_result, request_body
 
 TOKEN_ENV = "RLSYNC_ENGINE_TOKEN"  # the shared secret of the engine's control plane (required beyond loopback)
-DEFAULT_PORT = 29610  # where `python -m rlsync.engine` listens unless update.engine_address names a port
+DEFAULT_PORT = 29610  # where `python -m rlsync.serve` listens unless update.engine_address names a port
 CONNECT_RETRY_S = 0.2  # between attempts while the engine is still starting
 MAX_EVENT_BYTES = 4096  # one line of the session stream
 MAX_REPLY_BYTES = 1 << 34  # a reply's body (weights() of the largest model read back stays under it)
@@ -46,7 +46,7 @@ class EngineUnreachable(RlsyncError):
 
 
 def parse_address(text: str, *, default_port: int | None = None) -> tuple[str, int]:
-    """"host:port" (or "[v6 host]:port", or "host" with `default_port`) -> (host, port); ValueError otherwise."""
+    """ "host:port" (or "[v6 host]:port", or "host" with `default_port`) -> (host, port); ValueError otherwise."""
     text = text.strip()
     if text.startswith("["):
         host, _, rest = text[1:].partition("]")
@@ -125,14 +125,18 @@ def failure_text(body: bytes) -> str:
 
 
 def unreachable(address: str, timeout_s: float, why: str) -> EngineUnreachable:
-    return EngineUnreachable(f"no rlsync engine answered at update.engine_address={address} within {timeout_s:g} s "
-                             f"({why}): start one there with `python -m rlsync.engine update.engine_address={address}` "
-                             f"and the trainer's model settings")
+    return EngineUnreachable(
+        f"no rlsync engine answered at update.engine_address={address} within {timeout_s:g} s "
+        f"({why}): start one there with `python -m rlsync.serve update.engine_address={address}` "
+        f"and the trainer's model settings"
+    )
 
 
 def refused_token(address: str) -> EngineUnreachable:
-    return EngineUnreachable(f"the engine at update.engine_address={address} refused this trainer's token: set the same "
-                             f"{TOKEN_ENV} on both sides")
+    return EngineUnreachable(
+        f"the engine at update.engine_address={address} refused this trainer's token: set the same "
+        f"{TOKEN_ENV} on both sides"
+    )
 
 
 def reach(address: str, *, timeout_s: float) -> str:
@@ -160,7 +164,7 @@ def reach(address: str, *, timeout_s: float) -> str:
         time.sleep(CONNECT_RETRY_S)
 
 
-def open_session(address: str, receiver, *, timeout_s: float, connect_timeout_s: float) -> "SessionWire":
+def open_session(address: str, receiver, *, timeout_s: float, connect_timeout_s: float) -> SessionWire:
     """Send this trainer's plan (the receiver's half of the transport) to the engine at `address`.
 
     Returns the session's wire with the engine's answer to "start" queued: accepted, or refused
@@ -210,7 +214,7 @@ class SessionWire:
             threading.Thread(target=self._requests, name="rlsync-engine-requests", daemon=True).start()
 
     @classmethod
-    def refused(cls, address: str, error: str) -> "SessionWire":
+    def refused(cls, address: str, error: str) -> SessionWire:
         wire = cls(address, None, None, "", timeout_s=0)
         wire.replies.append(("error", "start", error.rstrip("\n") + "\n"))
         wire.closed = True
@@ -321,4 +325,3 @@ class RemotePeer:
 
     def kill(self) -> None:
         self.wire.close()  # ends the engine's session, not the engine
-

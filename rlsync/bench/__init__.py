@@ -1,0 +1,1 @@
+"""The benchmark: `python -m rlsync.bench` times the update (or the offload) alone."""

@@ -1,0 +1,382 @@
+"""`python -m rlsync.bench [overrides]`: the weight update alone, timed against the copy limit.
+
+    python -m rlsync.bench model=qwen3_0p6b update.transport=ipc
+    python -m rlsync.bench -m model=qwen3_0p6b,qwen3_1p7b update.transport=direct,ipc,broadcast
+
+The same config groups as the runner (conf/bench.yaml adds `bench.*`). Only what an update needs is
+built: the trainer's weights (trainer dtype, no optimizer, no generation or training, so the 1.7B
+model fits a 24 GiB machine) and the engine behind the configured transport, strategy, source and
+bucket size. Then `bench.warmup` untimed updates (page faults, thread pools) and `bench.repeats`
+timed ones, each through the same `rlsync.sync.update_weights` the runner calls.
+
+Written like a run: metrics.jsonl (one row per repeat, warm-up rows included and marked by "step"
+< warmup_steps), summary.json (kind "bench": median/min/max, limits, setup, per-bucket breakdown),
+a W&B run, and a closing table: time, limit, efficiency, bandwidth, peak bytes, pack/transfer/load.
+What is timed is a target (`bench.target`): each lives in a class with `setup`, `repeat()`,
+`breakdown()` and `close()`, so another (the trainer's offload, say) can sit beside `UpdateTarget`.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from rlsync.bench.offload import OffloadTarget
+from rlsync.config.launch import hydra_job
+from rlsync.config.schema import CONFIG_PATH, BenchAppConfig, register_configs, to_dict
+from rlsync.config.validate import checked_config
+from rlsync.engines.base import EngineSpec
+from rlsync.errors import cli, job_errors, show
+from rlsync.fmt import MIB, fmt_bytes, fmt_seconds, fmt_spread, markdown_table
+from rlsync.measure.devices import explicit_device, resolve_device, select_device
+from rlsync.measure.limits import Limits, cache_resident_elements, llc_bytes
+from rlsync.measure.threads import pooled
+from rlsync.model.architecture import update_tensors
+from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
+from rlsync.record.recorder import Recorder, machine_info
+from rlsync.record.summary import stats_over
+from rlsync.sync import open_transport, plan_for, update_weights
+from rlsync.sync.auto import resolve_for_run, resolved_setup
+from rlsync.trainer.offload import Offloader
+
+register_configs()
+
+
+class UpdateTarget:
+    """The weight update: the trainer's weights into the engine, through the configured transport."""
+
+    name = "update"
+
+    def __init__(self, cfg: BenchAppConfig, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.engine = self.offloader = None
+        t0 = time.perf_counter()
+        model = build_model(cfg.model, dtype=torch_dtype(cfg.trainer.dtype), device=device, seed=cfg.run.seed)
+        params = named_weights(model)
+        layout = cfg.model.update_layout
+        self.weights = update_tensors(
+            params, layout
+        )  # by the update's names (per-expert views in the checkpoint layout)
+        self.source = self.weights
+        if cfg.update.source == "host":  # the runner's path: the offloader's host copies (pinned on CUDA)
+            self.offloader = Offloader(
+                model, None, mode="full", device=device, pin_chunk_bytes=int(cfg.trainer.offload_pin_chunk_mb * MIB)
+            )
+            self.offloader.sleep()
+            self.source = update_tensors(self.offloader.host_weights(params), layout)
+        self.buckets = plan_for(self.weights, cfg.update, torch_dtype(cfg.rollout.dtype))
+        update_bytes = sum(b.nbytes for b in self.buckets)
+        read_bytes = sum(t.numel() * t.element_size() for t in self.weights.values())
+        self.limits = Limits(
+            device,
+            update_bytes=update_bytes,
+            state_bytes=read_bytes,
+            read_bytes=read_bytes,
+            source=cfg.update.source,
+            dtypes=(torch_dtype(cfg.trainer.dtype), torch_dtype(cfg.rollout.dtype)),
+        )
+        self.update_cfg, self.resolved = resolve_for_run(
+            cfg.update, cfg.rollout, weights=self.source, buckets=self.buckets, device=device, model=cfg.model
+        )  # update.*=null (auto), before the engine opens
+        tokenizer = build_tokenizer(cfg.model)
+        spec = EngineSpec(
+            model=cfg.model,
+            rollout=cfg.rollout,
+            device=str(explicit_device(device)),
+            allowed_ids=tokenizer.allowed_ids(cfg.model.vocab_size),
+            eos_id=tokenizer.eos_id,
+            pad_id=tokenizer.pad_id,
+        )
+        self.engine = open_transport(self.update_cfg, spec=spec, buckets=self.buckets)
+        build_time = time.perf_counter() - t0
+        self.limit_time = self.limits.update_limit
+        self.probe = self.limits.update_probe()  # the same floor, re-timed beside each repeat (a shared machine drifts)
+        llc = llc_bytes() if device.type == "cpu" else None  # the CPU copies' last-level cache
+        self.setup = {
+            "build_time": build_time,
+            "update_bytes": update_bytes,
+            "read_bytes": read_bytes,
+            "tensors": len(self.weights),
+            "layout": layout,
+            "params": sum(t.numel() for t in self.weights.values()),
+            "pooled_tensors": sum(
+                pooled(t.numel()) for t in self.weights.values()
+            ),  # the planner's cost model reads it
+            # the units whose staging fits in half the CPU's last-level cache (the cost model's moved bytes)
+            "llc_bytes": llc,
+            "cache_resident_elements": cache_resident_elements(
+                cfg.update.strategy,
+                [t.numel() for t in self.weights.values()],
+                [b.numel for b in self.buckets],
+                torch_dtype(cfg.rollout.dtype).itemsize,
+                llc,
+            ),
+            "buckets": len(self.buckets),
+            "largest_bucket_bytes": max(b.nbytes for b in self.buckets),
+            # repeat_probes: how the floor beside each repeat was measured, and how often (filled as they run)
+            "limits": {**self.limits.as_dict(), "repeat_probes": self.probe.wins},
+            "limit_time": self.limit_time,
+            "resolved": self.resolved,  # update.* nulls (auto) as the update ran them, with the reason
+        }
+
+    def repeat(self) -> dict[str, float]:
+        return update_weights(
+            self.engine,
+            self.source,
+            buckets=self.buckets,
+            cfg=self.update_cfg,
+            device=self.device,
+            limit_time=self.probe.limit_time(),
+        )
+
+    def breakdown(self) -> list[dict]:
+        """Per bucket (or tensor) of the last update: bytes and pack/transfer/load seconds."""
+        return list(getattr(self.engine, "last_update_buckets", []))
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if self.offloader is not None:  # source=host: its pinned twin goes back before the next sweep job
+            self.source = None
+            self.offloader.close()
+            self.offloader = None
+
+
+TARGETS = {
+    "update": UpdateTarget,
+    "offload": OffloadTarget,
+}  # bench.target's choices (its rule in rlsync/config/schema.py)
+
+
+def open_target(cfg: BenchAppConfig, device: torch.device):
+    return TARGETS[cfg.bench.target](cfg, device)
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmark: repeats, files, summary, table
+# ----------------------------------------------------------------------------------------------
+
+
+def run_bench(cfg: BenchAppConfig, run_dir: Path, *, name: str, group: str, overrides: list[str] = ()) -> dict:
+    try:
+        with Recorder(
+            run_dir, cfg.wandb, name=name, group=group, job_type="bench", config=to_dict(cfg), overrides=overrides
+        ) as recorder:  # one live run per directory, as the runner's
+            recorder.start()  # W&B and metrics.jsonl; no per-repeat console lines: the table at the end
+            return Bench(cfg, recorder).run()
+    finally:
+        gc.collect()  # the next sweep job gets this one's memory back
+
+
+class Bench:
+    def __init__(self, cfg: BenchAppConfig, recorder: Recorder):
+        self.cfg, self.recorder = cfg, recorder
+        self.device = resolve_device(cfg.run.device)
+        self.breakdowns: list[list[dict]] = []  # per timed repeat
+        self.setup: dict = {}
+        self.target = None
+
+    def run(self) -> dict:
+        """`bench.warmup` untimed repeats, then `bench.repeats` timed ones, each recorded; the summary
+        however the benchmark ends, the closing table when every repeat finished."""
+        cfg = self.cfg
+        select_device(self.device)  # cuda:N: N current before any CUDA work (syncs, events, the allocator)
+        torch.manual_seed(cfg.run.seed)
+        with self.recorder.steps(release=self.close, summarize=self.summary, closing=self.print_table) as record:
+            self.target = target = open_target(cfg, self.device)
+            self.setup = target.setup
+            for step in range(cfg.bench.warmup + cfg.bench.repeats):
+                row = {"step": step, **target.repeat()}
+                if step >= cfg.bench.warmup:
+                    self.breakdowns.append(target.breakdown())
+                record(row)
+        return self.recorder.result
+
+    def close(self) -> None:
+        if self.target is not None:
+            self.target.close()
+
+    def print_table(self, result: dict) -> None:
+        if result["status"] == "finished":
+            print(target_table(self.cfg.bench.target)(result))
+
+    def summary(self) -> dict:
+        cfg, update, recorder = self.cfg, self.cfg.update, self.recorder
+        result = {
+            "kind": "bench",
+            "target": cfg.bench.target,
+            **recorder.progress(steps=cfg.bench.warmup + cfg.bench.repeats, warmup_steps=cfg.bench.warmup),
+            "model": {
+                "name": cfg.model.name,
+                **{k: self.setup.get(k) for k in ("params", "tensors", "pooled_tensors", "update_bytes")},
+            },
+            "setup": {
+                "scheme": update.scheme,
+                "transport": update.transport,
+                "strategy": update.strategy,
+                "bucket_mb": update.bucket_mb,
+                "source": update.source,
+                "inflight_buckets": update.inflight_buckets,
+                **resolved_setup(self.setup.get("resolved"), update),
+                "device": str(self.device),
+                "engine": cfg.rollout.engine,
+                "engine_address": update.engine_address,
+                "engine_dtype": cfg.rollout.dtype,
+                "trainer_dtype": cfg.trainer.dtype,
+                "buckets": self.setup.get("buckets"),
+                "tensors": self.setup.get("tensors"),
+                "layout": self.setup.get("layout"),
+                "llc_bytes": self.setup.get("llc_bytes"),
+                "cache_resident_elements": self.setup.get("cache_resident_elements"),
+                "largest_bucket_bytes": self.setup.get("largest_bucket_bytes"),
+                "build_time": self.setup.get("build_time"),
+            },
+            "limits": self.setup.get("limits"),
+            "offload": self.setup.get("offload"),  # bench.target=offload: state, bytes, first-touch cost
+            "metrics": stats_over(recorder.rows, cfg.bench.warmup),
+            "buckets": bucket_medians(self.breakdowns),
+            "machine": machine_info(self.device),
+            "overrides": recorder.overrides,
+            "config": to_dict(cfg),
+        }
+        if result["measured_steps"] < cfg.bench.repeats:
+            result["warning"] = (
+                f"only {result['measured_steps']} of {cfg.bench.repeats} timed repeats finished ({recorder.status})"
+            )
+        return result
+
+
+def bucket_medians(breakdowns: list[list[dict]]) -> list[dict]:
+    """Per bucket: its bytes and the median over the timed repeats of each of its times."""
+    if not breakdowns:
+        return []
+    out = []
+    for i, first in enumerate(breakdowns[0]):
+        rows = [b[i] for b in breakdowns if i < len(b)]
+        entry = {"bucket": i, "bytes": first["bytes"]}
+        for key in ("pack_time", "transfer_time", "load_time"):
+            values = [r[key] for r in rows if key in r]
+            if values:
+                entry[key] = statistics.median(values)
+        out.append(entry)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The closing table
+# ----------------------------------------------------------------------------------------------
+
+
+def target_table(target: str):
+    """The closing table of a target: its own where it has one."""
+    if target == "offload":
+        return OffloadTarget.closing_table
+    return closing_table
+
+
+def closing_table(result: dict) -> str:
+    m, s = result["metrics"], result["setup"]
+
+    def med(key: str, which: str = "median"):
+        return m.get(key, {}).get(which)
+
+    eff = med("perf/update_weights_efficiency")
+    head = [
+        "model",
+        "transport",
+        "strategy",
+        "bucket",
+        "source",
+        "time (median, min to max)",
+        "limit",
+        "time / limit",
+        "efficiency",
+        "GB/s",
+        "peak bytes",
+        "pack",
+        "transfer",
+        "load",
+    ]
+    engine = "" if s.get("engine", "hf") == "hf" else f" ({s['engine']})"  # the engine, where not the default
+    row = [
+        result["model"]["name"],
+        s["transport"] + (" flat" if s["flat_engine_weights"] else "") + engine,
+        s["strategy"],
+        f"{s['bucket_mb']:g} MiB x{s['buckets']}" if s["strategy"] == "bucketed" else f"per tensor x{s['tensors']}",
+        s["source"],
+        fmt_spread(*(med("perf/update_weights_time", w) for w in ("median", "min", "max"))),
+        fmt_seconds(med("perf/update_weights_limit_time")),
+        f"{1 / eff:.2f}x" if eff else "n/a",
+        f"{eff:.2f}" if eff else "n/a",
+        f"{med('perf/update_weights_gbps') or 0:.1f}",
+        fmt_bytes(med("perf/update_weights_peak_bytes", "max")),
+        *(
+            fmt_seconds(med(f"perf/update_weights_{k}_time"))
+            if med(f"perf/update_weights_{k}_time") is not None
+            else "-"
+            for k in ("pack", "transfer", "load")
+        ),
+    ]
+    scheme = f", scheme {s['scheme']}" if s.get("scheme") else ""  # scheme=NAME (rlsync/conf/scheme/)
+    out = [
+        f"\nWeight update alone{scheme}: {result['measured_steps']} timed repeats after {result['warmup_steps']} warm-up",
+        markdown_table(head, [row]),
+    ]
+    if s.get("tensors") is not None:
+        out.append(
+            f"Each update sent {s['tensors']:,} tensors, {fmt_bytes(result['model'].get('update_bytes'))} "
+            f"(model.update_layout={s.get('layout')})."
+        )
+    auto = [f"{k}={show(s[k])} ({s[k + '_why']})" for k in ("flat_engine_weights", "copy_threads") if s.get(k + "_why")]
+    if auto:
+        out.append("update: " + "; ".join(auto))
+    buckets = result["buckets"]
+    if buckets and s["strategy"] == "bucketed":
+        shown = buckets if len(buckets) <= 12 else buckets[:6] + buckets[-6:]
+        out.append(f"\nPer bucket (median over repeats){'' if len(shown) == len(buckets) else ', first and last 6'}:")
+        out.append(
+            markdown_table(
+                ["bucket", "bytes", "pack", "transfer", "load"],
+                [
+                    [
+                        str(b["bucket"]),
+                        fmt_bytes(b["bytes"]),
+                        *(fmt_seconds(b[k]) if k in b else "-" for k in ("pack_time", "transfer_time", "load_time")),
+                    ]
+                    for b in shown
+                ],
+            )
+        )
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------------
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="bench")
+def hydra_main(dcfg: DictConfig) -> None:
+    hc = HydraConfig.get()
+    run_dir, sweep_dir, name = hydra_job(hc)
+    with job_errors(run_dir, sweep_job=f"{hc.job.num} ({name})" if hc.mode == RunMode.MULTIRUN else None):
+        cfg = checked_config(dcfg, BenchAppConfig)
+        run_bench(cfg, run_dir, name=name, group=cfg.wandb.group or sweep_dir.name, overrides=list(hc.overrides.task))
+
+
+def main() -> None:
+    cli(hydra_main)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

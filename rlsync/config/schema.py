@@ -1,0 +1,609 @@
+"""The typed config tree: every key, its default, its value rule and a one-line comment.
+
+Hydra composes YAML from rlsync/conf/ (the top-level conf/ links there) on top of the `Config` schema registered here, so a wrong type or an
+unknown key is rejected while composing. Each key's value rule and the line `--help` shows sit beside
+it (`key(default, rule, doc)`, rlsync/config/rules.py), a rule that ties keys together is the `check(root)`
+method of the node it is about, and an engine's own rules are its class's (`Engine.check_config`);
+rlsync/config/validate.py applies them all, once, before any model is built. `to_config` turns the
+composed DictConfig into plain dataclasses once, at the entry point; the rest of the code only
+reads attributes of that tree (no `cfg.update` surprises: on a DictConfig that is the `update`
+method, not the node).
+
+Choices an implementation owns are named by import path (`choices("rlsync.engines.base:engine_names")`)
+and looked up when checked: this module imports nothing of rlsync but the rules, the formatters and
+the error type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import MISSING, dataclass, fields, is_dataclass
+from typing import Any, Optional, get_type_hints
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from rlsync.config.rules import (
+    ANY,
+    NAME,
+    OPTIONAL_NAME,
+    Rule,
+    above,
+    at_least,
+    between,
+    choices,
+    key,
+    mebibytes,
+    node,
+    number,
+    or_null,
+    parsed_by,
+    resolve,
+)
+from rlsync.errors import CONF_DIR, ConfigError, show
+from rlsync.fmt import MIB
+
+CONFIG_PATH = "pkg://rlsync.conf"  # every entry point's @hydra.main: the YAML configs inside the package (rlsync/conf)
+SEED_MAX = 2**64 - 1  # torch.manual_seed takes an unsigned 64-bit seed
+WANDB_PROJECT_FORBIDDEN = "/\\#?%:"  # wandb.Settings.validate_project (wandb 0.2x/0.3x); also at most 128 chars
+WANDB_PROJECT_MAX, WANDB_TAG_MAX = 128, 64  # characters; a tag must be 1 to 64 (wandb.Settings.validate_run_tags)
+DTYPE = choices("rlsync.model.build:DTYPES")
+SECONDS = above(0, "seconds")
+COUNT = at_least(1)
+
+
+@dataclass
+class ModelConfig:
+    name: str = key("tiny", NAME, "label used in tables and run names")
+    hidden_size: int = key(256, COUNT, "width of the residual stream")
+    intermediate_size: int = key(512, COUNT, "MLP width")
+    num_hidden_layers: int = key(4, COUNT, "transformer blocks")
+    num_attention_heads: int = key(4, COUNT, "query heads")
+    num_key_value_heads: int = key(2, COUNT, "grouped-query attention")
+    head_dim: int = key(64, COUNT, "width of one attention head")
+    vocab_size: int = key(512, COUNT, ">= 259 for the byte tokenizer; Qwen3 uses 151936")
+    tie_word_embeddings: bool = key(True, ANY, "lm_head shares the embedding (sent once in the update)")
+    max_position_embeddings: int = key(40960, COUNT, "longest sequence (prompt + response) the model takes")
+    rope_theta: float = key(1_000_000.0, above(0), "rotary position embedding base")
+    rms_norm_eps: float = key(1e-6, above(0), "RMSNorm epsilon")
+    pretrained: Optional[str] = key(
+        None,
+        OPTIONAL_NAME,
+        "local dir or hub id: load real weights + tokenizer instead (and it must exist: rlsync.config.validate)",
+    )
+    config: Optional[str] = key(
+        None,
+        OPTIONAL_NAME,
+        "a transformers config.json (or a folder holding one): any causal-LM architecture, random weights; its values replace the keys above at validation (name too while it is tiny)",
+    )
+    update_layout: str = key(
+        "checkpoint",
+        choices("rlsync.model.architecture:LAYOUTS"),
+        "checkpoint: one tensor per expert and projection, as published checkpoints name them (what trainers send) | fused: transformers' in-memory 3-D expert tensors; same for dense models",
+    )
+
+    def check(self, root: Config) -> None:
+        if self.config:
+            if self.pretrained:
+                raise ConfigError(
+                    "model.config",
+                    self.config,
+                    "null with model.pretrained (the checkpoint's own config.json describes its model)",
+                    "not allowed with model.pretrained",
+                )
+            resolve("rlsync.model.architecture:check_supported")(self)  # model_type, then a meta build of it
+            resolve("rlsync.model.architecture:fill_keys")(self)  # the model.* keys the rest of rlsync reads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                "model.num_key_value_heads",
+                self.num_key_value_heads,
+                f"a divisor of model.num_attention_heads={self.num_attention_heads}",
+                "not allowed",
+            )
+        byte_ids = resolve("rlsync.model.build:ByteTokenizer.size")
+        if not self.pretrained and self.vocab_size < byte_ids:
+            raise ConfigError(
+                "model.vocab_size",
+                self.vocab_size,
+                f">= {byte_ids} (the byte tokenizer's ids) unless model.pretrained is set",
+                "out of range",
+            )
+
+
+@dataclass
+class UpdateConfig:
+    enabled: bool = key(True, ANY, "false: skip the update (baseline step; stale engine for the log-prob check)")
+    bucket_mb: float = key(
+        512.0, mebibytes("the bucket's size"), "bucket size in MiB (512 = --update-weight-buffer-size 536870912)"
+    )
+    strategy: str = key(
+        "bucketed",
+        choices("rlsync.sync.base:strategy_names"),
+        "bucketed: flat buffer per bucket | per_tensor: one copy per tensor",
+    )
+    transport: str = key(
+        "direct",
+        choices("rlsync.sync.base:transport_names"),
+        "direct: engine in the trainer's process | ipc: own process, shared buffers | broadcast: own process, torch.distributed",
+    )
+    source: str = key(
+        "device",
+        choices("rlsync.sync.base:SOURCES"),
+        "device: from live trainer weights | host: from the offloaded copy",
+    )
+    inflight_buckets: int = key(
+        1,
+        between(1, 2, "2 overlaps packing one bucket with loading the other"),
+        "staging buffers in flight (2 overlaps pack and load)",
+    )
+    verify: bool = key(False, ANY, "checksum every engine tensor against the trainer after each update")
+    flat_engine_weights: Optional[bool] = key(
+        None,
+        ANY,
+        "engine weights are views into bucket-laid-out flat buffers, packing writes them (one copy); null (auto): on wherever the engine can hold them (flat_engine_weights_choice)",
+    )
+    backend: str = key(
+        "auto",
+        choices("rlsync.sync.base:BACKENDS"),
+        "broadcast's torch.distributed backend: auto = gloo (NCCL refuses two ranks on one GPU)",
+    )
+    engine_timeout_s: float = key(
+        3600.0, SECONDS, "longest wait for one engine reply (start, generate, load); a dead engine fails at once"
+    )
+    engine_address: Optional[str] = key(
+        None,
+        or_null(
+            parsed_by(
+                "rlsync.sync.remote:parse_address",
+                "HOST:PORT (port 1 to 65535; 0 lets python -m rlsync.serve pick a free one)",
+            )
+        ),
+        "broadcast: HOST:PORT of an engine started on its own (python -m rlsync.serve listens there); null: start it here",
+    )
+    engine_connect_timeout_s: float = key(
+        120.0, SECONDS, "with engine_address: how long to retry while that engine is not listening yet"
+    )
+    copy_threads: Optional[int] = key(
+        None,
+        or_null(at_least(0, "0 keeps torch's default")),
+        "torch CPU threads for the update, per process (0: torch's default); null (auto): the count that copies a sample of the update's own tensors fastest, timed at start (rlsync.sync.auto)",
+    )
+    scheme: str = key(
+        "rlsync",
+        NAME,
+        "label of the framework scheme these knobs follow (set by scheme=NAME, rlsync/conf/scheme/); reports group by it",
+    )
+
+    def check(self, root: Config) -> None:
+        rollout = root.rollout
+        if self.source == "host" and root.trainer.offload == "none":
+            raise ConfigError(
+                "update.source",
+                "host",
+                "device (source=host sends from the offloaded copy, which trainer.offload=none never makes)",
+                "not allowed with trainer.offload=none",
+            )
+        if self.transport == "ipc" and self.flat_engine_weights is True and rollout.release_weights:
+            raise ConfigError(
+                "update.flat_engine_weights",
+                True,
+                "false with rollout.release_weights=true (with ipc "
+                "the engine's weights are then shared memory, which the engine cannot free)",
+                "not allowed with rollout.release_weights=true",
+            )
+        if self.engine_address and self.transport != "broadcast":
+            raise ConfigError(
+                "update.transport",
+                self.transport,
+                "broadcast (an engine started on its own, at "
+                "update.engine_address, is joined through the broadcast transport)",
+                "not allowed with update.engine_address",
+            )
+        if (
+            self.flat_engine_weights
+            and root.model.update_layout == "checkpoint"
+            and resolve("rlsync.model.architecture:has_fused_experts")(root.model)
+        ):
+            raise ConfigError(
+                "update.flat_engine_weights",
+                True,
+                "false with model.update_layout=checkpoint, or "
+                "model.update_layout=fused (the engine's fused expert tensors cannot be bound to "
+                "per-expert slots of the flat buffers)",
+                "not allowed for a model with fused experts",
+            )
+
+
+def flat_engine_weights_choice(
+    update: UpdateConfig, rollout: RolloutConfig, model: Optional[ModelConfig] = None
+) -> tuple[bool, str]:
+    """update.flat_engine_weights as the update runs it, and why: the one place null (auto) is resolved.
+
+    Auto is on wherever the engine can hold its weights as views into bucket-shaped flat buffers (one
+    copy per update); off where it cannot: the engine says why (Engine.flat_weights_refusal), strategies
+    other than bucketed send no buckets, and with ipc plus rollout.release_weights the buffers would be shared
+    memory the engine cannot free (UpdateConfig.check refuses an explicit true there).
+    """
+    if update.flat_engine_weights is not None:
+        return bool(update.flat_engine_weights), "set explicitly"
+    refusal = resolve("rlsync.engines.base:engine_class")(rollout.engine).flat_weights_refusal(rollout.engine)
+    if refusal:
+        return False, f"auto: off, {refusal}"
+    if update.strategy != "bucketed":
+        return False, f"auto: off, update.strategy={update.strategy} sends no buckets"
+    if update.transport == "ipc" and rollout.release_weights:
+        return (
+            False,
+            "auto: off, with ipc and rollout.release_weights=true the weights would be shared memory the engine cannot free",
+        )
+    if (
+        model is not None
+        and model.update_layout == "checkpoint"
+        and resolve("rlsync.model.architecture:has_fused_experts")(model)
+    ):
+        return (
+            False,
+            "auto: off, the per-expert tensors of model.update_layout=checkpoint are views of fused expert weights",
+        )
+    return True, f"auto: on, the {rollout.engine} engine holds its weights as bucket-shaped views (one copy)"
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = key(
+        "hf",
+        choices("rlsync.engines.base:engine_names"),
+        "hf: transformers model with a KV cache, embedded | any other engine registered in rlsync.engines (a bad value lists them)",
+    )
+    max_response_len: int = key(32, at_least(1, "tokens"), "answers are cut here (tokens)")
+    prompts_per_step: int = key(4, COUNT, "prompts per step (each sampled samples_per_prompt times)")
+    samples_per_prompt: int = key(
+        4, at_least(2, "GRPO normalises rewards within a group: one sample has no spread"), "the GRPO group size (>= 2)"
+    )
+    temperature: float = key(1.0, at_least(0, "0 is greedy"), "sampling temperature (0: greedy)")
+    dtype: str = key("bfloat16", DTYPE, "engine weights dtype")
+    release_weights: bool = key(
+        False,
+        ANY,
+        "engine frees its weights after generation (KV cache always); re-allocated before the update, which refills them",
+    )
+
+    def check(self, root: Config) -> None:
+        limit = root.model.max_position_embeddings
+        if self.max_response_len >= limit:
+            raise ConfigError(
+                "rollout.max_response_len",
+                self.max_response_len,
+                f"< model.max_position_embeddings={limit}",
+                "out of range",
+            )
+        if self.release_weights and not root.update.enabled:
+            raise ConfigError(
+                "rollout.release_weights",
+                True,
+                "false (released weights are refilled only by the weight update, which update.enabled=false skips)",
+                "not allowed with update.enabled=false",
+            )
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = key(1e-5, at_least(0), "AdamW learning rate")
+    dtype: str = key("float32", DTYPE, "parameter (master weight) dtype")
+    micro_batch_size: int = key(8, COUNT, "sequences per forward/backward")
+    clip_eps: float = key(0.2, above(0), "PPO clip range of the ratio")
+    kl_coef: float = key(0.0, at_least(0), "> 0 keeps a frozen reference model and times its log-probs")
+    offload: str = key(
+        "full",
+        choices("rlsync.trainer.offload:OFFLOAD_MODES"),
+        "full: params, grads, optimizer state to host after the step | drop_grads: not the grads (zeroed on wake-up) | none",
+    )
+    offload_memory: str = key(
+        "auto",
+        choices("rlsync.trainer.offload:OFFLOAD_MEMORY"),
+        "twin: persistent (pinned) host copy, on a CPU the state twice | move: segment by segment, the state once | auto: move on a CPU, twin on CUDA",
+    )
+    offload_segment_mb: float = key(
+        128.0,
+        mebibytes("the largest segment"),
+        "move: largest segment in MiB (a bigger tensor is its own); one spare buffer per segment size",
+    )
+    offload_pin_chunk_mb: float = key(
+        1024.0,
+        mebibytes("the largest pinned chunk"),
+        "twin: the host copy is allocated (pinned on CUDA) in chunks of at most this many MiB (a bigger tensor is its own); a power of two wastes nothing to torch's rounding",
+    )
+    offload_free_device: Optional[bool] = key(
+        None,
+        ANY,
+        "free what stays on the device while asleep (twin: its copy; move: dropped grads); null: on CUDA only (re-faulting CPU pages costs more than the copy)",
+    )
+    grad_clip: float = key(1.0, above(0), "max grad norm")
+
+
+@dataclass
+class RunConfig:
+    steps: int = key(6, COUNT, "steps to run, warm-up included")
+    warmup_steps: int = key(2, at_least(0), "left out of every summary")
+    seed: int = key(
+        0,
+        Rule(
+            lambda v: number(v) and 0 <= v <= SEED_MAX, f"0 to 2^64 - 1 = {SEED_MAX} (torch seeds are unsigned 64-bit)"
+        ),
+        "seeds the model init and the sampling",
+    )
+    device: str = key(
+        "auto",
+        Rule(lambda v: v in ("auto", "cpu") or v == "cuda" or v.startswith("cuda:"), "auto, cpu, cuda, cuda:N"),
+        "auto: cuda when available, else cpu (and present: rlsync.config.validate)",
+    )
+    verdict_threshold: float = key(
+        0.03,
+        Rule(lambda v: number(v) and 0 < v < 1, "a share of the step between 0 and 1"),
+        "update share of the step above which it is worth tuning",
+    )
+    progress: bool = key(True, ANY, "progress bar over the steps")
+    rank_timeout_s: float = key(
+        3600.0, SECONDS, "data-parallel launches: longest a rank waits for the others (rank 0's rollout included)"
+    )
+    limit_probe: str = key(
+        "every_step",
+        choices("rlsync.measure.limits:PROBES"),
+        "every_step: re-measure the copy floors before each step, outside its timing (they drift with the load) | start: once, before step 0",
+    )
+    memory_check: bool = key(
+        True, ANY, "refuse a run whose estimated peak memory exceeds the machine's (rlsync.run.memory_check)"
+    )
+
+    def check(self, root: Config) -> None:
+        if self.warmup_steps >= self.steps:
+            raise ConfigError(
+                "run.warmup_steps",
+                self.warmup_steps,
+                f"0 to run.steps - 1 = {self.steps - 1}, so that a step is measured",
+                "leaves no step to measure",
+            )
+
+
+def wandb_project_ok(v) -> bool:
+    return (
+        isinstance(v, str)
+        and bool(v.strip())
+        and len(v) <= WANDB_PROJECT_MAX
+        and not any(c in v for c in WANDB_PROJECT_FORBIDDEN)
+    )
+
+
+def wandb_tags_ok(v) -> bool:
+    return isinstance(v, list) and all(isinstance(t, str) and 1 <= len(t) <= WANDB_TAG_MAX for t in v)
+
+
+@dataclass
+class WandbConfig:
+    mode: str = key("offline", choices("rlsync.record.sinks:WANDB_MODES"), "offline (sync later) | online | disabled")
+    project: str = key(
+        "rlsync",
+        Rule(
+            wandb_project_ok,
+            f"a non-empty name of at most {WANDB_PROJECT_MAX} characters, "
+            f"without any of {' '.join(WANDB_PROJECT_FORBIDDEN)} (W&B refuses them)",
+        ),
+        "W&B project",
+    )
+    entity: Optional[str] = key(None, OPTIONAL_NAME, "W&B team or user; null: your default entity")
+    group: Optional[str] = key(None, OPTIONAL_NAME, "default: the sweep (or run) directory name")
+    tags: list[str] = key(
+        [],
+        Rule(wandb_tags_ok, f"a list of tags of 1 to {WANDB_TAG_MAX} characters each (W&B's limit)"),
+        "W&B run tags, e.g. '[a,b]'",
+    )
+    init_timeout: float = key(
+        60.0, SECONDS, "seconds W&B may take to start; then the run logs offline (online) or locally only"
+    )
+
+
+@dataclass
+class Config:
+    model: ModelConfig = node(ModelConfig, "the model, built alike by trainer and engine (presets: model=NAME)")
+    update: UpdateConfig = node(UpdateConfig, "the weight update, trainer -> engine")
+    rollout: RolloutConfig = node(RolloutConfig, "the rollout engine and its sampling (presets: rollout=NAME)")
+    trainer: TrainerConfig = node(TrainerConfig, "optimizer, GRPO loss, offload to host between steps")
+    run: RunConfig = node(RunConfig, "steps, device, what is measured and shown")
+    wandb: WandbConfig = node(WandbConfig, "Weights & Biases logging")
+
+
+@dataclass
+class BenchConfig:
+    target: str = key(
+        "update",
+        choices("rlsync.bench.runner:TARGETS"),
+        "what is timed: update (the weight update alone) | offload (trainer sleep + wake-up, trainer.offload)",
+    )
+    offload_state: str = key(
+        "trainer",
+        choices("rlsync.bench.offload:STATES"),
+        "offload target: trainer (params, grads, AdamW state) | params (weights alone: 1.7B on 24 GiB)",
+    )
+    warmup: int = key(2, at_least(0), "untimed repeats first (page faults, allocator, thread pools)")
+    repeats: int = key(10, COUNT, "timed repeats; the summary gives median, min and max over them")
+
+    def check(self, root: BenchAppConfig) -> None:
+        if self.target == "offload" and root.trainer.offload == "none":
+            raise ConfigError(
+                "trainer.offload", "none", "full, drop_grads (the offload benchmark needs something to move)"
+            )
+
+
+@dataclass
+class ServeConfig:
+    sessions: int = key(
+        0,
+        at_least(0, "0 serves until stopped"),
+        "trainer sessions to serve, one after another, before exiting (0: until Ctrl-C or SIGTERM)",
+    )
+    request_timeout_s: float = key(
+        10.0, SECONDS, "longest a client may take to send one request (head and body); slower ones are dropped"
+    )
+    max_request_mb: float = key(
+        64.0,
+        between(0.01, 1024, "MiB"),
+        "largest request body (a plan, a generate request: well under 1 MiB for 1.7B); larger: 413, dropped",
+    )
+
+
+@dataclass
+class EngineAppConfig(Config):
+    """`python -m rlsync.serve`: the runner's tree (model, rollout, update.engine_address, run.device) plus `serve.*`."""
+
+    serve: ServeConfig = node(ServeConfig, "the engine server (python -m rlsync.serve)")
+
+
+@dataclass
+class BenchAppConfig(Config):
+    """`python -m rlsync.bench`: the runner's tree plus the benchmark's own keys."""
+
+    bench: BenchConfig = node(BenchConfig, "the benchmark (python -m rlsync.bench): what is timed, how often")
+
+
+def bucket_sizes_ok(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(number(x) and 0 < x <= MEBIBYTES_MAX for x in v)
+
+
+def transports_ok(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(t in ("direct", "ipc", "broadcast") for t in v)
+
+
+MEBIBYTES_MAX = 2**20  # a bucket of up to 1 TiB: the plan of any model's largest tensor
+
+
+@dataclass
+class PlanConfig:
+    calibration: Optional[str] = key(
+        None,
+        OPTIONAL_NAME,
+        "coefficients: a calibration file, or a built-in GPU profile (h200, h100, a100: published figures, unmeasured); null: ~/.cache/rlsync/calibration.json",
+    )
+    calibrate: bool = key(
+        False,
+        ANY,
+        "first fit the coefficients on this machine from short rlsync.bench runs (a few minutes), write them to plan.calibration",
+    )
+    fit_from: Optional[str] = key(
+        None,
+        OPTIONAL_NAME,
+        "first fit the coefficients from the bench runs (summary.json) under this directory, write them to plan.calibration",
+    )
+    bucket_sizes: list[float] = key(
+        [16.0, 64.0, 256.0, 512.0, 1024.0, 2048.0],
+        Rule(bucket_sizes_ok, f"a non-empty list of MiB, each above 0 and at most {MEBIBYTES_MAX}"),
+        "bucket sizes (MiB) the plan tabulates, beside update.bucket_mb",
+    )
+    copy_gbps: Optional[float] = key(
+        None,
+        or_null(above(0, "GB/s")),
+        "the copy floor (GB/s read + written, a bench's limits.update_copy_gbps) the at-floor prediction is at; null: the calibration runs' median",
+    )
+    calibrate_repeats: int = key(3, COUNT, "calibration: timed repeats per benchmark job (after one warm-up)")
+    calibrate_quick: bool = key(False, ANY, "calibration: the two smallest models only (seconds; tests, smoke runs)")
+    calibrate_flat: bool = key(
+        True,
+        ANY,
+        "calibration: also the flat-engine-weights setups (update.flat_engine_weights=true, the auto default with the HF engine)",
+    )
+    calibrate_transports: list[str] = key(
+        ["direct", "ipc"],
+        Rule(transports_ok, "a non-empty list of direct, ipc"),
+        "calibration: the transports benchmarked",
+    )
+
+    def check(self, root: PlanAppConfig) -> None:
+        if self.calibrate and self.fit_from:
+            raise ConfigError(
+                "plan.fit_from",
+                self.fit_from,
+                "null with plan.calibrate=true (one source of coefficients)",
+                "not allowed with plan.calibrate=true",
+            )
+
+
+@dataclass
+class PlanAppConfig(Config):
+    """`python -m rlsync.plan`: the runner's tree (model, update, rollout and trainer dtypes) plus `plan.*`."""
+
+    plan: PlanConfig = node(PlanConfig, "the planner (python -m rlsync.plan): calibration, bucket sizes")
+
+
+SCHEMAS = {
+    "rlsync_schema": Config,
+    "rlsync_bench_schema": BenchAppConfig,
+    "rlsync_engine_schema": EngineAppConfig,
+    "rlsync_plan_schema": PlanAppConfig,
+}
+HELP_KEY_WIDTH = 40  # `--help`: the column the comments start in
+
+
+def register_configs() -> None:
+    for name, schema in SCHEMAS.items():
+        ConfigStore.instance().store(name=name, node=schema)
+    OmegaConf.register_new_resolver("rlsync_keys", help_keys, replace=True)
+    OmegaConf.register_new_resolver("rlsync_conf", conf_file, replace=True)
+
+
+def conf_file(path: str) -> str:
+    """`${rlsync_conf:model/hf/x.json}` (the MoE presets): a file shipped in the package's configs."""
+    return str(CONF_DIR / path)
+
+
+# ----------------------------------------------------------------------------------------------
+# `--help`: every key of the schema, read from this file, so the help cannot go stale
+# ----------------------------------------------------------------------------------------------
+
+
+def key_comment(schema: type, key: str) -> str:
+    """The one-line doc of `key` (dotted: "update.bucket_mb") in `schema`: what `--help` shows beside it."""
+    *path, name = key.split(".")
+    for part in path:
+        schema = get_type_hints(schema)[part]
+    return next((f.metadata.get("doc", "") for f in fields(schema) if f.name == name), "")
+
+
+def schema_lines(schema: type, values: Any, prefix: str = "") -> Iterator[str]:
+    """`--help`'s listing of `schema`: a header per node, then `  key=value  comment` per key, with the
+    value from `values` (the composed config) where it has the key, else the schema's default."""
+    hints = get_type_hints(schema)
+    for f in fields(schema):
+        name, comment = prefix + f.name, key_comment(schema, f.name)
+        if values is not None and f.name in values:
+            value = values[f.name]
+        else:
+            value = f.default_factory() if f.default is MISSING else f.default
+        if is_dataclass(hints[f.name]):
+            yield from ("", f"{name}: {comment}")
+            yield from schema_lines(hints[f.name], value, prefix=name + ".")
+        else:
+            value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+            yield f"  {name}={show(value)}".ljust(HELP_KEY_WIDTH) + f"  {comment}".rstrip()
+
+
+def help_keys(*, _root_: DictConfig) -> str:
+    """`${rlsync_keys:}` (conf/hydra/help/rlsync.yaml): the composed app config's keys, listed from its schema."""
+    keys = {k for k in _root_ if k != "hydra"}
+    schema = next((s for s in SCHEMAS.values() if {f.name for f in fields(s)} == keys), Config)
+    return (
+        "\n".join(schema_lines(schema, _root_)).strip("\n").replace("$", "$$")
+    )  # Hydra's template is a string.Template
+
+
+def to_config(dcfg: DictConfig, schema: type = Config):
+    """Resolve the composed config and turn it into the typed dataclass tree (`schema`'s)."""
+    plain = OmegaConf.masked_copy(dcfg, [k for k in dcfg.keys() if k != "hydra"]) if "hydra" in dcfg else dcfg
+    typed = OmegaConf.merge(OmegaConf.structured(schema), plain)
+    return OmegaConf.to_object(typed)
+
+
+def to_dict(cfg: Config) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def bucket_bytes(cfg: UpdateConfig) -> int:
+    return int(cfg.bucket_mb * MIB)

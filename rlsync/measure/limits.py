@@ -1,0 +1,365 @@
+"""The physical floor, measured in the same run on the same machine.
+
+A copy cannot beat the memory (or link) bandwidth. We time the copy the real transfer does, over
+the path it takes, and report the real transfer as a ratio to it:
+
+- same device:  bandwidth = (bytes read + bytes written) / time, so a copy of N bytes moves 2N and
+  an fp32 -> bf16 copy of n elements moves 4n + 2n;
+- across devices (host <-> GPU): bandwidth = bytes sent / time, one direction.
+
+On a CPU-only machine the "device" is host memory and both formulas measure memcpy.
+
+A floor must be a floor: no update may beat it beyond noise. So each probe is the fastest of the
+ways this machine has to do that copy (`copy_candidates`: one CPU thread and all of them, each
+method of `COPY_METHODS`) on the dtypes the update really reads and writes (a converting copy
+writes fewer bytes per byte read than memcpy, and runs at another speed), timed side by side in
+one loop (`best_copy`) and recorded with the way that won (`limits.update_probe`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from rlsync.measure.devices import copy_into
+from rlsync.measure.threads import cpu_threads
+from rlsync.measure.timing import synchronize
+
+PROBE_MIN_BYTES, PROBE_CAP_BYTES = 1 << 20, 1 << 30  # each buffer's range: above the cap the bandwidth is the same
+MAX_ROUNDS = 50
+CLOCK = time.perf_counter  # best_copy's clock (a test's fake machine replaces it)
+
+
+def copy_whole(dst: torch.Tensor, src: torch.Tensor) -> None:
+    copy_into(dst, src)  # as the update copies: a host source is cast on the device
+
+
+# The ways of copying a probe tries, by name; a method worth trying goes here, and every probe takes
+# it in turn with the others (chunked copies and `src.to(dtype)` were tried and never faster:
+# experiments/transports/README.md).
+COPY_METHODS: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {"copy_": copy_whole}
+
+
+class Way(NamedTuple):
+    """One way to copy: a method of COPY_METHODS on `threads` CPU threads (0: not a CPU copy, threads n/a)."""
+
+    method: str
+    threads: int
+
+
+class BestCopy(NamedTuple):
+    """The fastest copy `best_copy` timed, and what it was."""
+
+    seconds: float
+    way: Way
+    src_dtype: torch.dtype
+    dst_dtype: torch.dtype
+    src_device: torch.device
+    dst_device: torch.device
+
+    def describe(self) -> str:
+        """e.g. "float32->bfloat16, 2 threads, copy_" or "float32 cpu->bfloat16 cuda:0, copy_"."""
+        s, d = str(self.src_dtype).removeprefix("torch."), str(self.dst_dtype).removeprefix("torch.")
+        what = f"{s}->{d}" if self.src_device == self.dst_device else f"{s} {self.src_device}->{d} {self.dst_device}"
+        threads = f", {self.way.threads} thread{'s' if self.way.threads > 1 else ''}" if self.way.threads else ""
+        return f"{what}{threads}, {self.way.method}"
+
+
+def machine_threads() -> int:
+    """The CPU threads this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def llc_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """The CPU's last-level cache in bytes (Linux sysfs: the highest cache level's size), None where unknown."""
+    best = (0, None)
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError:
+        return None
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    for entry in entries:
+        if not entry.startswith("index"):
+            continue
+        try:
+            with open(os.path.join(root, entry, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(root, entry, "size")) as f:
+                size = f.read().strip()
+            nbytes = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        except (OSError, ValueError, IndexError):
+            continue
+        if level >= best[0]:
+            best = (level, nbytes)
+    return best[1]
+
+
+def cache_resident_elements(
+    strategy: str, tensor_numels: Sequence[int], bucket_numels: Sequence[int], itemsize: int, llc: int | None
+) -> int:
+    """Elements of the update's units (its tensors for per_tensor, its buckets otherwise) whose staging
+    copy fits in half the last-level cache: a copy that reads such a unit right after another wrote it
+    reads the cache, not memory (rlsync.plan.cost.moved_bytes). 0 without an LLC figure."""
+    if not llc:
+        return 0
+    units = tensor_numels if strategy == "per_tensor" else bucket_numels
+    return sum(n for n in units if n * itemsize <= llc // 2)
+
+
+def copy_candidates(dst: torch.Tensor, src: torch.Tensor) -> list[Way]:
+    """The ways `best_copy` tries. A CPU copy: one thread (memcpy speed on an idle core, and no barrier
+    to wait at when another core is busy), torch's thread count and every core the process may use
+    (a converting copy, or a machine whose one core cannot fill the memory bus, goes faster on more),
+    each with every method of COPY_METHODS. Anything else: the copy engine or kernels run it, one `copy_`."""
+    if src.device.type != "cpu" or dst.device.type != "cpu":
+        return [Way("copy_", 0)]
+    threads = sorted({1, torch.get_num_threads(), machine_threads()})
+    return [Way(method, n) for n in threads for method in COPY_METHODS]
+
+
+def best_copy(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    rounds: int,
+    budget_s: float = 0.5,
+    *,
+    warm_up: bool = True,
+    candidates: Sequence[Way] | None = None,
+    clock: Callable[[], float] | None = None,
+) -> BestCopy:
+    """The fastest `dst <- src` copy over `candidates` (default `copy_candidates`): at least `rounds`
+    rounds, each timing every candidate once, repeated while they took less than `budget_s` in all.
+
+    Candidates take turns, so a drift of the machine's load falls on all of them alike. The first
+    copies after an allocation can be 100x slow (page faults, in a VM also the host's), so one or
+    two tries are not enough to see the bandwidth: a fresh pair of buffers is copied once first
+    (`warm_up`); buffers touched already (a held probe's) need not be.
+    """
+    ways, clock = list(candidates or copy_candidates(dst, src)), clock or CLOCK
+    devices = {dst.device, src.device}
+    if warm_up:
+        dst.copy_(src)  # first touch and warm-up
+    best = dict.fromkeys(ways, math.inf)
+    spent, done = 0.0, 0
+    while done < rounds or (spent < budget_s and done < MAX_ROUNDS):
+        done += 1
+        for way in ways:
+            copy = COPY_METHODS[way.method]
+            with cpu_threads(way.threads, src.device):
+                for d in devices:
+                    synchronize(d)
+                start = clock()
+                copy(dst, src)
+                for d in devices:
+                    synchronize(d)
+                elapsed = clock() - start
+            best[way], spent = min(best[way], elapsed), spent + elapsed
+    winner = min(ways, key=best.__getitem__)  # the first of equals: candidates are listed simplest first
+    return BestCopy(best[winner], winner, src.dtype, dst.dtype, src.device, dst.device)
+
+
+def best_copy_seconds(
+    dst: torch.Tensor, src: torch.Tensor, repeats: int, budget_s: float = 0.5, *, warm_up: bool = True
+) -> float:
+    """Seconds of `best_copy` (the offload's link probe, rlsync.bench.offload)."""
+    return best_copy(dst, src, repeats, budget_s, warm_up=warm_up).seconds
+
+
+def moved_bytes(dst: torch.Tensor, src: torch.Tensor) -> int:
+    """Bytes a copy moves, as its bandwidth counts them: read + written in one memory, sent across devices
+    (the source's: a host -> GPU copy sends the source dtype and casts on the GPU, rlsync.measure.devices.copy_into)."""
+    return src.nbytes + dst.nbytes if src.device == dst.device else src.nbytes
+
+
+def probe_buffers(
+    nbytes: int, *, src: torch.device, dst: torch.device, dtypes: tuple[torch.dtype, torch.dtype], pin: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A source (filled) and a destination of as many elements as `nbytes` of the destination dtype,
+    each buffer within [PROBE_MIN_BYTES, PROBE_CAP_BYTES]; `pin`: the host side pinned."""
+    src_dtype, dst_dtype = dtypes
+    small, large = sorted((src_dtype.itemsize, dst_dtype.itemsize))
+    n = max(PROBE_MIN_BYTES // small, min(nbytes // dst_dtype.itemsize, PROBE_CAP_BYTES // large))
+    a = torch.empty(n, dtype=src_dtype, device=src, pin_memory=pin and src.type == "cpu")
+    a.fill_(1)
+    b = torch.empty(n, dtype=dst_dtype, device=dst, pin_memory=pin and dst.type == "cpu")
+    return a, b
+
+
+class Bandwidth(NamedTuple):
+    """A probe's result: bytes per second (counted as `moved_bytes`), and how the fastest copy went."""
+
+    per_second: float
+    how: str
+
+
+BYTES = (torch.uint8, torch.uint8)  # a same-dtype probe: memcpy
+
+
+def copy_bandwidth(
+    nbytes: int,
+    *,
+    src: torch.device,
+    dst: torch.device,
+    repeats: int = 3,
+    dtypes: tuple[torch.dtype, torch.dtype] = BYTES,
+) -> Bandwidth:
+    """The best bandwidth over `copy_candidates` of a copy of about `nbytes` (of the destination,
+    capped) from `src` to `dst`, reading dtypes[0] and writing dtypes[1]."""
+    pin = src.type != dst.type  # host <-> GPU: from or to pinned memory, as the real copies are
+    a, b = probe_buffers(nbytes, src=src, dst=dst, dtypes=dtypes, pin=pin)
+    best = best_copy(b, a, repeats)
+    moved = moved_bytes(b, a)
+    del a, b
+    if "cuda" in (src.type, dst.type):  # probed between steps: leave no device memory cached for the engine
+        torch.cuda.empty_cache()
+    return Bandwidth(moved / best.seconds, best.describe())
+
+
+PROBES = ("every_step", "start")  # run.limit_probe: when the runner measures the floors
+
+
+def crosses_host_link(source: str, device_type: str) -> bool:
+    """Whether the update's bytes cross the host->device link: from the offloaded host copy to a GPU."""
+    return source == "host" and device_type == "cuda"
+
+
+def update_floor_bytes(read_bytes: int, written_bytes: int, *, source: str, device_type: str) -> int:
+    """The bytes the update's floor counts on its path.
+
+    Same memory (a device source, or any CPU run): the copy reads the trainer's bytes and writes the
+    engine's. Host source on a GPU: the link carries the host copy's own bytes, in the trainer's dtype
+    (fp32: twice the engine's bf16). Every transport copies from the host views with non_blocking=True,
+    and PyTorch then sends the source dtype over PCIe and converts on the device (Copy.cu,
+    copy_kernel_cuda: "If non_blocking is true - type conversions are performed on the GPU"); a
+    blocking copy would convert on the CPU into pageable memory instead, and stage it.
+    """
+    if crosses_host_link(source, device_type):
+        return read_bytes
+    return read_bytes + written_bytes
+
+
+class Limits:
+    """Bandwidths measured in the run: the floor every phase is reported against.
+
+    - `update_copy`: the update's own copy, the trainer's dtype into the engine's (`dtypes`), on its
+      path (device memory, or pinned host -> GPU for `source=host` on a GPU), in bytes per second
+      counted as `update_floor_bytes` counts them; `update_probe` says how the fastest copy went;
+    - `device_copy`: a same-dtype copy within the device's memory (read + write);
+    - `to_host`, `to_device`: a same-dtype copy each way between host and device (payload; on a CPU,
+      half the memcpy bandwidth at the offloaded state's size).
+
+    `measure()` probes again: on a shared machine the bandwidth drifts with the load, and a floor
+    measured in a quiet moment makes a later, loaded step look slow (or one measured under load
+    makes it look faster than the floor). The runner re-measures before each step (run.limit_probe).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        update_bytes: int,
+        state_bytes: int,
+        read_bytes: int | None = None,
+        source: str = "device",
+        dtypes: tuple[torch.dtype, torch.dtype] = BYTES,
+    ):
+        self.device, self.update_bytes, self.state_bytes = device, update_bytes, state_bytes
+        self.read_bytes, self.source = read_bytes, source  # the update's: the trainer's bytes, and where they are read
+        self.dtypes = dtypes  # the update's: (trainer, engine)
+        self.update_probe_how = ""
+        self.measure()
+
+    def measure(self) -> None:
+        device, update_bytes, state_bytes = self.device, self.update_bytes, self.state_bytes
+        host = torch.device("cpu")
+        src = host if crosses_host_link(self.source, device.type) else device
+        update = copy_bandwidth(update_bytes, src=src, dst=device, dtypes=self.dtypes)
+        self.update_copy, self.update_probe_how = update
+        if device.type == "cuda":
+            self.device_copy = copy_bandwidth(update_bytes, src=device, dst=device).per_second  # read + write
+            self.to_host = copy_bandwidth(state_bytes, src=device, dst=host).per_second  # payload, one direction
+            self.to_device = copy_bandwidth(state_bytes, src=host, dst=device).per_second
+        else:  # host memory both sides: a copy of N payload bytes reads N and writes N
+            # the state's size when it differs: small copies run at cache (or thread wake-up) speed
+            same = self.dtypes[0] == self.dtypes[1] and min(state_bytes, PROBE_CAP_BYTES) == min(
+                update_bytes, PROBE_CAP_BYTES
+            )
+            self.device_copy = (
+                update.per_second if same else copy_bandwidth(state_bytes, src=device, dst=device).per_second
+            )
+            self.to_host = self.to_device = self.device_copy / 2
+
+    def update_time(self, read_bytes: int, written_bytes: int) -> float:
+        """Floor of a weight update: `update_floor_bytes` on the update's path over the bandwidth of
+        its own copy there (`update_copy`)."""
+        return (
+            update_floor_bytes(read_bytes, written_bytes, source=self.source, device_type=self.device.type)
+            / self.update_copy
+        )
+
+    @property
+    def update_limit(self) -> float:
+        """The update's floor (`update_time` of its read and written bytes) at the bandwidth last measured."""
+        return self.update_time(self.update_bytes if self.read_bytes is None else self.read_bytes, self.update_bytes)
+
+    def update_probe(self) -> CopyProbe:
+        """The update's floor re-timed on demand, beside each repeat of a benchmark (CopyProbe)."""
+        return CopyProbe(
+            self.device,
+            update_bytes=self.update_bytes,
+            read_bytes=self.read_bytes,
+            source=self.source,
+            dtypes=self.dtypes,
+        )
+
+    def as_dict(self) -> dict[str, float | str]:
+        return {
+            "update_copy_gbps": self.update_copy / 1e9,
+            "update_probe": self.update_probe_how,
+            "device_copy_gbps": self.device_copy / 1e9,
+            "to_host_gbps": self.to_host / 1e9,
+            "to_device_gbps": self.to_device / 1e9,
+        }
+
+
+class CopyProbe:
+    """The copy the update's limit is made of, held and re-timed right before every repeat.
+
+    On a shared machine the memory bandwidth drifts with the neighbours' load, so each repeat is
+    compared with a copy timed next to it: the ratio then speaks about the update, not about the load. The same probe as `Limits`
+    (the update's dtypes on its path, the fastest of `copy_candidates`, bytes counted as
+    `update_floor_bytes` counts them); buffers allocated and touched once, each probe the best of
+    `tries` rounds. `wins` counts which way was fastest, per probe (`describe()`).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        update_bytes: int,
+        read_bytes: int | None,
+        source: str,
+        dtypes: tuple[torch.dtype, torch.dtype] = BYTES,
+    ):
+        self.device = device
+        host_link = crosses_host_link(source, device.type)
+        self.src, self.dst = probe_buffers(
+            update_bytes, src=torch.device("cpu") if host_link else device, dst=device, dtypes=dtypes, pin=host_link
+        )
+        self.dst.copy_(self.src)
+        self.moved = moved_bytes(self.dst, self.src)  # bytes per copy, counted as the floor's
+        read_bytes = update_bytes if read_bytes is None else read_bytes
+        self.floor_bytes = update_floor_bytes(read_bytes, update_bytes, source=source, device_type=device.type)
+        self.wins: Counter[str] = Counter()
+        self.last: BestCopy | None = None
+
+    def limit_time(self, tries: int = 3) -> float:
+        self.last = best_copy(self.dst, self.src, tries, budget_s=0.0, warm_up=False)
+        self.wins[self.last.describe()] += 1
+        return self.floor_bytes / (self.moved / self.last.seconds)

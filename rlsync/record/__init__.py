@@ -1,0 +1,1 @@
+"""Where measurements go: the recorder, its sinks (console, JSONL, W&B), summary.json, the run lock."""
