@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from rlsync.errors import show  # how --help writes a value
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
@@ -70,19 +72,6 @@ def help_blocks(text: str, page: str = "page") -> list[HelpBlock]:
             i += 1
         blocks.append(block)
     return blocks
-
-
-def show(value) -> str:
-    """A composed value as --help writes it (the command line's spelling)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, str) and not value.strip():
-        return repr(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(show(v) for v in value) + "]"
-    return str(value)
 
 
 @pytest.fixture(scope="module")
