@@ -38,9 +38,10 @@ from rlsync.errors import ConfigError
 LAYOUTS = ("checkpoint", "fused")  # model.update_layout's choices
 EXPERTS = "experts."
 FUSED_GATE_UP, FUSED_DOWN = "experts.gate_up_proj", "experts.down_proj"
-# model.* keys read from model.config's JSON (through its transformers config, so defaults and
-# aliases such as GPT-2's n_embd apply); a key the architecture lacks keeps its value
-FILLED_KEYS = (
+# The model.* keys that describe the architecture: read from model.config's JSON (through its
+# transformers config, so defaults and aliases such as GPT-2's n_embd apply; a key the architecture
+# lacks keeps its value), and what a checkpoint's config.json must agree with (rlsync.model.build)
+ARCHITECTURE_KEYS = (
     "vocab_size",
     "hidden_size",
     "intermediate_size",
@@ -169,7 +170,7 @@ def fill_keys(m: ModelConfig) -> None:
         return
     m.config = str(config_path(m.config).resolve())  # the file itself, wherever an engine process starts
     hf = hf_config(m)
-    for key in FILLED_KEYS:
+    for key in ARCHITECTURE_KEYS:
         value = config_value(hf, key)
         if value is None:
             continue

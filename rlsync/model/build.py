@@ -17,7 +17,7 @@ from torch import nn
 
 from rlsync.config.schema import ModelConfig
 from rlsync.errors import ConfigError, show
-from rlsync.model.architecture import build_empty, hf_config  # noqa: F401 - hf_config: the engines' import
+from rlsync.model.architecture import ARCHITECTURE_KEYS, build_empty, hf_config  # noqa: F401 - hf_config: the engines' import
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INIT_STD = 0.02
@@ -32,21 +32,6 @@ def torch_dtype(name: str) -> torch.dtype:
 # --help, validation and the report start fast.
 
 
-# model.* keys a checkpoint's config.json must agree with: the engine is built from the keys, the
-# trainer from the checkpoint, and the update copies one into the other by name and shape
-ARCHITECTURE_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "tie_word_embeddings",
-    "max_position_embeddings",
-    "rope_theta",
-    "rms_norm_eps",
-)
 MODEL_TYPE = "qwen3"  # what build_model and the engine build from the keys
 
 
