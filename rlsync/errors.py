@@ -29,6 +29,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from rlsync.fmt import error_line, first_line
 
 DEBUG_ENV = "RLSYNC_DEBUG"  # =1: print the full traceback as well
+RUN_LOCK_NAME = ".rlsync.lock"  # a live run holds an flock on DIR/.rlsync.lock (rlsync.record.run_lock)
 CONF_DIR = Path(__file__).resolve().parent / "conf"  # the YAML configs every entry point reads (pkg://rlsync.conf)
 
 
@@ -118,6 +119,8 @@ WRITE_PROBLEMS = {
     errno.EEXIST: "a file of that name is in the way",
     errno.ENOENT: "its directory does not exist",
     errno.EIO: "an I/O error (the disk failed)",
+    errno.ENAMETOOLONG: "the path is too long",
+    errno.ELOOP: "the path has a symbolic link where none is allowed, or too many",
 }
 
 
@@ -220,9 +223,10 @@ def from_hydra(err: BaseException) -> Optional[RlsyncError]:
         )
     if isinstance(err, OverrideParseException):
         key, _, value = (err.override or "override=").partition("=")
-        return ConfigError(
-            key, value, "key=value in Hydra's override grammar", f"cannot parse ({first_line(err.message)})"
-        )
+        allowed = "key=value in Hydra's override grammar"
+        if value.startswith("[") and "]:" in value:  # [v6]:port reads as a list to Hydra: it must be quoted
+            allowed = f"an IPv6 HOST:PORT quoted for Hydra, inside the shell's quotes: '{key}=\"{value}\"'"
+        return ConfigError(key, value, allowed, f"cannot parse ({first_line(err.message)})")
     cause = err if isinstance(err, OmegaConfBaseException) else err.__cause__
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
         key, value = cause.full_key, override_value(err, cause.full_key, cause.value)
@@ -234,6 +238,13 @@ def from_hydra(err: BaseException) -> Optional[RlsyncError]:
         if isinstance(cause, ValidationError):
             return ConfigError(key, value, type_phrase(cause), "wrong type")
     message = first_line(str(err))
+    if isinstance(err, ValueError) and "Config group override must be a string" in message:  # `model=null`
+        for arg in sys.argv[1:]:
+            group, _, value = arg.lstrip("+~").partition("=")
+            if value in ("null", "None", "") and (CONF_DIR / group).is_dir():
+                options = ", ".join(sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")))
+                return ConfigError(group, None, options, "no choice (the run needs one)")
+        return BadInput(f"bad config: a config group set to null ({message})")
     if "No match in the defaults list" in str(err):  # `update=x` where conf/ has no such group
         group = message.split("'")[1] if "'" in message else message
         return ConfigError(
@@ -245,6 +256,17 @@ def from_hydra(err: BaseException) -> Optional[RlsyncError]:
     if isinstance(err, HydraException) or isinstance(cause, OmegaConfBaseException):
         return BadInput(f"bad config: {message}" + (f": {first_line(cause)}" if cause is not None else ""))
     return None
+
+
+def unusable_dir(err: BaseException) -> Optional[BadInput]:
+    """An OSError naming a path before any job ran: Hydra could not make the run (or sweep) directory
+    (under a file such as /dev/null, too long a path, a read-only or full disk)."""
+    if not isinstance(err, OSError) or not err.filename:
+        return None
+    return BadInput(
+        f"cannot create {err.filename}: {os_error_text(err)} ({err.strerror or err}): give the run a "
+        f"directory it can write (hydra.run.dir=..., or hydra.sweep.dir=... with -m)"
+    )
 
 
 def override_value(err: BaseException, key: str, fallback: Any) -> Any:
@@ -304,6 +326,10 @@ class JobFailed(Exception):
 
 
 REPORTED: list[str] = []  # the lines job_errors printed in this process (a remote job's went to its own log)
+# What a sweep in progress does when it ends before Hydra's own end (a failed job: Hydra skips on_multirun_end;
+# an interruption): called with "failed" or "interrupted". rlsync.report.sweep_callback registers its report.
+SWEEP_ENDED: list[Callable[[str], None]] = []
+INTERRUPTED_CODES = (129, 130, 143)  # SIGHUP, SIGINT, SIGTERM
 
 
 def describe(err: BaseException) -> str:
@@ -340,13 +366,21 @@ def kept(run_dir: Path, *, since: float) -> str:
 
 
 @contextmanager
-def job_errors(run_dir: Optional[Path], *, sweep_job: Optional[str] = None, rank: int = 0):
+def job_errors(
+    run_dir: Optional[Path],
+    *,
+    sweep_job: Optional[str] = None,
+    rank: int = 0,
+    hydra_record: Optional[dict[str, str]] = None,
+):
     """Around one job: any error becomes one line on stderr (the traceback goes to run_dir/error.log;
     `run_dir=None`, as in data-parallel ranks > 0, which write nothing: stderr only, their line
     starting with "rank N:").
 
     A single run exits with the error's code. A sweep's job raises `JobFailed`, so Hydra marks it
-    failed and goes on with the next job; an interruption stops the whole sweep.
+    failed and goes on with the next job; an interruption stops the whole sweep. `hydra_record`
+    (.hydra/'s files, which the run writes once it holds its directory) goes beside error.log, so a
+    report finds a job that failed before that.
     """
     started = time.time()
     try:
@@ -358,7 +392,7 @@ def job_errors(run_dir: Optional[Path], *, sweep_job: Optional[str] = None, rank
         ran = run_dir is not None and not isinstance(shown, BadInput)  # a run that may have kept finished steps
         line = describe(shown) + (kept(run_dir, since=started) if ran else "")
         if run_dir is not None and getattr(shown, "writes_error_log", True):  # not in a directory another run holds
-            write_error_log(run_dir, line)
+            write_error_log(run_dir, line, hydra_record)
         if debug_enabled():
             traceback.print_exc()
         prefix = (f"job {sweep_job}: " if sweep_job is not None else "") + (f"rank {rank}: " if rank else "")
@@ -369,13 +403,102 @@ def job_errors(run_dir: Optional[Path], *, sweep_job: Optional[str] = None, rank
         raise JobFailed(exit_code(shown), line) from err
 
 
-def write_error_log(run_dir: Path, line: str) -> None:
-    """The traceback and the line, where a report over the sweep finds them (`*.log`)."""
+def held_by_a_live_run(run_dir: Path) -> bool:
+    """Whether another live run holds `run_dir` (its flock on the lock file): nothing of its may be written."""
+    import fcntl
+
+    try:
+        fd = os.open(Path(run_dir) / RUN_LOCK_NAME, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # drops our shared lock, if we took it
+    return False
+
+
+def write_error_log(run_dir: Path, line: str, hydra_record: Optional[dict[str, str]] = None) -> None:
+    """The traceback and the line, where a report over the sweep finds them (`*.log`); never into a
+    directory another live run holds (a second command refused on bad input touches nothing of it)."""
+    if held_by_a_live_run(run_dir):
+        return
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "error.log").write_text(traceback.format_exc() + f"Error: {line}\n", encoding="utf-8")
+        for name, text in (hydra_record or {}).items():
+            (run_dir / ".hydra").mkdir(exist_ok=True)
+            (run_dir / ".hydra" / name).write_text(text, encoding="utf-8")
     except OSError:
         pass  # the line on stderr is what matters
+
+
+HYDRA_REPEAT = "Error executing job with overrides: "  # what Hydra writes to stderr for each failed sweep job
+
+
+class PipeSafe:
+    """A text stream (stdout, stderr) whose reader may go away (`| head -n 2`): then what is written
+    goes to /dev/null instead of raising BrokenPipeError, so the run goes on and keeps its files."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        if text.startswith(HYDRA_REPEAT) and REPORTED:  # Hydra's repeat of a failed job our line named already
+            return len(text)
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+            try:
+                self._stream.flush()  # what was buffered goes to /dev/null now
+            except OSError:
+                pass
+
+    def _to_devnull(self) -> None:
+        """Point the stream's file descriptor at /dev/null: later writes (ours, the interpreter's at exit) succeed."""
+        try:
+            fd = self._stream.fileno()
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass  # not a file (a test's buffer): there is nothing to break
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextmanager
+def pipe_safe_output():
+    """Within the block sys.stdout and sys.stderr are PipeSafe; both are flushed on the way out."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = PipeSafe(saved[0]), PipeSafe(saved[1])
+    try:
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        sys.stdout, sys.stderr = saved
+
+
+def end_sweep(how: str) -> None:
+    """The sweep in progress ended early: its report (or how to make it), once; never raises."""
+    while SWEEP_ENDED:
+        hook = SWEEP_ENDED.pop()
+        try:
+            hook(how)
+        except Exception as err:  # noqa: BLE001 - the sweep's own outcome is what the user must see
+            print(f"rlsync: the sweep report failed ({describe(err)})", file=sys.stderr, flush=True)
 
 
 def cli(app: Callable[[], Any]) -> None:
@@ -383,20 +506,29 @@ def cli(app: Callable[[], Any]) -> None:
 
     HYDRA_FULL_ERROR=1 makes Hydra re-raise what it would print (several lines, exit 1); we print
     the one line. RLSYNC_DEBUG=1 (or HYDRA_FULL_ERROR=1 set by the user) prints the traceback too.
+    A reader of stdout or stderr that goes away (`| head`) stops nothing (PipeSafe).
     """
+    with pipe_safe_output():
+        _run_app(app)
+
+
+def _run_app(app: Callable[[], Any]) -> None:
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         os.environ[DEBUG_ENV] = "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         app()
-    except SystemExit:
+    except SystemExit as stop:
+        if stop.code in INTERRUPTED_CODES:
+            end_sweep("interrupted")
         raise
     except JobFailed as err:  # a sweep with failed jobs: each one printed its line, here or in its own log
         if err.line not in REPORTED:
             print(f"rlsync: a sweep job failed: {err.line}", file=sys.stderr, flush=True)
+        end_sweep("failed")
         sys.exit(err.exit_code)
     except BaseException as err:  # noqa: BLE001 - composition errors, Ctrl-C before the run
-        shown = from_hydra(err) or err
+        shown = from_hydra(err) or unusable_dir(err) or err
         if debug_enabled():
             traceback.print_exc()
         print(f"rlsync: {describe(shown)}", file=sys.stderr, flush=True)

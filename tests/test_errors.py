@@ -311,6 +311,9 @@ def test_an_existing_checkpoint_directory_passes(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
         validate(cfg)
     (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="no tokenizer files in that directory"):
+        validate(cfg)
+    (tmp_path / "tokenizer.json").write_text("{}")  # what the rollouts sample with
     validate(cfg)
 
 
@@ -548,6 +551,7 @@ def small_checkpoint(tmp_path_factory):
     Qwen3ForCausalLM(hf_config(cfg)).save_pretrained(path)
     weights = next(path.glob("*.safetensors"))
     weights.write_bytes(b"not a safetensors file")
+    (path / "tokenizer.json").write_text("{}")  # validation asks for the tokenizer's files, not their contents
     return path, cfg
 
 

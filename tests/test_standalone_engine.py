@@ -43,6 +43,9 @@ slow_server = pytest.mark.slow  # a `python -m rlsync.serve` server process of i
 START_S = 120  # an engine start (imports, model build) on two busy cores
 REQUEST_TIMEOUT = "serve.request_timeout_s=1"  # idle and stalled clients are dropped after 1 s, not 10
 MAX_REQUEST = "serve.max_request_mb=1"  # an oversized body is sent in a moment
+MAX_WAIT_S = 8  # the engine's own cap on a trainer's waits (serve.max_wait_s; 120 s by default)
+SESSION_TIMEOUT_S = 6  # a silent session ends after this (serve.session_timeout_s; trainers heartbeat every second)
+BOUNDS = [f"serve.max_wait_s={MAX_WAIT_S}", f"serve.session_timeout_s={SESSION_TIMEOUT_S}"]
 
 
 class StandaloneEngine:
@@ -94,7 +97,7 @@ class StandaloneEngine:
 
 @pytest.fixture(scope="module")
 def engine_server(tmp_path_factory):
-    server = StandaloneEngine(tmp_path_factory.mktemp("engine"), REQUEST_TIMEOUT, MAX_REQUEST)
+    server = StandaloneEngine(tmp_path_factory.mktemp("engine"), REQUEST_TIMEOUT, MAX_REQUEST, *BOUNDS)
     yield server
     if server.proc.poll() is None:
         server.proc.kill()
@@ -299,6 +302,11 @@ HOSTILE = [  # (what the client sends, how its line on the engine's stderr reads
         "is not an HTTP request (or a header over the size limit)",
         id="oversized-header",
     ),
+    pytest.param(  # a whole 100 KB head: h11 bounds only a head that arrives in pieces, so it would be answered
+        b"GET /health HTTP/1.1\r\nHost: e\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n",
+        "sent a request head of|(or a header over the size limit)",  # whole in one read, or in pieces
+        id="oversized-whole-header",
+    ),
     pytest.param(
         b"POST /v1/session HTTP/1.1\r\nHost: e\r\nContent-Length: 1099511627776\r\n\r\n",
         "announced a body of 1099511627776 bytes",
@@ -331,15 +339,149 @@ def test_a_bad_client_is_dropped_with_one_line_and_the_engine_serves_on(engine_s
     port = hostile_client(engine_server.address, sent)
     engine_server.wait_for(f"client 127.0.0.1:{port}: ", timeout=30, stderr=True)
     about_it = [ln for ln in engine_server.errors if f"client 127.0.0.1:{port}:" in ln]
-    assert len(about_it) == 1 and line in about_it[0], engine_server.errors
+    assert len(about_it) == 1 and any(text in about_it[0] for text in line.split("|")), engine_server.errors
     one_update_lands(Trainer(seed=6), remote_update(engine_server.address))
 
 
+class RawSession:
+    """A client that opens a session by hand, sends no heartbeat and may leave at any moment: what a
+    hostile or crashed client does (a real trainer's session is SessionWire, sync/remote.py)."""
+
+    def __init__(self, address: str, *, store_port: int = 1, join_timeout_s: float = 3600.0):
+        from rlsync.sync.broadcast import BroadcastReceiver
+        from rlsync.sync.messages import Plan
+
+        trainer = Trainer()
+        buckets = plan_for(trainer.weights, UpdateConfig(transport="broadcast", bucket_mb=SMALL_BUCKET_MB), BF16)
+        receiver = BroadcastReceiver(
+            buckets,
+            strategy="bucketed",
+            inflight=1,
+            flat_weights=False,
+            port=store_port,
+            timeout_s=3600.0,  # what the client asks; the engine cuts it to serve.max_wait_s
+            join_timeout_s=join_timeout_s,
+            copy_threads=0,
+        )
+        self.where = parse_address(address)
+        self.stream = self.post("/v1/session", Plan.of(receiver).model_dump_json().encode())
+        seen = b""
+        while b'"accepted"' not in seen:
+            chunk = self.stream.recv(4096)
+            assert chunk, seen
+            seen += chunk
+        self.key = seen.split(b'"session":"', 1)[1].split(b'"', 1)[0].decode()
+        self.sockets = [self.stream]
+
+    def post(self, path: str, body: bytes, headers: dict | None = None) -> socket.socket:
+        """Send one request on a connection of its own; the connection, unread."""
+        head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        sock = socket.create_connection(self.where, timeout=60)
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: e\r\nContent-Type: application/json\r\n{head}"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        return sock
+
+    def call(self, op: str, body: bytes = b"{}") -> socket.socket:
+        from rlsync.sync.messages import SESSION_HEADER
+
+        sock = self.post(f"/v1/{op}", body, {SESSION_HEADER: self.key})
+        self.sockets.append(sock)
+        return sock
+
+    def generate(self, prompts: int, max_new_tokens: int) -> socket.socket:
+        from rlsync.sync.messages import GenerateRequest, TensorData
+
+        request = GenerateRequest(
+            prompts=[[1, 2, 3]] * prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=1.0,
+            generator_state=TensorData.of(torch.Generator().get_state()),
+            generator_device="cpu",
+        )
+        return self.call("generate", request.model_dump_json().encode())
+
+    def leave(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+
+
+def answer(sock: socket.socket) -> bytes:
+    """What the engine answered on `sock` (until it closes or the body is in)."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(
+        data.split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0] if b"content-length: " in data else 0
+    ):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def until_free(address: str, timeout: float) -> float:
+    """Seconds until /health says no session holds the engine; fails after `timeout`."""
+    start = time.monotonic()
+    assert health(address, until=lambda h: not h["busy"], timeout=timeout)["busy"] is False
+    return time.monotonic() - start
+
+
 @slow_server
-def test_sigterm_stops_the_engine_between_sessions(engine_server):
+def test_a_client_that_leaves_mid_generation_frees_the_engine_within_seconds(engine_server):
+    """Too much work is refused before it starts; a long generation is cancelled when its request's
+    client goes away, and the session when its stream goes; the next trainer's update verifies."""
+    client = RawSession(engine_server.address)
+    refused = answer(client.generate(prompts=200, max_new_tokens=30_000))  # 6M tokens: over 2^22 (a request: alive)
+    assert refused.startswith(b"HTTP/1.1 422") and b"TooMuchWork: 200 prompts x 30000 new tokens" in refused
+    assert b"serve.max_generate_tokens=4194304" in refused
+    long = client.generate(prompts=64, max_new_tokens=30_000)  # hours of work on two cores
+    health(engine_server.address, until=lambda h: h["op"] == "generate")
+    long.close()  # the request's client goes: its generation stops between two tokens
+    engine_server.wait_for("'generate' cancelled: its client closed the connection", timeout=10)
+    assert answer(client.call("heartbeat")).startswith(b"HTTP/1.1 204")  # the client is alive: its session stays
+    assert health(engine_server.address, until=lambda h: h["op"] is None)["busy"] is True
+    client.generate(prompts=64, max_new_tokens=30_000)
+    health(engine_server.address, until=lambda h: h["op"] == "generate")
+    client.leave()  # the whole client goes, mid-generation
+    assert until_free(engine_server.address, timeout=15) < 15
+    engine_server.wait_for("ended: the trainer went away without closing it")
+    one_update_lands(Trainer(seed=7), remote_update(engine_server.address))  # verify=True: every checksum
+
+
+@slow_server
+def test_an_open_with_an_unreachable_store_frees_the_engine_within_its_own_limit(engine_server):
+    """The plan asks the engine to wait an hour for a store nobody listens on, and the client falls
+    silent: serve.max_wait_s bounds the wait, serve.session_timeout_s ends the session."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    client = RawSession(engine_server.address, store_port=closed_port, join_timeout_s=3600)
+    start = time.monotonic()
+    opened = client.call("open")
+    health(engine_server.address, until=lambda h: h["op"] == "open")
+    assert until_free(engine_server.address, timeout=MAX_WAIT_S + SESSION_TIMEOUT_S + 20) >= 0
+    assert time.monotonic() - start < MAX_WAIT_S + SESSION_TIMEOUT_S + 20
+    assert answer(opened).startswith(b"HTTP/1.1 500")  # the open failed within the engine's limit
+    engine_server.wait_for(f"(serve.session_timeout_s={SESSION_TIMEOUT_S})")
+    client.leave()
+
+
+@slow_server
+def test_sigterm_mid_request_stops_the_engine_cleanly_in_one_line(engine_server):
+    client = RawSession(engine_server.address)
+    client.generate(prompts=64, max_new_tokens=30_000)
+    health(engine_server.address, until=lambda h: h["op"] == "generate")
+    start = time.monotonic()
     result = engine_server.stop()
+    assert time.monotonic() - start < 20
+    client.leave()
     assert result.returncode == 143, result.stderr
     assert result.stderr.strip().splitlines()[-1] == "rlsync: interrupted: stopped by SIGTERM"
+    for noise in ("Traceback", "CancelledError", "terminate called", "graceful shutdown"):
+        assert noise not in result.stderr, result.stderr
+    assert "ended: the engine stopped" in result.stdout
 
 
 @slow_server

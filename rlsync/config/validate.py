@@ -12,7 +12,6 @@ own rules are asked of its class (`Engine.check_config`, `Engine.check_machine`)
 
 from __future__ import annotations
 
-import json
 import os
 import typing
 from dataclasses import fields, is_dataclass
@@ -21,23 +20,46 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlsync.config.files import CONFIG_JSON_MAX, UnreadableFile, read_json
 from rlsync.config.launch import launched
 from rlsync.config.rules import number, resolve
 from rlsync.config.schema import Config, to_config
-from rlsync.errors import ConfigError
+from rlsync.errors import CONF_DIR, ConfigError
 
+OPEN_FILES_MIN, OPEN_FILES_WANTED = 256, 4096  # an engine process's file descriptors: refused below, raised to
+REQUIRED_GROUPS = ("model", "rollout", "scheme")  # config groups a run cannot do without (null is refused)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+)  # one of them: AutoTokenizer loads it
 DATA_PARALLEL_SUPPORTED = {
-    "update.transport": "direct",
-    "rollout.engine": "hf",
+    "update.transport": ("direct", "ipc"),
+    "rollout.engine": ("hf",),
 }  # what a data-parallel run is built and tested with
 
 
 def checked_config(dcfg, schema: type = Config):
     """The typed tree of a Hydra-composed config once every rule holds: what an entry point runs."""
+    check_group_choices()
     check_known_keys(dcfg, schema)
     cfg = to_config(dcfg, schema)
     validate(cfg, types=False)  # OmegaConf's structured merge has enforced every leaf's type
     return cfg
+
+
+def check_group_choices() -> None:
+    """`model=null` (or rollout, scheme): a group every run needs, left without a choice."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    choices = HydraConfig.get().runtime.choices
+    for group in REQUIRED_GROUPS:
+        if group in choices and choices[group] is None:
+            options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+            raise ConfigError(group, None, ", ".join(options), "no choice (the run needs one)")
 
 
 def check_known_keys(node, schema: type, prefix: str = "") -> None:
@@ -74,6 +96,7 @@ def validate(cfg, *, types: bool = True) -> None:
             check(cfg)
     check_pretrained(cfg.model)
     check_device(cfg.run.device)
+    check_open_files(cfg.update)
     engine.check_machine(cfg)  # what the engine needs of this machine (installed, its API, the device)
     check_data_parallel(cfg)
 
@@ -94,6 +117,13 @@ def check_pretrained(model) -> None:
                 "no config.json in that directory",
             )
         check_checkpoint_architecture(model, local / "config.json")
+        if not any((local / name).is_file() for name in TOKENIZER_FILES):
+            raise ConfigError(
+                "model.pretrained",
+                path,
+                f"a checkpoint directory with its tokenizer ({', '.join(TOKENIZER_FILES)}): rlsync samples with it",
+                "no tokenizer files in that directory",
+            )
         return
     if looks_like_hub_id(path) and os.environ.get("HF_HUB_OFFLINE", "") in ("", "0"):
         return
@@ -110,13 +140,13 @@ def check_checkpoint_architecture(model, config_json: Path) -> None:
     check_architecture = resolve("rlsync.model.build:check_architecture")  # torch: only when a checkpoint is named
 
     try:
-        ckpt = json.loads(config_json.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
+        ckpt = read_json(config_json, max_bytes=CONFIG_JSON_MAX)  # a regular file only: a FIFO would block
+    except (OSError, UnreadableFile) as err:
         raise ConfigError(
             "model.pretrained",
             model.pretrained,
-            "a checkpoint directory whose config.json is JSON",
-            f"cannot read {config_json} ({type(err).__name__}: {err})",
+            "a checkpoint directory whose config.json is a regular JSON file",
+            f"cannot read {config_json} ({err})",
         ) from None
     if not isinstance(ckpt, dict):
         raise ConfigError(
@@ -131,6 +161,31 @@ def check_checkpoint_architecture(model, config_json: Path) -> None:
 def looks_like_hub_id(path: str) -> bool:
     parts = path.split("/")
     return len(parts) == 2 and all(parts) and not path.startswith((".", "~")) and not Path(path).exists()
+
+
+def check_open_files(update) -> None:
+    """An engine in its own process (ipc, broadcast) takes file descriptors: the pipe, and one per shared
+    buffer. The soft open-file limit is raised to the hard one where it is low; a hard limit too low for
+    it is refused here, not met as an engine that exits without a word mid-run."""
+    if update.transport == "direct":
+        return
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= OPEN_FILES_WANTED:
+        return
+    wanted = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_WANTED)
+    if wanted > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        soft = wanted
+    if soft < OPEN_FILES_MIN:
+        raise ConfigError(
+            "update.transport",
+            update.transport,
+            f"direct, or an open-file limit of at least {OPEN_FILES_MIN} (ulimit -n 4096): the engine's "
+            f"process receives its buffers as file descriptors",
+            f"needs more open files than this shell allows (ulimit -n {soft}, hard limit {hard})",
+        )
 
 
 def check_device(name: str) -> None:
@@ -214,10 +269,10 @@ def check_data_parallel(cfg) -> None:
     for key, needed in DATA_PARALLEL_SUPPORTED.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        if value != needed:
+        if value not in needed:
             raise ConfigError(
                 key,
                 value,
-                f"{needed} (with {world} data-parallel ranks, rank 0 holds the engine in its own process)",
+                f"{', '.join(needed)} (what a data-parallel run is built and tested with)",
                 f"not supported with {world} data-parallel ranks",
             )

@@ -17,8 +17,10 @@ names. Adding an engine is one module holding an `Engine` subclass and one line:
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -30,6 +32,36 @@ from rlsync.model.build import torch_dtype
 from rlsync.registry import Registry
 
 CHECKSUM_CHUNK = 1 << 22  # elements per step: bounds the checksum's int64 temporaries (32 MiB each)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cancellation: a request whose client went away stops at the engine's next check
+# ----------------------------------------------------------------------------------------------
+
+
+class Cancelled(RuntimeError):
+    """The request was cancelled while the engine worked on it (its client left, its session ended, the engine stops)."""
+
+
+_CANCEL = threading.local()  # the events that cancel the work running on this thread
+
+
+@contextmanager
+def cancelled_by(*events: threading.Event) -> Iterator[None]:
+    """Within the block, `check_cancelled()` on this thread raises Cancelled once any of `events` is set."""
+    previous = getattr(_CANCEL, "events", ())
+    _CANCEL.events = previous + events
+    try:
+        yield
+    finally:
+        _CANCEL.events = previous
+
+
+def check_cancelled() -> None:
+    """Raise Cancelled if the work on this thread was cancelled: engines call it between steps of long
+    work (the HF engine once per generated token); outside `cancelled_by` it never raises."""
+    if any(event.is_set() for event in getattr(_CANCEL, "events", ())):
+        raise Cancelled("the request was cancelled")
 
 
 @dataclass
@@ -56,6 +88,7 @@ class EngineSpec:
     allowed_ids: torch.Tensor  # [vocab] bool: ids generation may sample
     eos_id: int
     pad_id: int
+    cpu_threads: int | None = None  # torch CPU threads of an engine process (run.cpu_threads as the run chose)
 
     @property
     def dtype(self) -> torch.dtype:

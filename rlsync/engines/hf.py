@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from rlsync.config.schema import ModelConfig
-from rlsync.engines.base import Engine, EngineSpec, Generation, left_pad, position_ids
+from rlsync.engines.base import Engine, EngineSpec, Generation, check_cancelled, left_pad, position_ids
 from rlsync.measure.devices import copy_into
 from rlsync.model.architecture import build_empty, update_tensors
 
@@ -140,6 +140,7 @@ class HFEngine(Engine):
         alive = []  # [batch] per step: 1 if the token at this step was sampled (not padding)
         step_ids, step_pos, full_mask = ids, position_ids(mask), mask
         for _ in range(max_new_tokens):
+            check_cancelled()  # a standalone engine's client that left stops its generation here (serve/app.py)
             out = self.model(
                 input_ids=step_ids,
                 attention_mask=full_mask,

@@ -24,16 +24,19 @@ and checksums work by name unchanged. A dense model is the same in both layouts.
 
 from __future__ import annotations
 
-import json
+from dataclasses import fields
 from functools import lru_cache
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple, get_type_hints
 
 import torch
 from torch import nn
 
+from rlsync.config.files import CONFIG_JSON_MAX, MAX_DEPTH, UnreadableFile, read_json
+from rlsync.config.rules import number
 from rlsync.config.schema import ModelConfig
 from rlsync.errors import ConfigError
+from rlsync.fmt import fmt_bytes
 
 LAYOUTS = ("checkpoint", "fused")  # model.update_layout's choices
 EXPERTS = "experts."
@@ -69,15 +72,19 @@ def config_path(path: str) -> Path:
 
 
 def read_config_json(path: str) -> dict:
-    """model.config's JSON object, with a model_type; ConfigError (one line) otherwise."""
+    """model.config's JSON object, with a model_type; ConfigError (one line) otherwise. Only a regular
+    file is opened (a FIFO would block), of at most CONFIG_JSON_MAX bytes, nested at most MAX_DEPTH deep."""
     file = config_path(path)
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        data = read_json(file, max_bytes=CONFIG_JSON_MAX)
     except FileNotFoundError:
         raise ConfigError("model.config", path, "a config.json, or a folder holding one", "no such file") from None
-    except (OSError, ValueError) as err:
+    except UnreadableFile as err:
         raise ConfigError(
-            "model.config", path, "a config.json that is JSON", f"cannot read {file} ({type(err).__name__}: {err})"
+            "model.config",
+            path,
+            f"a regular file holding a config.json of at most {fmt_bytes(CONFIG_JSON_MAX)}, nested at most {MAX_DEPTH} deep",
+            f"cannot read it: {err}",
         ) from None
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         raise ConfigError(
@@ -96,7 +103,8 @@ def causal_lm_types() -> tuple[str, ...]:
 def check_supported(m: ModelConfig) -> None:
     """model.config names a causal-LM architecture transformers can build and whose update rlsync can
     lay out; raise ConfigError naming its model_type otherwise. Builds it on the meta device."""
-    model_type = read_config_json(m.config)["model_type"]
+    data = read_config_json(m.config)
+    model_type = data["model_type"]
     if model_type not in causal_lm_types():
         raise ConfigError(
             "model.config",
@@ -105,12 +113,17 @@ def check_supported(m: ModelConfig) -> None:
             "(AutoModelForCausalLM: llama, qwen3, qwen3_moe, mistral, ...)",
             f"unsupported model_type={model_type}",
         )
+    rope = data.get("rope_parameters") if isinstance(data.get("rope_parameters"), dict) else {}
+    check_values(m, {**{k: data[k] for k in ARCHITECTURE_KEYS if k in data}, **_rope_theta(rope)})  # as written
     try:
+        check_values(m, {k: config_value(hf_config(m), k) for k in ARCHITECTURE_KEYS})  # as transformers reads them
         update_shapes(m)
     except UnsupportedLayout as err:
         raise ConfigError(
             "model.update_layout", m.update_layout, f"fused ({err})", f"not supported for model_type={model_type}"
         ) from None
+    except ConfigError:
+        raise
     except Exception as err:  # noqa: BLE001 - whatever transformers raises on a config it cannot build
         first = (str(err).splitlines() or [""])[0][:200]
         raise ConfigError(
@@ -119,6 +132,33 @@ def check_supported(m: ModelConfig) -> None:
             "a config.json transformers can build",
             f"model_type={model_type} failed to build ({type(err).__name__}: {first})",
         ) from None
+
+
+def _rope_theta(rope: dict) -> dict:
+    return {"rope_theta": rope["rope_theta"]} if rope.get("rope_theta") is not None else {}
+
+
+def check_values(m: ModelConfig, values: dict[str, Any]) -> None:
+    """model.config's architecture values under the rules of the model.* keys they replace
+    (rlsync/config/schema.py), before anything is built: a ConfigError naming the key and the file."""
+    hints = get_type_hints(ModelConfig)
+    rules = {f.name: f.metadata.get("rule") for f in fields(ModelConfig)}
+    for key, value in values.items():
+        if value is None:
+            continue
+        hint, rule = hints[key], rules[key]
+        if hint is bool:
+            typed = isinstance(value, bool)
+        elif hint is int:
+            typed = (isinstance(value, int) and not isinstance(value, bool)) or (
+                isinstance(value, float) and value.is_integer()
+            )
+        else:
+            typed = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not typed or not rule.ok(value):
+            allowed = rule.allowed.replace("a number", "an integer") if hint is int else rule.allowed
+            problem = "out of range" if typed and number(value) else "not allowed"
+            raise ConfigError(f"model.{key}", value, allowed, f"{problem} in model.config={m.config}")
 
 
 def hf_config(m: ModelConfig):

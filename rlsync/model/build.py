@@ -174,6 +174,13 @@ class HFTokenizer:
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(path)
+        if not len(self.tok) or self.tok.eos_token_id is None:  # a checkpoint without its tokenizer files
+            raise ConfigError(
+                "model.pretrained",
+                path,
+                "a checkpoint with its tokenizer (tokenizer.json or vocab files, and an eos token)",
+                f"its tokenizer has {len(self.tok)} tokens and eos_token_id={self.tok.eos_token_id}",
+            )
         self.eos_id = self.tok.eos_token_id
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
 

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from rlsync.config.launch import hydra_job
 from rlsync.config.schema import CONFIG_PATH, PlanAppConfig, register_configs
 from rlsync.config.validate import checked_config
-from rlsync.errors import cli, job_errors
+from rlsync.errors import ConfigError, cli, job_errors
 
 register_configs()
 
@@ -29,11 +29,28 @@ def run_plan(cfg: PlanAppConfig, run_dir) -> dict:
         else:
             from pathlib import Path
 
-            data = calibrate.calibration_file(calibrate.observations_under(Path(p.fit_from)), device="from runs")
+            root = Path(p.fit_from).expanduser()
+            if not root.is_dir():
+                raise ConfigError(
+                    "plan.fit_from",
+                    p.fit_from,
+                    "a directory holding rlsync.bench runs (their summary.json)",
+                    "no such directory",
+                )
+            observations = calibrate.observations_under(root)
+            if not observations:
+                raise ConfigError(
+                    "plan.fit_from",
+                    p.fit_from,
+                    "a directory holding rlsync.bench update runs (kind bench, target update, strategy bucketed or per_tensor)",
+                    "holds no finished rlsync.bench update runs to fit",
+                )
+            data = calibrate.calibration_file(observations, device="from runs")
             data["machine"] = {**data["machine"], **fitted_machine(data)}
         where = profiles.save(data, p.calibration)
         (run_dir / "calibration.json").write_text(json.dumps(data, indent=2) + "\n")
-        print(f"Calibration written to {where} ({len(data['observations'])} runs):")
+        took = f", {calibrate.fmt_minutes(data['seconds'])}" if data.get("seconds") else ""
+        print(f"Calibration written to {where} ({len(data['observations'])} runs{took}):")
         print("\n".join(calibrate.coefficient_lines(data)))
         print()
     where, data = profiles.resolve(p.calibration)
@@ -75,7 +92,8 @@ def fitted_machine(data: dict) -> dict:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="plan")
 def hydra_main(dcfg: DictConfig) -> None:
-    run_dir, _sweep_dir, _name = hydra_job(HydraConfig.get())
+    with job_errors(None):  # an empty hydra.run.dir: one line, nothing written
+        run_dir, _sweep_dir, _name = hydra_job(HydraConfig.get())
     with job_errors(run_dir):
         cfg = checked_config(dcfg, PlanAppConfig)
         run_plan(cfg, run_dir)

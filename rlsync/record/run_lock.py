@@ -20,15 +20,21 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from rlsync.errors import BadInput
+from rlsync.errors import RUN_LOCK_NAME, BadInput, os_error_text
 
-LOCK_NAME = ".rlsync.lock"
+LOCK_NAME = RUN_LOCK_NAME
 
 
 class RunDirBusy(BadInput):
     """Another live run holds this run directory (exit 2; no file of the directory is touched)."""
 
     writes_error_log = False  # error.log belongs to the run that holds the directory
+
+
+class RunDirUnusable(BadInput):
+    """The run directory cannot be made or written (under a file, too long a path, read-only, full): exit 2, nothing ran."""
+
+    writes_error_log = False  # there is nowhere to write it
 
 
 def holder_info() -> dict:
@@ -66,8 +72,14 @@ class RunLock:
         self.fd: Optional[int] = None
 
     def __enter__(self) -> RunLock:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as err:
+            raise RunDirUnusable(
+                f"cannot use run directory {self.run_dir}: {os_error_text(err)} ({err.strerror or err}): "
+                f"give the run a directory it can write (hydra.run.dir=...)"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -85,8 +97,11 @@ class RunLock:
                 file=sys.stderr,
                 flush=True,
             )
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(holder_info()) + "\n").encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(holder_info()) + "\n").encode(), 0)
+        except OSError as err:  # a full disk: the lock holds all the same, the holder goes unnamed
+            print(f"rlsync: note: cannot write {self.path} ({os_error_text(err)})", file=sys.stderr, flush=True)
         self.fd = fd
         return self
 

@@ -42,25 +42,38 @@ class MetricsFile:
             suffix = previous_suffix(run_dir, self.RECORD)
             for previous in present:
                 os.rename(previous, previous.with_name(previous.name + suffix))
+        self.size = 0  # bytes of whole rows in the file: a failed write is cut back to it
         try:
-            self._f = open(self.path, "w", encoding="utf-8")
+            self._f = open(self.path, "wb", buffering=0)  # unbuffered: nothing is left to flush at close
         except OSError as err:
             raise WriteFailed(self.path, err) from err
 
     def write(self, row: dict) -> None:
+        line = (json.dumps(row) + "\n").encode("utf-8")
         try:
-            self._f.write(json.dumps(row) + "\n")
-            self._f.flush()
+            view = memoryview(line)
+            while view:
+                view = view[self._write(self._f.fileno(), view) :]
             os.fsync(self._f.fileno())
         except OSError as err:
+            try:  # a full disk took part of the line: cut it, so the file ends with a whole row
+                os.ftruncate(self._f.fileno(), self.size)
+                os.lseek(self._f.fileno(), self.size, os.SEEK_SET)
+            except OSError:
+                pass
             raise WriteFailed(self.path, err, f"; the {self.rows} step(s) finished before are kept in it") from err
+        self.size += len(line)
         self.rows += 1
+
+    @staticmethod
+    def _write(fd: int, data: memoryview) -> int:
+        return os.write(fd, data)
 
     def close(self) -> None:
         try:
             self._f.close()
         except OSError:
-            pass  # every row was flushed and fsynced by write(), or write() raised already
+            pass  # every row was written and fsynced by write(), or write() raised already
 
 
 def previous_suffix(run_dir: Path, names: tuple[str, ...]) -> str:
@@ -95,10 +108,11 @@ class Console:
         self.bar = tqdm(total=steps, desc="steps", unit="step", file=sys.stderr, disable=not enabled, leave=False)
         self.warmup_steps = warmup_steps
         self.header_done = False
-        self.columns = [(m.name, m.console) for m in metrics.console_columns()]  # (metric, header)
+        self.columns: list[tuple[str, str]] = []  # (metric, header): from the first row, which shows what is timed
 
     def step(self, row: dict) -> None:
         if not self.header_done:
+            self.columns = [(m.name, m.console) for m in metrics.console_columns(row)]
             tqdm.write("step " + " ".join(f"{h:>9}" for _, h in self.columns))
             self.header_done = True
         cells = [f"{row[k]:9.4f}" if isinstance(row.get(k), (int, float)) else f"{'-':>9}" for k, _ in self.columns]

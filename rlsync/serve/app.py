@@ -9,6 +9,16 @@ it, then a heartbeat line every HEARTBEAT_S, and "ended" when the trainer closes
 goes away (killed, network gone) the stream's connection breaks and the session ends; if the engine
 goes away, the trainer's read of the stream ends. Every other request names the session.
 
+Nothing a client does holds the engine longer than the operator allows (serve.* keys):
+- the trainer sends `POST /v1/heartbeat` every second; a session that hears nothing from its trainer
+  for serve.session_timeout_s is ended, as one whose stream breaks is;
+- a session that ends (or a request whose client disconnects) cancels its work: the HF engine checks
+  between generated tokens (rlsync.engines.base.check_cancelled), queued requests never start;
+- a generate request over serve.max_generate_tokens (prompts x max_new_tokens) is refused before it
+  starts; the plan's waits (its store, its group, a broadcast) are cut to serve.max_wait_s, which
+  bounds what cannot be cancelled (a blocked rendezvous);
+- `stop()` (SIGINT, SIGTERM) cancels the session's work and ends it before the HTTP server closes.
+
 Everything that touches the engine runs on one thread (`WorkThread`), in order; the asyncio loop
 only routes, authenticates and streams, so `/health` and a busy refusal answer at once while an
 update or a generation runs.
@@ -35,6 +45,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from rlsync.config.schema import MIB
+from rlsync.engines.base import Cancelled, cancelled_by, check_cancelled
 from rlsync.serve.http import BodyLimit, drop_line
 from rlsync.sync.broadcast import BroadcastReceiver
 from rlsync.sync.engine_process import EngineServer
@@ -53,6 +64,7 @@ from rlsync.sync.messages import (
 )
 
 HEARTBEAT_S = 1.0  # the session stream's pulse: how soon either side notices the other gone
+STOP_GRACE_S = 5.0  # on stop: how long the work in progress may take to notice its cancellation
 
 
 def log(line: str) -> None:
@@ -79,6 +91,14 @@ class WorkThread:
     async def run(self, op: str, job: Callable):
         return await asyncio.wrap_future(self.submit(op, job))
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Whether the jobs queued so far are done within `timeout` seconds."""
+        try:
+            self.submit("idle", lambda: None).result(timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+        return True
+
     def _run(self) -> None:
         if self.device.type == "cuda":  # the current device is per thread: this one works on the engine's
             torch.cuda.set_device(self.device)
@@ -104,6 +124,8 @@ class Session:
     server: object = None  # engine_process.EngineServer once the plan is accepted
     t_prev_send: float = field(default_factory=time.monotonic)
     ended: Optional[str] = None  # how it ended, once it has
+    last_seen: float = field(default_factory=time.monotonic)  # the trainer's last request or heartbeat
+    cancel: threading.Event = field(default_factory=threading.Event)  # set once it is to end: its work stops
     wake: Optional[asyncio.Event] = None  # set when it ends, so that its stream says so at once
     loop: Optional[asyncio.AbstractEventLoop] = None  # the loop `wake` belongs to
 
@@ -117,6 +139,7 @@ class Control:
         self.session: Optional[Session] = None
         self.served = 0  # sessions let in (a refused plan counts: it was this engine's answer to a trainer)
         self.finished = 0
+        self.stopping = False
         self.changed = threading.Condition()
         self.app = BodyLimit(
             self._build(), request_timeout_s=cfg.serve.request_timeout_s, max_bytes=int(cfg.serve.max_request_mb * MIB)
@@ -150,6 +173,17 @@ class Control:
                 return bad_request(request, "session", err)
             return await self._open_session(request, plan)
 
+        @app.post("/v1/heartbeat")
+        async def heartbeat(request: Request) -> Response:
+            refused = self._refusal(request, "heartbeat")
+            if refused is not None:
+                return refused
+            session = self._session_of(request)
+            if session is None:
+                return no_session("heartbeat")
+            session.last_seen = time.monotonic()
+            return Response(status_code=204)
+
         @app.post("/v1/{op}")
         async def call(op: str, request: Request) -> Response:
             refused = self._refusal(request, op)
@@ -157,26 +191,25 @@ class Control:
                 return refused
             session = self._session_of(request)
             if session is None:
-                return json_response(
-                    409,
-                    Failure(
-                        op=op,
-                        error="NoSession: this request names no session of this "
-                        "engine's (it ended, or another trainer's is on)",
-                    ),
-                )
+                return no_session(op)
+            session.last_seen = time.monotonic()
             try:
                 body = REQUESTS[op].model_validate_json(await request.body() or b"{}")
                 args = request_args(op, body)
             except (ValidationError, WireError) as err:
                 return bad_request(request, op, err)
-            return await self._call(session, op, args)
+            if op == "generate":
+                problem = generate_problem(args, self.cfg)
+                if problem is not None:  # refused before it starts: the engine never takes on the work
+                    self.log(f"session {session.number}: refused a generate request: {problem}")
+                    return json_response(422, Failure(op=op, error=problem))
+            return await self._call(session, op, args, request)
 
         return app
 
     def _refusal(self, request: Request, op: str) -> Optional[Response]:
         """Why this request is not served (an unknown op, no or a wrong token), as its answer; None if it is."""
-        if op not in OPS and op != "session":
+        if op not in OPS and op not in ("session", "heartbeat"):
             return json_response(404, Failure(op=op, error=f"BadRequest: no such request {op!r}"))
         if self.token is None:
             return None
@@ -194,12 +227,14 @@ class Control:
 
     def _session_of(self, request: Request) -> Optional[Session]:
         session, named = self.session, request.headers.get(SESSION_HEADER, "")
-        if session is None or session.ended is not None or session.server is None:
+        if session is None or session.ended is not None or session.server is None or session.cancel.is_set():
             return None
         return session if hmac.compare_digest(named.encode("latin-1"), session.key.encode()) else None
 
     async def _open_session(self, request: Request, plan: Plan) -> Response:
         trainer = f"{request.client[0]}:{request.client[1]}"
+        if self.stopping:
+            return json_response(503, Failure(op="start", error="EngineStopping: this engine is shutting down"))
         current = self.session
         if current is not None:
             self.log(f"refused trainer {trainer}: busy with trainer {current.trainer} (since {current.since})")
@@ -236,7 +271,7 @@ class Control:
         problem = plan_mismatch(buckets, self.engine.weights)
         if problem is not None:
             return problem
-        cap = self.cfg.update.engine_timeout_s  # the trainer's timeouts, but never past this engine's own
+        cap = self.cfg.serve.max_wait_s  # the trainer's timeouts, but never past this engine's own
         receiver = BroadcastReceiver(
             buckets,
             strategy=plan.strategy,
@@ -255,32 +290,76 @@ class Control:
 
     async def _events(self, session: Session):
         """The session stream: accepted, a heartbeat every HEARTBEAT_S, ended. If it breaks (the
-        trainer is gone), the session ends once the work in progress is done."""
+        trainer is gone) or the trainer falls silent for serve.session_timeout_s, the session's work
+        is cancelled and the session ends."""
+        session.last_seen = time.monotonic()
+        timeout_s = self.cfg.serve.session_timeout_s
         try:
             yield event_line(SessionEvent(event="accepted", session=session.key))
             while session.ended is None:
                 try:
                     await asyncio.wait_for(session.wake.wait(), HEARTBEAT_S)
                 except asyncio.TimeoutError:
-                    yield event_line(SessionEvent(event="heartbeat"))
+                    silent = time.monotonic() - session.last_seen
+                    if silent > timeout_s and not session.cancel.is_set():
+                        self.abandon(
+                            session,
+                            f"the trainer sent nothing for {silent:.0f} s (serve.session_timeout_s={timeout_s:g})",
+                        )
+                    if not session.cancel.is_set():
+                        yield event_line(SessionEvent(event="heartbeat"))
             yield event_line(SessionEvent(event="ended", detail=session.ended))
         finally:
             if session.ended is None:
-                self.work.submit("end", lambda: self._end(session, "the trainer went away without closing it"))
+                self.abandon(session, "the trainer went away without closing it")
 
-    async def _call(self, session: Session, op: str, args: tuple) -> Response:
+    def abandon(self, session: Session, why: str) -> None:
+        """End `session` without its trainer: cancel its work (running or queued), then end it on the
+        work thread once the job in progress has stopped."""
+        if session.cancel.is_set() or session.ended is not None:
+            return
+        session.cancel.set()
+        self.work.submit("end", lambda: self._end(session, why))
+
+    def stop(self) -> bool:
+        """(main thread) The engine is stopping: refuse new sessions, cancel and end the current one.
+        Whether the work thread came to rest within STOP_GRACE_S (False: it is blocked in work that
+        cannot be cancelled, such as a rendezvous, bounded by serve.max_wait_s)."""
+        self.stopping = True
+        session = self.session
+        if session is not None:
+            self.abandon(session, "the engine stopped")  # thread-safe: an event and a queued job
+        return self.work.wait_idle(STOP_GRACE_S)
+
+    async def _call(self, session: Session, op: str, args: tuple, request: Request) -> Response:
+        client_left = threading.Event()  # this request's connection closed: its work is cancelled
+
         def job():
             t_recv = time.monotonic()
-            if op == "generate":
-                check_generate(args, self.cfg.model.max_position_embeddings)
-            result = getattr(session.server, op)(*args)
+            with cancelled_by(session.cancel, client_left):
+                check_cancelled()  # queued behind work that ended the session, or its client left
+                result = getattr(session.server, op)(*args)
             if op == "close":
                 self._end(session, "the trainer closed it")
             encoded = encode_result(op, result)
             return t_recv, encoded, time.monotonic()
 
+        future = self.work.submit(op, job)
+        done = asyncio.wrap_future(future)
+        left = asyncio.ensure_future(disconnected(request))
+        await asyncio.wait({done, left}, return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():  # the client went away first: nobody waits for this answer
+            client_left.set()
+            future.cancel()  # a job still queued never starts
+            done.add_done_callback(lambda f: f.cancelled() or f.exception())  # its end is nobody's error
+            self.log(f"session {session.number}: {op!r} cancelled: its client closed the connection")
+            return Response(status_code=499)
+        left.cancel()
         try:
-            t_recv, result, t_send = await self.work.run(op, job)
+            t_recv, result, t_send = done.result()
+        except Cancelled:
+            why = session.ended or ("the session is ending" if session.cancel.is_set() else "its client left")
+            return json_response(500, Failure(op=op, error=f"Cancelled: {op!r} was cancelled: {why}"))
         except Exception:  # noqa: BLE001 - reported to the trainer, which raises it
             return json_response(500, Failure(op=op, error=traceback.format_exc()))
         reply = Reply(op=op, result=result, t_recv=t_recv, t_send=t_send, t_prev_send=session.t_prev_send)
@@ -311,14 +390,39 @@ class Control:
             self.changed.notify_all()
 
 
-def check_generate(args: tuple, max_positions: int) -> None:
+def generate_problem(args: tuple, cfg) -> Optional[str]:
+    """Why this engine refuses a generate request before starting it (its work or its length), or None."""
     prompts, max_new_tokens = args[0], args[1]
-    longest = max(len(p) for p in prompts)
+    longest, max_positions = max(len(p) for p in prompts), cfg.model.max_position_embeddings
     if longest + max_new_tokens > max_positions:
-        raise ValueError(
-            f"prompts of {longest} tokens plus {max_new_tokens} new ones exceed this engine's "
+        return (
+            f"BadRequest: prompts of {longest} tokens plus {max_new_tokens} new ones exceed this engine's "
             f"model.max_position_embeddings={max_positions}"
         )
+    work, ceiling = len(prompts) * max_new_tokens, cfg.serve.max_generate_tokens
+    if work > ceiling:
+        return (
+            f"TooMuchWork: {len(prompts)} prompts x {max_new_tokens} new tokens = {work} tokens exceed this "
+            f"engine's serve.max_generate_tokens={ceiling} (fewer prompts per request, shorter answers, or an "
+            f"engine started with a larger serve.max_generate_tokens)"
+        )
+    return None
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the client of `request` (whose body was read) has closed its connection."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def no_session(op: str) -> Response:
+    return json_response(
+        409,
+        Failure(
+            op=op,
+            error="NoSession: this request names no session of this engine's (it ended, or another trainer's is on)",
+        ),
+    )
 
 
 def event_line(event: SessionEvent) -> bytes:

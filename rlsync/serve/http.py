@@ -7,7 +7,8 @@ a socket, never the engine's attention. What uvicorn leaves open is closed here:
   (uvicorn waits forever for the first request of a connection, and for a head sent a byte at a
   time); a connection that is not HTTP (garbage, a header over h11's 16 KiB limit) or that closes
   before any request is dropped with one line too;
-- `BodyLimit` (ASGI middleware): the body is read whole, within `request_timeout_s` and at most
+- `BodyLimit` (ASGI middleware): a request head over MAX_HEAD_BYTES (h11 limits only a head that
+  arrives in pieces, not one that arrives whole) gets 431, and the body is read whole, within `request_timeout_s` and at most
   `max_bytes` (serve.max_request_mb; an announced or streamed larger one gets 413 at once), before
   any route sees it, so the app never waits on a client's network.
 
@@ -23,6 +24,8 @@ import sys
 import anyio
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+MAX_HEAD_BYTES = 16 * 1024  # a request's line and headers, as h11 bounds a head that arrives in pieces
+
 
 def drop_line(client, why: str) -> None:
     who = f"{client[0]}:{client[1]}" if client else "(unknown)"
@@ -36,10 +39,20 @@ class _SilenceInvalidRequest(logging.Filter):
         return "Invalid HTTP request" not in record.getMessage()
 
 
+class _OneLine(logging.Formatter):
+    """A record as one line: its message's first line and the exception's name, never a traceback."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = (record.getMessage().splitlines() or [""])[0]
+        if record.exc_info and record.exc_info[1] is not None:
+            line += f" ({type(record.exc_info[1]).__name__})"
+        return f"rlsync engine: server: {line}"
+
+
 def quiet_uvicorn() -> None:
     """uvicorn's warnings and errors as one `rlsync engine:` line each on stderr; no start-up or access chatter."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("rlsync engine: server: %(message)s"))
+    handler.setFormatter(_OneLine())
     handler.addFilter(_SilenceInvalidRequest())
     for name in ("uvicorn", "uvicorn.error"):
         log = logging.getLogger(name)
@@ -121,6 +134,11 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         client = scope.get("client")
+        head = len(scope.get("raw_path") or b"") + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        if head > MAX_HEAD_BYTES:
+            drop_line(client, f"sent a request head of {head} bytes (the limit is {MAX_HEAD_BYTES})")
+            await refuse(send, 431, "BadRequest: request head over the size limit")
+            return
         announced = dict(scope["headers"]).get(b"content-length")
         if announced is not None and (not announced.isdigit() or int(announced) > self.max_bytes):
             drop_line(

@@ -25,7 +25,11 @@ once, in one line naming the trainer being served; `GET /health` answers at any 
 
 Beyond loopback the engine requires a shared token (RLSYNC_ENGINE_TOKEN, the same on both sides,
 compared in constant time) and refuses to start without one. A client that sends garbage, stalls
-or disconnects is dropped with one line on stderr (rlsync/serve/http.py); the engine serves on.
+or disconnects is dropped with one line on stderr (rlsync/serve/http.py); the engine serves on. No
+client holds the engine longer than the operator allows: a generate request's work is capped
+(serve.max_generate_tokens), a trainer's waits are cut to serve.max_wait_s, a session whose trainer
+falls silent (serve.session_timeout_s) or leaves is ended and its work cancelled, and so is the
+session in progress when the engine is stopped (rlsync/serve/app.py).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -159,8 +164,14 @@ def serve(cfg: EngineAppConfig) -> None:
         try:
             control.wait(cfg.serve.sessions)
         finally:
-            server.should_exit = True
-            thread.join(10)
+            # the session's work cancelled and the session ended first, so that no request is in flight
+            # when the HTTP server closes; work that cannot be cancelled (a blocked rendezvous) leaves
+            # the process to exit at once once its line is printed (main)
+            if control.stop():
+                server.should_exit = True
+                thread.join(10)
+            else:  # the server's requests wait on that work: the process exits without closing them (main)
+                STUCK.append(control.work.op or "work")
         log(f"served {control.served} session(s); exiting")
 
 
@@ -170,8 +181,17 @@ def hydra_main(dcfg: DictConfig) -> None:
         serve(checked_config(dcfg, EngineAppConfig))
 
 
+STUCK: list[str] = []  # the engine's work that did not stop when the engine did
+
+
 def main() -> None:
-    cli(hydra_main)
+    try:
+        cli(hydra_main)
+    except SystemExit as done:
+        if STUCK:  # the work thread is blocked in native code: interpreter shutdown would abort on it
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(done.code if isinstance(done.code, int) else 1)
+        raise
 
 
 if __name__ == "__main__":

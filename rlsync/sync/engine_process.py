@@ -24,6 +24,7 @@ session is.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
@@ -141,6 +142,8 @@ def serve(conn, spec: EngineSpec, receiver: Receiver, strategy: str) -> None:
     try:
         try:
             select_device(torch.device(spec.device))  # cuda:N: current before the engine's first CUDA call
+            if spec.cpu_threads:  # the run's choice (rlsync.measure.threads), not this process's default
+                torch.set_num_threads(spec.cpu_threads)
             engine = spec.build(strategy=strategy)
         except BaseException:
             conn.send(("error", "start", traceback.format_exc()))
@@ -177,8 +180,25 @@ def serve_requests(conn, server: EngineServer) -> str:
             t_prev_send = t_send
             if op == "close":
                 return "the trainer closed it"
-    except (EOFError, OSError):  # the trainer is gone (pipe or socket closed, reset): nothing left to serve
+    except (EOFError, OSError) as err:  # the trainer is gone (pipe or socket closed, reset): nothing left to serve
+        if isinstance(err, OSError) and err.errno in (errno.EMFILE, errno.ENFILE):  # a request's buffers, no fd left
+            try:
+                conn.send(("error", "receive", f"OSError: {err}{open_files_note()}\n"))
+            except OSError:
+                pass
         return "the trainer went away without closing it"
+
+
+def open_files_note() -> str:
+    """A note on this process's open-file limit, where it is low enough to be why an engine process died."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= 1024:
+        return ""
+    return (
+        f" (the open-file limit is {soft}, ulimit -n: the engine receives shared buffers as file descriptors; raise it)"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,7 +269,9 @@ class EngineProcess:
             process,
             timeout_s,
             who=f"the engine process (pid {process.pid})",
-            ended=lambda: f"died with {exit_description(process.exitcode)}",
+            ended=lambda: (
+                f"died with {exit_description(process.exitcode)}{open_files_note() if process.exitcode == 0 else ''}"
+            ),
         )
 
     @classmethod

@@ -23,6 +23,7 @@ from typing import Literal, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rlsync.config.schema import COPY_THREADS_MAX
 from rlsync.engines.base import Generation
 from rlsync.sync.buckets import Bucket, Slot, TensorMeta
 
@@ -114,7 +115,7 @@ class Plan(Message):
     strategy: Literal["bucketed", "per_tensor"]
     inflight: int = Field(ge=1, le=2)
     flat_weights: bool
-    copy_threads: int = Field(ge=0, le=4096)
+    copy_threads: int = Field(ge=0, le=COPY_THREADS_MAX)
     store_port: int = Field(ge=1, le=65535)  # the trainer's TCP store, at the address it connected from
     timeout_s: float = Field(gt=0, allow_inf_nan=False)  # one broadcast's longest wait (the engine caps it)
     join_timeout_s: float = Field(gt=0, allow_inf_nan=False)  # the store and the rendezvous (capped too)

@@ -12,6 +12,8 @@ ever unpickled), while the weights travel in the trainer-engine gloo group, as t
   another model) in one line. `SessionWire` is the session as `EngineProcess` talks to it: a
   request thread (one HTTP request at a time, in order) and a watch thread reading the session
   stream's heartbeats, which sees the engine gone when the stream breaks or falls silent.
+- The heartbeat thread tells the engine every HEARTBEAT_S that this trainer is alive (`POST
+  /v1/heartbeat`): an engine ends a session it hears nothing from (serve.session_timeout_s).
 - Every wait is bounded: each connection attempt and the handshake by the connect timeout, each
   request and the stream's silence by update.engine_timeout_s (EngineProcess raises first).
 - A token (RLSYNC_ENGINE_TOKEN), when set, goes with every request; an engine listening beyond
@@ -39,6 +41,7 @@ CONNECT_RETRY_S = 0.2  # between attempts while the engine is still starting
 MAX_EVENT_BYTES = 4096  # one line of the session stream
 MAX_REPLY_BYTES = 1 << 34  # a reply's body (weights() of the largest model read back stays under it)
 REQUEST_SLACK_S = 5.0  # a request's socket timeout past update.engine_timeout_s: EngineProcess times out first
+HEARTBEAT_S = 1.0  # how often the trainer tells the engine it is alive (the engine's serve.session_timeout_s: 30 s)
 
 
 class EngineUnreachable(RlsyncError):
@@ -212,6 +215,7 @@ class SessionWire:
             stream_exchange.sock.settimeout(timeout_s)  # the stream's silence: heartbeats come every second
             threading.Thread(target=self._watch, name="rlsync-engine-watch", daemon=True).start()
             threading.Thread(target=self._requests, name="rlsync-engine-requests", daemon=True).start()
+            threading.Thread(target=self._heartbeats, name="rlsync-engine-heartbeat", daemon=True).start()
 
     @classmethod
     def refused(cls, address: str, error: str) -> SessionWire:
@@ -275,6 +279,21 @@ class SessionWire:
             why = f"the engine's session stream broke ({err or type(err).__name__})"
         self._closed(why)
 
+    def _heartbeats(self) -> None:
+        """`POST /v1/heartbeat` every HEARTBEAT_S until the session is over; a failed one is let go (the
+        watch thread tells an engine that is gone)."""
+        while True:
+            with self.cond:
+                if self.cond.wait_for(lambda: self.closed, timeout=HEARTBEAT_S):
+                    return
+            exchange = Exchange(self.address, max(HEARTBEAT_S * 5, 1.0))
+            try:
+                read_body(exchange.send("POST", "/v1/heartbeat", b"{}", {SESSION_HEADER: self.key}), MAX_EVENT_BYTES)
+            except (OSError, http.client.HTTPException, ValueError):
+                pass
+            finally:
+                exchange.close()
+
     def _requests(self) -> None:
         while True:
             with self.cond:
@@ -302,7 +321,7 @@ class SessionWire:
         if response.status == 200:
             reply = Reply.model_validate_json(data)
             return ("ok", op, decode_result(op, reply.result), reply.t_recv, reply.t_send, reply.t_prev_send)
-        if response.status in (500, 409):  # the engine raised (its traceback), or the session is gone
+        if response.status in (500, 409, 422):  # the engine raised (its traceback), the session is gone, refused
             return ("error", op, failure_text(data))
         raise ValueError(f"the engine answered {op!r} with HTTP {response.status}: {failure_text(data)[:200]}")
 
