@@ -1,9 +1,11 @@
 """The data-parallel trainer on the CPU: two real ranks over gloo.
 
-The CLI under `accelerate launch` (two processes, rank 0 holding the engine), the same run in one
-process for comparison, and two ranks started here around the trainer alone, whose gradients and
-weights after one step must be the single process's on the same batch (all marked slow: real
-processes). The checks a launch's environment triggers before any group is joined run in this process.
+The CLI under `accelerate launch` (two processes; trainer.parallel=fsdp2, rank 0 holding the engine), the
+same run in one process for comparison, a ddp launch with one ipc engine per rank whose rank 1 fails, and
+two ranks started here around the trainer alone (ddp and fsdp2, with the shards' offload between steps),
+whose losses and weights over 3 steps must be the single process's on the same batches (all marked slow:
+real processes). The checks a launch's environment triggers before any group is joined run in this process,
+and so does the gather's bucket order (sync/gather.py) on a fake gather.
 """
 
 import json
@@ -19,14 +21,16 @@ import torch.multiprocessing as mp
 from conftest import FAST, ROOT, cli_env, read_jsonl, run_cli, run_main
 
 DP_RUN = [*FAST, "trainer.lr=1e-3", "update.verify=true", "wandb.mode=disabled"]
-RANK0_ONLY = ("perf/rollout_time", "perf/update_weights_time", "perf/engine_resume_time", "perf/engine_release_time")
+FSDP2_RUN = [*DP_RUN, "trainer.parallel=fsdp2"]  # the fixture's launch; rank 0 holds the one engine
+RANK0_ONLY = ("perf/rollout_time", "perf/engine_resume_time", "perf/engine_release_time")
 EVERY_RANK = (
     "perf/step_time",
     "perf/batch_scatter_time",
     "perf/wake_up_time",
     "perf/log_probs_time",
     "perf/train_time",
-    "perf/grad_allreduce_time",
+    "perf/update_weights_time",  # fsdp2: every rank gathers, rank 0's engine loads
+    "perf/update_weights_gather_time",
     "perf/sleep_time",
 )
 
@@ -77,13 +81,34 @@ def accelerate_launch(*args: str, cwd, timeout: float = 300, script: str = "-m r
     )
 
 
+def torchrun(*args: str, cwd, timeout: float = 300, script: str = "-m rlsync") -> subprocess.CompletedProcess:
+    """torchrun of two ranks through the c10d rendezvous a multi-node launch uses (`--nnodes 2` on two
+    machines; one node here)."""
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"127.0.0.1:{launcher_port()}",
+    ]
+    return subprocess.run(
+        [*launch, *script.split(), *args], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """One two-rank run: (process, rank 0's run dir, the launch's working directory)."""
     base = tmp_path_factory.mktemp("dp")
     run_dir, cwd = base / "run", base / "cwd"
     cwd.mkdir()
-    proc = accelerate_launch(*DP_RUN, f"hydra.run.dir={run_dir}", cwd=cwd)
+    proc = accelerate_launch(*FSDP2_RUN, f"hydra.run.dir={run_dir}", cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc, run_dir, cwd
 
@@ -94,7 +119,8 @@ def test_two_ranks_train_and_update_the_engine_bit_exact(two_ranks):
     summary = json.loads((run_dir / "summary.json").read_text())
     # update.verify: every engine tensor equals rank 0's after each update, and every rank holds rank 0's weights
     assert summary["status"] == "finished" and summary["verification"] == "passed"
-    assert summary["setup"]["ranks"] == 2
+    setup = summary["setup"]
+    assert (setup["ranks"], setup["parallel"], setup["engines"], setup["gather"]) == (2, "fsdp2", "rank0", "per_bucket")
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]  # one row per step: rank 0's, merged
     assert max(r["train/logprob_abs_diff"] for r in rows) < 0.02  # the engine samples with the trained weights
@@ -103,45 +129,76 @@ def test_two_ranks_train_and_update_the_engine_bit_exact(two_ranks):
             assert row[key] == row[f"{key}_rank_max"] >= row[f"{key}_rank_min"] > 0, key
         for key in RANK0_ONLY:  # rank 0's phases: nothing to gather
             assert f"{key}_rank_max" not in row
+        assert row["update/verified_engines"] == 1  # the one engine, checked against a second gather
+        assert row["perf/update_weights_gather_bytes"] == 2 * row["perf/update_weights_bytes"]  # fp32 -> bf16
+        # the update's floor is the copy's plus the gather's; each part against its own
+        assert row["perf/update_weights_limit_time"] == pytest.approx(
+            row["perf/update_weights_copy_limit_time"] + row["perf/update_weights_gather_limit_time"]
+        )
+    # the gather's phase, floor and efficiency in summary.json, the floor measured in the same run
+    stats = summary["metrics"]
+    for key in ("gather_time", "gather_limit_time", "gather_efficiency", "copy_efficiency", "gather_peak_bytes"):
+        assert stats[f"perf/update_weights_{key}"]["median"] > 0, key
+    assert (
+        summary["limits"]["gather_gbps"] > 0 and "all_gather_single, 2 ranks, gloo" in summary["limits"]["gather_probe"]
+    )
+    # per_bucket: the gathered bytes held at once are one bucket's (the tiny model is one 512 MiB bucket)
+    assert stats["perf/update_weights_gather_peak_bytes"]["max"] <= stats["perf/update_weights_gather_bytes"]["max"]
     # one run dir, rank 0's; rank 1 wrote nothing, neither in the working directory nor a Hydra dir of its own
     assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", ".rlsync.lock", "metrics.jsonl", "summary.json"]
     assert list(cwd.iterdir()) == []
-    assert proc.stdout.count("| model | weight update |") == 1  # one closing table: rank 0's
+    assert proc.stdout.count("Measured steps:") == 1  # one closing block: rank 0's
 
 
 @pytest.mark.slow
-def test_two_ranks_match_one_process_step_by_step(two_ranks, tmp_path):
+def test_two_ranks_match_one_process(two_ranks, tmp_path):
+    """The fsdp2 launch against one process. Step 0 is the same batch (both sample it from the same initial
+    weights), so its loss, gradient and log-probs match; after the first update each engine holds the bf16
+    rounding of weights whose float32 sums differ in the last bits, and one flipped bf16 value can flip a
+    sampled token, so later batches need not be the same: the 3-step comparison on fixed batches is
+    test_two_ranks_train_as_one_process_under_ddp_and_fsdp2."""
     _, run_dir, _ = two_ranks
     # torchrun gives each rank one thread: the same here, so both runs sum in comparable orders
-    single = run_cli(*DP_RUN, f"hydra.run.dir={tmp_path}", OMP_NUM_THREADS="1")
+    single = run_cli(*FSDP2_RUN, f"hydra.run.dir={tmp_path}", OMP_NUM_THREADS="1")  # one process: parallel none
     assert single.returncode == 0, single.stderr[-3000:]
     one, two = read_jsonl(tmp_path / "metrics.jsonl"), read_jsonl(run_dir / "metrics.jsonl")
+    a, b = one[0], two[0]
+    # the same batch: rank 0 samples it as one process does
+    assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
+    assert a["rollout/response_len_mean"] == b["rollout/response_len_mean"]
+    # the same gradient (before clipping) and loss: the ranks' token-weighted sum is the whole batch's mean
+    assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-4)
+    assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4, abs=1e-6)
+    assert b["train/logprob_abs_diff"] == pytest.approx(a["train/logprob_abs_diff"], rel=1e-3, abs=1e-6)
     for a, b in zip(one, two, strict=True):
-        # the same batch every step: rank 0 samples it as one process does, from the weights both trained
-        assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
-        assert a["rollout/response_len_mean"] == b["rollout/response_len_mean"]
-        # the same gradient (before clipping) and loss: the ranks' token-weighted sum is the whole batch's mean
-        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-4)
-        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4, abs=1e-6)
-        assert b["train/logprob_abs_diff"] == pytest.approx(a["train/logprob_abs_diff"], rel=1e-3, abs=1e-6)
+        # each rank's offload moves its own shards: half the one process's state, up to FSDP2's padding
+        assert 0.5 <= b["perf/sleep_bytes"] / a["perf/sleep_bytes"] < 0.52
 
 
 # ----------------------------------------------------------------------------------------------
-# The trainer alone: two ranks against one process, on one fixed batch
+# The trainer alone: two ranks against one process, 3 steps on fixed batches, ddp and fsdp2
 # ----------------------------------------------------------------------------------------------
 
-GROUPS, GROUP_SIZE, PROMPT_LEN, RESPONSE_LEN = 3, 2, 5, 6  # 3 groups over 2 ranks: 4 rows and 2 rows
+GROUP_SIZE, PROMPT_LEN, RESPONSE_LEN, STEPS = 2, 5, 6, 3
+# ddp: 3 groups over 2 ranks (4 rows and 2: the ranks run 2 and 1 micro-batches); fsdp2: 4 groups (every forward
+# is a collective, so the config rule asks for equal shares), uneven answer lengths either way
+GROUPS = {"ddp": 3, "fsdp2": 4}
+# float32, summed in another order over ranks: the stated tolerance of the loss (and the grad norm), and of the
+# weights after 3 AdamW steps of lr 1e-3. AdamW normalises each element's step, so where an element's gradient is
+# near zero the summation order moves its step (measured: fsdp2 moves 3 of 1.2M elements by up to 2.8e-6); a wrong
+# or stale shard moves whole tensors by the step size, 1e-3 a step.
+LOSS_TOLERANCE, WEIGHT_TOLERANCE = {"rel": 1e-5, "abs": 1e-7}, {"rtol": 1e-4, "atol": 5e-5}
 
 
-def fixed_batch():
-    """A batch with uneven answer lengths, so the ranks' shares hold different token counts."""
+def fixed_batch(groups: int, step: int):
+    """Step `step`'s batch: random tokens, uneven answer lengths, so the ranks' shares hold different token counts."""
     from rlsync.engines.base import Generation
     from rlsync.trainer.grpo import group_advantages
 
-    gen = torch.Generator().manual_seed(7)
-    rows = GROUPS * GROUP_SIZE
+    gen = torch.Generator().manual_seed(7 + step)
+    rows = groups * GROUP_SIZE
     sequences = torch.randint(3, 256, (rows, PROMPT_LEN + RESPONSE_LEN), generator=gen)
-    answer_lens = torch.tensor([6, 2, 5, 1, 3, 6])  # rank 0: 14 tokens, rank 1: 9
+    answer_lens = torch.randint(1, RESPONSE_LEN + 1, (rows,), generator=gen)
     response_mask = (torch.arange(RESPONSE_LEN) < answer_lens[:, None]).long()
     attention_mask = torch.cat([torch.ones(rows, PROMPT_LEN, dtype=torch.long), response_mask], dim=1)
     attention_mask[0, :2] = 0  # left padding in one prompt
@@ -151,46 +208,64 @@ def fixed_batch():
         response_mask=response_mask,
         logprobs=torch.zeros(rows, RESPONSE_LEN),
         prompt_len=PROMPT_LEN,
-        truncated=answer_lens == 6,
+        truncated=answer_lens == RESPONSE_LEN,
     )
     rewards = torch.rand(rows, generator=gen)
     return batch, group_advantages(rewards, GROUP_SIZE)
 
 
-def tiny_trainer(grad_sync=None):
+def tiny_trainer(parallel: str, world: int = 1, before_wrap=lambda model: None):
+    """The tiny model's trainer under `parallel`, and its offloader (full: params, grads, AdamW state move)."""
     from rlsync.config.schema import ModelConfig, TrainerConfig
     from rlsync.model.build import build_model
     from rlsync.trainer.grpo import Trainer
+    from rlsync.trainer.offload import Offloader
+    from rlsync.trainer.parallel import parallel_for
 
-    model = build_model(ModelConfig(), dtype=torch.float32, device=torch.device("cpu"), seed=3)
+    cpu = torch.device("cpu")
+    model = build_model(ModelConfig(), dtype=torch.float32, device=cpu, seed=3)
+    before_wrap(model)
     # no clipping at this size: a wrongly scaled gradient must show, not be clipped to the same norm
     cfg = TrainerConfig(lr=1e-3, micro_batch_size=2, grad_clip=1e6)
-    return Trainer(
+    trainer = Trainer(
         model,
         cfg,
         allowed_ids=torch.ones(ModelConfig().vocab_size, dtype=torch.bool),
         temperature=1.0,
-        grad_sync=grad_sync,
+        parallel=parallel_for(parallel, world=world, device=cpu),
     )
+    return trainer, Offloader(model, trainer.optimizer, mode="full", device=cpu, memory="move", segment_bytes=1 << 20)
 
 
-def one_step(trainer, batch, advantages, batch_tokens=None) -> dict:
-    old_logp = trainer.log_probs(batch)
-    metrics = trainer.train_step(batch, old_logp=old_logp, advantages=advantages, batch_tokens=batch_tokens)
-    params = dict(trainer.model.named_parameters())
-    return {
-        "metrics": metrics,
-        "tokens": float(batch.response_mask.sum()),
-        "weights": {n: p.detach().clone() for n, p in params.items()},
-        "grads": {n: p.grad.detach().clone() for n, p in params.items()},
-    }
+def train_steps(trainer, offloader, batches, dp=None) -> dict:
+    """STEPS steps, the trainer offloaded and onloaded between them; losses, grad norms, tokens, final weights."""
+    out = {"loss": [], "grad_norm": [], "tokens": [], "rows": [], "sleep_bytes": []}
+    for batch, advantages in batches:
+        batch_tokens = None
+        if dp is not None:
+            batch, advantages, batch_tokens = dp.scatter_groups(
+                batch, advantages, group_size=GROUP_SIZE, device=torch.device("cpu")
+            )
+        offloader.wake_up()
+        old_logp = trainer.log_probs(batch)
+        metrics = trainer.train_step(batch, old_logp=old_logp, advantages=advantages, batch_tokens=batch_tokens)
+        out["sleep_bytes"].append(offloader.sleep())
+        out["loss"].append(metrics["train/loss"])
+        out["grad_norm"].append(metrics["train/grad_norm"])
+        out["tokens"].append(float(batch.response_mask.sum()))
+        out["rows"].append(batch.sequences.shape[0])
+    offloader.wake_up()
+    full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in trainer.model.named_parameters()}
+    out["weights"] = {n: t.detach().clone() for n, t in full.items()}
+    return out
 
 
 def rank_process(rank: int, port: int, out_dir: str) -> None:
     """One rank, as torchrun starts it: the environment (the store is the launcher's, as torchrun's agent
-    hosts it), then rlsync.trainer.data_parallel's own calls."""
+    hosts it), then rlsync.trainer.data_parallel's and rlsync.trainer.parallel's own calls."""
     torch.set_num_threads(1)
     os.environ.update(
+        OMP_NUM_THREADS="1",  # as torchrun sets it (accelerate's Accelerator would set 2 threads otherwise)
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
@@ -198,29 +273,36 @@ def rank_process(rank: int, port: int, out_dir: str) -> None:
         WORLD_SIZE="2",
         TORCHELASTIC_USE_AGENT_STORE="True",
     )
+    from rlsync.sync import WeightMismatch
     from rlsync.trainer.data_parallel import DataParallel
 
+    def rank0_wins(model) -> None:  # rank 0's weights must win: start rank 1 elsewhere, then broadcast
+        if rank == 1:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+        dp.broadcast_weights(model)
+
     dp = DataParallel.from_env()
+    results = {}
     with dp:
         dp.start(torch.device("cpu"), timeout_s=120)
-        trainer = tiny_trainer(grad_sync=dp.all_reduce_grads)
-        if rank == 1:  # rank 0's weights must win: start rank 1 elsewhere
-            with torch.no_grad():
-                for p in trainer.model.parameters():
-                    p.add_(1.0)
-        dp.broadcast_weights(trainer.model)
-        batch, advantages = fixed_batch() if dp.is_main else (None, None)
-        share, share_advantages, batch_tokens = dp.scatter_groups(
-            batch, advantages, group_size=GROUP_SIZE, device=torch.device("cpu")
-        )
-        result = one_step(trainer, share, share_advantages, batch_tokens)
-        result["rows"] = share.sequences.shape[0]
-        dp.check_same_weights(dict(trainer.model.named_parameters()))
-    torch.save(result, f"{out_dir}/rank{rank}.pt")
+        for parallel, groups in GROUPS.items():
+            trainer, offloader = tiny_trainer(parallel, world=2, before_wrap=rank0_wins)
+            batches = [fixed_batch(groups, k) if dp.is_main else (None, None) for k in range(STEPS)]
+            results[parallel] = train_steps(trainer, offloader, batches, dp)
+            if parallel == "ddp":
+                dp.check_same_weights(dict(trainer.model.named_parameters()))  # the replicas stay identical
+        dp.agree(None)  # update.verify: every rank's engine matched
+        try:  # rank 1's engine did not: every rank learns it, and which
+            dp.agree(WeightMismatch("engine tensor 'w' differs") if rank == 1 else None)
+        except WeightMismatch as err:
+            results["verdict"] = str(err)
+    torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
 @pytest.mark.slow
-def test_two_ranks_take_the_single_process_step(tmp_path):
+def test_two_ranks_train_as_one_process_under_ddp_and_fsdp2(tmp_path):
     from datetime import timedelta
 
     from rlsync.sync.broadcast import listen_store
@@ -232,20 +314,27 @@ def test_two_ranks_take_the_single_process_step(tmp_path):
     mp.start_processes(rank_process, args=(store.port, str(tmp_path)), nprocs=2, start_method="spawn", join=True)
     del store
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert [r["verdict"] for r in ranks] == ["rank 1's engine: engine tensor 'w' differs"] * 2
     torch.set_num_threads(1)
-    batch, advantages = fixed_batch()
-    single = one_step(tiny_trainer(), batch, advantages)
-
-    assert [r["rows"] for r in ranks] == [4, 2] and [r["tokens"] for r in ranks] == [14.0, 9.0]  # whole groups
-    for name, grad in single["grads"].items():
-        for r in ranks:  # the all-reduced gradient is the whole batch's, on every rank
-            torch.testing.assert_close(r["grads"][name], grad, rtol=1e-4, atol=1e-7)
-    for name, weight in single["weights"].items():
-        assert torch.equal(ranks[0]["weights"][name], ranks[1]["weights"][name])  # the ranks stay identical
-        torch.testing.assert_close(ranks[0]["weights"][name], weight, rtol=1e-5, atol=1e-7)
-    merged = merge_ranks([r["metrics"] for r in ranks], [r["tokens"] for r in ranks])
-    assert merged["train/loss"] == pytest.approx(single["metrics"]["train/loss"], rel=1e-5, abs=1e-7)
-    assert merged["train/grad_norm"] == pytest.approx(single["metrics"]["train/grad_norm"], rel=1e-5)
+    for parallel, groups in GROUPS.items():
+        trainer, offloader = tiny_trainer("none")
+        single = train_steps(trainer, offloader, [fixed_batch(groups, k) for k in range(STEPS)])
+        two = [r[parallel] for r in ranks]
+        split = (4, 2) if groups == 3 else (4, 4)
+        assert all(tuple(r["rows"][k] for r in two) == split for k in range(STEPS)), parallel  # whole groups
+        for k in range(STEPS):  # the same loss, step by step: the ranks' token-weighted sum is the batch's mean
+            merged = merge_ranks(
+                [{"train/loss": r["loss"][k], "train/grad_norm": r["grad_norm"][k]} for r in two],
+                [r["tokens"][k] for r in two],
+            )
+            assert merged["train/loss"] == pytest.approx(single["loss"][k], **LOSS_TOLERANCE), (parallel, k)
+            assert merged["train/grad_norm"] == pytest.approx(single["grad_norm"][k], rel=1e-5), (parallel, k)
+        for name, weight in single["weights"].items():  # after 3 steps and 3 offloads, the same weights
+            torch.testing.assert_close(two[0]["weights"][name], weight, **WEIGHT_TOLERANCE, msg=f"{parallel} {name}")
+            assert torch.equal(two[0]["weights"][name], two[1]["weights"][name])  # one model on both ranks
+        # each rank offloads its own state: the whole of it under ddp, its shards (half, up to padding) under fsdp2
+        ratio = two[0]["sleep_bytes"][0] / single["sleep_bytes"][0]
+        assert ratio == 1.0 if parallel == "ddp" else 0.5 <= ratio < 0.52, (parallel, ratio)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,13 +374,60 @@ def test_merge_takes_the_slowest_rank_and_weights_token_means():
     assert merged["perf/device_mem_after_sleep_gb"] == 2.0
 
 
-def test_shares_are_whole_groups_and_buckets_keep_one_dtype():
-    from rlsync.trainer.data_parallel import grad_buckets, split_evenly
+def test_shares_are_whole_groups():
+    from rlsync.trainer.data_parallel import DataParallel, split_evenly
 
     assert split_evenly(3, 2) == [2, 1] and split_evenly(8, 4) == [2, 2, 2, 2] and split_evenly(2, 2) == [1, 1]
-    grads = [torch.zeros(4), torch.zeros(4), torch.zeros(100), torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2)]
-    buckets = grad_buckets(grads, bucket_bytes=64)  # 4 floats = 16 bytes
-    assert [[g.numel() for g in b] for b in buckets] == [[4, 4], [100], [2], [2]]
+    assert [DataParallel(rank, 2).share(3) for rank in (0, 1)] == [slice(0, 2), slice(2, 3)]  # one engine per rank
+
+
+def sharded(mode: str):
+    """ShardedWeights over 3 buckets of the tiny plan, with a fake gather that logs what it gathers."""
+    from rlsync.model.architecture import params_layout
+    from rlsync.sync.buckets import metas_of, plan_buckets
+    from rlsync.sync.gather import ShardedWeights
+
+    params = {f"w{i}": torch.full((4,), float(i)) for i in range(6)}
+    buckets = plan_buckets(metas_of(params, torch.bfloat16), bucket_bytes=16)  # two bf16 tensors per bucket
+    log: list[str] = []
+
+    def gather(t):
+        log.append(next(n for n, p in params.items() if p is t))
+        return t.clone()
+
+    plan = params_layout(params, "checkpoint")
+    weights = ShardedWeights(
+        params, layout="checkpoint", plan=plan, buckets=buckets, gather=gather, mode=mode, device=torch.device("cpu")
+    )
+    return weights, log, buckets
+
+
+def test_the_gather_goes_bucket_by_bucket_in_plan_order():
+    from rlsync.sync import full_weights
+
+    weights, log, buckets = sharded("per_bucket")
+    assert list(weights) == [f"w{i}" for i in range(6)] and log == []  # names alone gather nothing
+    assert torch.equal(weights["w1"], torch.full((4,), 1.0)) and log == ["w0", "w1"]  # the whole bucket at once
+    weights.before(buckets[2])  # a transport's call before packing bucket 2: bucket 1 first, in order
+    assert log == ["w0", "w1", "w2", "w3", "w4", "w5"] and set(weights.held) == {"w4", "w5"}
+    assert weights.peak_bytes == 2 * 16  # per_bucket holds one bucket's full tensors (fp32)
+    with pytest.raises(RuntimeError, match="read after unit 2"):
+        weights["w0"]  # another rank's collectives would come in another order: refused, not hung
+    assert [n for n, _ in full_weights(weights).items()] == list(weights) and len(log) == 12  # a second pass
+    assert [r["bytes"] for r in weights.rows] == [32] * 6 and weights.metrics()[
+        "perf/update_weights_gather_bytes"
+    ] == 192
+
+    weights, log, _ = sharded("all_at_once")
+    weights["w4"]
+    assert len(log) == 6 and weights.peak_bytes == 6 * 16  # the whole model held at once
+    weights["w0"]  # everything is held: any order
+    weights, log, buckets = sharded("per_tensor")
+    weights.before(buckets[1])  # per_tensor: nothing before the pack, each tensor as it is read
+    assert log == [] and [weights[f"w{i}"][0].item() for i in range(6)] == list(range(6)) and weights.peak_bytes == 16
+    weights, log, _ = sharded("per_bucket")
+    weights.drain()  # a rank without an engine: the same gathers, none kept
+    assert log == [f"w{i}" for i in range(6)] and weights.held == {}
 
 
 def test_a_single_process_has_no_process_group():
@@ -310,7 +446,10 @@ def test_a_single_process_has_no_process_group():
     "rank, override, key",
     [
         ("0", "rollout.prompts_per_step=1", "rollout.prompts_per_step"),
-        ("1", "update.transport=ipc", "update.transport"),
+        ("1", "update.transport=broadcast", "update.transport"),
+        ("0", "trainer.parallel=none", "trainer.parallel"),
+        ("1", "trainer.parallel=fsdp2 rollout.prompts_per_step=3", "rollout.prompts_per_step"),
+        ("0", "trainer.parallel=fsdp2 update.source=host", "update.source"),
     ],
 )
 def test_what_two_ranks_cannot_run_is_a_config_error(tmp_path, rank, override, key):
@@ -318,7 +457,13 @@ def test_what_two_ranks_cannot_run_is_a_config_error(tmp_path, rank, override, k
     cwd.mkdir()
     # the launcher's environment alone: the check comes before any process group is joined
     proc = run_main(
-        override, "wandb.mode=disabled", f"hydra.run.dir={run_dir}", cwd=cwd, WORLD_SIZE="2", RANK=rank, LOCAL_RANK=rank
+        *override.split(),
+        "wandb.mode=disabled",
+        f"hydra.run.dir={run_dir}",
+        cwd=cwd,
+        WORLD_SIZE="2",
+        RANK=rank,
+        LOCAL_RANK=rank,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     who = "" if rank == "0" else f"rank {rank}: "  # every rank prints its line; ranks > 0 say which they are
@@ -355,11 +500,19 @@ runpy.run_module("rlsync", run_name="__main__", alter_sys=True)
 @pytest.mark.slow
 def test_a_failing_rank_is_named_as_the_runs_error(tmp_path):
     """Rank 0 sees only a collective's "connection closed by peer" (or torchrun's SIGTERM): its error
-    line and summary must name rank 1's failure instead, and keep the finished step."""
+    line and summary must name rank 1's failure instead, and keep the finished step.
+
+    The same launch runs ddp with one engine per rank, each in its own process (ipc), every rank's engine
+    verified after the update of the step that finished, started by torchrun through the c10d rendezvous
+    of a multi-node launch."""
     script, run_dir = tmp_path / "failing_rank.py", tmp_path / "run"
     script.write_text(FAILING_RANK)
-    proc = accelerate_launch(*DP_RUN, "run.steps=4", f"hydra.run.dir={run_dir}", cwd=ROOT, script=str(script))
+    every_rank = ["trainer.parallel=ddp", "rollout.engines=every_rank", "update.transport=ipc"]
+    proc = torchrun(*DP_RUN, *every_rank, "run.steps=4", f"hydra.run.dir={run_dir}", cwd=ROOT, script=str(script))
     assert proc.returncode != 0
+    (row,) = read_jsonl(run_dir / "metrics.jsonl")  # the finished step: both ranks' engines updated and verified
+    assert row["update/verified_engines"] == 2 and row["train/logprob_abs_diff"] < 0.02
+    assert row["perf/rollout_time"] == row["perf/rollout_time_rank_max"]  # each rank's engine generated its groups
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("rlsync:")]
     assert "rlsync: rank 1: failed: RuntimeError: rank 1 broke on purpose" in lines, proc.stderr[-3000:]
     assert (
@@ -370,3 +523,24 @@ def test_a_failing_rank_is_named_as_the_runs_error(tmp_path):
     assert summary["status"] == "failed" and summary["steps_finished"] == 1
     assert summary["error"] == "data-parallel rank 1 failed: RuntimeError: rank 1 broke on purpose"
     assert "rank 1 broke on purpose" in (run_dir / "error.log").read_text()
+
+
+def test_the_framework_schemes_train_as_their_frameworks_do():
+    from test_schemes import compose_app
+
+    got = {s: compose_app("config", f"scheme={s}") for s in ("verl", "trl", "nemo_rl", "miles")}
+    assert {s: (c.trainer.parallel, c.rollout.engines, c.update.gather) for s, c in got.items()} == {
+        "verl": ("fsdp2", "every_rank", "per_tensor"),  # fsdp_workers.py: full_tensor() per parameter
+        "trl": ("fsdp2", "every_rank", "per_tensor"),
+        "nemo_rl": ("fsdp2", "every_rank", "per_tensor"),
+        "miles": ("ddp", "every_rank", "per_bucket"),  # Megatron's replicas; the gather does not apply
+    }
+
+
+def test_the_cost_model_has_a_gather_term_and_per_rank_state():
+    from rlsync.plan.cost import gather_seconds, per_rank_state_bytes
+
+    assert gather_seconds(8_000_000_000, 1, 100.0) == 0.0  # one rank holds the whole model
+    assert gather_seconds(8_000_000_000, 2, 100.0) == pytest.approx(0.04)  # half the bytes arrive, at 100 GB/s
+    assert gather_seconds(8_000_000_000, 8, 100.0) == pytest.approx(0.07)  # 7/8 of them
+    assert per_rank_state_bytes(10, 4, "fsdp2") == 3 and per_rank_state_bytes(10, 4, "ddp") == 10

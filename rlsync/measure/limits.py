@@ -363,3 +363,55 @@ class CopyProbe:
         self.last = best_copy(self.dst, self.src, tries, budget_s=0.0, warm_up=False)
         self.wins[self.last.describe()] += 1
         return self.floor_bytes / (self.moved / self.last.seconds)
+
+
+class GatherFloor:
+    """The floor of the update's gather from shards (trainer.parallel=fsdp2): one all-gather of the update's
+    bytes, in the trainer's dtype, over the trainer's group (every rank takes part, at the same point).
+
+    The update gathers parameter by parameter (`DTensor.full_tensor()`, one collective each); the floor
+    is the same bytes in one call (all_gather_single; all_gather_into_tensor before torch 2.13), so
+    per-call latency is what the gather's efficiency shows. Like the copy's, the probe buffer is capped
+    (`PROBE_CAP_BYTES` gathered) and scaled to the bytes; the best of
+    `rounds` counts, each round started together (a barrier) so no rank times another's lateness.
+    `per_second` counts the gathered (output) bytes: each rank receives (N-1)/N of them.
+    """
+
+    def __init__(self, nbytes: int, *, dtype: torch.dtype, device: torch.device, rounds: int = 3, group=None):
+        import torch.distributed as dist  # here: a single process never needs it
+
+        self.dist, self.group = dist, group
+        self.world = dist.get_world_size(group)
+        self.nbytes, self.dtype, self.device, self.rounds = nbytes, dtype, device, rounds
+        self.per_second, self.how = math.inf, ""
+        self.measure()
+
+    def measure(self) -> None:
+        dist, world = self.dist, self.world
+        shard = max(1, min(self.nbytes, PROBE_CAP_BYTES) // self.dtype.itemsize // world)  # elements per rank
+        inp = torch.ones(shard, dtype=self.dtype, device=self.device)
+        out = torch.empty(shard * world, dtype=self.dtype, device=self.device)
+        # torch >= 2.13 names the one-tensor all-gather all_gather_single (all_gather_into_tensor before)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, inp, group=self.group)  # first touch, the connections warm
+        best = math.inf
+        for _ in range(self.rounds):
+            dist.barrier(group=self.group)
+            synchronize(self.device)
+            start = CLOCK()
+            gather(out, inp, group=self.group)
+            synchronize(self.device)
+            best = min(best, CLOCK() - start)
+        self.per_second = out.nbytes / best
+        backend = dist.get_backend(self.group)
+        self.how = f"{gather.__name__}, {world} ranks, {backend}, {out.nbytes} bytes"
+        del inp, out
+        if self.device.type == "cuda":  # probed between steps: leave no device memory cached for the engine
+            torch.cuda.empty_cache()
+
+    def time(self, nbytes: int | None = None) -> float:
+        """Seconds the floor gives `nbytes` (default: the update's) gathered."""
+        return (self.nbytes if nbytes is None else nbytes) / self.per_second
+
+    def as_dict(self) -> dict[str, float | str]:
+        return {"gather_gbps": self.per_second / 1e9, "gather_probe": self.how}

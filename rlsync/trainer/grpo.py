@@ -8,13 +8,13 @@ all answer tokens of the batch, plus an optional KL penalty to a frozen referenc
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from rlsync.config.schema import TrainerConfig
 from rlsync.engines.base import Generation, position_ids, token_logprobs
+from rlsync.trainer.parallel import Parallel
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -82,23 +82,25 @@ class Trainer:
         *,
         allowed_ids: torch.Tensor,
         temperature: float,
-        grad_sync: Callable[[list[nn.Parameter]], dict[str, float]] | None = None,
+        parallel: Parallel | None = None,
     ):
-        self.model, self.cfg = model, cfg
-        self.grad_sync = (
-            grad_sync  # data parallel: sums the ranks' gradients before clipping (rlsync.trainer.data_parallel)
-        )
+        self.cfg = cfg
         self.allowed = allowed_ids.to(next(model.parameters()).device)
         self.temperature = temperature
+        self.reference = None
+        if cfg.kl_coef > 0:  # before any sharding: a whole frozen copy on every rank
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        # trainer.parallel (rlsync.trainer.parallel): `module` trains (a DDP wrapper, or the model sharded in
+        # place by fully_shard); `model` is the model itself, whose parameters the optimizer steps
+        self.parallel = parallel or Parallel(1, self.allowed.device)
+        self.module = self.parallel.wrap(model)
+        self.model = model
         on_cuda = self.allowed.device.type == "cuda"
         # foreach (multi-tensor) AdamW is faster on CUDA but holds whole-model temporaries: on a CPU
         # run of Qwen3-0.6B those gigabytes are the difference between fitting 24 GiB and not.
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), weight_decay=0.0, foreach=on_cuda
         )
-        self.reference = None
-        if cfg.kl_coef > 0:
-            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
 
     @torch.no_grad()
     def log_probs(self, gen: Generation, *, reference: bool = False) -> torch.Tensor:
@@ -127,36 +129,36 @@ class Trainer:
         as the loss does, over this process's own tokens: the ranks' values are then merged weighted
         by each rank's tokens (rlsync.trainer.data_parallel.merge_ranks), which gives the whole batch's.
         """
-        self.model.train()
+        self.module.train()
         self.optimizer.zero_grad(set_to_none=False)
         total_tokens = gen.response_mask.sum() if batch_tokens is None else torch.tensor(batch_tokens)
         total_tokens = total_tokens.to(gen.response_mask.device).clamp(min=1)
         tokens_per_row = gen.response_mask.sum(dim=1).tolist()  # [batch]: one device sync serves all micro-batches
         loss_sum, token_sums = 0.0, {}  # per-token metric -> its sum over this process's answer tokens
-        for start in range(0, gen.sequences.shape[0], self.cfg.micro_batch_size):
+        starts = range(0, gen.sequences.shape[0], self.cfg.micro_batch_size)
+        for start in starts:
             rows = slice(start, start + self.cfg.micro_batch_size)
-            logp = _answer_logprobs(self.model, gen, rows, allowed=self.allowed, temperature=self.temperature)
-            mask = gen.response_mask[rows]
-            loss, micro_means = grpo_loss(
-                logp,
-                old_logp[rows],
-                advantages[rows],
-                mask,
-                clip_eps=self.cfg.clip_eps,
-                ref_logp=None if ref_logp is None else ref_logp[rows],
-                kl_coef=self.cfg.kl_coef,
-            )
-            weight = mask.sum() / total_tokens  # token-level mean over the whole batch
-            (loss * weight).backward()
+            with self.parallel.micro_batch(self.module, last=start == starts[-1]):  # data parallel: sync on the last
+                logp = _answer_logprobs(self.module, gen, rows, allowed=self.allowed, temperature=self.temperature)
+                mask = gen.response_mask[rows]
+                loss, micro_means = grpo_loss(
+                    logp,
+                    old_logp[rows],
+                    advantages[rows],
+                    mask,
+                    clip_eps=self.cfg.clip_eps,
+                    ref_logp=None if ref_logp is None else ref_logp[rows],
+                    kl_coef=self.cfg.kl_coef,
+                )
+                weight = mask.sum() / total_tokens  # token-level mean over the whole batch
+                (loss * (weight * self.parallel.loss_scale)).backward()  # the wrappers average over ranks
             loss_sum += (loss * weight).item()
             micro_tokens = sum(tokens_per_row[rows])
             for key, mean in micro_means.items():
                 token_sums[key] = token_sums.get(key, 0.0) + mean * micro_tokens
         own_tokens = max(sum(tokens_per_row), 1)
         metrics = {key: total / own_tokens for key, total in token_sums.items()}
-        if self.grad_sync is not None:
-            metrics.update(self.grad_sync(list(self.model.parameters())))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        grad_norm = self.parallel.clip_grad_norm(list(self.model.parameters()), self.cfg.grad_clip)
         self.optimizer.step()
-        self.model.eval()
-        return {"train/loss": loss_sum, "train/grad_norm": float(grad_norm), **metrics}
+        self.module.eval()
+        return {"train/loss": loss_sum, "train/grad_norm": grad_norm, **metrics}

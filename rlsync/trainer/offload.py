@@ -67,6 +67,17 @@ OFFLOAD_MEMORY = ("auto", "twin", "move")  # trainer.offload_memory's choices
 PIN_CHUNK_BYTES = 1024 * MIB  # a power of two: the caching host allocator rounds each chunk up to one
 
 
+def fsdp_params(model: nn.Module) -> dict[int, object]:
+    """id(sharded parameter) -> its FSDPParam, for a model torch's fully_shard sharded (empty otherwise)."""
+    found = {}
+    for module in model.modules():
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        for group in getattr(state, "_fsdp_param_groups", None) or ():
+            for fsdp_param in group.fsdp_params:
+                found[id(fsdp_param.sharded_param)] = fsdp_param
+    return found
+
+
 def resolve_memory(memory: str, device: torch.device) -> str:
     """twin or move: `auto` is move where the device is host memory (a CPU run), twin on CUDA."""
     if memory == "auto":
@@ -119,6 +130,7 @@ class SegmentSlot:
     tensor: torch.Tensor
     offset: int  # elements from the segment's start
     shape: torch.Size
+    follow: Callable[[torch.Tensor], None] | None = None  # re-points a tensor that views this one (an FSDP2 shard)
 
 
 @dataclass
@@ -169,6 +181,8 @@ class Segment:
         """Make `buffer` the segment's home: every tensor (same object) now views it."""
         for slot in self.slots:
             slot.tensor.data = self.view(buffer, slot)
+            if slot.follow is not None:
+                slot.follow(slot.tensor)
         self.buffer = buffer
 
 
@@ -179,6 +193,7 @@ class Placement:
     shape: torch.Size
     dtype: torch.dtype
     install: Callable[[torch.Tensor], torch.Tensor]  # view -> the tensor that now lives there
+    follow: Callable[[torch.Tensor], None] | None = None  # after each move: re-point what views the tensor
 
     @property
     def numel(self) -> int:
@@ -189,15 +204,31 @@ class Placement:
         return self.numel * self.dtype.itemsize
 
     @staticmethod
-    def move(t: torch.Tensor) -> Placement:
+    def move(t: torch.Tensor, follow: Callable[[torch.Tensor], None] | None = None) -> Placement:
         """An existing tensor: copied in, then re-pointed (same object; its old storage is freed now)."""
 
         def install(view: torch.Tensor) -> torch.Tensor:
             view.copy_(t)
             t.data = view
+            if follow is not None:
+                follow(t)
             return t
 
-        return Placement(t.shape, t.dtype, install)
+        return Placement(t.shape, t.dtype, install, follow)
+
+    @staticmethod
+    def shard(fsdp_param) -> Placement:
+        """An FSDP2 parameter's shard (torch fully_shard's FSDPParam): its padded flat storage moves (what the
+        all-gather reads), and the DTensor's local tensor, a narrow view of it, follows (what AdamW updates)."""
+        if fsdp_param.fsdp_placement.dim != 0:
+            raise ValueError("offload of FSDP2 shards: parameters sharded on dim 0 only")
+        local = fsdp_param.sharded_param._local_tensor
+        padded, length = fsdp_param.padded_sharded_param_size, local.size(0) if local.numel() else 0
+
+        def follow(flat: torch.Tensor) -> None:
+            local.data = flat.view(padded).narrow(0, 0, length)
+
+        return Placement.move(fsdp_param._sharded_param_data, follow)
 
     @staticmethod
     def create(like: torch.Tensor, assign: Callable, where) -> Placement:
@@ -295,12 +326,24 @@ class Offloader:
     def _lay_out(self) -> None:
         """Give every tensor its place in a segment of its dtype, gradients last."""
         travelling, grads = [], []
-        travelling += [Placement.move(p) for p in dict.fromkeys(self.model.parameters())]  # tied weights once
+        shards = fsdp_params(self.model)  # trainer.parallel=fsdp2: each rank lays out its own shards
+        travelling += [
+            Placement.shard(shards[id(p)]) if id(p) in shards else Placement.move(p)
+            for p in dict.fromkeys(self.model.parameters())  # tied weights once
+        ]
         for group in self.optimizer.param_groups if self.optimizer is not None else []:
             keys = adam_state_keys(self.optimizer, group)
             for p in (p for p in group["params"] if p.requires_grad):  # Adam skips the frozen ones
                 state = self.optimizer.state[p]
                 state.setdefault("step", adam_step(group, p))
+                if id(p) in shards:  # a DTensor's state and gradient are DTensors: made now, their local shards move
+                    for k in keys:
+                        state.setdefault(k, torch.zeros_like(p, memory_format=torch.preserve_format))
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    travelling += [Placement.move(state[k]._local_tensor) for k in keys]
+                    grads.append(Placement.move(p.grad._local_tensor))
+                    continue
                 travelling += [
                     Placement.move(state[k]) if k in state else Placement.create(p, state.__setitem__, k) for k in keys
                 ]
@@ -332,7 +375,7 @@ class Offloader:
         offset = 0
         for pl in placements:
             tensor = pl.install(segment.typed(segment.buffer)[offset : offset + pl.numel].view(pl.shape))
-            slot = SegmentSlot(tensor, offset, pl.shape)
+            slot = SegmentSlot(tensor, offset, pl.shape, pl.follow)
             segment.slots.append(slot)
             self.slots[id(slot.tensor)] = (segment, slot)
             offset += pl.numel
