@@ -1,5 +1,6 @@
 """The planner (rlsync.plan): the cost model's fit, plan.json, its flags, calibration end to end, the
-comparison with benchmark runs. All fast but `test_calibrate_quick_end_to_end` (about 30 s)."""
+comparison with benchmark runs, the shipped reference calibration. All fast but
+`test_calibrate_quick_end_to_end` (about 30 s)."""
 
 from __future__ import annotations
 
@@ -258,6 +259,8 @@ def test_calibrate_quick_end_to_end_then_compare_and_refit(tmp_path):
     assert data["floor_gbps"] > 0 and set(data["coefficients_at_floor"]) == set(data["coefficients"])
     assert plan["prediction"]["at_floor"]["floor_gbps"] == pytest.approx(data["floor_gbps"])
     assert "Calibration written to" in proc.stdout and "Predicted update time:" in proc.stdout
+    assert "calibration: 9 benchmark jobs, about " in proc.stdout  # its duration, from the reference's jobs
+    assert "UNDERDETERMINED" not in proc.stdout  # the quick grid determines every coefficient it reports
 
     # the comparison table: the calibration's own tiny runs against the plan
     out = tmp_path / "compare.md"
@@ -401,3 +404,137 @@ def test_the_plan_counts_the_cache_of_the_calibration_machine(compose):
     cal["machine"]["cuda"] = True  # a GPU calibration: its copies are not the CPU's
     on_gpu = planner.make_plan(cfg, calibration=cal, calibration_where="test", bucket_sizes=[512])["prediction"]
     assert on_gpu["moved_bytes"] == without["moved_bytes"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Out of the box: the shipped reference calibration, a quick calibration that determines its
+# coefficients, published-figure profiles with a range, the "does not fit" flag, real durations
+# ----------------------------------------------------------------------------------------------
+
+
+def planned_rows(jobs: list[tuple]) -> list[dict]:
+    """Each calibration job's work from its model's shapes alone (no run): the rows the fit would see."""
+    import torch
+
+    from rlsync.config.schema import ModelConfig
+    from rlsync.measure.threads import pooled
+    from rlsync.plan.calibrate import model_keys
+    from rlsync.run.memory_check import param_shapes
+    from rlsync.sync.buckets import TensorMeta, plan_buckets
+
+    rows = []
+    for model, transport, strategy, bucket_mb, flat in jobs:
+        metas = [TensorMeta(n, tuple(s), torch.bfloat16) for n, s in param_shapes(ModelConfig(**model_keys(model)))]
+        setup = cost.Setup(transport, strategy, flat)
+        w = cost.work(
+            setup,
+            tensors=len(metas),
+            buckets=len(plan_buckets(metas, int(bucket_mb * 2**20))),
+            elements=sum(m.numel for m in metas),
+            trainer_dtype="float32",
+            engine_dtype="bfloat16",
+            pooled=sum(pooled(m.numel) for m in metas),
+        )
+        rows.append({"setup": setup.key, "calls": w.calls, "tensors": w.tensors, "pooled": w.pooled, "bytes": w.bytes})
+    return rows
+
+
+def test_the_quick_calibration_determines_every_coefficient():
+    """plan.calibrate_quick=true: per setup more runs than coefficients, and calls, tensors (pooled ones
+    for per_tensor) and bytes varied independently (full rank); the two models it had before did not."""
+    from rlsync.plan.calibrate import grid, underdetermined
+
+    jobs = grid(quick=True, flat=True, transports=("direct", "ipc"))
+    rows = planned_rows(jobs)
+    setups = {r["setup"] for r in rows}
+    assert setups == {f"{t}/{s}" for t in ("direct", "ipc") for s in ("bucketed", "bucketed/flat", "per_tensor")}
+    assert {key: underdetermined(key, rows, 0) for key in setups} == dict.fromkeys(setups)
+    before = [row for row, job in zip(rows, jobs) if job[0] in ("tiny", "deep")]
+    assert all(underdetermined(key, before, 0) for key in setups)
+    assert "UNDERDETERMINED" in "\n".join(calibration_lines_of(before))
+
+
+def calibration_lines_of(rows: list[dict]) -> list[str]:
+    from rlsync.plan.calibrate import coefficient_lines
+
+    coef = {r["setup"]: cost.Coefficients(1e-5, 1e-6, 1e-10, points=3).as_dict() for r in rows}
+    return coefficient_lines({"coefficients": coef, "observations": rows})
+
+
+def test_the_shipped_reference_calibration_is_a_real_one_of_a_described_machine():
+    import tomllib
+
+    from rlsync.plan.calibrate import GRID, underdetermined
+
+    data = profiles.reference()
+    assert data["reference"] is True and data["measured"] is True and profiles.calibration_problem(data) is None
+    assert {"cpus", "cpu_model", "host_memory_bytes", "torch", "date", "device", "load_average"} <= set(data["machine"])
+    assert data["seconds"] > 60 and all(r["wall_s"] > 0 for r in data["observations"])
+    assert {r["model"] for r in data["observations"]} == {m for m, *_ in GRID}  # the full grid, not the quick one
+    assert "direct/bucketed/flat" in data["coefficients"]  # the default plan's setup (flat weights, auto)
+    assert {key: underdetermined(key, data["observations"], 0) for key in data["coefficients"]} == dict.fromkeys(
+        data["coefficients"]
+    )
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert profiles.REFERENCE.relative_to(ROOT / "rlsync" / "plan").as_posix() == "reference/cpu.json"
+    assert "reference/*.json" in package_data["rlsync.plan"]  # in the wheel
+
+
+def test_a_fresh_install_plans_qwen3_30b_a3b_with_the_reference(tmp_path):
+    """No calibration of this machine (an empty cache): the reference answers, marked as such, with a range;
+    the 30B model does not fit in this machine's RAM, and the plan says so."""
+    run_dir = tmp_path / "run"
+    proc = run_main(
+        "model=qwen3_30b_a3b", f"hydra.run.dir={run_dir}", module="rlsync.plan", XDG_CACHE_HOME=str(tmp_path / "cache")
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "Calibration: reference cpu.json (shipped with rlsync; none of this machine at" in out and "REFERENCE" in out
+    assert "plan.calibrate=true measures this machine (about " in out and "a few minutes" not in out
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("Predicted update time")]
+    assert line.startswith("Predicted update time (reference calibration): ") and "n/a" not in line
+    plan = json.loads((run_dir / "plan.json").read_text())
+    pred = plan["prediction"]
+    assert plan["calibration"]["reference"] is True and 0 < pred["low_s"] < pred["time_s"] < pred["high_s"]
+    assert "Flag does_not_fit: DOES NOT FIT in this machine's RAM" in out
+    assert any(f["kind"] == "does_not_fit" for f in plan["flags"])
+
+
+def plan_cfg(compose, *overrides: str):
+    from omegaconf import OmegaConf
+
+    from rlsync.config.schema import PlanAppConfig, to_config
+
+    cfg = compose(*overrides)
+    return to_config(OmegaConf.structured(PlanAppConfig(**vars(cfg))), PlanAppConfig)
+
+
+def test_a_gpu_profile_predicts_a_range_and_flags_a_run_that_does_not_fit(compose):
+    where, h200 = profiles.resolve("h200")
+    small = planner.make_plan(plan_cfg(compose, "model=qwen3_0p6b"), calibration=h200, calibration_where=where,
+                              bucket_sizes=[512])  # fmt: skip
+    pred = small["prediction"]
+    assert pred["low_s"] == pytest.approx(0.8 * pred["time_s"]) and pred["high_s"] == pytest.approx(2 * pred["time_s"])
+    assert "does_not_fit" not in {f["kind"] for f in small["flags"]}
+    assert small["memory"]["capacity_bytes"] == 143771 * 2**20
+    where, a100 = profiles.resolve("a100")
+    big = planner.make_plan(plan_cfg(compose, "model=qwen3_8b"), calibration=a100, calibration_where=where,
+                            bucket_sizes=[512])  # fmt: skip
+    (flag,) = [f for f in big["flags"] if f["kind"] == "does_not_fit"]
+    assert flag["bytes"] == big["memory"]["run_peak_device_bytes"] > 80 * 2**30
+    assert flag["message"].startswith("DOES NOT FIT in NVIDIA A100-SXM4-80GB (80.0 GiB): a whole run needs ")
+    assert "per device" in flag["message"] and "Flag does_not_fit: DOES NOT FIT" in planner.render(big)
+
+
+def test_the_calibration_says_how_long_it_takes():
+    """From the reference calibration's own job times, not "a few minutes"."""
+    from rlsync.plan.calibrate import calibrate_hint, estimate_seconds, fmt_minutes, grid
+
+    ref = profiles.reference()
+    full = estimate_seconds(grid(quick=False, flat=True, transports=("direct", "ipc")), ref)
+    assert full == pytest.approx(ref["seconds"])  # its own grid: the time it took, reruns included
+    quick = estimate_seconds(grid(quick=True, flat=True, transports=("direct", "ipc")), ref)
+    assert 0 < quick < full / 2
+    assert f"about {fmt_minutes(full)} on the reference's 2 cores" in calibrate_hint()
+    assert f"plan.calibrate_quick=true about {fmt_minutes(quick)}" in calibrate_hint()
+    assert "a few minutes" not in profiles.describe("x", None, calibrate_hint())

@@ -653,11 +653,13 @@ def test_real_two_by_two_sweep(tmp_path: Path) -> None:
         metrics = json.loads((sweep / job / "summary.json").read_text())["metrics"]
         assert float(row["update_time_median"]) == metrics["perf/update_weights_time"]["median"]
         assert float(row["step_time_median"]) == metrics["perf/step_time"]["median"]
-    for name in PLOTS:
-        if name != "update_time_vs_bytes.png":
+    for name in (*PLOTS, "update_phases.png"):
+        if name not in ("update_time_vs_bytes.png", "peak_memory_vs_bucket.png"):
             assert (sweep / name).read_bytes()[:8] == PNG_SIGNATURE, name
     # one measured step per run and two update sizes: a line through them would be noise, and the report says so
     md = (sweep / "report.md").read_text()
+    # flat engine weights (the HF engine's default) stage nothing: a memory plot at 0 is not drawn
+    assert "peak_memory_vs_bucket.png skipped: every run's update held 0 bytes" in md
     assert "No fit: two update sizes only, and runs 0, 1, 2, 3 measured fewer than 3 steps" in md
     assert "update_time_vs_bytes.png skipped" in md and not (sweep / "update_time_vs_bytes.png").exists()
     assert "too few to tell a real difference from noise (raise run.steps)" in md  # the best-setting warning
@@ -704,7 +706,7 @@ def test_malformed_summaries_are_failed_runs_with_one_line_each(tmp_path: Path) 
     assert "metrics is list [1, 2, 3], not an object" in proc.stdout
     assert 'measured_steps is str "four", not an integer' in proc.stdout
     assert "not valid JSON" in proc.stdout and "holds a list" in proc.stdout
-    assert f"1 runs reported, {len(MALFORMED)} failed." in (root / "report.md").read_text()
+    assert f"1 run reported, {len(MALFORMED)} failed." in (root / "report.md").read_text()
 
 
 def test_an_output_path_under_a_file_ends_with_one_line_naming_it(sweep: Path, tmp_path: Path) -> None:

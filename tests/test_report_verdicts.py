@@ -177,7 +177,11 @@ def test_real_bench_sweep_reported_twice_keeps_one_wandb_report_run(tmp_path: Pa
 
     result = write_report([sweep], log_wandb=False)  # in this process, so `drawn` sees the plots
     ax = drawn["update_time_vs_bucket.png"].axes[0]
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["tiny, direct, bucketed", "tiny, ipc, bucketed"]
+    # the HF engine's default: flat engine weights (update.flat_engine_weights=null), named in the series
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "tiny, direct flat, bucketed",
+        "tiny, ipc flat, bucketed",
+    ]
     assert {r["transport"] for r in result.rows} == {"direct", "ipc"}
 
     report = run_report(str(sweep), env=offline_env(tmp_path))

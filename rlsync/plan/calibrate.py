@@ -6,6 +6,8 @@ process) over models built from the model.* keys, bucket sizes, strategies and t
 that calls, tensors and bytes vary independently enough to separate the three coefficients:
 
 - `tiny` (46 tensors, 5 MiB), `deep` (64 narrow layers: 706 tensors, under 9 MiB: calls and tensors),
+  `slab` (a 65536-token embedding and one layer: 13 tensors, 68 MiB: bytes, cheaply),
+  `pool` (8 layers whose tensors all but the norms copy on torch's thread pool: 90 tensors, 57 pooled),
   `wide` (a 151936-token embedding and 2 wide layers: 24 tensors, 0.4 GiB: bytes),
   `qwen3_0p6b` (310 tensors, 1.1 GiB: the largest allowed, near the sizes planned);
 - bucketed at 512 MiB (few calls) and at small buckets (a call per tensor or so), and per_tensor
@@ -13,17 +15,23 @@ that calls, tensors and bytes vary independently enough to separate the three co
   pool (the others), and bytes (wide) each cost their own);
 - direct and ipc (flat engine weights too with `plan.calibrate_flat=true`).
 
+`plan.calibrate_quick=true` keeps the four small models (tiny, deep, slab, pool): per setup still more
+runs than coefficients, varying calls, tensors (pooled tensors for per_tensor) and bytes independently,
+so that each coefficient it reports is determined (`underdetermined` checks the design matrix's rank).
+
 Every job writes its run directory (summary.json) under the calibration's output dir, so the fit can
-be redone from them (`plan.fit_from=DIR`, which reads any bench runs the same way).
+be redone from them (`plan.fit_from=DIR`, which reads any bench runs the same way). Each job's wall
+time is kept in the calibration file (`wall_s`): the shipped reference calibration's say how long a
+calibration takes (`estimate_seconds`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import json
 import math
 import statistics
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -31,6 +39,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
+from rlsync.config.files import SUMMARY_MAX, UnreadableFile, read_json
 from rlsync.config.schema import BenchAppConfig, Config
 from rlsync.plan import cost, profiles
 
@@ -54,41 +63,66 @@ WIDE = {
     "head_dim": 128,
     "vocab_size": 151936,
 }
+SLAB = {  # bytes for few tensors and little time: the quick calibration's per-byte lever
+    "name": "slab",
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 65536,
+    "tie_word_embeddings": True,
+}
+POOL = {  # every tensor but the norms over the pool grain (32768 elements): the pooled-tensor lever
+    "name": "pool",
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "vocab_size": 512,
+    "tie_word_embeddings": True,
+}
+OWN_MODELS = {"deep": DEEP, "wide": WIDE, "slab": SLAB, "pool": POOL}
 PRESETS = Path(__file__).resolve().parent.parent / "conf" / "model"
 
 
 def model_keys(name: str) -> dict:
     """model.* of a preset (rlsync/conf/model/NAME.yaml) or of the calibration's own shapes."""
-    own = {"deep": DEEP, "wide": WIDE}
-    if name in own:
-        return dict(own[name])
+    if name in OWN_MODELS:
+        return dict(OWN_MODELS[name])
     return dict(OmegaConf.to_container(OmegaConf.load(PRESETS / f"{name}.yaml")))
 
 
 # (model, transport, strategy, bucket_mb): the grid; small buckets give many calls for few bytes
 GRID = [
-    ("tiny", "direct", "bucketed", 512),
-    ("deep", "direct", "bucketed", 512),
-    ("deep", "direct", "bucketed", 0.0625),
-    ("wide", "direct", "bucketed", 512),
-    ("qwen3_0p6b", "direct", "bucketed", 512),
-    ("qwen3_0p6b", "direct", "bucketed", 4),
-    ("tiny", "direct", "per_tensor", 512),
-    ("deep", "direct", "per_tensor", 512),
-    ("wide", "direct", "per_tensor", 512),
-    ("qwen3_0p6b", "direct", "per_tensor", 512),
-    ("tiny", "ipc", "bucketed", 512),
-    ("deep", "ipc", "bucketed", 512),
-    ("deep", "ipc", "bucketed", 0.0625),
-    ("wide", "ipc", "bucketed", 512),
-    ("qwen3_0p6b", "ipc", "bucketed", 512),
-    ("qwen3_0p6b", "ipc", "bucketed", 4),
-    ("tiny", "ipc", "per_tensor", 512),
-    ("deep", "ipc", "per_tensor", 512),
-    ("wide", "ipc", "per_tensor", 512),
-    ("qwen3_0p6b", "ipc", "per_tensor", 512),
+    (model, transport, strategy, bucket_mb)
+    for transport in ("direct", "ipc")
+    for model, strategy, bucket_mb in (
+        ("tiny", "bucketed", 512),
+        ("deep", "bucketed", 512),
+        ("deep", "bucketed", 0.0625),
+        ("slab", "bucketed", 512),
+        ("pool", "bucketed", 512),
+        ("wide", "bucketed", 512),
+        ("qwen3_0p6b", "bucketed", 512),
+        ("qwen3_0p6b", "bucketed", 4),
+        ("tiny", "per_tensor", 512),
+        ("deep", "per_tensor", 512),
+        ("slab", "per_tensor", 512),
+        ("pool", "per_tensor", 512),
+        ("wide", "per_tensor", 512),
+        ("qwen3_0p6b", "per_tensor", 512),
+    )
 ]
-QUICK_MODELS = ("tiny", "deep")  # plan.calibrate_quick=true: seconds, for tests and smoke runs
+QUICK_MODELS = (
+    "tiny",
+    "deep",
+    "slab",
+    "pool",
+)  # plan.calibrate_quick=true: the small ones, every coefficient still determined
 
 
 def grid(*, quick: bool, flat: bool, transports: Iterable[str]) -> list[tuple[str, str, str, float, bool]]:
@@ -183,13 +217,22 @@ def floor_s_per_byte(summary: dict) -> Optional[float]:
 AGAIN = "_again"  # a calibration job run again (RETRY_RESIDUAL): its directory is the first's name plus this
 
 
-def observations_under(root: Path) -> list[cost.Observation]:
-    """Every finished update benchmark under `root`; of a calibration job and its rerun, the faster."""
+def observations_under(root: Path, warn=None) -> list[cost.Observation]:
+    """Every finished update benchmark under `root`; of a calibration job and its rerun, the faster.
+    A summary.json that cannot be read or has the wrong shape is skipped with one line (`warn`, else stderr)."""
+    warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
     found: dict[str, cost.Observation] = {}
     for path in sorted(Path(root).rglob("summary.json")):
         try:
-            o = observation(json.loads(path.read_text()), str(path.parent))
-        except (ValueError, KeyError, TypeError):
+            data = read_json(path, max_bytes=SUMMARY_MAX)  # a regular file only: a FIFO would block
+            o = observation(data, str(path.parent)) if isinstance(data, dict) else None
+            if not isinstance(data, dict):
+                warn(f"rlsync: warning: skipped {path}: it holds a JSON {type(data).__name__}, not an object")
+        except UnreadableFile as err:
+            warn(f"rlsync: warning: skipped {path}: {err}")
+            o = None
+        except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError) as err:
+            warn(f"rlsync: warning: skipped {path}: not a summary the fit can read ({type(err).__name__}: {err})")
             o = None
         key = str(path.parent).removesuffix(AGAIN)
         if o is not None and (key not in found or o.time_s < found[key].time_s):
@@ -225,12 +268,15 @@ def calibration_file(observations: list[cost.Observation], *, device: str, secon
                 "bucket_mb": o.extra.get("bucket_mb"),
                 "calls": o.work.calls,
                 "tensors": o.work.tensors,
+                "pooled": o.work.pooled,
                 "bytes": o.work.bytes,
                 "time_s": o.time_s,
                 "spread": o.spread,
                 "fitted_s": fitted,
                 "floor_gbps": 1e-9 / o.floor_s_per_byte if o.floor_s_per_byte else None,
                 "rel_error": (o.time_s - fitted) / fitted if fitted else None,
+                "flat": o.setup.flat,
+                "wall_s": o.extra.get("wall_s"),  # the job's own duration, build included (estimate_seconds)
                 "source": o.source,
             }
         )
@@ -264,6 +310,7 @@ def calibrate(cfg, out_dir: Path, *, log=print) -> dict:
 
     p = cfg.plan
     jobs = grid(quick=p.calibrate_quick, flat=p.calibrate_flat, transports=p.calibrate_transports)
+    log(f"calibration: {len(jobs)} benchmark jobs, {duration_line(jobs)}")
     started = time.perf_counter()
     runs = Path(out_dir) / "calibration"
     observations: dict[int, cost.Observation] = {}
@@ -303,6 +350,8 @@ def run_job(cfg, runs: Path, i: int, job: tuple, *, log, label: str, suffix: str
     except Exception as err:  # one failed job (out of memory, say) leaves the others to fit
         summary = {"error": f"{type(err).__name__}: {err}"}
     o = observation(summary or {}, str(runs / name))
+    if o:
+        o.extra["wall_s"] = time.perf_counter() - t0
     log(
         f"calibration {label} {name}: "
         + (
@@ -320,24 +369,100 @@ def coefficient_lines(data: dict) -> list[str]:
     out = []
     for key, c in sorted(data["coefficients"].items()):
         bw = c.get("bandwidth_gbps")
+        why = underdetermined(key, data.get("observations") or [], c.get("points", 0))
         out.append(
             f"  {key:22s} per call {c['per_call_s'] * 1e6:9.2f} us, per tensor {c['per_tensor_s'] * 1e6:8.2f} us, "
             f"{f'{bw:.2f} GB/s' if bw else 'bytes unresolved':>12s}; {c.get('points', 0)} runs, residual max "
             f"{c.get('rel_residual_max', 0) * 100:.1f} % rms {c.get('rel_residual_rms', 0) * 100:.1f} %, "
             f"repeat spread {c.get('repeat_spread', 0) * 100:.1f} %"
-            + (
-                " (UNDERDETERMINED: no more runs than coefficients, so the residual says nothing; "
-                "calibrate with plan.calibrate=true)"
-                if c.get("points", 0) <= coefficient_count(key)
-                else ""
-            )
+            + (f" (UNDERDETERMINED: {why}; calibrate with plan.calibrate=true)" if why else "")
         )
     return out
 
 
+def design_rows(key: str, observations: list[dict]) -> list[list[float]]:
+    """The fit's design matrix for `key` from a calibration file's observation rows (cost.Work.row)."""
+    per_tensor = cost.Setup.from_key(key).strategy == "per_tensor"
+    return [
+        [r["calls"], (r.get("pooled") or 0) if per_tensor else r["tensors"], r["bytes"]]
+        for r in observations
+        if r.get("setup") == key
+    ]
+
+
+def underdetermined(key: str, observations: list[dict], points: int) -> Optional[str]:
+    """Why `key`'s coefficients are not all determined by its runs, or None: a term no run has (a column
+    of zeros) is left out; the rest needs more runs than terms (else the residual says nothing) and runs
+    that vary the terms independently (a design matrix of full rank, columns scaled to unit norm)."""
+    import numpy as np
+
+    rows = design_rows(key, observations)
+    if not rows:  # a file without its rows (a report's fit, an old file): the count is all there is
+        return f"{points} runs for {coefficient_count(key)} coefficients" if points <= coefficient_count(key) else None
+    a = np.asarray(rows, dtype=float)
+    a = a[:, np.abs(a).sum(axis=0) > 0]
+    a = a / np.linalg.norm(a, axis=0)
+    terms = a.shape[1]
+    if len(rows) <= terms:
+        return f"{len(rows)} runs for {terms} coefficients, so the residual says nothing"
+    if np.linalg.matrix_rank(a, tol=1e-6) < terms:
+        return "its runs do not vary calls, tensors and bytes independently"
+    return None
+
+
 def coefficient_count(key: str) -> int:
-    """Free coefficients of a setup: per_tensor folds its tensor term into its calls."""
-    return 2 if cost.Setup.from_key(key).strategy == "per_tensor" else 3
+    """Free coefficients of a setup: calls, tensors (per_tensor: the pooled tensors) and bytes."""
+    return 3
+
+
+def estimate_seconds(jobs: list[tuple], reference: Optional[dict]) -> Optional[float]:
+    """How long `jobs` take, from the wall times of the same jobs in `reference` (a calibration file, the
+    shipped one): each job's own (model, setup, bucket size), else the median job's; scaled by the
+    reference's whole duration over its jobs' (its reruns of the jobs off the fit, the final fit), so
+    that the reference's own grid comes out at the time it really took. None without one."""
+    rows = [r for r in (reference or {}).get("observations", []) if r.get("wall_s")]
+    if not rows:
+        return None
+    walls = {(r["model"], r["setup"], r.get("bucket_mb")): r["wall_s"] for r in rows}
+    typical = statistics.median(r["wall_s"] for r in rows)
+    total = 0.0
+    for model, transport, strategy, bucket_mb, flat in jobs:
+        key = cost.Setup(transport, strategy, flat).key
+        total += walls.get((model, key, float(bucket_mb)), typical)
+    whole = reference.get("seconds")
+    return total * (whole / sum(walls.values()) if whole and len(walls) == len(rows) else 1.0)
+
+
+def duration_line(jobs: list[tuple]) -> str:
+    """ "about 8.1 min (as the same jobs took for the reference calibration on a 2-core machine, ...)"."""
+    reference = profiles.reference()
+    seconds = estimate_seconds(jobs, reference)
+    if seconds is None:
+        return "duration unknown (no reference calibration to time it by)"
+    m = reference.get("machine", {})
+    load = m.get("load_average")
+    return (
+        f"about {fmt_minutes(seconds)} (as the same jobs took for the reference calibration on a "
+        f"{m.get('cpus', '?')}-core {m.get('device', '?')} machine{', load ' + format(load[0], '.1f') if load else ''})"
+    )
+
+
+def calibrate_hint() -> str:
+    """How to measure this machine, with the real durations (the reference calibration's jobs, timed)."""
+    ref = profiles.reference()
+    full = estimate_seconds(grid(quick=False, flat=True, transports=("direct", "ipc")), ref)
+    quick = estimate_seconds(grid(quick=True, flat=True, transports=("direct", "ipc")), ref)
+    if full is None or quick is None:
+        return "python -m rlsync.plan plan.calibrate=true measures this machine"
+    cpus = (ref.get("machine") or {}).get("cpus", "?")
+    return (
+        f"python -m rlsync.plan plan.calibrate=true measures this machine (about {fmt_minutes(full)} on the "
+        f"reference's {cpus} cores; plan.calibrate_quick=true about {fmt_minutes(quick)})"
+    )
+
+
+def fmt_minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
 def median_or_none(xs: list[float]) -> Optional[float]:

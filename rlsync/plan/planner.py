@@ -22,6 +22,7 @@ from rlsync.measure.limits import cache_resident_elements
 from rlsync.measure.threads import pooled
 from rlsync.model.build import torch_dtype
 from rlsync.plan import cost, profiles
+from rlsync.plan.calibrate import calibrate_hint
 from rlsync.run.memory_check import DTYPE_BYTES, estimate, param_shapes, staging_bytes
 from rlsync.sync.buckets import TensorMeta, plan_buckets
 
@@ -100,8 +101,11 @@ class Planner:
             pooled=self.pooled,
             cached=cache_resident_elements(setup.strategy, self.numels, buckets, self.dtype.itemsize, self.llc),
         )
+        pred = cost.predict(coef, w, setup)
+        low, high = self.range_of(setup.key, coef)
+        pred.update(low_s=pred["time_s"] * low, high_s=pred["time_s"] * high)
         return {
-            **cost.predict(coef, w, setup),
+            **pred,
             "calls": w.calls,
             "tensors": w.tensors,
             "pooled_tensors": w.pooled,
@@ -110,6 +114,20 @@ class Planner:
             "measured": self.measured,
             "at_floor": self.predict_at_floor(setup, w),
         }
+
+    def range_of(self, key: str, coef: cost.Coefficients) -> tuple[float, float]:
+        """The prediction's range as multiples of it. A profile's is its own (`range`: published figures);
+        a calibration's runs from its most negative to its most positive fitted residual (measured / fitted
+        - 1: on a shared machine load only slows a copy, so the two sides differ), each side at least the
+        repeats' median spread; a file without its runs: the worst residual either way (cost.predict)."""
+        spread = (self.calibration or {}).get("range")
+        if spread:
+            return spread["low"], spread["high"]
+        rel = [r["rel_error"] for r in (self.calibration or {}).get("observations", []) if r.get("setup") == key]
+        rel = [r for r in rel if isinstance(r, (int, float)) and not isinstance(r, bool)]
+        if not rel:
+            return max(0.0, 1 - coef.rel_error), 1 + coef.rel_error
+        return max(0.0, 1 + min(min(rel), -coef.repeat_spread)), 1 + max(max(rel), coef.repeat_spread)
 
     def predict_at_floor(self, setup: cost.Setup, w: cost.Work) -> Optional[dict]:
         """The model fitted with bytes in units of the copy floor: time at a given floor (GB/s read + written)
@@ -186,6 +204,9 @@ def make_plan(
     run_peak = estimate(cfg, cuda=cuda, runtime_bytes=0)
     t, e = DTYPE_BYTES[cfg.trainer.dtype], DTYPE_BYTES[cfg.rollout.dtype]
     update_alone = p.elements * (t + e) + sum(staging)
+    machine = (calibration or {}).get("machine") or {}
+    # what the run must fit in: the GPU's memory (a profile's or a GPU calibration's), else this machine's RAM
+    capacity = machine.get("memory_bytes") if cuda else profiles.host_memory_bytes()
     plan = {
         "kind": "plan",
         "schema": SCHEMA_VERSION,
@@ -214,7 +235,8 @@ def make_plan(
             "measured": p.measured if calibration else None,
             "machine": (calibration or {}).get("machine"),
             "dtypes": (calibration or {}).get("dtypes"),
-            "describe": profiles.describe(calibration_where, calibration),
+            "describe": profiles.describe(calibration_where, calibration, calibrate_hint()),
+            "reference": bool((calibration or {}).get("reference")),
         },
         "buckets": table,
         "prediction": prediction,
@@ -226,6 +248,8 @@ def make_plan(
             "update_alone_peak_bytes": update_alone,
             "run_peak_host_bytes": run_peak.host_bytes,
             "run_peak_device_bytes": run_peak.device_bytes or None,
+            "capacity_bytes": capacity,
+            "capacity_of": (machine.get("gpu") or machine.get("device") or "the GPU") if cuda else "this machine's RAM",
         },
     }
     plan["flags"] = flags(plan, configured)
@@ -280,6 +304,9 @@ def flags(plan: dict, configured: dict) -> list[dict]:
                 f"= {fmt_share(share)}: {verdict} (predicted)",
             }
         )
+    fit = does_not_fit(plan["memory"], bool(s["cuda"]))
+    if fit:
+        out.append(fit)
     pred = plan["prediction"]
     if pred:
         overhead = (pred["terms"]["calls_s"] + pred["terms"]["tensors_s"]) / pred["time_s"] if pred["time_s"] else None
@@ -292,6 +319,31 @@ def flags(plan: dict, configured: dict) -> list[dict]:
             }
         )
     return out
+
+
+def does_not_fit(mem: dict, cuda: bool) -> Optional[dict]:
+    """The flag when the plan's memory exceeds the device's: a whole run's peak (per device on a GPU,
+    the host's on a CPU) or the update alone's, against `capacity_bytes`; None when it fits or is unknown."""
+    capacity = mem.get("capacity_bytes")
+    run = mem["run_peak_device_bytes"] if cuda else mem["run_peak_host_bytes"]
+    alone = mem["update_alone_peak_bytes"]
+    if not capacity or max(run or 0, alone) <= capacity:
+        return None
+    where = f"{mem['capacity_of']} ({fmt_bytes(capacity)})"
+    parts = []
+    if run and run > capacity:
+        parts.append(f"a whole run needs {fmt_bytes(run)}{' per device' if cuda else ''}")
+    parts.append(
+        f"the update alone (rlsync.bench) needs {fmt_bytes(alone)}" + (" too" if alone > capacity else ", which fits")
+    )
+    return {
+        "kind": "does_not_fit",
+        "bytes": max(run or 0, alone),
+        "capacity_bytes": capacity,
+        "message": f"DOES NOT FIT in {where}: {'; '.join(parts)} (estimated, runtime not counted): the run's "
+        "memory check would refuse it; shard the trainer (trainer.parallel=fsdp2 over more ranks), or a "
+        "smaller model or dtype",
+    }
 
 
 def render(plan: dict) -> str:
@@ -308,6 +360,8 @@ def render(plan: dict) -> str:
         "",
     ]
     unmeasured = "" if plan["calibration"]["measured"] is not False else " (unmeasured)"
+    if plan["calibration"].get("reference"):
+        unmeasured = " (reference calibration)"  # another machine's coefficients: said beside every time
     head = [
         "bucket",
         "buckets",
@@ -354,7 +408,11 @@ def render(plan: dict) -> str:
                 f"{fmt_seconds(f['overhead_s'])} per call and tensor + {f['floor_multiple']:.2f}x the floor's time for the moved bytes"
             )
     else:
-        lines.append(f"Predicted update time: n/a (no coefficients for {setup_of_plan(plan)} in the calibration)")
+        lines.append(
+            f"Predicted update time: n/a (no coefficients for {setup_of_plan(plan)} in the calibration"
+            + ("" if plan["calibration"]["machine"] is not None else "; none found")
+            + ")"
+        )
     peak_dev = f", device {fmt_bytes(mem['run_peak_device_bytes'])}" if mem["run_peak_device_bytes"] else ""
     lines.append(
         f"Memory: staging {fmt_bytes(mem['staging_bytes'])}; the update alone (rlsync.bench: trainer and "

@@ -6,8 +6,13 @@ the runs, whether they were measured at all, and the runs they were fitted from.
 `$XDG_CACHE_HOME/rlsync/calibration.json` (`~/.cache/rlsync/calibration.json`); `plan.calibration=PATH`
 picks another, or the name of a built-in profile.
 
+When the user has none, the planner uses the reference calibration shipped with the package
+(`rlsync/plan/reference/cpu.json`, a real calibration of the project's 2-core CPU machine, its machine
+recorded): a plan made with it says "REFERENCE" and "(reference calibration)" beside every prediction,
+since it is another machine's. `plan.calibration=reference` picks it whatever the user has.
+
 The built-in GPU profiles are seeded from published figures and estimates, not measured by rlsync:
-a plan made with one says "unmeasured" beside every prediction.
+a plan made with one says "unmeasured" beside every prediction, and its range is wide (`GPU_RANGE`).
 """
 
 from __future__ import annotations
@@ -18,10 +23,19 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from rlsync.config.files import CALIBRATION_MAX, UnreadableFile, read_json
+from rlsync.config.rules import number
+from rlsync.errors import ConfigError
 from rlsync.plan.cost import Coefficients
 
 KIND = "rlsync_calibration"
 VERSION = 1
+REFERENCE = Path(__file__).resolve().parent / "reference" / "cpu.json"
+REFERENCE_NAME = "reference"  # plan.calibration=reference
+# A published-figure profile's range, as multiples of its prediction: the bytes at 100 % down to 50 % of
+# the published copy rate (the updates measured here reach 0.4 to 0.7 of their copy floor), the call
+# costs guessed within a factor of about 2 either way (under 1 % of a large model's update).
+GPU_RANGE = {"low": 0.8, "high": 2.0}
 
 
 def default_path() -> Path:
@@ -29,7 +43,7 @@ def default_path() -> Path:
     return Path(base) / "rlsync" / "calibration.json"
 
 
-def gpu_profile(name: str, device: str, copy_tbps: float, source: str) -> dict:
+def gpu_profile(name: str, device: str, copy_tbps: float, source: str, memory_mib: int) -> dict:
     """A GPU profile: bandwidth from `copy_tbps` (read + written, TB/s); the per-call and per-tensor
     costs are order-of-magnitude guesses (a kernel launch ~5-10 us; a CUDA IPC message round trip
     between processes ~0.5-1 ms), to be replaced by `plan.calibrate=true` on that GPU."""
@@ -48,7 +62,8 @@ def gpu_profile(name: str, device: str, copy_tbps: float, source: str) -> dict:
         "measured": False,
         "name": name,
         "source": source,
-        "machine": {"device": device, "cuda": True},
+        "machine": {"device": device, "cuda": True, "memory_bytes": memory_mib * 2**20},  # nvidia-smi's total
+        "range": GPU_RANGE,
         "coefficients": {k: c.as_dict() for k, c in coef.items()},
     }
 
@@ -59,18 +74,21 @@ PROFILES = {  # plan.calibration=NAME
         "NVIDIA H200",
         4.3,
         "device-to-device copy ~4.3 TB/s read + written (design notes, one H200); call costs guessed",
+        143771,
     ),
     "h100": lambda: gpu_profile(
         "h100",
         "NVIDIA H100 80GB HBM3",
         2.6,
         "HBM3 3.35 TB/s published peak, ~80 % of it for a copy; call costs guessed",
+        81559,
     ),
     "a100": lambda: gpu_profile(
         "a100",
         "NVIDIA A100-SXM4-80GB",
         1.6,
         "HBM2e 2.0 TB/s published peak, ~80 % of it for a copy; call costs guessed",
+        81920,
     ),
 }
 
@@ -91,8 +109,10 @@ def machine_now(device: str = "cpu") -> dict:
         "cuda": device.startswith("cuda"),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
+    info.update(host_description())
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(device)
+        info["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
     else:  # the CPU copies' cache: the plan counts the bytes a staged copy reads back from it (cost.moved_bytes)
         from rlsync.measure.limits import llc_bytes
 
@@ -104,21 +124,101 @@ def machine_now(device: str = "cpu") -> dict:
     return info
 
 
+def host_description() -> dict:
+    """The CPU and memory the calibration ran on (/proc: model name, MemTotal), so that a reader of the
+    file knows whose machine it describes; {} where /proc says nothing."""
+    out = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            out["cpu_model"] = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    memory = host_memory_bytes()
+    if memory:
+        out["host_memory_bytes"] = memory
+        out.setdefault("memory_bytes", memory)  # a CPU calibration's device is the host
+    return out
+
+
+def host_memory_bytes() -> Optional[int]:
+    """This machine's RAM (MemTotal), None where /proc/meminfo is not."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def reference() -> Optional[dict]:
+    """The reference calibration shipped with rlsync (marked `reference: true`), None if it is missing."""
+    if not REFERENCE.is_file():
+        return None
+    data = read_json(REFERENCE, max_bytes=CALIBRATION_MAX)
+    return {**data, "reference": True} if not calibration_problem(data) else None
+
+
 def resolve(value: Optional[str]) -> tuple[str, Optional[dict]]:
-    """(where, the calibration or None when there is none yet) for `plan.calibration`."""
+    """(where, the calibration or None when there is none) for `plan.calibration`. With none given and
+    none at the default place, the shipped reference calibration (another machine's, marked as such)."""
     if value in PROFILES:
         return f"built-in profile {value}", PROFILES[value]()
+    if value == REFERENCE_NAME:
+        return f"reference {REFERENCE.name} (shipped with rlsync)", reference()
     path = Path(value).expanduser() if value else default_path()
     if not path.exists():
+        ref = None if value else reference()
+        if ref is not None:
+            return f"reference {REFERENCE.name} (shipped with rlsync; none of this machine at {path})", ref
         return str(path), None
-    data = json.loads(path.read_text())
-    if data.get("kind") != KIND:
-        raise ValueError(f"{path}: not an rlsync calibration file (kind={data.get('kind')!r})")
+    try:  # a regular file only (a FIFO would block), of bounded size and nesting, of the calibration's shape
+        data = read_json(path, max_bytes=CALIBRATION_MAX)
+        problem = calibration_problem(data)
+    except UnreadableFile as err:
+        problem = f"cannot read it: {err}"
+    if problem:
+        raise ConfigError(
+            "plan.calibration",
+            value if value else str(path),
+            f"a calibration file written by python -m rlsync.plan (JSON, kind {KIND}), or {', '.join(PROFILES)}",
+            problem,
+        )
     return str(path), data
 
 
+def calibration_problem(data) -> Optional[str]:
+    """What makes `data` no calibration the planner can read (its shape, its coefficients' numbers), or None."""
+    if not isinstance(data, dict):
+        return f"it holds a JSON {type(data).__name__}, not an object"
+    if data.get("kind") != KIND:
+        return f"not an rlsync calibration file (kind={data.get('kind')!r})"
+    for name, kind in (("machine", dict), ("dtypes", dict), ("observations", list)):
+        if name in data and not isinstance(data[name], kind):
+            return f"its {name} is a {type(data[name]).__name__}, not a {kind.__name__}"
+    for which in ("coefficients", "coefficients_at_floor"):
+        table = data.get(which, {})
+        if not isinstance(table, dict) or not all(isinstance(c, dict) for c in table.values()):
+            return f"its {which} is not an object of objects (setup -> coefficients)"
+        for setup, c in table.items():
+            missing = [k for k in ("per_call_s", "per_tensor_s", "per_byte_s") if k not in c]
+            if missing:
+                return f"{which}[{setup!r}] has no {missing[0]}"
+            bad = [k for k in Coefficients.__dataclass_fields__ if k in c and not number(c[k])]
+            if bad:
+                return f"{which}[{setup!r}].{bad[0]} is {c[bad[0]]!r}, not a number"
+    spread = data.get("range")  # a profile's range, multiples of the prediction
+    if spread is not None and not (
+        isinstance(spread, dict)
+        and all(number(spread.get(k)) for k in ("low", "high"))
+        and spread["low"] <= 1 <= spread["high"]
+    ):
+        return f"its range is {spread!r}, not {{low: <= 1, high: >= 1}}"
+    if data.get("floor_gbps") is not None and not number(data["floor_gbps"]):
+        return f"its floor_gbps is {data['floor_gbps']!r}, not a number"
+    return None
+
+
 def save(data: dict, value: Optional[str]) -> Path:
-    if value in PROFILES:
+    if value in PROFILES or value == REFERENCE_NAME:
         raise ValueError(f"plan.calibration={value} names a built-in profile: give a file path to write to")
     path = Path(value).expanduser() if value else default_path()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -133,18 +233,32 @@ def coefficients(data: Optional[dict], which: str = "coefficients") -> dict[str,
     return {k: Coefficients.from_dict(v) for k, v in (data or {}).get(which, {}).items()}
 
 
-def describe(where: str, data: Optional[dict]) -> str:
+def machine_line(m: dict) -> str:
+    """ "cpu (2 cpus, Intel(R) Xeon(R) ..., 23.5 GiB, torch 2.13.0+cpu, load 1.56)"."""
+    parts = [f"{m.get('cpus', '?')} cpus"]
+    parts += [m["cpu_model"]] if m.get("cpu_model") else []
+    parts += [f"{m['host_memory_bytes'] / 2**30:.1f} GiB"] if m.get("host_memory_bytes") else []
+    parts += [f"torch {m.get('torch', '?')}"]
+    load = m.get("load_average")
+    parts += [f"load {load[0]:.2f}"] if load else []
+    return f"{m.get('device', '?')} ({', '.join(parts)})"
+
+
+def describe(where: str, data: Optional[dict], hint: str = "python -m rlsync.plan plan.calibrate=true") -> str:
+    """The calibration in one line (two for the reference: how to measure this machine, `hint`)."""
     if data is None:
-        return (
-            f"no calibration at {where}: run python -m rlsync.plan plan.calibrate=true (a few minutes) to predict times"
-        )
+        return f"no calibration at {where}: {hint} to predict times"
     m = data.get("machine", {})
     if not data.get("measured", True):
         return f"{where}: UNMEASURED ({data.get('source', 'published figures')}), {m.get('device', '?')}"
-    load = m.get("load_average")
-    return (
-        f"{where}: measured {m.get('date', '?')} on {m.get('device', '?')} ({m.get('cpus', '?')} cpus, torch "
-        f"{m.get('torch', '?')}{', load ' + format(load[0], '.2f') if load else ''}), dtypes "
+    reference = (
+        "REFERENCE (another machine's: read its times as an order of magnitude), " if data.get("reference") else ""
+    )
+    line = (
+        f"{where}: {reference}measured {m.get('date', '?')} on {machine_line(m)}, dtypes "
         f"{data.get('dtypes', {}).get('trainer', '?')} -> {data.get('dtypes', {}).get('engine', '?')}, "
         f"{len(data.get('observations', []))} runs"
     )
+    if reference:
+        line += f"\n  {hint}"
+    return line

@@ -1,8 +1,14 @@
 """The report's PNG plots (matplotlib, Agg backend: no display needed).
 
 Each plot reads the table rows of `rlsync.report.table_row` (raw seconds and bytes) and either draws
-its file or returns why it could not (too few points), so that one missing series never costs the
-other plots; a plot that draws may still return a note on what it left out. `write_plots` runs them all.
+its file or returns why it could not (too few points, nothing worth drawing), so that one missing
+series never costs the other plots; a plot that draws may still return a note on what it left out.
+`write_plots` runs them all.
+
+What every plot shares: axes named by the metrics catalogue's labels and units (rlsync/measure/metrics.py),
+never by metric ids; one series per model x transport (flat or not, engine) x strategy, labelled
+"tiny, ipc, bucketed"; bucket sizes on a log2 axis; bars one per run, horizontal, so that a run's
+label (job, model, transport, strategy, bucket) has its own line and never overlaps another's.
 """
 
 from __future__ import annotations
@@ -17,11 +23,18 @@ from typing import Any, Optional
 from rlsync import fmt
 from rlsync.fmt import MIB
 from rlsync.measure import metrics
-from rlsync.report.table import PER_TENSOR, Fit, FitGroup, common_overrides, model_label, setup_label
+from rlsync.report.table import PER_TENSOR, UPDATE_PARTS, Fit, FitGroup, common_overrides, fmt_bucket, model_label
 
 Row = dict[str, Any]
 TIMELINE_MAX_RUNS = 8  # more lines than this no longer read apart in one panel
 TIMELINE_LABEL_WIDTH = 38  # characters per legend line
+LOG_Y_SPREAD = 30  # times spread over more than this factor: a log time axis, or the small ones lie flat at 0
+FLOOR_STYLE = {"linestyle": "--", "linewidth": 1.0, "alpha": 0.8}  # each setup's copy floor, in its colour
+WIDE = (9, 4.5)  # inches: a plot whose legend stands to the right of its axes
+BAR_HEIGHT_IN = 0.42  # inches per bar of a horizontal bar chart: one line of label each
+LEGEND_ROW_IN = 0.22  # inches per legend entry: a bar chart is at least as tall as its legend
+BAR_LABEL_WIDTH = 48  # characters per line of a bar's label, wrapped beyond
+LEGEND_AT = (1.02, 1.0)  # legends right of the axes, clear of the last tick label
 
 
 def number(value: Any) -> Optional[float]:
@@ -34,6 +47,48 @@ def time_unit(seconds: list[float]) -> tuple[float, str]:
     return scale, unit
 
 
+def label_of(metric: str) -> str:
+    """What the catalogue calls `metric` ("weight update", "copy floor", "peak update memory")."""
+    return metrics.declared()[metric].label
+
+
+def time_label(metric: str) -> str:
+    """A phase's time as an axis names it: "weight update time"."""
+    return f"{label_of(metric)} time"
+
+
+def transport_label(row: Row) -> str:
+    """ "direct", "ipc flat" (a bucketed update into the engine's flat weights), "direct (vllm)"."""
+    flat = " flat" if row.get("flat_engine_weights") and row.get("strategy") != PER_TENSOR else ""
+    engine = "" if row.get("engine") in (None, "hf") else f" ({row['engine']})"
+    return f"{row.get('transport') or 'n/a'}{flat}{engine}"
+
+
+def series_label(row: Row, rows: list[Row]) -> str:
+    """One series per model x transport x strategy: "tiny, ipc flat, bucketed"; the scheme too when
+    the runs differ in it (scheme=miles,verl sets the same knobs differently)."""
+    parts = [model_label(row, rows), transport_label(row), str(row.get("strategy") or "bucketed")]
+    if len({r.get("scheme") for r in rows}) > 1 and row.get("scheme"):
+        parts.append(f"scheme {row['scheme']}")
+    return ", ".join(parts)
+
+
+def run_label(row: Row, rows: list[Row]) -> str:
+    """A bar's label: the job and everything that sets its update apart, "3: tiny, ipc, bucketed, 4 MiB";
+    with the run's own overrides too where another run has the same setup (they differ in something else)."""
+
+    def setup(r: Row) -> str:
+        bucket = "" if r.get("strategy") == PER_TENSOR else f", {fmt_bucket(r.get('bucket_mb'))} MiB"
+        return f"{series_label(r, rows)}{bucket}"
+
+    label = f"{row['job']}: {setup(row)}"
+    if sum(setup(r) == setup(row) for r in rows) > 1:
+        common = set(common_overrides(rows))
+        own = [o for o in row.get("override_list", []) if o not in common]
+        label += f" ({' '.join(own)})" if own else ""
+    return textwrap.fill(label, width=BAR_LABEL_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+
+
 def by_setup(rows: list[Row], x_key: str, y_key: str) -> dict[str, list[Row]]:
     """Rows with both values, one series per model and transport/strategy (engine), sorted along x:
     a line joins only runs that differ in x. Labelled "tiny, direct, bucketed", "tiny, ipc, per_tensor"
@@ -41,22 +96,24 @@ def by_setup(rows: list[Row], x_key: str, y_key: str) -> dict[str, list[Row]]:
     rows = [r for r in rows if number(r.get(x_key)) is not None and number(r.get(y_key)) is not None]
     series: dict[str, list[Row]] = {}
     for row in rows:
-        series.setdefault(f"{model_label(row, rows)}, {setup_label(row, bucket=False)}", []).append(row)
+        series.setdefault(series_label(row, rows), []).append(row)
     return {m: sorted(rs, key=lambda r: r[x_key]) for m, rs in sorted(series.items())}
 
 
-def per_tensor_levels(ax, rows: list[Row], y_key: str, scale: float, colors_used: int) -> int:
+def per_tensor_levels(
+    ax, rows: list[Row], y_key: str, scale: float, colors_used: int, floor_key: Optional[str] = None
+) -> int:
     """per_tensor runs on a bucket-size axis: a bucket size does not apply to them, so each setup is a
-    dotted level across the axis, labelled "<model>, <transport>, per_tensor". Returns how many it drew."""
+    dotted level across the axis, labelled "<model>, <transport>, per_tensor" (with `floor_key`, its
+    copy floor a dashed level in the same colour). Returns how many setups it drew."""
     levels = by_setup([r for r in rows if r.get("strategy") == PER_TENSOR], y_key, y_key)
     for index, (label, rs) in enumerate(levels.items()):
+        color = f"C{colors_used + index}"
         for row in rs:  # one per run; several runs of one setup share the colour and the label
-            ax.axhline(
-                row[y_key] * scale,
-                color=f"C{colors_used + index}",
-                linestyle=":",
-                label=label if row is rs[0] else None,
-            )
+            ax.axhline(row[y_key] * scale, color=color, linestyle=":", label=label if row is rs[0] else None)
+            floor = number(row.get(floor_key)) if floor_key else None
+            if floor is not None:
+                ax.axhline(floor * scale, color=color, gid=f"copy floor: {label}", **FLOOR_STYLE)
     return len(levels)
 
 
@@ -70,8 +127,8 @@ def pyplot():
     return plt
 
 
-def new_axes(title: str):
-    fig, ax = pyplot().subplots(figsize=(7, 4.5), dpi=100)
+def new_axes(title: str, size: tuple[float, float] = (7, 4.5)):
+    fig, ax = pyplot().subplots(figsize=size, dpi=100)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     return fig, ax
@@ -86,15 +143,39 @@ def save(fig, path: Path) -> None:
 
 
 def bucket_axis(ax, buckets: list[float]) -> None:
-    """Log2 when the sizes spread (128, 512, 2048), ticks at the sizes swept, plain numbers."""
+    """Log2 (bucket sizes are swept in powers: 1, 4, 16 or 128, 512, 2048), ticks at the sizes swept, plain numbers."""
     from matplotlib.ticker import FuncFormatter, NullLocator
 
-    if min(buckets) > 0 and max(buckets) / min(buckets) >= 4:
+    if min(buckets) > 0:
         ax.set_xscale("log", base=2)
         ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlim(min(buckets) / 1.4, max(buckets) * 1.4)  # the end points' markers and bars inside the frame
     ax.set_xticks(buckets)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
-    ax.set_xlabel("bucket size (MiB)")
+    ax.set_xlabel("bucket size (MiB, log scale)")
+
+
+def time_axis(ax, values: list[float], label: str) -> None:
+    """A time axis from 0; log when the values spread over more than LOG_Y_SPREAD (ipc per_tensor beside direct)."""
+    positive = [v for v in values if v > 0]
+    if positive and max(positive) / min(positive) > LOG_Y_SPREAD:
+        ax.set_yscale("log")
+        log_axis_labels(ax.yaxis)
+        label += ", log scale"
+    else:
+        ax.set_ylim(bottom=0)
+    ax.set_ylabel(label)
+
+
+def side_legend(ax, title: str) -> None:
+    """The series' legend right of the axes, in the order they were drawn (per_tensor levels last:
+    matplotlib lists plain lines before error bars)."""
+    from matplotlib.container import ErrorbarContainer
+
+    handles, labels = ax.get_legend_handles_labels()
+    order = sorted(range(len(handles)), key=lambda i: not isinstance(handles[i], ErrorbarContainer))
+    ax.legend([handles[i] for i in order], [labels[i] for i in order], title=title, fontsize="small",
+              title_fontsize="small", loc="upper left", bbox_to_anchor=LEGEND_AT)  # fmt: skip
 
 
 def min_max_bars(rows: list[Row], scale: float) -> list[list[float]]:
@@ -108,24 +189,36 @@ def min_max_bars(rows: list[Row], scale: float) -> list[list[float]]:
 
 
 def plot_update_time_vs_bucket(rows: list[Row], fits: list[FitGroup], path: Path) -> Optional[str]:
+    """Median update time per bucket size, min to max as bars, each setup's copy floor dashed beside it."""
     series = by_setup(rows, "bucket_mb", "update_time_median")
     buckets = {r["bucket_mb"] for rs in series.values() for r in rs}
     if len(buckets) < 2:
         return f"{path.name} skipped: needs runs with at least two bucket sizes (found {len(buckets)})"
     timed = [r for r in rows if number(r.get("update_time_median")) is not None]
-    scale, unit = time_unit([number(r.get("update_time_max")) or r["update_time_median"] for r in timed])
-    fig, ax = new_axes("Weight update time vs bucket size (median, bars: min to max)")
+    floors = [number(r.get("update_limit_time_median")) for r in timed]
+    drawn = [number(r.get("update_time_max")) or r["update_time_median"] for r in timed]
+    drawn += [number(r.get("update_time_min")) or r["update_time_median"] for r in timed]
+    scale, unit = time_unit(drawn)
+    fig, ax = new_axes("Weight update time vs bucket size\n(median, bars: min to max; dashed: the copy floor)", WIDE)
     for index, (label, rs) in enumerate(series.items()):
         xs = [r["bucket_mb"] for r in rs]
         ys = [r["update_time_median"] * scale for r in rs]
         ax.errorbar(xs, ys, yerr=min_max_bars(rs, scale), marker="o", capsize=3, color=f"C{index}", label=label)
-    per_tensor_levels(ax, timed, "update_time_median", scale, len(series))
+        floor = [(r["bucket_mb"], number(r.get("update_limit_time_median"))) for r in rs]
+        floor = [(x, y * scale) for x, y in floor if y is not None]
+        if floor:  # the plain copy over the same path, timed in the same run: how far the update is from it
+            ax.plot(*zip(*floor), color=f"C{index}", marker="x", gid=f"copy floor: {label}", **FLOOR_STYLE)
+    per_tensor_levels(ax, timed, "update_time_median", scale, len(series), floor_key="update_limit_time_median")
     bucket_axis(ax, sorted(buckets))
-    ax.set_ylim(bottom=0)
-    ax.set_ylabel(f"perf/update_weights_time ({unit})")
-    ax.legend(title="model, transport, strategy", fontsize="small")
+    time_axis(
+        ax,
+        [v * scale for v in drawn + [f for f in floors if f]],
+        f"{time_label('perf/update_weights_time')}, median ({unit})",
+    )
+    title = "model, transport, strategy" + ("\n(dashed, same colour: its copy floor)" if any(floors) else "")
+    side_legend(ax, title)
     save(fig, path)
-    return None
+    return None if any(floors) else f"{path.name}: no run measured a copy floor, none drawn"
 
 
 def plot_update_time_vs_bytes(rows: list[Row], fits: list[FitGroup], path: Path) -> Optional[str]:
@@ -133,7 +226,7 @@ def plot_update_time_vs_bytes(rows: list[Row], fits: list[FitGroup], path: Path)
         return f"{path.name} skipped: no setup has a meaningful fit of update time against bytes (see the fit lines)"
     points = [r for group in fits for r in group.rows]
     scale, unit = time_unit([r["update_time_median"] for r in points])
-    fig, ax = new_axes("Weight update time vs bytes sent")
+    fig, ax = new_axes("Weight update time vs bytes sent", WIDE if len(fits) > 1 else (7, 4.5))
     xs = [0.0, max(r["update_bytes"] for r in points) * 1.05]
     if len(fits) == 1:
         draw_single_fit(ax, fits[0], xs, scale, unit)
@@ -141,8 +234,8 @@ def plot_update_time_vs_bytes(rows: list[Row], fits: list[FitGroup], path: Path)
         draw_fit_per_group(ax, fits, xs, scale, unit)
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=min(0.0, *(group.fit.fixed_s * scale * 1.1 for group in fits if group.fit)))
-    ax.set_xlabel("update bytes (MiB)")
-    ax.set_ylabel(f"perf/update_weights_time, median ({unit})")
+    ax.set_xlabel(f"{label_of('perf/update_weights_bytes')} sent per update (MiB)")
+    ax.set_ylabel(f"{time_label('perf/update_weights_time')}, median ({unit})")
     save(fig, path)
     return None
 
@@ -164,7 +257,7 @@ def draw_single_fit(ax, group: FitGroup, xs: list[float], scale: float, unit: st
         f"bandwidth {bandwidth:.3g} GB/s" if bandwidth else "bandwidth not resolved"
     )
     ax.text(0.02, 0.97, text, transform=ax.transAxes, va="top", bbox={"facecolor": "white", "alpha": 0.8})
-    ax.legend(loc="lower right")
+    ax.legend(loc="lower right", fontsize="small")
 
 
 def draw_fit_per_group(ax, fits: list[FitGroup], xs: list[float], scale: float, unit: str) -> None:
@@ -172,7 +265,8 @@ def draw_fit_per_group(ax, fits: list[FitGroup], xs: list[float], scale: float, 
     for index, group in enumerate(fits):
         color, fit = f"C{index}", group.fit
         if fit is None:
-            label = f"{group.label}: no fit (one update size)"
+            why = (group.why_not or "too few update sizes").split(":")[0].split(";")[0]  # its first clause
+            label = textwrap.fill(f"{group.label}: no fit ({why})", width=50, subsequent_indent="  ")
         else:
             slope = f"bytes / {fit.bandwidth_gbps:.3g} GB/s" if fit.bandwidth_gbps else "bandwidth not resolved"
             label = f"{group.label}: {fit.fixed_s * scale:.3g} {unit} + {slope}"
@@ -180,7 +274,7 @@ def draw_fit_per_group(ax, fits: list[FitGroup], xs: list[float], scale: float, 
         xs_mib = [r["update_bytes"] / MIB for r in group.rows]
         ys = [r["update_time_median"] * scale for r in group.rows]
         ax.scatter(xs_mib, ys, color=color, zorder=3, label=label if fit is None else None)
-    ax.legend(loc="upper left", fontsize="small", title="fit per setup")
+    ax.legend(loc="upper left", bbox_to_anchor=LEGEND_AT, fontsize="small", title="fit per setup")
 
 
 def step_parts(row: Row) -> dict[str, float]:
@@ -201,38 +295,130 @@ def bucket_label(row: Row) -> str:
     return f"{bucket:g} MiB" if bucket is not None else ""
 
 
+def bar_axes(title: str, labels: list[str], legend_entries: int):
+    """A horizontal bar chart, one bar per run from the top, as tall as its labels (and its legend) need."""
+    lines = sum(label.count("\n") + 1 for label in labels)  # a wrapped label takes the room of its lines
+    height = max(1.6 + BAR_HEIGHT_IN * len(labels) + LEGEND_ROW_IN * (lines - len(labels)),
+                 1.2 + LEGEND_ROW_IN * legend_entries)  # fmt: skip
+    fig, ax = pyplot().subplots(figsize=(10, height), dpi=100)
+    ax.set_title(title)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()  # the first run on top, as in report.md
+    ax.tick_params(axis="y", labelsize="small")
+    return fig, ax
+
+
+def stacked_bars(ax, parts: list[dict[str, float]], order: list[tuple[str, str, str]], scale: float) -> list[float]:
+    """Each (name, label, colour) of `order` stacked left to right in every bar; returns the bars' ends."""
+    lefts = [0.0] * len(parts)
+    for name, label, color in order:
+        widths = [p.get(name, 0.0) * scale for p in parts]
+        if any(widths):
+            ax.barh(range(len(parts)), widths, left=lefts, color=color or None, label=label, height=0.6)
+            lefts = [a + w for a, w in zip(lefts, widths)]
+    return lefts
+
+
 def plot_step_breakdown(rows: list[Row], fits: list[FitGroup], path: Path) -> Optional[str]:
-    bars = [(row, step_parts(row)) for row in rows]
+    """The median step by phase, one bar per run of the step loop, the update's share at its end.
+    A bench has no step (its rows are repeats of the update alone): update_phases.png splits those."""
+    stepped = [r for r in rows if not r.get("bench") and number(r.get("step_time_median")) is not None]
+    bars = [(row, step_parts(row)) for row in stepped]
     bars = [(row, parts) for row, parts in bars if parts]
     if not bars:
-        return f"{path.name} skipped: no run logged phase times"
+        why = "the runs are benchmarks, which time no step (update_phases.png splits the update)"
+        return f"{path.name} skipped: " + (why if any(r.get("bench") for r in rows) else "no run logged phase times")
     scale, unit = time_unit([sum(parts.values()) for _, parts in bars])
-    fig, ax = new_axes("Median step by phase")
-    labels = [f"{row['job']}\n{row.get('model') or ''}\n{bucket_label(row)}" for row, _ in bars]
-    bottoms = [0.0] * len(bars)
-    for phase in (*metrics.step_phases(), metrics.OTHER):  # stacked in the order the step runs them
-        heights = [parts.get(phase.name, 0.0) * scale for _, parts in bars]
-        if any(heights):
-            ax.bar(labels, heights, bottom=bottoms, color=phase.color or None, label=phase.label)
-            bottoms = [b + h for b, h in zip(bottoms, heights)]
-    for x, ((_row, parts), top) in enumerate(zip(bars, bottoms)):
+    drawn_rows = [row for row, _ in bars]
+    order = [(p.name, p.label, p.color) for p in (*metrics.step_phases(), metrics.OTHER)]  # the order the step runs
+    entries = sum(any(parts.get(name) for _, parts in bars) for name, _, _ in order)
+    fig, ax = bar_axes("Median step by phase (the weight update's share at the end)",
+                       [run_label(row, drawn_rows) for row in drawn_rows], entries)  # fmt: skip
+    ends = stacked_bars(ax, [parts for _, parts in bars], order, scale)
+    for y, ((_row, parts), end) in enumerate(zip(bars, ends)):
         if "update_weights" in parts and sum(parts.values()) > 0:
             share = parts["update_weights"] / sum(parts.values())
-            ax.annotate(f"update {fmt.fmt_share(share)}", (x, top), ha="center", va="bottom", fontsize="small")
-    ax.margins(y=0.08)
-    ax.set_ylabel(f"seconds per step ({unit})")
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    ax.tick_params(axis="x", labelsize="small")
+            ax.annotate(f" update {fmt.fmt_share(share)}", (end, y), va="center", ha="left", fontsize="small")
+    ax.set_xlim(0, max(ends) * 1.3)  # room for the share beside the longest bar
+    ax.set_xlabel(f"{time_label('perf/step_time')}, median ({unit})")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=LEGEND_AT, title="phase")
+    save(fig, path)
+    return None
+
+
+def update_parts(row: Row) -> dict[str, float]:
+    """The update's median split (gather, pack, transfer, load: what the transport times), plus
+    "unsplit" for the rest of the median update; {} when the run logged no split."""
+    parts = {p: number(row.get(f"update_{p}_time_median")) for p in UPDATE_PARTS}
+    parts = {p: v for p, v in parts.items() if v is not None}
+    total = number(row.get("update_time_median"))
+    if not parts or total is None:
+        return {}
+    if total > sum(parts.values()):
+        parts["unsplit"] = total - sum(parts.values())
+    return parts
+
+
+UPDATE_PART_COLORS = {"gather": "#ccb974", "pack": "#4c72b0", "transfer": "#dd8452", "load": "#55a868"}
+
+
+def plot_update_phases(rows: list[Row], fits: list[FitGroup], path: Path) -> Optional[str]:
+    """The median update split into its phases (pack, transfer, load), one bar per run: what a bench
+    sweep shows instead of the step breakdown, where the update's time goes. Each bar is the run's own
+    median update (100 %), so that a 1 ms and a 0.3 s update read alike; its time and its multiple of
+    the copy floor are written beside it, the floor marked inside it ("|": the floor's share)."""
+    from matplotlib.lines import Line2D
+
+    bars = [(row, update_parts(row)) for row in rows]
+    bars = [(row, parts) for row, parts in bars if parts]
+    if not bars:
+        return f"{path.name} skipped: no run logged the update's phases (perf/update_weights_pack_time, ...)"
+    drawn_rows = [row for row, _ in bars]
+    fig, ax = bar_axes("Weight update by phase (share of each run's median update; |: the copy floor)",
+                       [run_label(row, drawn_rows) for row in drawn_rows], len(UPDATE_PARTS) + 2)  # fmt: skip
+    shares = [{p: 100 * v / sum(parts.values()) for p, v in parts.items()} for _, parts in bars]
+    order = [(p, label_of(f"perf/update_weights_{p}_time"), UPDATE_PART_COLORS[p]) for p in UPDATE_PARTS]
+    stacked_bars(ax, shares, [*order, ("unsplit", "not split", "#dddddd")], 1.0)
+    handles, labels = ax.get_legend_handles_labels()
+    marked = False
+    for y, (row, parts) in enumerate(bars):
+        total, floor = number(row.get("update_time_median")), number(row.get("update_limit_time_median"))
+        total = total or sum(parts.values())  # the parts' medians need not add up to the update's
+        efficiency = number(row.get("update_efficiency_median"))  # each repeat against its own floor, as the table
+        times = 1 / efficiency if efficiency else total / floor if floor else None
+        text = f" {fmt.fmt_seconds(total)}" + (f", {times:.3g}x the floor" if times else "")
+        ax.annotate(text, (100, y), va="center", ha="left", fontsize="small")
+        if floor:
+            ax.plot([min(100.0, 100 * floor / total)], [y], marker="|", markersize=18, color="k", gid="copy floor")
+            marked = True
+    if marked:
+        handles.append(Line2D([], [], color="k", marker="|", markersize=14, linestyle="", label="copy floor"))
+        labels.append("copy floor")
+    ax.set_xlim(0, 145)  # room for the time beside each bar
+    ax.set_xticks(range(0, 101, 25))
+    ax.set_xlabel(f"share of the median {time_label('perf/update_weights_time')} (%)")
+    ax.legend(handles, labels, fontsize="small", loc="upper left", bbox_to_anchor=LEGEND_AT, title="phase")
     save(fig, path)
     return None
 
 
 def plot_peak_memory_vs_bucket(rows: list[Row], fits: list[FitGroup], path: Path) -> Optional[str]:
+    """The update's peak memory (its staging buffers) per bucket size; not drawn when every run staged
+    nothing (flat engine weights pack straight into the engine's weights: a line at 0 says nothing)."""
     series = by_setup(rows, "bucket_mb", "update_peak_bytes_max")
     buckets = {r["bucket_mb"] for rs in series.values() for r in rs}
     if len(buckets) < 2:
         return f"{path.name} skipped: needs runs with perf/update_weights_peak_bytes at two or more bucket sizes"
-    fig, ax = new_axes("Peak update memory vs bucket size")
+    peaks = [number(r.get("update_peak_bytes_max")) for r in rows]
+    if not any(peaks):
+        return (
+            f"{path.name} skipped: every run's update held 0 bytes beyond the weights (no staging buffer: "
+            "flat engine weights, or a transport that stages nothing)"
+        )
+    fig, ax = new_axes(
+        f"{label_of('perf/update_weights_peak_bytes').capitalize()} vs bucket size (staging buffers)", WIDE
+    )
     for index, (label, rs) in enumerate(series.items()):
         ax.plot(
             [r["bucket_mb"] for r in rs],
@@ -250,8 +436,8 @@ def plot_peak_memory_vs_bucket(rows: list[Row], fits: list[FitGroup], path: Path
     )
     bucket_axis(ax, sorted(buckets))
     ax.set_ylim(bottom=0)
-    ax.set_ylabel("perf/update_weights_peak_bytes, max (MiB)")
-    ax.legend(title="model, transport, strategy", fontsize="small")
+    ax.set_ylabel(f"{label_of('perf/update_weights_peak_bytes')}, max over repeats (MiB)")
+    side_legend(ax, "model, transport, strategy")
     save(fig, path)
     return None
 
@@ -293,7 +479,8 @@ def shade_warmup(axes: list, rows: list[Row]) -> Optional[str]:
             ax.axvspan(-0.5, warmup - 0.5, color="0.5", alpha=0.15, linewidth=0)
     if not warmups:
         return None
-    return f"warm-up ({' / '.join(map(str, warmups))} steps, not in the medians)"
+    steps = "step" if warmups == [1] else "steps"
+    return f"warm-up ({' / '.join(map(str, warmups))} {steps}, not in the medians)"
 
 
 def plot_step_timeline(rows: list[Row], fits: list[FitGroup], path: Path) -> Optional[str]:
@@ -330,16 +517,16 @@ def plot_step_timeline(rows: list[Row], fits: list[FitGroup], path: Path) -> Opt
     log_axis_labels(times_ax.yaxis)
     times_ax.set_ylabel(f"time per step ({unit}, log scale)")
     times_ax.grid(True, which="both", alpha=0.3)
-    key = [Line2D([], [], color="k", label="perf/step_time"),
-           Line2D([], [], color="k", linestyle="--", label="perf/update_weights_time")]  # fmt: skip
+    key = [Line2D([], [], color="k", label=time_label("perf/step_time")),
+           Line2D([], [], color="k", linestyle="--", label=time_label("perf/update_weights_time"))]  # fmt: skip
     key += [Patch(color="0.5", alpha=0.15, label=warmup_label)] if warmup_label else []
-    times_ax.legend(handles=key, fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    times_ax.legend(handles=key, fontsize="small", loc="upper left", bbox_to_anchor=LEGEND_AT)
     share_ax.set_ylim(bottom=0)
     share_ax.set_ylabel("update / step (%)")
     share_ax.set_xlabel("step")
     share_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     share_ax.grid(True, alpha=0.3)
-    share_ax.legend(title="run", fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    share_ax.legend(title="run", fontsize="small", loc="upper left", bbox_to_anchor=LEGEND_AT)
     save(fig, path)
     if len(runs) > len(drawn):
         left_out = ", ".join(r["job"] for r in runs[len(drawn) :])
@@ -351,6 +538,7 @@ PLOTS: dict[str, Callable[[list[Row], list[FitGroup], Path], Optional[str]]] = {
     "update_time_vs_bucket.png": plot_update_time_vs_bucket,
     "update_time_vs_bytes.png": plot_update_time_vs_bytes,
     "step_breakdown.png": plot_step_breakdown,
+    "update_phases.png": plot_update_phases,
     "peak_memory_vs_bucket.png": plot_peak_memory_vs_bucket,
     "step_timeline.png": plot_step_timeline,
 }
