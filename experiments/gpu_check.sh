@@ -316,7 +316,7 @@ step "${small_step}_offload" "$t_small" "$m_small" "${benchmark[@]}" model=$smal
 # 4. while the deadline has room: Qwen3-1.7B, then a study with its report
 step "${large_step}_bench_direct" "$t_large" "$m_large" "${benchmark[@]}" model=$large update.verify=true \
   "hydra.run.dir=$work/${large_step}_bench_direct/run"
-step "${large_step}_offload" "$t_large" "$m_large" "${benchmark[@]}" model=$large bench.target=offload \
+on_gpu "${large_step}_offload" "$t_large" "$m_large" "${benchmark[@]}" model=$large bench.target=offload \
   "hydra.run.dir=$work/${large_step}_offload/run"
 over_ipc step study_transports "$t_study" "$m_study" bash -c 'python3 -m rlsync.bench -m experiment=transports "$@" && \
   python3 -m rlsync.report "$0/study_transports/sweep" --no-wandb' "$work" model=$small "${common[@]}" \

@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from rlsync.config.launch import hydra_job, launched, rank_argv
+from rlsync.config.launch import hydra_job, hydra_record, launched, rank_argv
 from rlsync.config.schema import CONFIG_PATH, register_configs
 from rlsync.config.validate import checked_config
 from rlsync.errors import cli, job_errors
@@ -25,15 +25,28 @@ register_configs()
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
 def hydra_main(dcfg: DictConfig) -> None:
     hc = HydraConfig.get()
-    run_dir, sweep_dir, name = hydra_job(hc)
+    with job_errors(None):  # an empty hydra.run.dir: one line, nothing written
+        run_dir, sweep_dir, name = hydra_job(hc)
     rank = launched()[0]
     log_dir = run_dir if rank == 0 else None  # data-parallel ranks > 0 write no error.log: stderr only
-    with job_errors(log_dir, sweep_job=f"{hc.job.num} ({run_dir})" if hc.mode == RunMode.MULTIRUN else None, rank=rank):
+    record = hydra_record(dcfg) if rank == 0 else None  # .hydra/: written once the run holds its directory
+    sweep_job = f"{hc.job.num} ({run_dir})" if hc.mode == RunMode.MULTIRUN else None
+    with job_errors(log_dir, sweep_job=sweep_job, rank=rank, hydra_record=record):
         cfg = checked_config(dcfg)  # every key and value, before any model is built
+        if cfg.run.dry_run:  # a sweep's jobs never get here: its plan stopped it (rlsync.report.sweep_callback)
+            from rlsync.run.duration import dry_run
+
+            dry_run(cfg, " ".join(hc.overrides.task))
+            return
         from rlsync.run.loop import run_experiment
 
         run_experiment(
-            cfg, run_dir, name=name, group=cfg.wandb.group or sweep_dir.name, overrides=list(hc.overrides.task)
+            cfg,
+            run_dir,
+            name=name,
+            group=cfg.wandb.group or sweep_dir.name,
+            overrides=list(hc.overrides.task),
+            hydra_record=record,
         )
 
 

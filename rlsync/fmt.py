@@ -39,6 +39,8 @@ def fmt_range(lo: Optional[float], hi: Optional[float]) -> str:
     if lo == hi:
         return fmt_seconds(lo)
     scale, unit, decimals = time_unit(max(abs(lo), abs(hi)))
+    if lo and round(lo * scale, decimals) == 0:  # "0.00 to 0.16 s" would call 2.9 ms zero: each end in its unit
+        return f"{fmt_seconds(lo)} to {fmt_seconds(hi)}"
     return f"{lo * scale:.{decimals}f} to {hi * scale:.{decimals}f} {unit}"
 
 
@@ -87,6 +89,11 @@ def fmt_mib(nbytes: Optional[float]) -> str:
         return "n/a"
     mib = nbytes / MIB
     return f"{mib:.1f}" if mib >= 10 else f"{mib:.3g}"
+
+
+def plural(count: int, noun: str, many: Optional[str] = None) -> str:
+    """ "1 run", "2 runs", "0 runs"."""
+    return f"{count} {noun if count == 1 else (many or noun + 's')}"
 
 
 def markdown_table(header: Iterable[Any], rows: Iterable[Iterable[Any]]) -> str:

@@ -42,6 +42,7 @@ def cli_env(**extra) -> dict:
         "WANDB_SILENT": "true",
         "PYTHONPATH": str(ROOT),
         "HYDRA_FULL_ERROR": "0",
+        "RLSYNC_NO_LOAD_WARNING": "1",  # no busy-machine line before step 0: pytest -n 2 keeps the machine busy
         **extra,
     }
     return env
@@ -103,6 +104,7 @@ def run_main(
     code = 0
     GlobalHydra.instance().clear()
     errors.REPORTED.clear()
+    errors.SWEEP_ENDED.clear()  # a sweep of an earlier call that ended early left no report hook behind
     try:
         os.environ.clear()
         os.environ.update(environ if environ is not None else cli_env(**env))

@@ -41,7 +41,12 @@ STEP_METRICS = [
 def test_run_prints_table_and_verdict_and_writes_files(tmp_path):
     proc = run_main(*FAST, "wandb.mode=disabled", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| model | weight update | trainer offload | trainer onload | step | update share of step |" in proc.stdout
+    header = (
+        "| model | update setup | weight update median (range) | trainer offload median (range) "
+        "| trainer onload median (range) | step median (range) | update share of step |"
+    )
+    assert header in proc.stdout and "| tiny | direct, bucketed 512 MiB, scheme rlsync | " in proc.stdout
+    assert "Measured steps: 2 (warm-up step 0 left out)" in proc.stdout
     assert "of the step" in proc.stdout.splitlines()[-1]  # the verdict closes the output
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]

@@ -25,6 +25,7 @@ SMOKE_SKIPS = {
     "small_tiny_release_weights",
     "small_tiny_two_copy",
     "tiny_moe_ipc",
+    "large_tiny_offload",  # small_tiny_offload exactly: both models are tiny under --smoke
 }  # tiny_* steps exactly, on the CPU (or suite runs)
 
 

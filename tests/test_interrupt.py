@@ -158,8 +158,13 @@ def test_a_bad_job_in_a_sweep_fails_alone(outcomes):
     sweep, stderr = run.run_dir.parent / "sweep", (run.run_dir.parent / "sweep.err").read_text()
     assert run.code == 2, stderr
     assert "Traceback" not in stderr
-    ours = [ln for ln in stderr.splitlines() if ln.startswith("rlsync:")]
-    assert len(ours) == 1 and "job 0" in ours[0] and "update.bucket_mb=-1.0: out of range" in ours[0]
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("rlsync:")]
+    progress = ("rlsync: sweep of ", "rlsync:   job ", "rlsync: sweep job ", "rlsync: sweep ended ")
+    ours = [ln for ln in lines if not ln.startswith(progress)]  # the sweep's plan, progress and ending
+    assert len(ours) == 1 and "job 0" in ours[0] and "update.bucket_mb=-1.0: out of range" in ours[0], lines
+    assert any(ln.startswith("rlsync: sweep of 2 jobs: 1 fit, 1 refused") for ln in lines), lines
+    assert any(ln.startswith("rlsync: sweep ended with failed jobs") for ln in lines), lines
+    assert (sweep / "report.md").exists()  # written although a job failed
     assert not (sweep / "0" / "summary.json").exists()
     assert "update.bucket_mb=-1.0" in (sweep / "0" / "error.log").read_text()
     good = json.loads((sweep / "1" / "summary.json").read_text())  # the other job ran to the end

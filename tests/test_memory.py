@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FAST, cli_env, read_jsonl, run_cli, run_main
+from conftest import FAST, ROOT, cli_env, read_jsonl, run_cli, run_main
 
 from rlsync.config.schema import Config
 from rlsync.measure import memory as memory_use
@@ -77,9 +77,80 @@ def test_a_run_that_cannot_fit_is_refused_naming_what_to_change(compose, monkeyp
     line = str(caught.value)
     assert caught.value.exit_code == 2 and "\n" not in line
     assert line.startswith("this run does not fit: host memory: estimated peak ")
-    assert "trainer.dtype=bfloat16" in line and "python -m rlsync.bench" in line and "run.memory_check=false" in line
+    # 20 GiB: not even bf16 with every saving fits 1.7B; the largest smaller preset and the update alone do
+    assert "try model=qwen3_0p6b; " in line and "python -m rlsync.bench model=qwen3_1p7b" in line
+    assert line.endswith("run.memory_check=false skips this check")
     est, available = memory.check_fits(cfg, torch.device("cpu"), memory_check=False)  # the switch skips it
     assert est.host_bytes > available["host_bytes"]
+
+
+CHECKED = [  # (overrides, GiB available): configurations refused on a 24 GiB machine, and ones that fit
+    (["model=qwen3_1p7b", "update.bucket_mb=512"], 21.5),
+    (["model=qwen3_1p7b", "trainer.dtype=bfloat16"], 21.5),
+    (["model=qwen3_1p7b", "trainer.dtype=bfloat16"], 12.0),
+    (["model=qwen3_0p6b"], 12.0),
+    (["model=qwen3_0p6b", "trainer.offload_memory=twin"], 16.0),
+    (["model=qwen3_4b", "update.transport=ipc"], 21.5),
+    (["model=qwen3_8b"], 6.0),
+    (["model=tiny"], 0.1),
+]
+
+
+@pytest.mark.parametrize(("overrides", "gib"), CHECKED, ids=[" ".join(o) + f" @{g}" for o, g in CHECKED])
+def test_every_suggestion_is_a_configuration_the_same_check_accepts(compose, overrides, gib):
+    """The refusal's advice is checked, not guessed: each suggestion, composed through Hydra as a user would
+    type it, fits the same machine with the margin (the bench's through the bench's own estimate)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from rlsync.config.schema import to_config
+
+    machine = memory.Machine(cuda=False, runtime_bytes=500 * 2**20, host_bytes=int(gib * 2**30), device_bytes=None)
+    cfg = compose(*overrides)
+    found = memory.suggestions(cfg, machine, overrides=overrides)
+    text = memory.advice(cfg, machine, overrides=overrides)
+    for suggestion in found:
+        assert str(suggestion) in text
+        if suggestion.command == "python -m rlsync.bench":
+            with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+                bench = to_config(hydra_compose(config_name="bench", overrides=suggestion.overrides))
+            est = memory.bench_estimate(bench, cuda=False, runtime_bytes=machine.runtime_bytes)
+        else:  # the suggestion's overrides after the run's own: what the user would type
+            est = memory.estimate(
+                compose(*overrides, *suggestion.overrides), cuda=False, runtime_bytes=machine.runtime_bytes
+            )
+        assert machine.fits(est), (suggestion, machine.shortfalls(est))
+    if not machine.fits(memory.estimate(cfg, cuda=False, runtime_bytes=machine.runtime_bytes)):
+        assert text.startswith("try ") or text.startswith("nothing smaller"), text
+    if gib == 0.1:  # nothing fits: said so, nothing suggested
+        assert not found and text.startswith("nothing smaller in this configuration fits")
+
+
+def test_the_margin_refuses_what_would_only_just_fit(compose):
+    cfg = compose("model=qwen3_0p6b", "trainer.dtype=bfloat16")
+    est = memory.estimate(cfg, cuda=False, runtime_bytes=0)
+    exact = memory.Machine(cuda=False, runtime_bytes=0, host_bytes=est.host_bytes, device_bytes=None)
+    assert not exact.fits(est)  # no room for the margin
+    roomy = memory.Machine(
+        cuda=False, runtime_bytes=0, host_bytes=est.host_bytes + memory.margin_bytes(est.host_bytes), device_bytes=None
+    )
+    assert roomy.fits(est)
+    assert memory.margin_bytes(est.host_bytes) >= memory.MARGIN_MIN
+
+
+def test_the_step_transients_add_up_on_a_cpu_and_the_probe_on_top_between_steps(compose):
+    """The C heap keeps what a phase freed: the rollout's and the step's transients add up, and a probe
+    between steps (run.limit_probe=every_step) comes on top; probed once at start, it is the larger alone."""
+    every = memory.estimate(compose("model=qwen3_0p6b", "trainer.dtype=bfloat16"), cuda=False, runtime_bytes=0)
+    start = memory.estimate(
+        compose("model=qwen3_0p6b", "trainer.dtype=bfloat16", "run.limit_probe=start"), cuda=False, runtime_bytes=0
+    )
+    probe = 2 * 2**30  # two 1 GiB buffers: the probe's cap
+    assert every.process["transient"] == start.process["transient"] + probe
+    # AdamW's temporaries and the tied embedding's gradient: three of its largest tensor (the embedding)
+    largest = 151936 * 1024 * 2
+    cfg = compose("model=qwen3_0p6b", "trainer.dtype=bfloat16")
+    assert memory.optimizer_bytes(cfg, memory.param_shapes(cfg.model), cuda=False) == 3 * largest
 
 
 def test_the_missions_example_is_refused_before_any_model_is_built(tmp_path):
@@ -128,3 +199,31 @@ def test_peak_rss_is_this_process_own_and_resets():
     memory_use.reset_peak_rss()
     assert memory_use.peak_rss_bytes() <= before
     assert memory_use.peak_rss_bytes() >= memory_use.rss_bytes() - 2**20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["rlsync", "rlsync.bench"])
+def test_qwen3_0p6b_in_bf16_that_the_check_accepts_finishes_within_its_estimate(tmp_path, command):
+    """The check's promise on this machine: a run (and a benchmark) it accepts finishes, and its measured
+    peak stays under the estimate with its margin. Refused only when this machine lacks the memory now."""
+    short = (
+        ["run.steps=1", "run.warmup_steps=0", *FAST[3:]]
+        if command == "rlsync"
+        else ["bench.warmup=0", "bench.repeats=1"]
+    )
+    result = run_cli(
+        "model=qwen3_0p6b",
+        "trainer.dtype=bfloat16",
+        *short,
+        "wandb.mode=disabled",
+        f"hydra.run.dir={tmp_path}",
+        module=command,
+        timeout=600,
+    )
+    if result.returncode == 2 and "does not fit" in result.stderr:
+        pytest.skip(f"this machine has too little memory free now: {result.stderr.strip()[:200]}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    record = json.loads((tmp_path / "summary.json").read_text())["memory"]
+    estimate, peak = record["estimate"]["process_bytes"], record["measured"]["peak_rss_bytes"]
+    assert peak <= estimate + record["available"]["margin_bytes"], record
+    assert estimate <= 1.6 * peak, record  # conservative, not absurd

@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import hydra
 import torch
@@ -31,12 +32,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from rlsync.bench.offload import OffloadTarget
-from rlsync.config.launch import hydra_job
+from rlsync.config.launch import hydra_job, hydra_record
 from rlsync.config.schema import CONFIG_PATH, BenchAppConfig, register_configs, to_dict
 from rlsync.config.validate import checked_config
 from rlsync.engines.base import EngineSpec
 from rlsync.errors import cli, job_errors, show
-from rlsync.fmt import MIB, fmt_bytes, fmt_seconds, fmt_spread, markdown_table
+from rlsync.fmt import MIB, fmt_bytes, fmt_ratio, fmt_seconds, fmt_sig, fmt_spread, markdown_table, plural
 from rlsync.measure.devices import explicit_device, resolve_device, select_device
 from rlsync.measure.limits import Limits, cache_resident_elements, llc_bytes
 from rlsync.measure.threads import pooled
@@ -44,6 +45,8 @@ from rlsync.model.architecture import update_tensors
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.record.recorder import Recorder, machine_info
 from rlsync.record.summary import stats_over
+from rlsync.run.duration import dry_run
+from rlsync.run.memory_check import memory_fit, memory_record
 from rlsync.sync import open_transport, plan_for, update_weights
 from rlsync.sync.auto import resolve_for_run, resolved_setup
 from rlsync.trainer.offload import Offloader
@@ -167,20 +170,39 @@ def open_target(cfg: BenchAppConfig, device: torch.device):
 # ----------------------------------------------------------------------------------------------
 
 
-def run_bench(cfg: BenchAppConfig, run_dir: Path, *, name: str, group: str, overrides: list[str] = ()) -> dict:
+def run_bench(
+    cfg: BenchAppConfig,
+    run_dir: Path,
+    *,
+    name: str,
+    group: str,
+    overrides: list[str] = (),
+    hydra_record: Optional[dict[str, str]] = None,
+) -> dict:
     try:
         with Recorder(
-            run_dir, cfg.wandb, name=name, group=group, job_type="bench", config=to_dict(cfg), overrides=overrides
+            run_dir,
+            cfg.wandb,
+            name=name,
+            group=group,
+            job_type="bench",
+            config=to_dict(cfg),
+            overrides=overrides,
+            hydra_record=hydra_record,
         ) as recorder:  # one live run per directory, as the runner's
+            memory = memory_fit(
+                cfg, resolve_device(cfg.run.device), bench=True, overrides=list(overrides)
+            )  # before any model is built
             recorder.start()  # W&B and metrics.jsonl; no per-repeat console lines: the table at the end
-            return Bench(cfg, recorder).run()
+            return Bench(cfg, recorder, memory=memory).run()
     finally:
         gc.collect()  # the next sweep job gets this one's memory back
 
 
 class Bench:
-    def __init__(self, cfg: BenchAppConfig, recorder: Recorder):
+    def __init__(self, cfg: BenchAppConfig, recorder: Recorder, *, memory: Optional[dict] = None):
         self.cfg, self.recorder = cfg, recorder
+        self.memory = memory  # the estimate (rlsync.run.memory_check): summary.json puts the measured peak beside it
         self.device = resolve_device(cfg.run.device)
         self.breakdowns: list[list[dict]] = []  # per timed repeat
         self.setup: dict = {}
@@ -249,6 +271,8 @@ class Bench:
             "overrides": recorder.overrides,
             "config": to_dict(cfg),
         }
+        if self.memory is not None:
+            result["memory"] = memory_record(self.memory, self.device)
         if result["measured_steps"] < cfg.bench.repeats:
             result["warning"] = (
                 f"only {result['measured_steps']} of {cfg.bench.repeats} timed repeats finished ({recorder.status})"
@@ -284,6 +308,11 @@ def target_table(target: str):
     return closing_table
 
 
+def peak_phrase(nbytes) -> str:
+    """The update's staging peak: "0 (no staging)" where it packs straight into the engine's weights."""
+    return "0 (no staging)" if nbytes == 0 else fmt_bytes(nbytes)
+
+
 def closing_table(result: dict) -> str:
     m, s = result["metrics"], result["setup"]
 
@@ -316,10 +345,10 @@ def closing_table(result: dict) -> str:
         s["source"],
         fmt_spread(*(med("perf/update_weights_time", w) for w in ("median", "min", "max"))),
         fmt_seconds(med("perf/update_weights_limit_time")),
-        f"{1 / eff:.2f}x" if eff else "n/a",
-        f"{eff:.2f}" if eff else "n/a",
-        f"{med('perf/update_weights_gbps') or 0:.1f}",
-        fmt_bytes(med("perf/update_weights_peak_bytes", "max")),
+        fmt_ratio(1 / eff) if eff else "n/a",
+        fmt_sig(eff) if eff else "n/a",  # never "0.00" for an update far from its floor
+        fmt_sig(med("perf/update_weights_gbps"), decimals=1),
+        peak_phrase(med("perf/update_weights_peak_bytes", "max")),
         *(
             fmt_seconds(med(f"perf/update_weights_{k}_time"))
             if med(f"perf/update_weights_{k}_time") is not None
@@ -329,7 +358,8 @@ def closing_table(result: dict) -> str:
     ]
     scheme = f", scheme {s['scheme']}" if s.get("scheme") else ""  # scheme=NAME (rlsync/conf/scheme/)
     out = [
-        f"\nWeight update alone{scheme}: {result['measured_steps']} timed repeats after {result['warmup_steps']} warm-up",
+        f"\nWeight update alone{scheme}: {plural(result['measured_steps'], 'timed repeat')} after "
+        f"{result['warmup_steps']} warm-up",
         markdown_table(head, [row]),
     ]
     if s.get("tensors") is not None:
@@ -368,10 +398,24 @@ def closing_table(result: dict) -> str:
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="bench")
 def hydra_main(dcfg: DictConfig) -> None:
     hc = HydraConfig.get()
-    run_dir, sweep_dir, name = hydra_job(hc)
-    with job_errors(run_dir, sweep_job=f"{hc.job.num} ({name})" if hc.mode == RunMode.MULTIRUN else None):
+    with job_errors(None):  # an empty hydra.run.dir: one line, nothing written
+        run_dir, sweep_dir, name = hydra_job(hc)
+    record = hydra_record(dcfg)  # .hydra/: written once the run holds its directory
+    with job_errors(
+        run_dir, sweep_job=f"{hc.job.num} ({name})" if hc.mode == RunMode.MULTIRUN else None, hydra_record=record
+    ):
         cfg = checked_config(dcfg, BenchAppConfig)
-        run_bench(cfg, run_dir, name=name, group=cfg.wandb.group or sweep_dir.name, overrides=list(hc.overrides.task))
+        if cfg.run.dry_run:
+            dry_run(cfg, " ".join(hc.overrides.task), bench=True)
+            return
+        run_bench(
+            cfg,
+            run_dir,
+            name=name,
+            group=cfg.wandb.group or sweep_dir.name,
+            overrides=list(hc.overrides.task),
+            hydra_record=record,
+        )
 
 
 def main() -> None:

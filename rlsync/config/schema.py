@@ -36,6 +36,7 @@ from rlsync.config.rules import (
     mebibytes,
     node,
     number,
+    one_of,
     or_null,
     parsed_by,
     resolve,
@@ -50,21 +51,41 @@ WANDB_PROJECT_MAX, WANDB_TAG_MAX = 128, 64  # characters; a tag must be 1 to 64 
 DTYPE = choices("rlsync.model.build:DTYPES")
 SECONDS = above(0, "seconds")
 COUNT = at_least(1)
+ENGINE_PLACEMENTS = ("rank0", "every_rank")  # rollout.engines: where data parallel's engines live
+KL_COEF_MAX = 1000.0  # trainer.kl_coef: typical weights are 1e-3 to 1; 1e308 turns the loss into inf
+COPY_THREADS_MAX = 1024  # update.copy_threads: torch.set_num_threads(100000) crashes the process
+# Plausible model sizes: 8x the largest published (126 layers, 53k wide, 256k vocabulary), so a typo is
+# refused at once instead of a memory check that builds 100000 layers on the meta device to count them.
+LAYERS_MAX, WIDTH_MAX, VOCAB_MAX, HEADS_MAX = 1024, 1 << 19, 1 << 21, 1024
+
+
+def size_rule(high: int, what: str) -> Rule:
+    return between(1, high, f"{what}; larger is no published model (a typo?)")
 
 
 @dataclass
 class ModelConfig:
     name: str = key("tiny", NAME, "label used in tables and run names")
-    hidden_size: int = key(256, COUNT, "width of the residual stream")
-    intermediate_size: int = key(512, COUNT, "MLP width")
-    num_hidden_layers: int = key(4, COUNT, "transformer blocks")
-    num_attention_heads: int = key(4, COUNT, "query heads")
-    num_key_value_heads: int = key(2, COUNT, "grouped-query attention")
-    head_dim: int = key(64, COUNT, "width of one attention head")
-    vocab_size: int = key(512, COUNT, ">= 259 for the byte tokenizer; Qwen3 uses 151936")
+    hidden_size: int = key(256, size_rule(WIDTH_MAX, "a width"), "width of the residual stream")
+    intermediate_size: int = key(512, size_rule(WIDTH_MAX, "a width"), "MLP width")
+    num_hidden_layers: int = key(4, size_rule(LAYERS_MAX, "layers"), "transformer blocks")
+    num_attention_heads: int = key(4, size_rule(HEADS_MAX, "heads"), "query heads")
+    num_key_value_heads: int = key(2, size_rule(HEADS_MAX, "heads"), "grouped-query attention")
+    head_dim: int = key(
+        64,
+        Rule(
+            lambda v: number(v) and v >= 2 and v % 2 == 0, "an even integer >= 2 (rotary embeddings turn pairs of dims)"
+        ),
+        "width of one attention head",
+    )
+    vocab_size: int = key(512, size_rule(VOCAB_MAX, "tokens"), ">= 259 for the byte tokenizer; Qwen3 uses 151936")
     tie_word_embeddings: bool = key(True, ANY, "lm_head shares the embedding (sent once in the update)")
     max_position_embeddings: int = key(40960, COUNT, "longest sequence (prompt + response) the model takes")
-    rope_theta: float = key(1_000_000.0, above(0), "rotary position embedding base")
+    rope_theta: float = key(
+        1_000_000.0,
+        at_least(1, "the rotary base: published models use 1e4 to 1e8; tiny ones make the frequencies overflow"),
+        "rotary position embedding base",
+    )
     rms_norm_eps: float = key(1e-6, above(0), "RMSNorm epsilon")
     pretrained: Optional[str] = key(
         None,
@@ -165,8 +186,13 @@ class UpdateConfig:
     )
     copy_threads: Optional[int] = key(
         None,
-        or_null(at_least(0, "0 keeps torch's default")),
+        or_null(between(0, COPY_THREADS_MAX, "0 keeps torch's default; torch crashes creating a pool of 100000")),
         "torch CPU threads for the update, per process (0: torch's default); null (auto): the count that copies a sample of the update's own tensors fastest, timed at start (rlsync.sync.auto)",
+    )
+    gather: str = key(
+        "per_bucket",
+        choices("rlsync.sync.gather:GATHER_MODES"),
+        "trainer.parallel=fsdp2: per_bucket: each bucket's full tensors gathered from the shards just before it is sent (holds one bucket) | per_tensor: each tensor as it is read (verl, TRL) | all_at_once: the whole model first (a full state dict; holds the model)",
     )
     scheme: str = key(
         "rlsync",
@@ -267,6 +293,11 @@ class RolloutConfig:
         ANY,
         "engine frees its weights after generation (KV cache always); re-allocated before the update, which refills them",
     )
+    engines: str = key(
+        "rank0",
+        one_of(ENGINE_PLACEMENTS),
+        "data parallel: rank0: one engine, on rank 0, generates the whole batch | every_rank: one per rank (colocated, verl's layout), each its rank's prompt groups",
+    )
 
     def check(self, root: Config) -> None:
         limit = root.model.max_position_embeddings
@@ -292,7 +323,11 @@ class TrainerConfig:
     dtype: str = key("float32", DTYPE, "parameter (master weight) dtype")
     micro_batch_size: int = key(8, COUNT, "sequences per forward/backward")
     clip_eps: float = key(0.2, above(0), "PPO clip range of the ratio")
-    kl_coef: float = key(0.0, at_least(0), "> 0 keeps a frozen reference model and times its log-probs")
+    kl_coef: float = key(
+        0.0,
+        between(0, KL_COEF_MAX, "the KL term's weight; a larger one swamps the loss and overflows its gradient"),
+        "> 0 keeps a frozen reference model and times its log-probs",
+    )
     offload: str = key(
         "full",
         choices("rlsync.trainer.offload:OFFLOAD_MODES"),
@@ -319,6 +354,34 @@ class TrainerConfig:
         "free what stays on the device while asleep (twin: its copy; move: dropped grads); null: on CUDA only (re-faulting CPU pages costs more than the copy)",
     )
     grad_clip: float = key(1.0, above(0), "max grad norm")
+    parallel: str = key(
+        "ddp",
+        choices("rlsync.trainer.parallel:parallel_names"),
+        "data-parallel launches: ddp: the whole model per rank, gradients all-reduced (accelerate's DDP) | fsdp2: weights, grads, AdamW state sharded (torch fully_shard), the update gathers them | none: one process only",
+    )
+
+    def check(self, root: Config) -> None:
+        world = resolve("rlsync.config.launch:launched")()[1]
+        if world > 1 and self.parallel == "none":
+            raise ConfigError(
+                "trainer.parallel", "none", f"ddp, fsdp2 (with {world} data-parallel ranks)", "not allowed"
+            )
+        if world > 1 and self.parallel == "fsdp2" and root.rollout.prompts_per_step % world:
+            raise ConfigError(
+                "rollout.prompts_per_step",
+                root.rollout.prompts_per_step,
+                f"a multiple of the {world} ranks with trainer.parallel=fsdp2 (each forward is a collective: "
+                "every rank must run as many micro-batches)",
+                "out of range",
+            )
+        if world > 1 and self.parallel == "fsdp2" and root.update.source == "host":
+            raise ConfigError(
+                "update.source",
+                "host",
+                "device with trainer.parallel=fsdp2 (the host copy holds this rank's shards; the update gathers "
+                "whole tensors from the live ones)",
+                "not allowed with trainer.parallel=fsdp2",
+            )
 
 
 @dataclass
@@ -353,6 +416,14 @@ class RunConfig:
     )
     memory_check: bool = key(
         True, ANY, "refuse a run whose estimated peak memory exceeds the machine's (rlsync.run.memory_check)"
+    )
+    dry_run: bool = key(
+        False, ANY, "print what would run (each job's memory fit, an estimated duration) and start nothing"
+    )
+    cpu_threads: Optional[int] = key(
+        None,
+        or_null(between(1, COPY_THREADS_MAX, "more threads than that crash OpenMP")),
+        "torch CPU threads for the run's phases on a CPU; null (auto): the cores free at start, so a busy machine is not oversubscribed (rlsync.measure.threads)",
     )
 
     def check(self, root: Config) -> None:
@@ -449,6 +520,21 @@ class ServeConfig:
         between(0.01, 1024, "MiB"),
         "largest request body (a plan, a generate request: well under 1 MiB for 1.7B); larger: 413, dropped",
     )
+    max_generate_tokens: int = key(
+        1 << 22,
+        between(1, 1e12, "prompts x new tokens"),
+        "largest generate request, its prompts x max_new_tokens (a trainer's step: prompts_per_step x samples_per_prompt x max_response_len); larger: refused",
+    )
+    max_wait_s: float = key(
+        120.0,
+        between(0.1, 86400, "seconds"),
+        "longest the engine waits on a trainer (its store, its group, one broadcast); a plan's longer timeouts are cut to this",
+    )
+    session_timeout_s: float = key(
+        30.0,
+        between(3, 86400, "seconds; trainers send a heartbeat every second"),
+        "a session whose trainer sent nothing (no request, no heartbeat) for this long is ended and its work cancelled",
+    )
 
 
 @dataclass
@@ -481,12 +567,12 @@ class PlanConfig:
     calibration: Optional[str] = key(
         None,
         OPTIONAL_NAME,
-        "coefficients: a calibration file, or a built-in GPU profile (h200, h100, a100: published figures, unmeasured); null: ~/.cache/rlsync/calibration.json",
+        "coefficients: a calibration file, a built-in GPU profile (h200, h100, a100: published figures, unmeasured) or reference; null: ~/.cache/rlsync/calibration.json, else the reference one shipped with rlsync",
     )
     calibrate: bool = key(
         False,
         ANY,
-        "first fit the coefficients on this machine from short rlsync.bench runs (a few minutes), write them to plan.calibration",
+        "first fit the coefficients on this machine from 44 short rlsync.bench runs (about 11 min on 2 cores), write them to plan.calibration",
     )
     fit_from: Optional[str] = key(
         None,
@@ -504,7 +590,11 @@ class PlanConfig:
         "the copy floor (GB/s read + written, a bench's limits.update_copy_gbps) the at-floor prediction is at; null: the calibration runs' median",
     )
     calibrate_repeats: int = key(3, COUNT, "calibration: timed repeats per benchmark job (after one warm-up)")
-    calibrate_quick: bool = key(False, ANY, "calibration: the two smallest models only (seconds; tests, smoke runs)")
+    calibrate_quick: bool = key(
+        False,
+        ANY,
+        "calibration: the four small models only (about 3 min on 2 cores), every coefficient still determined",
+    )
     calibrate_flat: bool = key(
         True,
         ANY,

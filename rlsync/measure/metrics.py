@@ -55,25 +55,31 @@ class Phase:
     color: str = ""  # in the step-breakdown plot ("": the next of matplotlib's cycle)
     breakdown: bool = True  # one of the step's parts: stacked in the plot, a share, a report column
     console: bool = False  # a column of the per-step console table
+    console_if_timed: bool = False  # a console column in the runs that time it (it can be the largest phase)
 
     @property
     def metric(self) -> Metric:
         return Metric(
-            f"perf/{self.name}_time", self.label, "s", Merge.SLOWEST, console=self.short if self.console else ""
+            f"perf/{self.name}_time",
+            self.label,
+            "s",
+            Merge.SLOWEST,
+            console=self.short if self.console or self.console_if_timed else "",
         )
 
 
 # The step's phases in the order they run (experiment.py). Not parts of the breakdown: the whole
-# step, and what runs inside another phase (the gradient all-reduce is inside train).
+# step.
 PHASES: tuple[Phase, ...] = (
     Phase("rollout", "generation", "rollout", "#4c72b0", console=True),
     Phase("engine_release", "engine release", "release", "#64b5cd"),
-    Phase("batch_scatter", "batch scatter", "scatter", "#ccb974"),  # data parallel: rank 0 sends each rank its share
+    Phase(
+        "batch_scatter", "batch scatter", "scatter", "#ccb974", console_if_timed=True
+    ),  # data parallel: rank 0 sends each rank its share
     Phase("wake_up", "trainer onload", "onload", "#dd8452", console=True),
     Phase("log_probs", "log-probs", "logprobs", "#55a868", console=True),
-    Phase("ref_log_probs", "reference log-probs", "ref_lp", "#8c8c8c"),
+    Phase("ref_log_probs", "reference log-probs", "ref_lp", "#8c8c8c", console_if_timed=True),
     Phase("train", "training", "train", "#c44e52", console=True),
-    Phase("grad_allreduce", "gradient all-reduce", "allreduce", breakdown=False),
     Phase("update_layout", "update layout", "layout", "#b3a9d6"),  # the update's tensors by name (per-expert views)
     Phase("update_weights", "weight update", "update", "#8172b3", console=True),
     Phase("sleep", "trainer offload", "offload", "#937860", console=True),
@@ -108,6 +114,15 @@ METRICS: tuple[Metric, ...] = (
     Metric("perf/update_weights_pack_time", "pack", "s", Merge.SLOWEST),  # the update's split, where the
     Metric("perf/update_weights_transfer_time", "transfer", "s", Merge.SLOWEST),  # transport can tell them apart
     Metric("perf/update_weights_load_time", "load", "s", Merge.SLOWEST),
+    # trainer.parallel=fsdp2: the full tensors gathered from the shards, inside the update (sync/gather.py)
+    Metric("perf/update_weights_gather_time", "gather", "s", Merge.SLOWEST),
+    Metric("perf/update_weights_gather_bytes", "gathered bytes", "bytes"),
+    Metric("perf/update_weights_gather_peak_bytes", "gathered bytes held at once", "bytes", Merge.LARGEST, stat="max"),
+    Metric("perf/update_weights_gather_limit_time", "gather floor", "s"),  # an all-gather of the same bytes
+    Metric("perf/update_weights_gather_efficiency", "gather efficiency (floor/time)", "ratio"),
+    Metric("perf/update_weights_copy_limit_time", "copy floor", "s"),  # the update's copy alone, without the gather
+    Metric("perf/update_weights_copy_efficiency", "copy efficiency (floor/time)", "ratio"),
+    Metric("update/verified_engines", "engines verified", merge=Merge.SUM),  # update.verify: one per rank's engine
     *moved("sleep"),
     *moved("wake_up"),
     Metric("perf/device_mem_after_sleep_gb", "device memory after offload", "GB", Merge.LARGEST),  # CUDA only
@@ -163,9 +178,13 @@ def declared() -> dict[str, Metric]:
     return {m.name: m for m in (*(p.metric for p in PHASES), *METRICS)}
 
 
-def console_columns() -> tuple[Metric, ...]:
-    """The per-step console table's columns: the phases marked for it in step order, then the metrics."""
-    return tuple(m for m in declared().values() if m.console)
+def console_columns(row: Optional[dict] = None) -> tuple[Metric, ...]:
+    """The per-step console table's columns: the phases marked for it in step order (with those `row`
+    times that can be the largest: data parallel's scatter, the reference's log-probs), then the metrics."""
+    if_timed = {p.metric.name for p in PHASES if p.console_if_timed}
+    return tuple(
+        m for m in declared().values() if m.console and (m.name not in if_timed or (row is not None and m.name in row))
+    )
 
 
 def merge_rule(name: str) -> Merge:

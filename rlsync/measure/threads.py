@@ -1,4 +1,4 @@
-"""Torch CPU threads for the update's copies.
+"""Torch CPU threads: the update's copies, the run's phases, and how busy the machine is.
 
 A copy is memory-bound, and each extra thread adds an OpenMP barrier per tensor that costs
 milliseconds when the cores are busy elsewhere (experiments/transports/README.md). So the update
@@ -8,6 +8,8 @@ threads back.
 
 from __future__ import annotations
 
+import os
+import time
 from contextlib import contextmanager
 
 import torch
@@ -34,3 +36,134 @@ def cpu_threads(count: int | None, device: torch.device):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+# ----------------------------------------------------------------------------------------------
+# The run's threads, and how busy the machine is
+# ----------------------------------------------------------------------------------------------
+# On a busy CPU torch's default (one thread per core) oversubscribes: every parallel region waits for
+# its slowest thread, which the other processes keep off a core. Measured on a 2-core machine beside a
+# 2-thread matmul (experiments/cpu_threads/README.md): the tiny default step took 3.5 s at 2 threads and
+# 1.1 s at 1; on the quiet machine 0.45 s at 2 and 0.6 s at 1. So the run takes the cores free at start.
+
+
+def machine_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or taskset's limit)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _busy_seconds() -> float | None:
+    """CPU seconds every process of the machine has spent busy since boot (/proc/stat), None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class CpuLoad:
+    """How many cores the machine's *other* processes keep busy: since `start()`, or over a short window."""
+
+    def __init__(self):
+        self.wall = self.busy = self.own = None
+
+    def start(self) -> CpuLoad:
+        self.wall, self.busy, self.own = time.monotonic(), _busy_seconds(), _own_seconds()
+        return self
+
+    def others(self) -> float | None:
+        """Average busy cores of other processes since start() (None where /proc/stat is not there)."""
+        busy = _busy_seconds()
+        if busy is None or self.busy is None:
+            return None
+        wall = time.monotonic() - self.wall
+        if wall <= 0:
+            return None
+        return max(0.0, ((busy - self.busy) - (_own_seconds() - self.own)) / wall)
+
+    @classmethod
+    def sample(cls, seconds: float = 0.3) -> float | None:
+        """Busy cores of other processes over the next `seconds` (this process sleeps meanwhile)."""
+        load = cls().start()
+        time.sleep(seconds)
+        return load.others()
+
+
+def choose_threads(setting: int | None, device: torch.device) -> tuple[int, str, float | None]:
+    """(torch CPU threads for the run's phases, why, busy cores of other processes sampled at start).
+    `setting`: run.cpu_threads (None: auto)."""
+    if setting:
+        return setting, "run.cpu_threads", None
+    if device.type != "cpu":  # the phases run on the device: torch's default for the host-side work
+        return torch.get_num_threads(), "torch's default (the phases run on the device)", None
+    cores = min(machine_cores(), torch.get_num_threads())  # OMP_NUM_THREADS, if set, is an upper bound
+    others = CpuLoad.sample()
+    if others is None:
+        return cores, f"{cores} cores (the machine's load is unknown here)", None
+    busy = min(cores - 1, round(others))
+    return cores - busy, f"{cores} cores, {others:.1f} kept busy by other processes at start", others
+
+
+def load_warning(others: float | None, cores: int, when: str) -> str | None:
+    """A line when other processes kept at least one core (or half the machine) busy: times will swing."""
+    if others is None or others < max(1.0, 0.5 * cores) - 0.25:
+        return None
+    return (
+        f"the machine was busy {when}: other processes kept {others:.1f} of its {cores} cores busy, so these "
+        f"times may be noise (rerun on a quiet machine)"
+    )
+
+
+def processes_here() -> int:
+    """The run's processes on this machine: torchrun's LOCAL_WORLD_SIZE (data parallel), else 1."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    except ValueError:
+        return 1
+
+
+class RunCpu:
+    """The run's torch CPU threads (chosen once, before any model is built) and the machine's load
+    around it: at start, and averaged over the run (summary.json `cpu`)."""
+
+    def __init__(self, setting: int | None, device: torch.device):
+        self.cores = machine_cores()
+        ranks = processes_here()
+        if ranks > 1 and not setting and device.type == "cpu":  # the ranks start together: split the cores
+            self.threads = max(1, min(self.cores, torch.get_num_threads()) // ranks)
+            self.why, self.others_at_start = f"{self.cores} cores shared by {ranks} ranks", None
+        else:
+            self.threads, self.why, self.others_at_start = choose_threads(setting, device)
+        self.load = CpuLoad().start()
+
+    def start_warning(self) -> str | None:
+        """The line printed before the first step when the machine is busy (none with RLSYNC_NO_LOAD_WARNING=1,
+        which the test suite sets: its two workers keep each other's machine busy)."""
+        if os.environ.get("RLSYNC_NO_LOAD_WARNING") == "1":
+            return None
+        return load_warning(self.others_at_start, self.cores, "at start")
+
+    def as_dict(self) -> dict:
+        """What summary.json records; the load over the run is measured now (at the summary)."""
+        during = self.load.others()
+        return {
+            "threads": self.threads,
+            "why": self.why,
+            "cores": self.cores,
+            "others_busy_cores_at_start": self.others_at_start,
+            "others_busy_cores_during_run": during,
+            "warning": load_warning(during, self.cores, "during the run"),
+        }

@@ -15,6 +15,7 @@ The owner keeps what is its own: what a step is, what its summary says, what it 
 from __future__ import annotations
 
 import platform
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -48,13 +49,16 @@ class Recorder:
         config: Optional[dict] = None,
         overrides: list[str] = (),
         enabled: bool = True,
+        hydra_record: Optional[dict[str, str]] = None,
     ):
         self.run_dir, self.enabled = Path(run_dir), enabled
         self.wandb = wandb or WandbConfig(mode="disabled")
         self.wandb_args = {"name": name, "group": group, "job_type": job_type, "config": config or {}}
         self.overrides = list(overrides)  # the command line's, for summary.json
+        self.hydra_record = hydra_record or {}  # .hydra/'s files, written once the directory is held
         self.rows: list[dict] = []  # the finished steps, as recorded
         self.status, self.error, self.failure = "running", None, None
+        self.started_at: Optional[float] = None  # unix time of start()
         self.result: Optional[dict] = None  # the summary, once written
         self.summary_failure: Optional[WriteFailed] = None
         self.wb = WandbRun(None)
@@ -65,7 +69,19 @@ class Recorder:
     def __enter__(self) -> Recorder:
         if self.enabled:
             self._stack.enter_context(RunLock(self.run_dir))
+            self._write_hydra_record()
         return self
+
+    def _write_hydra_record(self) -> None:
+        """Hydra's record of the job (rlsync.config.launch.hydra_record), now that this run holds the directory."""
+        for name, text in self.hydra_record.items():
+            path = self.run_dir / ".hydra" / name
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text, encoding="utf-8")
+            except OSError as err:
+                self._stack.close()  # the directory let go: nothing ran
+                raise WriteFailed(path, err) from None
 
     def __exit__(self, *exc) -> Optional[bool]:
         self.close_files()
@@ -74,6 +90,7 @@ class Recorder:
     def start(self, *, console_steps: Optional[int] = None, progress: bool = True, warmup_steps: int = 0) -> None:
         """Open the W&B run, a fresh metrics.jsonl (a previous run's record kept as .prev) and, given
         `console_steps`, the console: a progress bar (`progress`) and a line per step, warm-up marked."""
+        self.started_at = time.time()  # summary.json: a report tells jobs that ran at the same time
         if not self.enabled:
             return
         self.wb = self._stack.enter_context(wandb_run(self.wandb, run_dir=self.run_dir, **self.wandb_args))
@@ -154,6 +171,8 @@ class Recorder:
             "steps_finished": len(self.rows),
             "warmup_steps": warmup_steps,
             "measured_steps": self.measured(warmup_steps),
+            "started_at": self.started_at,  # unix time of start() and of this summary
+            "ended_at": time.time(),
         }
 
     def write_summary(self, result: dict) -> None:

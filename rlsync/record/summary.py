@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from rlsync.fmt import fmt_range, fmt_share, fmt_sig, markdown_table
+from rlsync.fmt import fmt_range, fmt_seconds, fmt_share, fmt_sig, fmt_spread, markdown_table
 from rlsync.measure import metrics
 
 
@@ -62,12 +62,38 @@ def sent_phrase(setup: dict) -> str:
     return f" Each update sent {setup['update_tensors']:,} tensors (model.update_layout={setup['update_layout']})."
 
 
-def closing_table(model: str, stats: dict, share: dict) -> str:
-    """The run's closing table: the headline phases' ranges over the measured steps, and the update's share."""
+NOISE_SPREAD = 0.5  # a step whose slowest and fastest measured steps differ by more than half its median
+
+
+def noise_warning(stats: dict) -> str | None:
+    """A line when the measured steps spread wide around their median: one run's figures may be noise."""
+    step = stats.get("perf/step_time")
+    if not step or not step["median"] or (step["max"] - step["min"]) / step["median"] <= NOISE_SPREAD:
+        return None
+    return (
+        f"the measured steps spread from {fmt_range(step['min'], step['max'])} around a median of "
+        f"{fmt_seconds(step['median'])}: these numbers may be noise (a busy machine, or too few steps: raise run.steps)"
+    )
+
+
+def setup_phrase(setup: dict) -> str:
+    """The update's setup in a few words, for the closing table: "direct, bucketed 512 MiB, scheme rlsync"."""
+    strategy = setup.get("strategy")
+    how = f"bucketed {setup['bucket_mb']:g} MiB" if strategy == "bucketed" and setup.get("bucket_mb") else strategy
+    parts = [setup.get("transport"), how, f"scheme {setup['scheme']}" if setup.get("scheme") else None]
+    if (setup.get("ranks") or 1) > 1:
+        parts.append(f"{setup['ranks']} ranks")
+    return ", ".join(str(p) for p in parts if p)
+
+
+def closing_table(model: str, stats: dict, share: dict, setup: dict | None = None) -> str:
+    """The run's closing table: the setup, each headline phase's median with its range over the measured
+    steps, and the update's share."""
     headline = [metrics.phase_named(name) for name in metrics.HEADLINE]
-    ranges = [
-        fmt_range(stats[p.metric.name]["min"], stats[p.metric.name]["max"]) if p.metric.name in stats else "n/a"
-        for p in headline
-    ]
+    cells = []
+    for p in headline:
+        st = stats.get(p.metric.name)
+        cells.append(fmt_spread(st["median"], st["min"], st["max"]) if st else "n/a")
     update = fmt_share(share.get("update_weights"))
-    return markdown_table(["model", *(p.label for p in headline), "update share of step"], [[model, *ranges, update]])
+    header = ["model", "update setup", *(f"{p.label} median (range)" for p in headline), "update share of step"]
+    return markdown_table(header, [[model, setup_phrase(setup or {}) or "n/a", *cells, update]])

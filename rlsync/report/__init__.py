@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlsync.errors import WriteFailed
+from rlsync.fmt import plural
 from rlsync.report import sizing
 from rlsync.report.markdown import write_csv, write_markdown
 from rlsync.report.plots import write_plots
@@ -64,8 +65,44 @@ def choose_group(runs: list[Run], out_dir: Path) -> str:
     return groups.pop() if len(groups) == 1 else out_dir.resolve().name
 
 
+def distinct_labels(items: list) -> None:
+    """Two runs given by paths that end alike (a/run, b/run) get their parent's name too, then the whole path."""
+    for depth in (2, None):
+        seen: dict[str, int] = {}
+        for item in items:
+            seen[item.job] = seen.get(item.job, 0) + 1
+        twins = {label for label, n in seen.items() if n > 1}
+        if not twins:
+            return
+        for item in items:
+            if item.job in twins:
+                item.job = "/".join(item.path.parts[-depth:]) if depth else str(item.path)
+
+
+def overlap_note(runs: list[Run]) -> Optional[str]:
+    """A note when runs of the report ran at the same time (summary.json's started_at / ended_at): a
+    launcher that runs jobs side by side, or two commands at once. Their timings contaminate each other."""
+    spans = sorted(
+        (r.summary["started_at"], r.summary["ended_at"], r.job)
+        for r in runs
+        if isinstance(r.summary.get("started_at"), (int, float)) and isinstance(r.summary.get("ended_at"), (int, float))
+    )
+    pairs = [(a[2], b[2]) for a, b in zip(spans, spans[1:]) if b[0] < a[1]]
+    if not pairs:
+        return None
+    named = ", ".join(f"{x} and {y}" for x, y in pairs[:3]) + (" and more" if len(pairs) > 3 else "")
+    return (
+        f"jobs {named} ran at the same time: their timings contaminate each other "
+        f"(run them one after another: Hydra's default launcher)"
+    )
+
+
 def write_report(
-    paths: Iterable[str | Path], out_dir: Optional[str | Path] = None, log_wandb: bool = True
+    paths: Iterable[str | Path],
+    out_dir: Optional[str | Path] = None,
+    log_wandb: bool = True,
+    *,
+    side_by_side: Optional[str] = None,
 ) -> ReportResult:
     """Read every run under `paths`, write report.md, report.csv and the plots, log to W&B.
 
@@ -82,6 +119,11 @@ def write_report(
     several = len(sweeps) > 1
     for item in [*runs, *failures]:
         item.job = job_label(item.path, item.sweep, several)
+    distinct_labels([*runs, *failures])
+    if side_by_side:  # the sweep's launcher runs jobs at once (rlsync.report.sweep_callback)
+        result.notes.append(f"hydra/launcher={side_by_side} ran this sweep's jobs side by side")
+    if note := overlap_note(runs):
+        result.notes.append(note)
     result.rows = table_rows(result)
     result.table_markdown = rows_markdown(result.rows)
     result.fits = fit_by_setup(result.rows)
@@ -152,7 +194,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 
 def print_result(result: ReportResult) -> None:
-    print(f"rlsync report: {result.group} ({len(result.runs)} runs, {len(result.failures)} failed)")
+    print(f"rlsync report: {result.group} ({plural(len(result.runs), 'run')}, {len(result.failures)} failed)")
     if result.rows:
         print(result.table_markdown)
         for best in best_settings(result.rows):  # the same sentences as report.md's "Best setting"
@@ -198,6 +240,9 @@ def report_main(args: argparse.Namespace) -> int:
         print(f"rlsync.report: no run directories found under {' '.join(map(str, args.paths))}", file=sys.stderr)
         return 1
     print_result(result)
+    if failed_plots := [n for n in result.notes if " failed: " in n]:  # a plot that could not be drawn or written
+        print(f"rlsync.report: {len(failed_plots)} plot(s) failed: {failed_plots[0]}", file=sys.stderr)
+        return 1
     if not result.ok:
         print(
             f"rlsync.report: no run measured a step ({len(result.failures)} failed); see {result.out_dir / 'report.md'}",

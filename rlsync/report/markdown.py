@@ -7,6 +7,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from rlsync.fmt import plural
 from rlsync.report import sizing
 from rlsync.report.table import (
     TABLE_NOTE,
@@ -25,7 +26,7 @@ def write_markdown(path: Path, result: ReportResult, plots: list[Path], sources:
     out = [f"# rlsync report: {result.group}", ""]
     out += [machine_line(result.runs), ""]
     out += [f"Sources: {', '.join(str(s) for s in sources)}. Written {datetime.now():%Y-%m-%d %H:%M:%S}.", ""]
-    out += [f"{len(result.runs)} runs reported, {len(result.failures)} failed.", ""]
+    out += [f"{plural(len(result.runs), 'run')} reported, {len(result.failures)} failed.", ""]
     out += ["## Best setting", ""]
     out += [f"- {best.describe()}" for best in best_settings(result.rows)] or ["No run measured a time to compare."]
     out += ["", "## Runs", "", TABLE_NOTE, ""]

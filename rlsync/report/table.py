@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from rlsync.config.files import SUMMARY_MAX, UnreadableFile, read_bytes
 from rlsync.fmt import (
     MIB,
     fmt_bytes,
@@ -36,6 +37,7 @@ DEFAULT_VERDICT_THRESHOLD = 0.03  # update share of the step above which tuning 
 MIN_MEASURED = 3  # fewer measured steps (or bench repeats) than this and a min-max range says little
 MIN_FIT_SIZES = 3  # distinct update sizes that make a line of time against bytes meaningful by themselves
 PER_TENSOR = "per_tensor"  # the strategy to which a bucket size does not apply
+UPDATE_PARTS = ("gather", "pack", "transfer", "load")  # perf/update_weights_<part>_time, in the order they run
 
 # report.csv columns: raw seconds, bytes and ratios (never formatted strings); between these two,
 # each of the step's parts (the catalogue's, rlsync/measure/metrics.py) as <phase>_time_median: see csv_fields().
@@ -174,10 +176,19 @@ def dig(tree: Any, dotted: str, default: Any = None) -> Any:
     return default if node is None else node
 
 
+METRICS_MAX = 1 << 30  # a run's metrics.jsonl: ~2 KiB a step
+
+
+def read_text(path: Path, max_bytes: int = SUMMARY_MAX) -> str:
+    """A run's file as text, only if it is a regular file within `max_bytes` (a FIFO named summary.json
+    would block a plain read forever): FileNotFoundError, UnreadableFile (a ValueError) or OSError otherwise."""
+    return read_bytes(path, max_bytes=max_bytes).decode("utf-8", errors="replace")
+
+
 def read_json(path: Path) -> Optional[dict]:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = json.loads(read_text(path))
+    except (OSError, ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
 
@@ -189,13 +200,17 @@ class Malformed(ValueError):
 def read_summary(path: Path) -> dict:
     """summary.json as a dict ({} when there is none); Malformed when it exists but is not a run's summary."""
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = read_text(path)
     except FileNotFoundError:
         return {}
+    except UnreadableFile as err:
+        raise Malformed(f"summary.json unreadable ({err})") from None
     except OSError as err:
         raise Malformed(f"summary.json unreadable ({err.strerror or err})") from None
     try:
         data = json.loads(text)
+    except RecursionError:
+        raise Malformed("summary.json nests too deep") from None
     except ValueError as err:
         raise Malformed(f"summary.json is not valid JSON ({err}); truncated?") from None
     if not isinstance(data, dict):
@@ -301,8 +316,8 @@ def read_yaml(path: Path) -> Any:
     import yaml  # PyYAML, a dependency of omegaconf
 
     try:
-        return yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
+        return yaml.safe_load(read_text(path))
+    except (OSError, ValueError, yaml.YAMLError, RecursionError):
         return None
 
 
@@ -310,8 +325,8 @@ def read_metrics(path: Path) -> list[dict]:
     """metrics.jsonl rows; a torn last line (an interrupted write) is skipped."""
     rows = []
     try:
-        lines = path.read_text().splitlines()
-    except OSError:
+        lines = read_text(path, max_bytes=METRICS_MAX).splitlines()
+    except (OSError, ValueError):
         return rows
     for line in lines:
         try:
@@ -337,8 +352,8 @@ def error_line(run_dir: Path) -> str:
     """The last log line naming an error, else the last non-empty log line."""
     for log in sorted(run_dir.glob("*.log"), key=lambda p: p.stat().st_mtime, reverse=True):
         try:
-            lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-        except OSError:
+            lines = [ln.strip() for ln in read_text(log).splitlines() if ln.strip()]
+        except (OSError, ValueError):
             continue
         if not lines:
             continue
@@ -412,16 +427,20 @@ def is_job_dir(path: Path) -> bool:
 
 
 def is_sweep_dir(path: Path) -> bool:
-    """A Hydra multirun directory: numbered job subdirectories, no .hydra of its own."""
-    if (path / ".hydra").exists() or not path.is_dir():
+    """A folder of runs: a Hydra multirun directory (numbered job subdirectories), or any folder whose
+    subdirectories are runs (outputs/runs/, named by time), with no run of its own."""
+    if not path.is_dir() or is_job_dir(path):
         return False
-    return any(child.name.isdigit() and is_job_dir(child) for child in path.iterdir())
+    return any(child.is_dir() and is_job_dir(child) for child in path.iterdir())
 
 
 def sweep_jobs(sweep: Path) -> list[Path]:
-    """Every numbered subdirectory, even an empty one (a job that died before writing)."""
-    jobs = [child for child in sweep.iterdir() if child.is_dir() and child.name.isdigit()]
-    return sorted(jobs, key=lambda p: int(p.name))
+    """Every numbered subdirectory, even an empty one (a job that died before writing), then every other
+    subdirectory that holds a run, by name."""
+    children = [child for child in sweep.iterdir() if child.is_dir()]
+    numbered = sorted((c for c in children if c.name.isdigit()), key=lambda p: int(p.name))
+    named = sorted(c for c in children if not c.name.isdigit() and is_job_dir(c))
+    return numbered + named
 
 
 def collect(paths: Iterable[Path]) -> tuple[list[Run], list[Failure], list[Path], list[str]]:
@@ -496,6 +515,9 @@ def table_row(run: Run) -> dict[str, Any]:
     row["update_bytes"] = run.stat("perf/update_weights_bytes") or model.get("update_bytes")
     row["update_buckets_median"] = run.stat("perf/update_weights_buckets")
     row["update_peak_bytes_max"] = run.stat("perf/update_weights_peak_bytes", "max")
+    row["update_staging_bytes_max"] = run.stat("perf/update_weights_staging_bytes", "max")
+    for part in UPDATE_PARTS:  # the update's own split, where the transport times it (the update-phases plot)
+        row[f"update_{part}_time_median"] = run.stat(f"perf/update_weights_{part}_time")
     row["verdict"] = run_verdict(run, row["update_share"])
     row["bench"] = bench_target(run)  # its measured rows are repeats of the target, not steps
     row["warmup_steps"] = run.warmup_steps
@@ -876,7 +898,7 @@ def table_cells(row: dict[str, Any], common: Iterable[str] = ()) -> list[str]:
         fmt_spread(row["step_time_median"], row["step_time_min"], row["step_time_max"]),
         fmt_share(row["update_share"]),
         fmt_efficiency(row["update_efficiency_median"]),
-        fmt_mib(row["update_peak_bytes_max"]),
+        "0 (no staging)" if row["update_peak_bytes_max"] == 0 else fmt_mib(row["update_peak_bytes_max"]),
     ]
 
 

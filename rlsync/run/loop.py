@@ -15,6 +15,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -23,29 +24,45 @@ from rlsync.engines.base import EngineSpec, Generation, answer_ids, engine_class
 from rlsync.measure.devices import (
     device_memory_metrics,
     explicit_device,
-    reset_run_peaks,
     resolve_device,
-    run_device_peaks,
     sampler,
     select_device,
 )
-from rlsync.measure.limits import Limits
-from rlsync.measure.memory import peak_rss_bytes, reset_peak_rss
+from rlsync.measure.limits import GatherFloor, Limits
+from rlsync.measure.threads import RunCpu, cpu_threads
 from rlsync.measure.timing import Stopwatch
 from rlsync.model.architecture import params_layout, update_tensors
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.record import summary as summaries
 from rlsync.record.recorder import Recorder, machine_info
-from rlsync.run.memory_check import check_fits, load_runtime
-from rlsync.sync import WeightMismatch, is_out_of_memory, open_transport, out_of_memory, plan_for, update_weights
+from rlsync.run.memory_check import memory_fit, memory_record
+from rlsync.sync import (
+    WeightMismatch,
+    follow_update,
+    is_out_of_memory,
+    open_transport,
+    out_of_memory,
+    plan_for,
+    update_weights,
+)
 from rlsync.sync.auto import resolve_for_run, resolved_setup
+from rlsync.sync.gather import StandIns
 from rlsync.trainer.data_parallel import DataParallel
 from rlsync.trainer.grpo import Trainer, group_advantages
 from rlsync.trainer.offload import Offloader, link_metrics
+from rlsync.trainer.parallel import Parallel, parallel_for
 from rlsync.trainer.task import Prompt, make_prompts, reward
 
 
-def run_experiment(cfg: Config, run_dir: Path, *, name: str, group: str, overrides: list[str] = ()) -> dict:
+def run_experiment(
+    cfg: Config,
+    run_dir: Path,
+    *,
+    name: str,
+    group: str,
+    overrides: list[str] = (),
+    hydra_record: Optional[dict[str, str]] = None,
+) -> dict:
     with DataParallel.from_env() as dp:  # a single process, or one rank of a data-parallel launch
         # Ranks > 0 train their share and write nothing: rank 0 records every step. Rank 0 holds the
         # run directory: a second live run in it stops here, touching nothing.
@@ -58,22 +75,20 @@ def run_experiment(cfg: Config, run_dir: Path, *, name: str, group: str, overrid
             config=to_dict(cfg),
             overrides=overrides,
             enabled=dp.is_main,
+            hydra_record=hydra_record,  # .hydra/, once the directory is held
         ) as recorder:
             memory = (
-                memory_fit(cfg, dp.device(resolve_device(cfg.run.device))) if dp.is_main else None
+                memory_fit(cfg, dp.device(resolve_device(cfg.run.device)), overrides=list(overrides))
+                if dp.is_main
+                else None
             )  # before any model
+            device = dp.device(resolve_device(cfg.run.device))
+            cpu = RunCpu(cfg.run.cpu_threads, device)  # the cores free now: a busy machine is not oversubscribed
+            if dp.is_main and (busy := cpu.start_warning()):  # with the numbers it is about, as the closing WARNING
+                print(f"WARNING: {busy}", flush=True)
             recorder.start(console_steps=cfg.run.steps, progress=cfg.run.progress, warmup_steps=cfg.run.warmup_steps)
-            return Experiment(cfg, recorder, dp=dp, memory=memory).run()
-
-
-def memory_fit(cfg: Config, device: torch.device) -> dict:
-    """The run's peak memory estimated from the config, and what the machine has (rlsync.run.memory_check);
-    raises DoesNotFit (exit 2) when it cannot fit, unless run.memory_check=false."""
-    reset_peak_rss()  # a multirun's jobs share this process: each job's peak is its own
-    reset_run_peaks(device)
-    load_runtime(cfg)
-    estimate, available = check_fits(cfg, device, memory_check=cfg.run.memory_check)
-    return {"estimate": estimate, "available": available}
+            with cpu_threads(cpu.threads, device):
+                return Experiment(cfg, recorder, dp=dp, memory=memory, cpu=cpu).run()
 
 
 class Experiment:
@@ -84,8 +99,10 @@ class Experiment:
         *,
         dp: DataParallel | None = None,
         memory: dict | None = None,
+        cpu: RunCpu | None = None,
     ):
         self.cfg = cfg
+        self.cpu = cpu  # the run's CPU threads and the machine's load (run_experiment)
         self.recorder = recorder or Recorder(Path("."), enabled=False)  # run dir, files, W&B, signals, summary.json
         self.memory = memory  # run_experiment's estimate: summary.json puts the measured peak beside it
         self.dp = dp or DataParallel()
@@ -96,6 +113,11 @@ class Experiment:
         self.update_cfg = cfg.update  # rank 0: with its nulls (auto) resolved in setup() (rlsync.sync.auto)
         self.resolved: dict | None = None  # those resolved values and why, for summary.json
         self.offloader: Offloader | None = None  # set by setup()
+        self.parallel: Parallel | None = None  # trainer.parallel as this process runs it, set by setup()
+        self.gather_floor: GatherFloor | None = None  # fsdp2: the gather's floor, measured by every rank
+        # data parallel: rank 0 holds the engine, or every rank its own (rollout.engines=every_rank)
+        self.every_rank = self.dp.enabled and cfg.rollout.engines == "every_rank"
+        self.has_engine = self.dp.is_main or self.every_rank
 
     def run(self) -> dict:
         """Set up, then the steps, each recorded once finished; the summary however the run ends.
@@ -106,35 +128,38 @@ class Experiment:
         ) as record:  # data parallel: stopped by another rank?
             engine = self.setup()
             for step in range(self.cfg.run.steps):
-                if step > 0 and self.limits is not None and self.cfg.run.limit_probe == "every_step":  # rank 0's
-                    self.limits.measure()  # the copy floors as the machine is now, outside the step's timing
+                if step > 0 and self.cfg.run.limit_probe == "every_step":  # outside the step's timing
+                    if self.limits is not None:  # the ranks with an engine
+                        self.limits.measure()  # the copy floors as the machine is now
+                    if self.gather_floor is not None:  # every rank at once: a collective
+                        self.gather_floor.measure()
                 record({"step": step, **self.step(step, engine)})
         return self.recorder.result
 
     def setup(self):
         """Build trainer and engine, measure the copy limits, do the first update, put the trainer to sleep.
 
-        Data parallel: every rank builds a trainer and takes rank 0's weights; rank 0 alone opens the
-        engine, measures the limits (the other ranks wait, so the probe has the memory to itself)
-        and does the first update.
+        Data parallel: every rank builds a trainer and takes rank 0's weights (before trainer.parallel wraps
+        or shards the model); rank 0 alone opens the engine (every rank its own with rollout.engines=
+        every_rank), measures the copy limits (the other ranks wait, so the probe has the memory to itself)
+        and does the first update. Under fsdp2 every rank then measures the gather's floor and gathers.
         """
         cfg, device = self.cfg, self.device
         select_device(device)  # cuda:N: N current before any CUDA work (syncs, events, the allocator)
         self.dp.start(device, timeout_s=cfg.run.rank_timeout_s)  # a single process: nothing to join
         torch.manual_seed(cfg.run.seed)
         self.rng = random.Random(cfg.run.seed)
-        self.sampler = sampler(device, cfg.run.seed)  # on the engine's device (the same as the trainer's)
+        # on the engine's device (the same as the trainer's); one engine per rank: each samples its own stream
+        self.sampler = sampler(device, cfg.run.seed + (self.dp.rank if self.every_rank else 0))
         self.tokenizer = build_tokenizer(cfg.model)
         allowed = self.tokenizer.allowed_ids(cfg.model.vocab_size)
 
         t0 = time.perf_counter()
         model = build_model(cfg.model, dtype=torch_dtype(cfg.trainer.dtype), device=device, seed=cfg.run.seed)
+        self.dp.broadcast_weights(model)  # data parallel: every rank starts from rank 0's weights, before any sharding
+        self.parallel = parallel_for(cfg.trainer.parallel, world=self.dp.world, device=device)
         self.trainer = Trainer(
-            model,
-            cfg.trainer,
-            allowed_ids=allowed,
-            temperature=cfg.rollout.temperature,
-            grad_sync=self.dp.all_reduce_grads if self.dp.enabled else None,
+            model, cfg.trainer, allowed_ids=allowed, temperature=cfg.rollout.temperature, parallel=self.parallel
         )
         self.offloader = Offloader(
             model,
@@ -151,10 +176,11 @@ class Experiment:
         # each update (update_source) and never kept: a view would hold the storage the offload frees.
         self.layout = params_layout(self.params, cfg.model.update_layout)
         weights = update_tensors(self.params, cfg.model.update_layout, self.layout)
-        read_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-        engine = (
-            self.open_transport(allowed, weights, read_bytes) if self.dp.is_main else None
-        )  # rank 0 owns the engine and the update
+        read_bytes = self.read_bytes = sum(t.numel() * t.element_size() for t in weights.values())  # fsdp2: whole
+        self.buckets = plan_for(weights, cfg.update, torch_dtype(cfg.rollout.dtype))  # every rank: the gather's order
+        engine = self.open_transport(allowed, weights, read_bytes) if self.has_engine else None
+        if self.parallel.sharded:  # every rank, once the engines are open: an all-gather of the update's bytes
+            self.gather_floor = GatherFloor(read_bytes, dtype=torch_dtype(cfg.trainer.dtype), device=device)
         build_time = time.perf_counter() - t0
 
         self.setup_info = {
@@ -164,19 +190,22 @@ class Experiment:
             "params": sum(t.numel() for t in weights.values()),
             "resolved": self.resolved,
         }
+        del weights  # held past here, a view would keep storage the offload frees
+        source = self.update_source(live=True)  # fsdp2: shards, gathered as the engine reads them (every rank alike)
         if engine is not None:
             update_bytes = sum(b.nbytes for b in self.buckets)
-            engine.update_weights(weights)  # the engine starts from the trainer's weights
+            engine.update_weights(source)  # the engine starts from the trainer's weights
             self.setup_info.update(
                 {
                     "update_bytes": update_bytes,
                     "buckets": len(self.buckets),
-                    "limits": self.limits.as_dict(),
+                    "limits": {**self.limits.as_dict(), **(self.gather_floor.as_dict() if self.gather_floor else {})},
                     "update_limit_time": self.limits.update_limit,
                 }
             )
-        del weights  # held past here, a view would keep storage the offload frees
-        self.dp.broadcast_weights(model)  # data parallel: every rank starts from rank 0's weights
+        elif self.parallel.sharded:
+            source.drain()  # the gathers rank 0's engine reads, in step with it
+        del source
         # The first sleep moves the whole laid-out state (grads and optimizer state exist, as zeros), so
         # it warms every page of both sides: steps 0 and 1 then cost what later steps cost.
         watch = Stopwatch(device)
@@ -189,7 +218,6 @@ class Experiment:
         """The bucket plan of the update, the copy floors, the update's auto knobs resolved (rlsync.sync.auto:
         before the engine opens, so its process gets them), then the rollout engine behind the transport."""
         cfg = self.cfg
-        self.buckets = plan_for(weights, cfg.update, torch_dtype(cfg.rollout.dtype))
         self.limits = Limits(
             self.device,
             update_bytes=sum(b.nbytes for b in self.buckets),
@@ -198,8 +226,9 @@ class Experiment:
             source=cfg.update.source,
             dtypes=(torch_dtype(cfg.trainer.dtype), torch_dtype(cfg.rollout.dtype)),
         )
+        probe = StandIns(weights) if self.parallel.sharded else weights  # shards: the probe copies whole stand-ins
         self.update_cfg, self.resolved = resolve_for_run(
-            cfg.update, cfg.rollout, weights=weights, buckets=self.buckets, device=self.device, model=cfg.model
+            cfg.update, cfg.rollout, weights=probe, buckets=self.buckets, device=self.device, model=cfg.model
         )
         spec = EngineSpec(
             model=cfg.model,
@@ -208,6 +237,7 @@ class Experiment:
             allowed_ids=allowed,
             eos_id=self.tokenizer.eos_id,
             pad_id=self.tokenizer.pad_id,
+            cpu_threads=torch.get_num_threads(),  # an engine process uses the run's threads (run.cpu_threads)
         )
         try:
             self.engine = open_transport(self.update_cfg, spec=spec, buckets=self.buckets)
@@ -222,10 +252,16 @@ class Experiment:
         metrics: dict[str, float] = {}
         gen = advantages = None
         with watch("step"):
-            if dp.is_main:  # rank 0 owns the engine: it generates the whole batch
-                gen, advantages, rollout_metrics = self.rollout(engine, watch)
             batch_tokens = None  # the loss's token-mean denominator; None: this process's whole batch
-            if dp.enabled:  # data parallel: each rank trains whole prompt groups (advantages are per group)
+            if self.every_rank:  # one engine per rank: each generates its own whole prompt groups
+                gen, advantages, rollout_metrics = self.rollout(
+                    engine, watch, groups=dp.share(cfg.rollout.prompts_per_step)
+                )
+                with watch("batch_scatter"):  # the whole batch's answer tokens, every rank's loss denominator
+                    batch_tokens = dp.all_sum(int(gen.response_mask.sum()))
+            elif dp.is_main:  # rank 0 owns the engine: it generates the whole batch
+                gen, advantages, rollout_metrics = self.rollout(engine, watch)
+            if dp.enabled and not self.every_rank:  # each rank trains whole prompt groups (advantages are per group)
                 with watch("batch_scatter"):
                     gen, advantages, batch_tokens = dp.scatter_groups(
                         gen, advantages, group_size=cfg.rollout.samples_per_prompt, device=self.device
@@ -246,31 +282,12 @@ class Experiment:
                         gen, old_logp=old_logp, advantages=advantages, ref_logp=ref_logp, batch_tokens=batch_tokens
                     )
                 )
-            if dp.enabled and cfg.update.verify:  # rank 0's update speaks for every rank only if they agree
+            if dp.enabled and cfg.update.verify and not self.parallel.sharded:  # ddp: the replicas must agree
                 dp.check_same_weights(self.params)
             if cfg.update.source == "host":  # Miles/slime's colocated order: offload, then update
                 self.trainer_sleep(watch, metrics)
-            if cfg.update.enabled and dp.is_main:
-                # The update writes into the engine's weights: allocate them first (release_weights), or
-                # wake them where the engine's release always takes them off the device (timed as the
-                # engine's resume, not inside the update).
-                if cfg.rollout.release_weights or engine_class(cfg.rollout.engine).release_takes_weights:
-                    with watch("engine_resume"):
-                        engine.resume()
-                with watch("update_layout"):  # the update's tensors: per-expert views cost ~10 us each
-                    source = self.update_source()
-                with watch("update_weights"):
-                    metrics.update(
-                        update_weights(
-                            engine,
-                            source,
-                            buckets=self.buckets,
-                            cfg=self.update_cfg,
-                            device=self.device,
-                            limit_time=self.limits.update_limit,
-                        )
-                    )
-                del source  # no view outlives the update (the offload frees what it points at)
+            if cfg.update.enabled:
+                self.update(engine, watch, metrics)
             if cfg.update.source == "device":
                 self.trainer_sleep(watch, metrics)
 
@@ -285,15 +302,60 @@ class Experiment:
             metrics.update(rollout_metrics)
         return metrics
 
+    def update(self, engine, watch: Stopwatch, metrics: dict) -> None:
+        """The weight update into this rank's engine, if it has one; from shards (fsdp2) every rank gathers.
+
+        update.verify under data parallel: every rank's engine is checked and all ranks learn the verdict
+        (the first failing rank's mismatch is raised on every rank)."""
+        cfg, error = self.cfg, None
+        gather_limit = self.gather_floor.time(self.read_bytes) if self.gather_floor is not None else 0.0
+        if engine is not None or self.parallel.sharded:
+            # The update writes into the engine's weights: allocate them first (release_weights), or
+            # wake them where the engine's release always takes them off the device (timed as the
+            # engine's resume, not inside the update).
+            if engine is not None and (
+                cfg.rollout.release_weights or engine_class(cfg.rollout.engine).release_takes_weights
+            ):
+                with watch("engine_resume"):
+                    engine.resume()
+            with watch("update_layout"):  # the update's tensors: per-expert views cost ~10 us each
+                source = self.update_source()
+            with watch("update_weights"):
+                try:
+                    if engine is not None:
+                        metrics.update(
+                            update_weights(
+                                engine,
+                                source,
+                                buckets=self.buckets,
+                                cfg=self.update_cfg,
+                                device=self.device,
+                                limit_time=self.limits.update_limit,
+                                gather_limit_time=gather_limit,
+                            )
+                        )
+                        if cfg.update.verify:
+                            metrics["update/verified_engines"] = 1
+                    else:  # no engine here: the same gathers as the engines' ranks
+                        metrics.update(follow_update(source, cfg=self.update_cfg, gather_limit_time=gather_limit))
+                except WeightMismatch as err:
+                    error = err
+            del source  # no view outlives the update (the offload frees what it points at)
+        if self.dp.enabled and cfg.update.verify:
+            self.dp.agree(error)
+        elif error is not None:
+            raise error
+
     def trainer_sleep(self, watch: Stopwatch, metrics: dict) -> None:
         with watch("sleep"):
             metrics["perf/sleep_bytes"] = self.offloader.sleep()
         metrics.update(self.device_memory("sleep"))
 
-    def rollout(self, engine, watch: Stopwatch):
-        """Generate `samples_per_prompt` answers per prompt and score them: (batch, advantages, rollout metrics)."""
+    def rollout(self, engine, watch: Stopwatch, groups: slice = slice(None)):
+        """Generate `samples_per_prompt` answers per prompt and score them: (batch, advantages, rollout metrics).
+        `groups`: this rank's prompts (one engine per rank); every rank draws the same prompts, then takes its own."""
         cfg = self.cfg
-        prompts = make_prompts(cfg.rollout.prompts_per_step, rng=self.rng)
+        prompts = make_prompts(cfg.rollout.prompts_per_step, rng=self.rng)[groups]
         prompt_ids = [self.tokenizer.encode(p.text) for p in prompts for _ in range(cfg.rollout.samples_per_prompt)]
         with watch("engine_resume"):
             engine.resume()  # the engine gets its memory (KV cache, released weights) back
@@ -311,16 +373,19 @@ class Experiment:
         )
         return gen, advantages, rollout_stats(gen, rewards)
 
-    def update_source(self) -> dict[str, torch.Tensor]:
+    def update_source(self, *, live: bool = False) -> dict[str, torch.Tensor]:
         """The trainer's weights by the update's names: live on the device, or their offloaded host copies.
 
         Laid out anew each time, from the plan made once (timed as perf/update_layout_time, beside the
         update's own clock): the offload moves each parameter's `.data`, and a per-expert view
-        (model.update_layout=checkpoint) keeps the storage it was made of."""
+        (model.update_layout=checkpoint) keeps the storage it was made of. `live`: the live weights whatever
+        update.source says (the first update, before the trainer ever slept)."""
         layout = self.cfg.model.update_layout
-        if self.cfg.update.source == "host":
+        if self.cfg.update.source == "host" and not live:
             return update_tensors(self.offloader.host_weights(self.params), layout, self.layout)
-        return update_tensors(self.params, layout, self.layout)
+        return self.parallel.update_source(  # fsdp2: the shards, gathered bucket by bucket as they are read
+            self.params, layout=layout, plan=self.layout, buckets=self.buckets, gather=self.cfg.update.gather
+        )
 
     def device_memory(self, phase: str) -> dict[str, float]:
         """On CUDA, what the trainer's sleep hands the engine, and takes back: this process's reserved
@@ -351,6 +416,7 @@ class Experiment:
             device=self.device,
             ranks=self.dp.world,
             memory=self.memory,
+            cpu=self.cpu.as_dict() if self.cpu else None,
         )
 
 
@@ -392,6 +458,7 @@ def run_summary(
     device: torch.device,
     ranks: int = 1,
     memory: dict | None = None,
+    cpu: dict | None = None,
 ) -> dict:
     """summary.json of a run (kind "run"): medians after warm-up, shares, verdict, verification, warnings."""
     rows, status = recorder.rows, recorder.status
@@ -410,7 +477,10 @@ def run_summary(
         "engine_address": cfg.update.engine_address,  # null: the engine ran on this machine, started by the run
         "max_response_len": cfg.rollout.max_response_len,
         "offload": cfg.trainer.offload,
-        "ranks": ranks,  # data-parallel trainer ranks (rank 0 holds the engine)
+        "ranks": ranks,  # data-parallel trainer ranks
+        "parallel": cfg.trainer.parallel if ranks > 1 else "none",  # how they share the model (trainer.parallel)
+        "engines": cfg.rollout.engines if ranks > 1 else "rank0",  # rank0: one engine | every_rank: one per rank
+        "gather": cfg.update.gather if ranks > 1 and cfg.trainer.parallel == "fsdp2" else None,
         "limit_probe": cfg.run.limit_probe,
         "update_layout": cfg.model.update_layout,  # checkpoint: per-expert tensors (as published) | fused
         "update_tensors": setup_info.get("tensors") if cfg.update.enabled else None,
@@ -440,6 +510,12 @@ def run_summary(
             f"the weight update's verification failed at step {len(rows)} ({recorder.failure}): "
             f"the engine did not get the trainer's weights, so do not trust this run's update numbers"
         )
+    if cpu is not None:
+        result["cpu"] = cpu
+        if cpu.get("warning"):
+            warnings.append(cpu["warning"])
+    if noisy := summaries.noise_warning(stats):
+        warnings.append(noisy)
     if warnings:
         result["warning"] = "; ".join(warnings)
     if memory is not None:
@@ -456,35 +532,22 @@ def verification(cfg: Config, recorder: Recorder) -> str:
     return "passed" if recorder.rows else "not run"
 
 
-def memory_record(fit: dict, device: torch.device, *, engine_peak: int | None = None) -> dict:
-    """The estimate beside the measured peaks, for summary.json: how far off the estimate was.
-    `engine_peak`: the engine process's own peak resident set, as its close answered."""
-    estimate = fit["estimate"]
-    peak = peak_rss_bytes()
-    measured = {"peak_rss_bytes": peak}
-    if estimate.engine_process and engine_peak:
-        measured["engine_peak_rss_bytes"] = engine_peak
-    if device_peaks := run_device_peaks(device):  # the whole run's, not the last update's
-        measured["device_peak_bytes"] = device_peaks["reserved"]
-        measured["device_peak_allocated_bytes"] = device_peaks["allocated"]
-    return {
-        "estimate": estimate.as_dict(),
-        "available": fit["available"],
-        "measured": measured,
-        "process_estimate_over_peak_rss": estimate.process_bytes / peak if peak else None,
-    }
-
-
 def print_closing(result: dict) -> None:
     """After the last step: the measured steps, the closing table, any warning and the verdict (none if no step finished)."""
     if not result["steps_finished"]:
         return
     out = sys.stdout
-    warmup = f"warm-up steps 0-{result['warmup_steps'] - 1} left out" if result["warmup_steps"] else "no warm-up"
+    warmup = {0: "no warm-up", 1: "warm-up step 0 left out"}.get(
+        result["warmup_steps"], f"warm-up steps 0-{result['warmup_steps'] - 1} left out"
+    )
     planned = result["steps_requested"] - result["warmup_steps"]
     partial = f" of {planned}, {result['status']}" if result["measured_steps"] < planned else ""
     print(f"\nMeasured steps: {result['measured_steps']}{partial} ({warmup})", file=out)
-    print(summaries.closing_table(result["model"]["name"], result["metrics"], result["share"]), file=out)
+    print(
+        summaries.closing_table(result["model"]["name"], result["metrics"], result["share"], result["setup"]), file=out
+    )
     if "warning" in result:
         print(f"WARNING: {result['warning']}", file=out)
     print(result["verdict"], file=out)
+    if result.get("verification") == "passed":
+        print("Verified: after every update the engine's weights matched the trainer's (update.verify=true).", file=out)

@@ -27,18 +27,30 @@ Where the bytes live:
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import json
 import math
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from rlsync.config.schema import MIB, Config, ModelConfig, bucket_bytes, flat_engine_weights_choice
 from rlsync.engines.base import engine_class
 from rlsync.errors import BadInput
-from rlsync.measure.memory import device_available_bytes, host_available_bytes, rss_bytes
+from rlsync.measure.devices import reset_run_peaks, run_device_peaks
+from rlsync.measure.memory import (
+    device_available_bytes,
+    host_available_bytes,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+)
 from rlsync.model.architecture import model_shapes, update_shapes
 from rlsync.model.build import torch_dtype
+from rlsync.model.install_check import check_companions
 from rlsync.sync.buckets import TensorMeta, plan_buckets
 from rlsync.trainer.offload import plan_pin_chunks, plan_segments, resolve_memory
 from rlsync.trainer.task import make_prompts
@@ -53,14 +65,32 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # pools and the allocator's arenas. Calibrated, not derived: a tiny-model run on the CPU build grew
 # 76 MiB in step 0 and peaked about 130 MiB above the rest of this estimate.
 STEP_WORKSPACE = 128 * MIB
+# AdamW's step holds temporaries of one tensor's size at a time on a CPU (the single-tensor path: the
+# root of exp_avg_sq and the step), the whole model's at once on CUDA (foreach: one list of roots); a
+# tied embedding's gradient is summed from two of its own size (lm_head's and the lookup's).
+OPTIMIZER_TEMPORARIES = 2
+# Kept free beyond the estimate: what it has missed before (Qwen3-1.7B bf16: 9 % low) and what the
+# machine's other processes allocate while the run is starting. Every suggestion is checked with it.
+MARGIN_FRACTION = 0.08
+MARGIN_MIN = 512 * MIB
+
+
+_SHAPES: dict[tuple[str, str], list] = {}  # (which, the model's keys) -> shapes: a 235B meta build takes seconds
+
+
+def _cached(which: str, m: ModelConfig, build) -> list:
+    key = (which, json.dumps(dataclasses.asdict(m), sort_keys=True, default=str))
+    if key not in _SHAPES:
+        _SHAPES[key] = list(build(m))
+    return list(_SHAPES[key])  # a copy: callers may change their list
 
 
 def param_shapes(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every tensor the update sends for the model `m` describes, in order, a tied
     lm_head once: the update layout's (model.update_layout; a dense model's parameters, a MoE model's
     experts one tensor per expert and projection in the checkpoint layout). Read off a meta-device
-    build of the architecture (rlsync.model.architecture.update_shapes): nothing is allocated."""
-    return update_shapes(m)
+    build of the architecture (rlsync.model.architecture.update_shapes, once per model): nothing is allocated."""
+    return _cached("update", m, update_shapes)
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -169,6 +199,22 @@ def staging_bytes(cfg: Config, shapes) -> tuple[int, int]:
     return slot * u.inflight_buckets, (0 if flat_weights else slot * u.inflight_buckets)
 
 
+# transformers' MoE blocks on a CPU gather each routed token's expert weights for a batched matmul and keep
+# them for the backward: per token, layer and routed expert its three projections. Calibrated on tiny_moe
+# (16 layers of 64 experts, 4 per token): 0.47 GiB beyond the dense estimate, 0.45 GiB by this term.
+def expert_gather_bytes(cfg: Config, tokens: int) -> int:
+    if not cfg.model.config:
+        return 0
+    from rlsync.model.architecture import hf_config
+
+    hf = _cached("hf", cfg.model, lambda m: [hf_config(m)])[0]
+    experts, top_k = getattr(hf, "num_experts", None), getattr(hf, "num_experts_per_tok", None)
+    width = getattr(hf, "moe_intermediate_size", None)
+    if not (experts and top_k and width):
+        return 0
+    return tokens * hf.num_hidden_layers * top_k * 3 * width * hf.hidden_size * DTYPE_BYTES[cfg.trainer.dtype]
+
+
 def activation_bytes(cfg: Config, prompt_len: int) -> tuple[int, int]:
     """(trainer step, rollout) transient bytes: logits and saved activations of one micro-batch;
     the KV cache and per-token logits of the generation."""
@@ -188,6 +234,16 @@ def probe_bytes(state: int, update: int) -> int:
     return 2 * max(min(max(n, PROBE_MIN), PROBE_CAP) for n in (state, update))
 
 
+def optimizer_bytes(cfg: Config, shapes: list[tuple[str, tuple[int, ...]]], cuda: bool) -> int:
+    """AdamW's temporaries in the step and a tied embedding's summed gradient (OPTIMIZER_TEMPORARIES)."""
+    itemsize = DTYPE_BYTES[cfg.trainer.dtype]
+    largest = max(numel(s) for _, s in shapes) * itemsize
+    tied = largest if cfg.model.tie_word_embeddings else 0
+    if cuda:  # foreach: a root per parameter, all at once
+        return sum(numel(s) for _, s in shapes) * itemsize + tied
+    return OPTIMIZER_TEMPORARIES * largest + tied
+
+
 def estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
     """The run's peak memory by part, from `cfg` alone (no tensor is allocated)."""
     shapes = param_shapes(cfg.model)
@@ -198,21 +254,32 @@ def estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
     engine_weights = params * e
     staging_trainer, staging_engine = staging_bytes(cfg, shapes)
     train_act, rollout_act = activation_bytes(cfg, prompt_tokens())
+    train_act += optimizer_bytes(cfg, shapes, cuda)
+    if not cuda:  # on CUDA transformers' grouped expert matmul gathers no weights
+        r = cfg.rollout
+        micro = min(cfg.trainer.micro_batch_size, r.prompts_per_step * r.samples_per_prompt)
+        train_act += expert_gather_bytes(cfg, micro * (prompt_tokens() + r.max_response_len))
     probe = probe_bytes(trainer, engine_weights)
-    extra = offload_extra(cfg, list(model_shapes(cfg.model)), cuda)  # the offload moves parameters, fused experts whole
+    extra = offload_extra(
+        cfg, _cached("model", cfg.model, model_shapes), cuda
+    )  # the offload moves parameters, fused experts whole
     own_engine = cfg.update.transport == "direct"  # the engine's KV cache lives in this process
     remote = bool(cfg.update.engine_address)  # an engine on another machine: not this one's memory
     est = Estimate()
     est.process["runtime"] = runtime_bytes
     est.process["step_workspace"] = STEP_WORKSPACE
     if not cuda:
+        # The C heap keeps what a phase freed (measured: Qwen3-0.6B bf16 kept 1.6 GiB of its 2.3 GiB
+        # training peak), so the step's transients add up and a probe between steps (every_step) comes on top.
+        step = train_act + (rollout_act if own_engine else 0)  # the rollout's KV cache, kept by the heap too
+        between_steps = cfg.run.limit_probe == "every_step"
         est.process.update(
             {
                 "trainer_state": trainer,
                 "reference": reference,
                 "offload_extra": extra,
                 "staging": staging_trainer,
-                "transient": max(train_act, rollout_act if own_engine else 0, probe),
+                "transient": step + probe if between_steps else max(step, probe),
             }
         )
         if cfg.update.transport == "direct":
@@ -235,16 +302,48 @@ def estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
             "trainer_state": trainer,
             "reference": reference,
             "staging": staging_trainer + staging_engine,
-            "transient": max(train_act, probe),
+            "transient": max(train_act, probe),  # the caching allocator reuses one phase's blocks in the next
         }
         if not remote:
             est.device.update({"engine_weights": engine_weights, "kv_cache": rollout_act})
     return est
 
 
+def bench_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
+    """`python -m rlsync.bench`'s peak: the trainer's weights (no optimizer, no step), the engine, the
+    update's staging and the copy-floor probe; the offload target adds the state it moves and its twin."""
+    shapes = param_shapes(cfg.model)
+    params = sum(numel(s) for _, s in shapes)
+    t, e = DTYPE_BYTES[cfg.trainer.dtype], DTYPE_BYTES[cfg.rollout.dtype]
+    est = Estimate()
+    est.process = {"runtime": runtime_bytes, "step_workspace": STEP_WORKSPACE}
+    where = est.device if cuda else est.process
+    if getattr(cfg, "bench", None) is not None and cfg.bench.target == "offload":
+        state = params * t * ((2 + ADAM_MOMENTS) if cfg.bench.offload_state == "trainer" else 1)
+        where.update({"trainer_state": state, "probe": probe_bytes(state, params * t)})
+        est.process["offload_extra"] = state  # its host side (move: the host buffers; twin: the copy)
+        return est
+    staging_trainer, staging_engine = staging_bytes(cfg, shapes)
+    host_source = params * t if cfg.update.source == "host" else 0  # the offloader's host copy it sends from
+    where.update(
+        {
+            "trainer_weights": params * t,
+            "engine_weights": params * e,
+            "staging": staging_trainer + staging_engine,
+            "probe": probe_bytes(params * t, params * e),
+        }
+    )
+    if host_source:
+        est.process["host_source"] = host_source
+    if cfg.update.transport != "direct" and not cfg.update.engine_address and not cuda:
+        est.engine_process = {"runtime": runtime_bytes, "step_workspace": STEP_WORKSPACE}
+    return est
+
+
 def load_runtime(cfg: Config) -> None:
     """Import what the run imports before it builds anything, so the resident set measured next is
     the runtime the run will have (the engine process loads the same)."""
+    check_companions()  # a torchvision built for another torch breaks the import below: say so in one line
     from transformers import AutoModelForCausalLM, Qwen3ForCausalLM  # noqa: F401 - the lazy module is most of it
 
     import rlsync.engines.hf  # noqa: F401
@@ -271,44 +370,207 @@ def gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f} GiB"
 
 
-def advice(cfg: Config) -> str:
-    options = []
+def margin_bytes(nbytes: int) -> int:
+    """What is kept free beside an estimate of `nbytes`."""
+    return max(MARGIN_MIN, int(nbytes * MARGIN_FRACTION))
+
+
+@dataclass
+class Machine:
+    """What a configuration is checked against: the memory available and the runtime already loaded."""
+
+    cuda: bool
+    runtime_bytes: int
+    host_bytes: int | None  # available (MemAvailable), the runtime already taken out of it
+    device_bytes: int | None  # free on the device
+
+    def shortfalls(self, est: Estimate, device_name: str = "device") -> list[str]:
+        """Where `est` (with its margin) does not fit, one phrase each; empty when it fits."""
+        where = []
+        need_host = est.host_bytes - est.process["runtime"]  # the runtime is loaded: not part of what is available
+        if self.host_bytes is not None and need_host + margin_bytes(est.host_bytes) > self.host_bytes:
+            trainer = est.process.get("trainer_state", 0) + est.device.get("trainer_state", 0)
+            state = f" (trainer state {gib(trainer)})" if trainer else ""
+            where.append(
+                f"host memory: estimated peak {gib(est.host_bytes)}{state} + {gib(margin_bytes(est.host_bytes))} "
+                f"margin, {gib(self.host_bytes + est.process['runtime'])} available"
+            )
+        if self.device_bytes is not None and est.device_bytes + margin_bytes(est.device_bytes) > self.device_bytes:
+            where.append(
+                f"{device_name} memory: estimated peak {gib(est.device_bytes)} + "
+                f"{gib(margin_bytes(est.device_bytes))} margin, {gib(self.device_bytes)} free"
+            )
+        return where
+
+    def fits(self, est: Estimate) -> bool:
+        return not self.shortfalls(est)
+
+
+# What a run can change to need less, each a config override and what it saves; the check keeps the ones
+# that fit (alone, or all together) and says so.
+def _savings(cfg: Config) -> list[tuple[str, str, object]]:
+    out = []
     if cfg.trainer.dtype == "float32":
-        options.append("trainer.dtype=bfloat16 (halves the trainer's weights, grads and AdamW state)")
-    options.append("a smaller model (model=...)")
+        out.append(
+            (
+                "trainer.dtype=bfloat16",
+                "halves the trainer's weights, grads and AdamW state",
+                ("trainer", "dtype", "bfloat16"),
+            )
+        )
     if cfg.trainer.offload_memory == "twin":
-        options.append("trainer.offload_memory=move")
-    options.append("the update alone: python -m rlsync.bench (no optimizer state)")
-    return "; ".join(options)
+        out.append(("trainer.offload_memory=move", "no host twin of the state", ("trainer", "offload_memory", "move")))
+    if cfg.run.limit_probe == "every_step":
+        out.append(
+            (
+                "run.limit_probe=start",
+                "the copy-floor probe once, before the first step",
+                ("run", "limit_probe", "start"),
+            )
+        )
+    if cfg.rollout.max_response_len > 256:  # long answers: the KV cache and the activations grow with them
+        shorter = max(32, cfg.rollout.max_response_len // 4)
+        out.append(
+            (f"rollout.max_response_len={shorter}", "a smaller KV cache", ("rollout", "max_response_len", shorter))
+        )
+    if cfg.trainer.micro_batch_size > 1:
+        micro = max(1, cfg.trainer.micro_batch_size // 4)
+        out.append(
+            (
+                f"trainer.micro_batch_size={micro}",
+                "fewer activations per backward",
+                ("trainer", "micro_batch_size", micro),
+            )
+        )
+    return out
 
 
-def check_fits(cfg: Config, device, *, memory_check: bool = True) -> tuple[Estimate, dict]:
-    """The run's estimate and what the machine has; raises DoesNotFit when it cannot fit.
+def _with(cfg: Config, changes) -> Config:
+    new = copy.deepcopy(cfg)
+    for part, name, value in changes:
+        setattr(getattr(new, part), name, value)
+    return new
 
-    Call after `load_runtime` and before any model is built."""
+
+def shipped_models() -> list[ModelConfig]:
+    """The model presets of conf/model/, smallest first (what `model=...` picks)."""
+    from omegaconf import OmegaConf
+
+    import rlsync.conf
+
+    models = []
+    for path in sorted((Path(rlsync.conf.__file__).parent / "model").glob("*.yaml")):
+        node = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path))
+        models.append(OmegaConf.to_object(node))
+    return sorted(models, key=param_count)
+
+
+@dataclass
+class Suggestion:
+    """A change the check tried and found to fit: overrides of the same command, or the benchmark's command."""
+
+    overrides: list[str]
+    why: str = ""
+    command: str = "python -m rlsync"
+
+    def __str__(self) -> str:
+        if self.command != "python -m rlsync":
+            return f"{self.why}: {self.command} {' '.join(self.overrides)}".strip()
+        return " ".join(self.overrides) + (f" ({self.why})" if self.why else "")
+
+
+def suggestions(cfg: Config, machine: Machine, *, bench: bool = False, overrides: list[str] = ()) -> list[Suggestion]:
+    """What to change, each checked: the same estimate with the change fits `machine` with its margin.
+    `overrides`: the command line's, which the benchmark's suggested command repeats (its config is the run's)."""
+    estimator = bench_estimate if bench else estimate
+
+    def fits(c: Config) -> bool:
+        return machine.fits(estimator(c, cuda=machine.cuda, runtime_bytes=machine.runtime_bytes))
+
+    savings = [] if bench else _savings(cfg)
+    found = [Suggestion([o], why) for o, why, change in savings if fits(_with(cfg, [change]))]
+    if not found and len(savings) > 1 and fits(_with(cfg, [c for _, _, c in savings])):
+        found.append(Suggestion([o for o, _, _ in savings], "together"))
+    if not found:  # the model itself is the cost: the largest smaller preset that fits, alone or with the savings
+        for model in reversed([m for m in shipped_models() if param_count(m) < param_count(cfg.model)]):
+            alone = _with(cfg, [])
+            alone.model = model
+            if fits(alone):
+                found.append(Suggestion([f"model={model.name}"]))
+                break
+            if fits(_with(alone, [c for _, _, c in savings])):
+                found.append(Suggestion([f"model={model.name}", *(o for o, _, _ in savings)]))
+                break
+    if not bench and machine.fits(bench_estimate(cfg, cuda=machine.cuda, runtime_bytes=machine.runtime_bytes)):
+        same = [o for o in overrides if not o.lstrip("+~").startswith("hydra")] or [f"model={cfg.model.name}"]
+        found.append(Suggestion(same, "the update alone", command="python -m rlsync.bench"))
+    return found
+
+
+def advice(cfg: Config, machine: Machine, *, bench: bool = False, overrides: list[str] = ()) -> str:
+    found = suggestions(cfg, machine, bench=bench, overrides=overrides)
+    if not found:
+        return "nothing smaller in this configuration fits this machine; run it where more memory is free"
+    return "try " + "; ".join(map(str, found))
+
+
+def machine_for(device) -> Machine:
+    """This process's machine, after `load_runtime`: the runtime measured now, what is available."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.init()  # its host-side context is part of the runtime
-    est = estimate(cfg, cuda=cuda, runtime_bytes=rss_bytes())
-    available = {"host_bytes": host_available_bytes(), "device_bytes": device_available_bytes(device)}
-    # the runtime is loaded already: it is part of the estimate, but no longer part of what is available
-    need_host = est.host_bytes - est.process["runtime"]
+    return Machine(
+        cuda=cuda,
+        runtime_bytes=rss_bytes(),
+        host_bytes=host_available_bytes(),
+        device_bytes=device_available_bytes(device),
+    )
+
+
+def check_fits(
+    cfg: Config, device, *, memory_check: bool = True, bench: bool = False, overrides: list[str] = ()
+) -> tuple[Estimate, dict]:
+    """The run's estimate and what the machine has; raises DoesNotFit when it cannot fit with the margin.
+
+    Call after `load_runtime` and before any model is built. `bench`: python -m rlsync.bench's estimate."""
+    machine = machine_for(device)
+    est = (bench_estimate if bench else estimate)(cfg, cuda=machine.cuda, runtime_bytes=machine.runtime_bytes)
+    available = {"host_bytes": machine.host_bytes, "device_bytes": machine.device_bytes}
     if memory_check:
-        where = []
-        if available["host_bytes"] is not None and need_host > available["host_bytes"]:
-            where.append(
-                f"host memory: estimated peak {gib(est.host_bytes)} (trainer state "
-                f"{gib(est.process.get('trainer_state', 0) + est.device.get('trainer_state', 0))}), "
-                f"{gib(available['host_bytes'] + est.process['runtime'])} available"
-            )
-        if available["device_bytes"] is not None and est.device_bytes > available["device_bytes"]:
-            where.append(
-                f"{device} memory: estimated peak {gib(est.device_bytes)}, {gib(available['device_bytes'])} free"
-            )
+        where = machine.shortfalls(est, str(device))
         if where:
             raise DoesNotFit(
-                f"this run does not fit: {'; '.join(where)} (model {cfg.model.name}, "
+                f"this {'benchmark' if bench else 'run'} does not fit: {'; '.join(where)} (model {cfg.model.name}, "
                 f"{param_count(cfg.model) / 1e9:.2f}B parameters, trainer.dtype={cfg.trainer.dtype}): "
-                f"try {advice(cfg)}; run.memory_check=false skips this check"
+                f"{advice(cfg, machine, bench=bench, overrides=overrides)}; run.memory_check=false skips this check"
             )
-    return est, available
+    return est, {**available, "margin_bytes": margin_bytes(est.host_bytes)}
+
+
+def memory_fit(cfg: Config, device: torch.device, *, bench: bool = False, overrides: list[str] = ()) -> dict:
+    """The run's (or the benchmark's) peak memory estimated from the config, and what the machine has;
+    raises DoesNotFit (exit 2) when it cannot fit, unless run.memory_check=false."""
+    reset_peak_rss()  # a multirun's jobs share this process: each job's peak is its own
+    reset_run_peaks(device)
+    load_runtime(cfg)
+    estimate, available = check_fits(cfg, device, memory_check=cfg.run.memory_check, bench=bench, overrides=overrides)
+    return {"estimate": estimate, "available": available}
+
+
+def memory_record(fit: dict, device: torch.device, *, engine_peak: int | None = None) -> dict:
+    """The estimate beside the measured peaks, for summary.json: how far off the estimate was.
+    `engine_peak`: the engine process's own peak resident set, as its close answered."""
+    estimate = fit["estimate"]
+    peak = peak_rss_bytes()
+    measured = {"peak_rss_bytes": peak}
+    if estimate.engine_process and engine_peak:
+        measured["engine_peak_rss_bytes"] = engine_peak
+    if device_peaks := run_device_peaks(device):  # the whole run's, not the last update's
+        measured["device_peak_bytes"] = device_peaks["reserved"]
+        measured["device_peak_allocated_bytes"] = device_peaks["allocated"]
+    return {
+        "estimate": estimate.as_dict(),
+        "available": fit["available"],
+        "measured": measured,
+        "process_estimate_over_peak_rss": estimate.process_bytes / peak if peak else None,
+    }

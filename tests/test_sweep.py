@@ -1,0 +1,114 @@
+"""A sweep a user can plan and trust: its plan before the first job (jobs, fits, an estimated duration),
+a dry run that starts nothing, "job k of N" with an ETA, and the report written however the sweep ended."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import FAST, run_main
+
+from rlsync.report import sweep_callback
+
+SHORT = [*FAST[:1], "run.steps=2", "run.warmup_steps=1", *FAST[3:], "wandb.mode=disabled"]
+HUGE = "qwen3_4b"  # refused for memory: the tests give the machine 8 GiB (small_machine)
+
+
+@pytest.fixture(autouse=True)
+def small_machine(monkeypatch):
+    """An 8 GiB machine, whatever this one has: qwen3_4b never fits, the tiny model always does."""
+    from rlsync.run import memory_check
+
+    monkeypatch.setattr(memory_check, "host_available_bytes", lambda: 8 * 2**30)
+
+
+def test_a_dry_run_prints_the_plan_and_starts_nothing(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = run_main(
+        "-m", "run.dry_run=true", f"model=tiny,{HUGE}", "update.bucket_mb=1,4", f"hydra.sweep.dir={sweep}"
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert any(ln.startswith("rlsync: sweep of 4 jobs: 2 fit, 2 refused; estimated ") for ln in lines), lines
+    refused = [ln for ln in lines if "will be refused: does not fit: host memory" in ln]
+    assert [ln.split("(")[0].strip() for ln in refused] == ["rlsync:   job 2", "rlsync:   job 3"]
+    assert f"model={HUGE}" in refused[0]
+    assert "rlsync: run.dry_run=true: nothing started" in lines
+    assert not sweep.exists()  # no job directory, no report
+
+
+def test_a_single_dry_run_says_whether_it_fits_and_how_long(tmp_path):
+    result = run_main("run.dry_run=true", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr
+    assert "rlsync: dry run (run.dry_run=true): fits; estimated " in result.stderr
+    assert not any((tmp_path / "run").iterdir())  # Hydra makes the run directory; nothing is written in it
+    refused = run_main("run.dry_run=true", f"model={HUGE}", f"hydra.run.dir={tmp_path / 'huge'}")
+    assert refused.returncode == 0 and "would be refused: does not fit: host memory" in refused.stderr
+
+
+def test_a_sweep_with_a_failed_and_a_refused_job_still_writes_its_report(tmp_path, monkeypatch):
+    """Hydra skips on_multirun_end when a job fails: the report is written from the entry point's error
+    handling instead, listing the failed job and the refused one beside the run that finished."""
+    from rlsync.run.loop import Experiment
+
+    step = Experiment.step
+
+    def fails_at_bucket_2(self, *args, **kwargs):
+        if self.cfg.update.bucket_mb == 2:
+            raise RuntimeError("an injected failure")
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Experiment, "step", fails_at_bucket_2)
+    sweep = tmp_path / "sweep"
+    result = run_main("-m", *SHORT, f"model=tiny,{HUGE}", "update.bucket_mb=1,2", f"hydra.sweep.dir={sweep}")
+    assert result.returncode != 0
+    err = result.stderr
+    assert "rlsync: sweep of 4 jobs: 2 fit, 2 refused" in err
+    assert "rlsync: sweep job 0 (1 of 4: " in err and "rlsync: sweep job 1 (2 of 4: " in err
+    assert "1 done in " in err  # the ETA from the measured job
+    assert "RuntimeError: an injected failure" in err
+    assert "Error executing job with overrides" not in err  # Hydra's repeat of the job's own line
+    assert "rlsync: sweep ended with failed jobs" in err
+    report = (sweep / "report.md").read_text()
+    assert "an injected failure" in report and "does not fit" in report
+    out = result.stdout
+    assert "(1 run, 3 failed)" in out and "failed: 1 (" in out and "failed: 2 (" in out and "failed: 3 (" in out
+
+
+def test_the_plan_names_a_launcher_that_runs_jobs_side_by_side():
+    plan = sweep_callback.SweepPlan(jobs=[sweep_callback.JobPlan(0, ["a=1"], seconds=30.0)], side_by_side="local")
+    lines = plan.lines()
+    assert lines[0].startswith("sweep of 1 job: 1 fit, 0 refused; estimated 30 s")
+    assert lines[-1].startswith("warning: hydra/launcher=local runs jobs side by side")
+
+
+def test_jobs_that_ran_at_the_same_time_are_noted_in_the_report():
+    from types import SimpleNamespace
+
+    from rlsync.report import overlap_note
+
+    runs = [
+        SimpleNamespace(job="0", summary={"started_at": 0.0, "ended_at": 10.0}),
+        SimpleNamespace(job="1", summary={"started_at": 5.0, "ended_at": 12.0}),
+        SimpleNamespace(job="2", summary={"started_at": 20.0, "ended_at": 30.0}),
+    ]
+    assert overlap_note(runs).startswith("jobs 0 and 1 ran at the same time")
+    assert overlap_note(runs[1:]) is None
+
+
+@pytest.mark.parametrize(("seconds", "text"), [(45, "45 s"), (12 * 60, "12 min"), (2.5 * 3600, "2.5 h")])
+def test_durations_read_in_the_unit_that_fits(seconds, text):
+    assert sweep_callback.fmt_duration(seconds) == text
+
+
+def test_the_sweep_ends_with_the_command_that_uploads_its_offline_runs(tmp_path):
+    assert sweep_callback.wandb_sync_line(tmp_path) is None
+    (tmp_path / "0" / "wandb" / "offline-run-20261202_000000-abc").mkdir(parents=True)
+    assert sweep_callback.wandb_sync_line(tmp_path) == (
+        f"W&B: `wandb sync {tmp_path}/*/wandb/offline-run-*` uploads this sweep's offline runs"
+    )
+
+
+def test_the_benchmark_dry_run_checks_its_own_estimate(tmp_path):
+    result = run_main("run.dry_run=true", f"hydra.run.dir={tmp_path / 'bench'}", module="rlsync.bench")
+    assert result.returncode == 0, result.stderr
+    assert "rlsync: dry run (run.dry_run=true): fits; estimated " in result.stderr
+    assert not (tmp_path / "bench" / "summary.json").exists()
