@@ -175,8 +175,10 @@ step() {
 }
 
 # on_gpu NAME ...: a step that --smoke leaves out (named in the table), because on the CPU with the
-# tiny model it repeats a tiny_* step or another transport's bench step exactly, or (tiny_moe over
-# ipc) a run the test suite makes already (tests/test_models_from_config.py).
+# tiny model it repeats a tiny_* step or another transport's bench step exactly, or a run the test
+# suite makes already: tiny_moe over ipc (tests/test_models_from_config.py), released engine weights
+# (tests/test_engine_memory.py), two-copy updates (tests/test_transports.py), a direct bench
+# (tests/test_bench.py).
 on_gpu() {
   if (( smoke )); then
     record "$1" "skipped (smoke)" 0
@@ -293,9 +295,9 @@ step tiny_broadcast "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" update.
   "hydra.run.dir=$work/tiny_broadcast/run"
 over_ipc step tiny_ipc_source_host "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" update.transport=ipc \
   update.source=host update.verify=true "hydra.run.dir=$work/tiny_ipc_source_host/run"
-step tiny_release_weights "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" rollout.release_weights=true update.verify=true \
+on_gpu tiny_release_weights "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" rollout.release_weights=true update.verify=true \
   "hydra.run.dir=$work/tiny_release_weights/run"
-step tiny_two_copy "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" update.flat_engine_weights=false update.verify=true \
+on_gpu tiny_two_copy "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" update.flat_engine_weights=false update.verify=true \
   "hydra.run.dir=$work/tiny_two_copy/run"
 over_ipc on_gpu tiny_moe_ipc "$t_tiny" "$m_tiny" "${runner[@]}" model=tiny_moe "${tiny_runs[@]:1}" update.transport=ipc \
   update.verify=true "hydra.run.dir=$work/tiny_moe_ipc/run"
@@ -314,7 +316,7 @@ on_gpu "${small_step}_two_copy" "$t_small" "$m_small" "${runner[@]}" model=$smal
 step "${small_step}_offload" "$t_small" "$m_small" "${benchmark[@]}" model=$small bench.target=offload \
   "hydra.run.dir=$work/${small_step}_offload/run"
 # 4. while the deadline has room: Qwen3-1.7B, then a study with its report
-step "${large_step}_bench_direct" "$t_large" "$m_large" "${benchmark[@]}" model=$large update.verify=true \
+on_gpu "${large_step}_bench_direct" "$t_large" "$m_large" "${benchmark[@]}" model=$large update.verify=true \
   "hydra.run.dir=$work/${large_step}_bench_direct/run"
 on_gpu "${large_step}_offload" "$t_large" "$m_large" "${benchmark[@]}" model=$large bench.target=offload \
   "hydra.run.dir=$work/${large_step}_offload/run"

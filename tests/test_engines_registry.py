@@ -83,6 +83,7 @@ def test_a_registered_engine_runs_whole_steps_with_verify_passing(compose, count
     assert CountingEngine.generate_calls == 3  # one rollout per step, all through the registered engine
 
 
+@pytest.mark.slow  # starts an engine process
 def test_a_registered_engine_runs_in_an_engine_process_too(compose, counting, tmp_path):
     """The engine process never ran this file's registration: the spec carries the engine's class there."""
     rows, summary = run_in_process(

@@ -26,6 +26,9 @@ SMOKE_SKIPS = {
     "small_tiny_two_copy",
     "tiny_moe_ipc",
     "large_tiny_offload",  # small_tiny_offload exactly: both models are tiny under --smoke
+    "large_tiny_bench_direct",
+    "tiny_release_weights",
+    "tiny_two_copy",
 }  # tiny_* steps exactly, on the CPU (or suite runs)
 
 

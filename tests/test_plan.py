@@ -232,6 +232,7 @@ def test_plan_of_qwen3_235b_a22b(tmp_path):
     assert plan["model"]["update_bytes"] == pytest.approx(235_093_634_560 * 2, rel=0.01)
 
 
+@pytest.mark.slow  # a whole quick calibration: a dozen benchmark runs
 def test_calibrate_quick_end_to_end_then_compare_and_refit(tmp_path):
     cal = tmp_path / "cal.json"
     run_dir = tmp_path / "run"

@@ -515,6 +515,7 @@ def test_no_engine_at_the_address_is_one_clear_error():
     assert time.monotonic() - start < 10
 
 
+@pytest.mark.slow  # waits out a connect timeout on a real socket
 def test_a_trainer_pointed_at_a_silent_listener_fails_within_its_connect_timeout(tmp_path):
     """A port that accepts connections (the kernel does) but never answers: the run ends after
     update.engine_connect_timeout_s with one line."""
