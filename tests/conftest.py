@@ -3,7 +3,8 @@ real Hydra config.
 
 Two tiers: `pytest -m "not slow"` runs in-process (pure functions, and the real entry points through
 run_main with real Hydra composition); tests marked `slow` start real processes (CLI smoke tests,
-signals, data-parallel launches, the standalone engine server, wheel installs).
+signals, data-parallel launches, engine processes, the standalone engine server, wheel installs) or
+run a whole calibration.
 """
 
 from __future__ import annotations
