@@ -47,6 +47,7 @@ def test_plan_is_deterministic_and_rejects_nonpositive_size():
         plan_buckets(metas(1), 0)
 
 
+@pytest.mark.slow  # plans the 1.7B model
 def test_qwen3_1p7b_embedding_is_its_own_bucket_at_512_mib(compose):
     from transformers import Qwen3ForCausalLM
 

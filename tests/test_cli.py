@@ -70,6 +70,7 @@ def test_run_prints_table_and_verdict_and_writes_files(tmp_path):
     assert rows[1]["perf/wake_up_bytes"] == rows[0]["perf/sleep_bytes"]
 
 
+@pytest.mark.slow  # two whole runs
 def test_logprob_gap_is_the_proof_the_update_landed(tmp_path):
     gaps = {}
     for enabled in ("true", "false"):

@@ -39,6 +39,7 @@ def my_phase(monkeypatch: pytest.MonkeyPatch):
     return phase
 
 
+@pytest.mark.slow  # a whole run with W&B offline, the report and its plots
 def test_a_declared_phase_reaches_every_sink(my_phase, compose, tmp_path, capsys, drawn, monkeypatch):
     from rlsync.report import write_report
     from rlsync.report.wandb_report import phase_metrics

@@ -245,6 +245,7 @@ def test_model_keys_follow_the_config(tmp_path, compose):
     )
 
 
+@pytest.mark.slow  # the 30B MoE's shapes and the advice's presets
 def test_the_30b_moe_preset_is_refused_on_a_24_gib_machine_without_allocating(compose, monkeypatch):
     from rlsync.config.validate import validate
     from rlsync.run import memory_check as memory

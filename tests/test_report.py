@@ -534,6 +534,7 @@ def leet(*args: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow  # W&B offline
 def test_report_run_logged_offline(sweep: Path, tmp_path: Path) -> None:
     proc = run_report(str(sweep), env=offline_env(tmp_path))
     assert proc.returncode == 0, proc.stderr

@@ -44,6 +44,7 @@ def test_a_single_dry_run_says_whether_it_fits_and_how_long(tmp_path):
     assert refused.returncode == 0 and "would be refused: does not fit: host memory" in refused.stderr
 
 
+@pytest.mark.slow  # a whole sweep of runs
 def test_a_sweep_with_a_failed_and_a_refused_job_still_writes_its_report(tmp_path, monkeypatch):
     """Hydra skips on_multirun_end when a job fails: the report is written from the entry point's error
     handling instead, listing the failed job and the refused one beside the run that finished."""

@@ -207,6 +207,7 @@ def test_cli_step_with_vllm_gap_near_zero_and_large_without_update(tmp_path):
     assert summary["setup"]["engine"] == "vllm" and summary["status"] == "finished"
 
 
+@pytest.mark.slow  # imports vLLM
 def test_config_rules_for_the_vllm_engine(compose):
     """What vLLM cannot do is refused before anything is built, naming the key."""
     from rlsync.config.validate import validate
