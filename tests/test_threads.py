@@ -17,7 +17,7 @@ CPU = torch.device("cpu")
 
 @pytest.mark.parametrize(("busy", "expected"), [(0.0, 4), (0.4, 4), (1.2, 3), (2.6, 1), (9.0, 1)])
 def test_auto_takes_the_cores_other_processes_leave_free(monkeypatch, busy, expected):
-    monkeypatch.setattr(threads, "machine_cores", lambda: 4)
+    monkeypatch.setattr(threads, "machine_threads", lambda: 4)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     monkeypatch.setattr(threads.CpuLoad, "sample", classmethod(lambda cls, seconds=0.3: busy))
     count, why, others = threads.choose_threads(None, CPU)
@@ -33,7 +33,7 @@ def test_a_set_count_and_a_device_run_are_not_sampled(monkeypatch):
 
 def test_data_parallel_ranks_split_the_cores(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setattr(threads, "machine_cores", lambda: 8)
+    monkeypatch.setattr(threads, "machine_threads", lambda: 8)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
     cpu = threads.RunCpu(None, CPU)
     assert cpu.threads == 4 and cpu.why == "8 cores shared by 2 ranks"

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from rlsync.measure.devices import copy_into
-from rlsync.measure.threads import cpu_threads
+from rlsync.measure.threads import cpu_threads, thread_candidates
 from rlsync.measure.timing import synchronize
 
 PROBE_MIN_BYTES, PROBE_CAP_BYTES = 1 << 20, 1 << 30  # each buffer's range: above the cap the bandwidth is the same
@@ -69,11 +69,6 @@ class BestCopy(NamedTuple):
         what = f"{s}->{d}" if self.src_device == self.dst_device else f"{s} {self.src_device}->{d} {self.dst_device}"
         threads = f", {self.way.threads} thread{'s' if self.way.threads > 1 else ''}" if self.way.threads else ""
         return f"{what}{threads}, {self.way.method}"
-
-
-def machine_threads() -> int:
-    """The CPU threads this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def llc_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
@@ -119,8 +114,7 @@ def copy_candidates(dst: torch.Tensor, src: torch.Tensor) -> list[Way]:
     each with every method of COPY_METHODS. Anything else: the copy engine or kernels run it, one `copy_`."""
     if src.device.type != "cpu" or dst.device.type != "cpu":
         return [Way("copy_", 0)]
-    threads = sorted({1, torch.get_num_threads(), machine_threads()})
-    return [Way(method, n) for n in threads for method in COPY_METHODS]
+    return [Way(method, n) for n in thread_candidates() for method in COPY_METHODS]
 
 
 def best_copy(

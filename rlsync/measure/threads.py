@@ -47,12 +47,17 @@ def cpu_threads(count: int | None, device: torch.device):
 # 1.1 s at 1; on the quiet machine 0.45 s at 2 and 0.6 s at 1. So the run takes the cores free at start.
 
 
-def machine_cores() -> int:
-    """The cores this process may run on (its affinity: a container's or taskset's limit)."""
+def machine_threads() -> int:
+    """The CPU threads this process may run on (its affinity: a container's or taskset's limit)."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def thread_candidates() -> list[int]:
+    """The CPU thread counts worth trying for a copy: one, torch's count, every core the process may use."""
+    return sorted({1, torch.get_num_threads(), machine_threads()})
 
 
 def _busy_seconds() -> float | None:
@@ -109,7 +114,7 @@ def choose_threads(setting: int | None, device: torch.device) -> tuple[int, str,
         return setting, "run.cpu_threads", None
     if device.type != "cpu":  # the phases run on the device: torch's default for the host-side work
         return torch.get_num_threads(), "torch's default (the phases run on the device)", None
-    cores = min(machine_cores(), torch.get_num_threads())  # OMP_NUM_THREADS, if set, is an upper bound
+    cores = min(machine_threads(), torch.get_num_threads())  # OMP_NUM_THREADS, if set, is an upper bound
     others = CpuLoad.sample()
     if others is None:
         return cores, f"{cores} cores (the machine's load is unknown here)", None
@@ -140,7 +145,7 @@ class RunCpu:
     around it: at start, and averaged over the run (summary.json `cpu`)."""
 
     def __init__(self, setting: int | None, device: torch.device):
-        self.cores = machine_cores()
+        self.cores = machine_threads()
         ranks = processes_here()
         if ranks > 1 and not setting and device.type == "cpu":  # the ranks start together: split the cores
             self.threads = max(1, min(self.cores, torch.get_num_threads()) // ranks)

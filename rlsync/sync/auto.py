@@ -23,19 +23,13 @@ import torch
 
 from rlsync.config.schema import ModelConfig, RolloutConfig, UpdateConfig, flat_engine_weights_choice
 from rlsync.measure.devices import copy_into
-from rlsync.measure.threads import cpu_threads
+from rlsync.measure.threads import cpu_threads, thread_candidates
 from rlsync.sync.buckets import Bucket
 
 SAMPLE_BYTES = (
     128 << 20
 )  # engine bytes of the update's tensors the thread timing copies (a sample across the plan: sample())
 ROUNDS = 3  # each candidate's best of this many, taking turns
-
-
-def thread_candidates() -> list[int]:
-    from rlsync.measure.limits import machine_threads  # lazy: limits imports this package's threads module
-
-    return sorted({1, torch.get_num_threads(), machine_threads()})
 
 
 def sample(buckets: list[Bucket], cap_bytes: int = SAMPLE_BYTES) -> list:
