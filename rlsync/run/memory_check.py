@@ -253,12 +253,13 @@ def estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
     reference = params * t if cfg.trainer.kl_coef > 0 else 0
     engine_weights = params * e
     staging_trainer, staging_engine = staging_bytes(cfg, shapes)
-    train_act, rollout_act = activation_bytes(cfg, prompt_tokens())
+    prompt = prompt_tokens()
+    train_act, rollout_act = activation_bytes(cfg, prompt)
     train_act += optimizer_bytes(cfg, shapes, cuda)
     if not cuda:  # on CUDA transformers' grouped expert matmul gathers no weights
         r = cfg.rollout
         micro = min(cfg.trainer.micro_batch_size, r.prompts_per_step * r.samples_per_prompt)
-        train_act += expert_gather_bytes(cfg, micro * (prompt_tokens() + r.max_response_len))
+        train_act += expert_gather_bytes(cfg, micro * (prompt + r.max_response_len))
     probe = probe_bytes(trainer, engine_weights)
     extra = offload_extra(
         cfg, _cached("model", cfg.model, model_shapes), cuda
