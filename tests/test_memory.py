@@ -153,13 +153,12 @@ def test_the_step_transients_add_up_on_a_cpu_and_the_probe_on_top_between_steps(
     assert memory.optimizer_bytes(cfg, memory.param_shapes(cfg.model), cuda=False) == 3 * largest
 
 
-def test_the_missions_example_is_refused_before_any_model_is_built(tmp_path):
+def test_the_missions_example_is_refused_before_any_model_is_built(tmp_path, monkeypatch):
     """`python -m rlsync model=qwen3_1p7b update.bucket_mb=512`: 1.7B parameters in fp32 AdamW need
-    about 32 GB for the trainer alone."""
-    available = memory_use.host_available_bytes()
+    about 32 GB for the trainer alone. On a 24 GiB machine (its MemAvailable fixed here: what the advice
+    offers depends on it, and the suite's other worker changes it), bf16 with every saving is offered."""
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: int(23.5 * 2**30))
     result = run_main("model=qwen3_1p7b", "update.bucket_mb=512", "wandb.mode=disabled", f"hydra.run.dir={tmp_path}")
-    if available is not None and available > 40 * 2**30:
-        pytest.skip(f"this machine has {available / 2**30:.0f} GiB available: the example fits here")
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and lines[0].startswith("rlsync: this run does not fit: host memory: estimated peak ")
