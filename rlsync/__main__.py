@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from rlsync.config.launch import hydra_job, hydra_record, launched, rank_argv
+from rlsync.config.launch import adopt_submitit_ranks, check_launcher, hydra_job, hydra_record, launched, rank_argv
 from rlsync.config.schema import CONFIG_PATH, register_configs
 from rlsync.config.validate import checked_config
 from rlsync.errors import cli, job_errors
@@ -25,7 +25,9 @@ register_configs()
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
 def hydra_main(dcfg: DictConfig) -> None:
     hc = HydraConfig.get()
-    with job_errors(None):  # an empty hydra.run.dir: one line, nothing written
+    with job_errors(None):  # an empty hydra.run.dir, or a launcher's ranks without -m: one line, nothing written
+        adopt_submitit_ranks()  # a task of a submitit job of several tasks: its rank, as torchrun would set it
+        check_launcher(hc)
         run_dir, sweep_dir, name = hydra_job(hc)
     rank = launched()[0]
     log_dir = run_dir if rank == 0 else None  # data-parallel ranks > 0 write no error.log: stderr only
@@ -56,7 +58,8 @@ def main() -> None:
 
 
 def rank_main() -> None:
-    """Hydra in this process; under `accelerate launch` or `torchrun`, ranks > 0 keep Hydra's output away."""
+    """Hydra in this process; under `accelerate launch` or `torchrun`, ranks > 0 keep Hydra's output away
+    (under the submitit launcher each task is started by submitit and runs hydra_main alone)."""
     sys.argv = rank_argv(sys.argv)
     hydra_main()
 

@@ -122,7 +122,8 @@ class DataParallel:
         if not self.enabled or self.started:
             return
         timeout = timedelta(seconds=timeout_s)
-        store, _, _ = next(rendezvous("env://", timeout=timeout))  # the launcher's store (torchrun's agent hosts it)
+        # The launch's store, at MASTER_ADDR:MASTER_PORT: torchrun's agent hosts it; in a submitit job, rank 0
+        store, _, _ = next(rendezvous("env://", timeout=timeout))
         self.failures = dist.PrefixStore(FAILURES, store)
         common = {"store": store, "rank": self.rank, "world_size": self.world, "timeout": timeout}
         if device.type == "cuda":
