@@ -240,6 +240,24 @@ class Placement:
 
         return Placement(like.shape, like.dtype, install)
 
+    @staticmethod
+    def create_shard(like, assign: Callable, where) -> Placement:
+        """A missing DTensor (an FSDP2 shard's gradient or moment): zeros made in place as its local tensor,
+        wrapped with `like`'s mesh, placements and global shape. Making it elsewhere and copying it in would
+        leave its first copy in the C heap: 1.8 GB per rank for Qwen3-0.6B in bf16 over 2 ranks."""
+        from torch.distributed.tensor import DTensor
+
+        local = like._local_tensor
+
+        def install(view: torch.Tensor) -> torch.Tensor:
+            made = DTensor.from_local(
+                view.zero_(), like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+            )
+            assign(where, made)
+            return made._local_tensor  # what moves: the DTensor keeps this object, re-pointed with .data
+
+        return Placement(local.shape, local.dtype, install)
+
 
 def adam_state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, ...]:
     """The per-parameter tensors Adam/AdamW keep (the keys of their lazy first-step initialisation)."""
@@ -336,13 +354,18 @@ class Offloader:
             for p in (p for p in group["params"] if p.requires_grad):  # Adam skips the frozen ones
                 state = self.optimizer.state[p]
                 state.setdefault("step", adam_step(group, p))
-                if id(p) in shards:  # a DTensor's state and gradient are DTensors: made now, their local shards move
-                    for k in keys:
-                        state.setdefault(k, torch.zeros_like(p, memory_format=torch.preserve_format))
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    travelling += [Placement.move(state[k]._local_tensor) for k in keys]
-                    grads.append(Placement.move(p.grad._local_tensor))
+                if id(p) in shards:  # a DTensor's state and gradient are DTensors whose local shards move
+                    travelling += [
+                        Placement.move(state[k]._local_tensor)
+                        if k in state
+                        else Placement.create_shard(p, state.__setitem__, k)
+                        for k in keys
+                    ]
+                    grads.append(
+                        Placement.move(p.grad._local_tensor)
+                        if p.grad is not None
+                        else Placement.create_shard(p, partial(setattr, p), "grad")
+                    )
                     continue
                 travelling += [
                     Placement.move(state[k]) if k in state else Placement.create(p, state.__setitem__, k) for k in keys
