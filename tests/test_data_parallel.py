@@ -139,9 +139,11 @@ def test_two_ranks_train_and_update_the_engine_bit_exact(two_ranks):
     stats = summary["metrics"]
     for key in ("gather_time", "gather_limit_time", "gather_efficiency", "copy_efficiency", "gather_peak_bytes"):
         assert stats[f"perf/update_weights_{key}"]["median"] > 0, key
-    assert (
-        summary["limits"]["gather_gbps"] > 0 and "all_gather_single, 2 ranks, gloo" in summary["limits"]["gather_probe"]
+    limits = summary["limits"]  # the fastest call size probed, the one the update's gather calls at
+    assert limits["gather_gbps"] > 0 and limits["gather_probe"].endswith(
+        "calls (the fastest of 1.00 MiB to 4.00 MiB), 2 ranks, gloo"
     )
+    assert limits["gather_call_bytes"] in (1 << 20, 4 << 20)
     # per_bucket: the gathered bytes held at once are one bucket's (the tiny model is one 512 MiB bucket)
     assert stats["perf/update_weights_gather_peak_bytes"]["max"] <= stats["perf/update_weights_gather_bytes"]["max"]
     # one run dir, rank 0's; rank 1 wrote nothing, neither in the working directory nor a Hydra dir of its own
@@ -273,7 +275,11 @@ def rank_process(rank: int, port: int, out_dir: str) -> None:
         WORLD_SIZE="2",
         TORCHELASTIC_USE_AGENT_STORE="True",
     )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     from rlsync.sync import WeightMismatch
+    from rlsync.sync.gather import gather_shards
     from rlsync.trainer.data_parallel import DataParallel
 
     def rank0_wins(model) -> None:  # rank 0's weights must win: start rank 1 elsewhere, then broadcast
@@ -293,6 +299,17 @@ def rank_process(rank: int, port: int, out_dir: str) -> None:
             results[parallel] = train_steps(trainer, offloader, batches, dp)
             if parallel == "ddp":
                 dp.check_same_weights(dict(trainer.model.named_parameters()))  # the replicas stay identical
+            else:  # the update's gather against full_tensor(), in calls that cut tensors, and in one call
+                shards = [p for p in trainer.model.parameters()]
+                results["gather_matches"] = all(
+                    torch.equal(a, p.full_tensor())
+                    for call_bytes in (1000, 1 << 30)
+                    for a, p in zip(gather_shards(shards, call_bytes=call_bytes), shards)
+                )
+        mesh = init_device_mesh("cpu", (2,))  # uneven rows: a short last shard, an empty one, a 1-D tensor
+        odd = [torch.arange(15.0).reshape(5, 3), torch.arange(7.0), torch.arange(4.0).reshape(1, 4)]
+        dts = [distribute_tensor(t, mesh, [Shard(0)]) for t in odd]
+        results["odd"] = [[t.clone() for t in gather_shards(dts, call_bytes=cb)] for cb in (8, 40, 1 << 20)]
         dp.agree(None)  # update.verify: every rank's engine matched
         try:  # rank 1's engine did not: every rank learns it, and which
             dp.agree(WeightMismatch("engine tensor 'w' differs") if rank == 1 else None)
@@ -315,6 +332,11 @@ def test_two_ranks_train_as_one_process_under_ddp_and_fsdp2(tmp_path):
     del store
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert [r["verdict"] for r in ranks] == ["rank 1's engine: engine tensor 'w' differs"] * 2
+    assert all(r["gather_matches"] for r in ranks)  # the update's gather is full_tensor()'s, bit for bit
+    odd = [torch.arange(15.0).reshape(5, 3), torch.arange(7.0), torch.arange(4.0).reshape(1, 4)]
+    for r in ranks:
+        for gathered in r["odd"]:  # calls of 1 element per rank, of 5 (cutting tensors), and one call
+            assert all(torch.equal(g, t) for g, t in zip(gathered, odd))
     torch.set_num_threads(1)
     for parallel, groups in GROUPS.items():
         trainer, offloader = tiny_trainer("none")
@@ -391,9 +413,9 @@ def sharded(mode: str):
     buckets = plan_buckets(metas_of(params, torch.bfloat16), bucket_bytes=16)  # two bf16 tensors per bucket
     log: list[str] = []
 
-    def gather(t):
-        log.append(next(n for n, p in params.items() if p is t))
-        return t.clone()
+    def gather(shards):
+        log.extend(next(n for n, p in params.items() if p is t) for t in shards)
+        return [t.clone() for t in shards]
 
     plan = params_layout(params, "checkpoint")
     weights = ShardedWeights(

@@ -226,3 +226,55 @@ def test_qwen3_0p6b_in_bf16_that_the_check_accepts_finishes_within_its_estimate(
     estimate, peak = record["estimate"]["process_bytes"], record["measured"]["peak_rss_bytes"]
     assert peak <= estimate + record["available"]["margin_bytes"], record
     assert estimate <= 1.6 * peak, record  # conservative, not absurd
+
+
+# ----------------------------------------------------------------------------------------------
+# Data parallel: each rank's part, and every rank on this machine
+# ----------------------------------------------------------------------------------------------
+
+
+def test_fsdp2_ranks_each_hold_a_shard_and_every_rank_on_the_machine_counts(compose):
+    """Two ranks on one machine (torchrun --nproc_per_node 2): the check adds both ranks' estimates. Under
+    fsdp2 each holds half the state (dim 0 shards, padded) and the gather's transients; with every_rank
+    engines each has an engine, with rank0 only rank 0 has one."""
+    two = memory.Ranks(world=2, local=2)
+    single = memory.estimate(compose("model=qwen3_0p6b", "trainer.dtype=bfloat16"), cuda=False, runtime_bytes=0)
+    cfg = compose("model=qwen3_0p6b", "trainer.dtype=bfloat16", "trainer.parallel=fsdp2", "rollout.engines=every_rank")
+    est = memory.estimate(cfg, cuda=False, runtime_bytes=0, ranks=two)
+    assert 0.5 <= est.process["trainer_state"] / single.process["trainer_state"] < 0.501  # a shard: half, padded
+    assert est.other_ranks == 1 and est.other_rank["engine_weights"] == single.process["engine_weights"]
+    assert est.host_bytes == est.process_bytes + sum(est.other_rank.values())
+    assert est.process["transient"] > single.process["transient"]  # + the gather's held tensors and probe
+    rank0 = memory.estimate(
+        compose("model=qwen3_0p6b", "trainer.dtype=bfloat16", "trainer.parallel=fsdp2"),
+        cuda=False,
+        runtime_bytes=0,
+        ranks=two,
+    )
+    assert "engine_weights" in rank0.process and rank0.other_rank["engine_weights"] == 0  # rank 1 holds no engine
+    assert rank0.host_bytes < est.host_bytes
+    # ranks on other machines are not this machine's: 2 ranks, 1 here
+    assert memory.estimate(cfg, cuda=False, runtime_bytes=0, ranks=memory.Ranks(2, 1)).other_ranks == 0
+    ddp = memory.estimate(
+        compose("model=qwen3_0p6b", "trainer.dtype=bfloat16"), cuda=False, runtime_bytes=0, ranks=two
+    )  # ddp (the default): the whole state on each rank, and DDP's gradient buckets beside it
+    assert ddp.process["trainer_state"] == single.process["trainer_state"]
+    assert ddp.process["ddp_buckets"] == QWEN3_0P6B_PARAMS * 2
+
+
+def test_the_2_rank_fsdp2_run_that_was_killed_is_refused_with_checked_advice(compose):
+    """Qwen3-0.6B in fp32 over 2 fsdp2 ranks, each with its engine, was killed by the kernel in setup (12.7
+    and 11.5 GB resident); on a 24 GiB machine (23 GiB available) it is refused, and what it offers fits."""
+    two = memory.Ranks(world=2, local=2)
+    machine = memory.Machine(
+        cuda=False, runtime_bytes=500 * 2**20, host_bytes=int(23 * 2**30), device_bytes=None, ranks=two
+    )
+    overrides = ["model=qwen3_0p6b", "trainer.parallel=fsdp2", "rollout.engines=every_rank"]
+    cfg = compose(*overrides)
+    est = machine.estimate(cfg)
+    assert not machine.fits(est)
+    assert "for its 2 ranks here" in machine.shortfalls(est)[0]
+    found = [s for s in memory.suggestions(cfg, machine, overrides=overrides) if s.command == "python -m rlsync"]
+    assert "trainer.dtype=bfloat16" in [o for s in found for o in s.overrides]
+    for suggestion in found:
+        assert machine.fits(machine.estimate(compose(*overrides, *suggestion.overrides))), suggestion

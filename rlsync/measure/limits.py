@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from rlsync.fmt import fmt_bytes
 from rlsync.measure.devices import copy_into
 from rlsync.measure.threads import cpu_threads, thread_candidates
 from rlsync.measure.timing import synchronize
@@ -360,16 +361,20 @@ class CopyProbe:
 
 
 class GatherFloor:
-    """The floor of the update's gather from shards (trainer.parallel=fsdp2): one all-gather of the update's
-    bytes, in the trainer's dtype, over the trainer's group (every rank takes part, at the same point).
+    """The floor of the update's gather from shards (trainer.parallel=fsdp2): the update's bytes, in the
+    trainer's dtype, all-gathered over the trainer's group (every rank takes part, at the same point).
 
-    The update gathers parameter by parameter (`DTensor.full_tensor()`, one collective each); the floor
-    is the same bytes in one call (all_gather_single; all_gather_into_tensor before torch 2.13), so
-    per-call latency is what the gather's efficiency shows. Like the copy's, the probe buffer is capped
-    (`PROBE_CAP_BYTES` gathered) and scaled to the bytes; the best of
-    `rounds` counts, each round started together (a barrier) so no rank times another's lateness.
-    `per_second` counts the gathered (output) bytes: each rank receives (N-1)/N of them.
+    The floor is the fastest this group all-gathers: the same bytes in calls of each size in `CALL_SIZES`
+    (up to the update's bytes), the fastest size kept (`call_bytes`; the update's gather then calls at that
+    size, rlsync.sync.gather). The size matters: gloo over loopback moved 1.1 GB/s in 1 to 16 MiB calls and
+    0.48 GB/s in 64 MiB to 1 GiB ones on this project's CPU machine; NCCL gains up to a few hundred MiB.
+    Each size's rounds move at most `ROUND_BYTES` (64 MiB, or one call), the best of `rounds` counts, each
+    round started together (a barrier) so no rank times another's lateness. `per_second` counts the gathered
+    (output) bytes: each rank receives (N-1)/N of them.
     """
+
+    CALL_SIZES = tuple(1 << p for p in range(20, 29, 2))  # gathered bytes per call: 1, 4, 16, 64, 256 MiB
+    ROUND_BYTES = 64 << 20
 
     def __init__(self, nbytes: int, *, dtype: torch.dtype, device: torch.device, rounds: int = 3, group=None):
         import torch.distributed as dist  # here: a single process never needs it
@@ -377,29 +382,50 @@ class GatherFloor:
         self.dist, self.group = dist, group
         self.world = dist.get_world_size(group)
         self.nbytes, self.dtype, self.device, self.rounds = nbytes, dtype, device, rounds
-        self.per_second, self.how = math.inf, ""
+        self.per_second, self.how, self.call_bytes = math.inf, "", self.CALL_SIZES[-1]
         self.measure()
+
+    def sizes(self) -> list[int]:
+        """The call sizes probed: those up to the update's bytes (the update's bytes alone when smaller)."""
+        top = max(self.world * self.dtype.itemsize, min(self.nbytes, self.CALL_SIZES[-1]))
+        return [s for s in self.CALL_SIZES if s <= top] or [top]
+
+    def call_size(self, size: int) -> int:
+        """The gathered bytes of one call of `size`: whole elements from every rank."""
+        return max(1, size // self.dtype.itemsize // self.world) * self.world * self.dtype.itemsize
 
     def measure(self) -> None:
         dist, world = self.dist, self.world
-        shard = max(1, min(self.nbytes, PROBE_CAP_BYTES) // self.dtype.itemsize // world)  # elements per rank
-        inp = torch.ones(shard, dtype=self.dtype, device=self.device)
-        out = torch.empty(shard * world, dtype=self.dtype, device=self.device)
         # torch >= 2.13 names the one-tensor all-gather all_gather_single (all_gather_into_tensor before)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, inp, group=self.group)  # first touch, the connections warm
-        best = math.inf
-        for _ in range(self.rounds):
-            dist.barrier(group=self.group)
-            synchronize(self.device)
-            start = CLOCK()
-            gather(out, inp, group=self.group)
-            synchronize(self.device)
-            best = min(best, CLOCK() - start)
-        self.per_second = out.nbytes / best
-        backend = dist.get_backend(self.group)
-        self.how = f"{gather.__name__}, {world} ranks, {backend}, {out.nbytes} bytes"
-        del inp, out
+        sizes, seconds = self.sizes(), []
+        for size in sizes:
+            shard = max(1, size // self.dtype.itemsize // world)  # elements each rank contributes per call
+            inp = torch.ones(shard, dtype=self.dtype, device=self.device)
+            out = torch.empty(shard * world, dtype=self.dtype, device=self.device)
+            calls = max(1, min(self.nbytes, self.ROUND_BYTES) // out.nbytes)
+            gather(out, inp, group=self.group)  # first touch, the connections warm
+            best = math.inf
+            for _ in range(self.rounds):
+                dist.barrier(group=self.group)
+                synchronize(self.device)
+                start = CLOCK()
+                for _ in range(calls):
+                    gather(out, inp, group=self.group)
+                synchronize(self.device)
+                best = min(best, CLOCK() - start)
+            seconds.append(best / (calls * out.nbytes))  # per gathered byte
+            del inp, out
+        # every rank must choose the same call size (the update's collectives must match): the slowest rank's
+        # time per size decides
+        per_byte = torch.tensor(seconds, dtype=torch.float64, device=self.device)  # NCCL reduces device tensors
+        dist.all_reduce(per_byte, op=dist.ReduceOp.MAX, group=self.group)
+        k = int(per_byte.argmin())
+        self.per_second, self.call_bytes = 1.0 / float(per_byte[k]), self.call_size(sizes[k])
+        self.how = (
+            f"{gather.__name__} in {fmt_bytes(self.call_bytes)} calls (the fastest of {fmt_bytes(sizes[0])} to "
+            f"{fmt_bytes(sizes[-1])}), {world} ranks, {dist.get_backend(self.group)}"
+        )
         if self.device.type == "cuda":  # probed between steps: leave no device memory cached for the engine
             torch.cuda.empty_cache()
 
@@ -408,4 +434,4 @@ class GatherFloor:
         return (self.nbytes if nbytes is None else nbytes) / self.per_second
 
     def as_dict(self) -> dict[str, float | str]:
-        return {"gather_gbps": self.per_second / 1e9, "gather_probe": self.how}
+        return {"gather_gbps": self.per_second / 1e9, "gather_probe": self.how, "gather_call_bytes": self.call_bytes}

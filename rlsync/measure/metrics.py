@@ -125,6 +125,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("update/verified_engines", "engines verified", merge=Merge.SUM),  # update.verify: one per rank's engine
     *moved("sleep"),
     *moved("wake_up"),
+    # this process's peak resident set so far (VmHWM): data parallel's merge is the largest rank's
+    Metric("perf/host_peak_rss_gb", "host peak memory of a rank", "GB", Merge.LARGEST, stat="max"),
     Metric("perf/device_mem_after_sleep_gb", "device memory after offload", "GB", Merge.LARGEST),  # CUDA only
     Metric("perf/device_mem_after_wake_up_gb", "device memory after onload", "GB", Merge.LARGEST),
     # the whole device's used memory (mem_get_info): an engine in another process counts too

@@ -29,6 +29,7 @@ from rlsync.measure.devices import (
     select_device,
 )
 from rlsync.measure.limits import GatherFloor, Limits
+from rlsync.measure.memory import peak_rss_bytes
 from rlsync.measure.threads import RunCpu, cpu_threads
 from rlsync.measure.timing import Stopwatch
 from rlsync.model.architecture import params_layout, update_tensors
@@ -296,6 +297,7 @@ class Experiment:
         metrics = {**watch.totals("perf/{}_time"), **metrics}
         # engine vs trainer log-prob of the same sampled tokens: ~0 iff the last update landed
         metrics["train/logprob_abs_diff"] = ((gen.logprobs - old_logp).abs() * mask).sum().item() / mask.sum().item()
+        metrics["perf/host_peak_rss_gb"] = peak_rss_bytes() / 1e9  # ranks: the largest rank's
         metrics = dp.gather_metrics(metrics, tokens=mask.sum().item())  # data parallel: each phase the slowest rank's
         if dp.is_main:
             metrics.update(self.offload_metrics(metrics))
@@ -384,7 +386,12 @@ class Experiment:
         if self.cfg.update.source == "host" and not live:
             return update_tensors(self.offloader.host_weights(self.params), layout, self.layout)
         return self.parallel.update_source(  # fsdp2: the shards, gathered bucket by bucket as they are read
-            self.params, layout=layout, plan=self.layout, buckets=self.buckets, gather=self.cfg.update.gather
+            self.params,
+            layout=layout,
+            plan=self.layout,
+            buckets=self.buckets,
+            gather=self.cfg.update.gather,
+            call_bytes=self.gather_floor.call_bytes if self.gather_floor is not None else None,
         )
 
     def device_memory(self, phase: str) -> dict[str, float]:
@@ -519,7 +526,13 @@ def run_summary(
     if warnings:
         result["warning"] = "; ".join(warnings)
     if memory is not None:
-        result["memory"] = memory_record(memory, device, engine_peak=setup_info.get("engine_peak_rss_bytes"))
+        rank_peaks = [row["perf/host_peak_rss_gb"] for row in rows if "perf/host_peak_rss_gb" in row]
+        result["memory"] = memory_record(
+            memory,
+            device,
+            engine_peak=setup_info.get("engine_peak_rss_bytes"),
+            rank_peak=int(max(rank_peaks) * 1e9) if ranks > 1 and rank_peaks else None,
+        )
     return result
 
 

@@ -41,6 +41,7 @@ from rlsync.config.schema import MIB, Config, ModelConfig, bucket_bytes, flat_en
 from rlsync.engines.base import engine_class
 from rlsync.errors import BadInput
 from rlsync.measure.devices import reset_run_peaks, run_device_peaks
+from rlsync.measure.limits import GatherFloor
 from rlsync.measure.memory import (
     device_available_bytes,
     host_available_bytes,
@@ -52,6 +53,7 @@ from rlsync.model.architecture import model_shapes, update_shapes
 from rlsync.model.build import torch_dtype
 from rlsync.model.install_check import check_companions
 from rlsync.sync.buckets import TensorMeta, plan_buckets
+from rlsync.trainer.data_parallel import split_evenly as split_groups
 from rlsync.trainer.offload import plan_pin_chunks, plan_segments, resolve_memory
 from rlsync.trainer.task import make_prompts
 
@@ -72,6 +74,7 @@ OPTIMIZER_TEMPORARIES = 2
 # Kept free beyond the estimate: what it has missed before (Qwen3-1.7B bf16: 9 % low) and what the
 # machine's other processes allocate while the run is starting. Every suggestion is checked with it.
 MARGIN_FRACTION = 0.08
+GATHER_CALL_MAX = GatherFloor.CALL_SIZES[-1]  # the largest all-gather call of the gather from shards
 MARGIN_MIN = 512 * MIB
 
 
@@ -101,13 +104,33 @@ def param_count(m: ModelConfig) -> int:
     return sum(numel(s) for _, s in param_shapes(m))
 
 
+@dataclass(frozen=True)
+class Ranks:
+    """The data-parallel launch a run is checked for: its ranks, and how many of them share this machine."""
+
+    world: int = 1
+    local: int = 1  # ranks on this machine (LOCAL_WORLD_SIZE): they share its RAM, and on a CPU its "device"
+
+    @classmethod
+    def launched(cls) -> Ranks:
+        """This process's launch, as torchrun, accelerate or the submitit launcher set it."""
+        from rlsync.config.launch import launched
+        from rlsync.measure.threads import processes_here
+
+        _, world, _ = launched()
+        return cls(world, min(world, processes_here())) if world > 1 else cls()
+
+
 @dataclass
 class Estimate:
-    """Peak bytes by part: this process, the engine process (ipc, broadcast) and the CUDA device."""
+    """Peak bytes by part: this process (rank 0's), the engine process (ipc, broadcast) and the CUDA device;
+    under data parallel, each other rank on this machine (`other_rank`, `other_ranks` of them)."""
 
     process: dict[str, int] = field(default_factory=dict)
     engine_process: dict[str, int] = field(default_factory=dict)
     device: dict[str, int] = field(default_factory=dict)  # empty on a CPU run
+    other_rank: dict[str, int] = field(default_factory=dict)  # host bytes of each other rank on this machine
+    other_ranks: int = 0
 
     @property
     def process_bytes(self) -> int:
@@ -115,8 +138,8 @@ class Estimate:
 
     @property
     def host_bytes(self) -> int:
-        """Host memory of the whole run: what the machine's RAM must hold."""
-        return self.process_bytes + sum(self.engine_process.values())
+        """Host memory of the whole run: what the machine's RAM must hold (every rank on it)."""
+        return self.process_bytes + sum(self.engine_process.values()) + self.other_ranks * sum(self.other_rank.values())
 
     @property
     def device_bytes(self) -> int:
@@ -130,6 +153,7 @@ class Estimate:
             "process": self.process,
             "engine_process": self.engine_process or None,
             "device": self.device or None,
+            **({"other_rank": self.other_rank, "other_ranks": self.other_ranks} if self.other_ranks else {}),
         }
 
 
@@ -244,26 +268,82 @@ def optimizer_bytes(cfg: Config, shapes: list[tuple[str, tuple[int, ...]]], cuda
     return OPTIMIZER_TEMPORARIES * largest + tied
 
 
-def estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
-    """The run's peak memory by part, from `cfg` alone (no tensor is allocated)."""
+def estimate(cfg: Config, *, cuda: bool, runtime_bytes: int, ranks: Ranks | None = None) -> Estimate:
+    """The run's peak memory by part, from `cfg` alone (no tensor is allocated): rank 0's, and under data
+    parallel each other rank's on this machine (`ranks`, default this process's launch)."""
+    ranks = ranks or Ranks.launched()
+    est = rank_estimate(cfg, cuda=cuda, runtime_bytes=runtime_bytes, ranks=ranks, rank=0)
+    if ranks.local > 1:  # the other ranks here: their processes (and engine processes) share this machine's RAM
+        other = rank_estimate(cfg, cuda=cuda, runtime_bytes=runtime_bytes, ranks=ranks, rank=1)
+        est.other_rank = {**other.process, **{f"engine_process_{k}": v for k, v in other.engine_process.items()}}
+        est.other_ranks = ranks.local - 1
+    return est
+
+
+def sharded_shapes(shapes: list[tuple[str, tuple[int, ...]]], world: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Each rank's shard of each tensor under fully_shard: dim 0 split in ceil(rows / world) rows (padded)."""
+    return [(n, (-(-s[0] // world), *s[1:]) if s else s) for n, s in shapes]
+
+
+def with_prompts(cfg: Config, prompts: int) -> Config:
+    """`cfg` with a rank's share of the prompt groups (what its engine generates, or its trainer trains on)."""
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, prompts_per_step=prompts))
+
+
+def fsdp_unsharded_bytes(cfg: Config, shapes: list[tuple[str, tuple[int, ...]]]) -> int:
+    """What fully_shard holds whole in the forward and backward: the root unit's parameters (embeddings, final
+    norm, head) and one decoder layer's at a time, and their unsharded gradients before the reduce-scatter."""
+    root = sum(numel(s) for n, s in shapes if ".layers." not in n)
+    layer = sum(numel(s) for n, s in shapes if ".layers.0." in n)
+    return 2 * (root + layer) * DTYPE_BYTES[cfg.trainer.dtype]
+
+
+def gather_transient_bytes(cfg: Config, shapes: list[tuple[str, tuple[int, ...]]], world: int) -> int:
+    """The update's gather from shards (rlsync.sync.gather): the full tensors held at once (update.gather) and
+    this rank's packed shards of them, in the trainer's dtype, or the gather floor's probe, the larger."""
+    t = DTYPE_BYTES[cfg.trainer.dtype]
+    mode = cfg.update.gather
+    if mode == "all_at_once":
+        held = sum(numel(s) for _, s in shapes) * t
+    elif mode == "per_tensor":
+        held = max(numel(s) for _, s in shapes) * t
+    else:  # per_bucket: the largest bucket (planned in the engine's dtype, as the update plans it), gathered in
+        held = largest_bucket_bytes(cfg, shapes) * t // DTYPE_BYTES[cfg.rollout.dtype]  # the trainer's
+    call = GATHER_CALL_MAX  # one call's output buffer
+    probe = min(sum(numel(s) for _, s in shapes) * t, GATHER_CALL_MAX) * (1 + 1 / world)
+    return int(max(held * (1 + 1 / world) + call, probe))
+
+
+def rank_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int, ranks: Ranks, rank: int) -> Estimate:
+    """One rank's peak memory by part (a single process is rank 0 of one)."""
+    world = ranks.world
+    sharded = world > 1 and cfg.trainer.parallel == "fsdp2"
     shapes = param_shapes(cfg.model)
+    held = sharded_shapes(shapes, world) if sharded else shapes  # what this rank's trainer holds of each tensor
     params = sum(numel(s) for _, s in shapes)
     t, e = DTYPE_BYTES[cfg.trainer.dtype], DTYPE_BYTES[cfg.rollout.dtype]
-    trainer = params * t * (2 + ADAM_MOMENTS)  # weights, grads, AdamW moments
-    reference = params * t if cfg.trainer.kl_coef > 0 else 0
-    engine_weights = params * e
-    staging_trainer, staging_engine = staging_bytes(cfg, shapes)
+    trainer = sum(numel(s) for _, s in held) * t * (2 + ADAM_MOMENTS)  # weights, grads, AdamW moments
+    reference = params * t if cfg.trainer.kl_coef > 0 else 0  # a whole frozen copy on every rank
+    has_engine = rank == 0 or cfg.rollout.engines == "every_rank"
+    groups = split_groups(cfg.rollout.prompts_per_step, world)[rank]  # this rank's share of the prompt groups
+    engine_groups = cfg.rollout.prompts_per_step if world > 1 and cfg.rollout.engines == "rank0" else groups
+    engine_weights = params * e if has_engine else 0
+    staging_trainer, staging_engine = staging_bytes(cfg, shapes) if has_engine else (0, 0)
     prompt = prompt_tokens()
-    train_act, rollout_act = activation_bytes(cfg, prompt)
-    train_act += optimizer_bytes(cfg, shapes, cuda)
+    train_act, _ = activation_bytes(with_prompts(cfg, groups), prompt)
+    _, rollout_act = activation_bytes(with_prompts(cfg, engine_groups), prompt) if has_engine else (0, 0)
+    train_act += optimizer_bytes(cfg, held, cuda)
+    if sharded:
+        train_act += fsdp_unsharded_bytes(cfg, shapes)
     if not cuda:  # on CUDA transformers' grouped expert matmul gathers no weights
         r = cfg.rollout
-        micro = min(cfg.trainer.micro_batch_size, r.prompts_per_step * r.samples_per_prompt)
+        micro = min(cfg.trainer.micro_batch_size, groups * r.samples_per_prompt)
         train_act += expert_gather_bytes(cfg, micro * (prompt + r.max_response_len))
-    probe = probe_bytes(trainer, engine_weights)
-    extra = offload_extra(
-        cfg, _cached("model", cfg.model, model_shapes), cuda
-    )  # the offload moves parameters, fused experts whole
+    probe = probe_bytes(trainer, engine_weights) if has_engine else 0  # the copy floors: ranks with an engine
+    gather = gather_transient_bytes(cfg, shapes, world) if sharded else 0
+    model = _cached("model", cfg.model, model_shapes)  # the offload moves parameters, fused experts whole
+    extra = offload_extra(cfg, sharded_shapes(model, world) if sharded else model, cuda)
+    ddp = params * t if world > 1 and cfg.trainer.parallel == "ddp" else 0  # DDP's gradient buckets, a copy
     own_engine = cfg.update.transport == "direct"  # the engine's KV cache lives in this process
     remote = bool(cfg.update.engine_address)  # an engine on another machine: not this one's memory
     est = Estimate()
@@ -271,7 +351,8 @@ def estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
     est.process["step_workspace"] = STEP_WORKSPACE
     if not cuda:
         # The C heap keeps what a phase freed (measured: Qwen3-0.6B bf16 kept 1.6 GiB of its 2.3 GiB
-        # training peak), so the step's transients add up and a probe between steps (every_step) comes on top.
+        # training peak), so the step's transients add up and the probes between steps (every_step) come on
+        # top; the gather from shards too (measured over 2 ranks: each rank's peak grows with it).
         step = train_act + (rollout_act if own_engine else 0)  # the rollout's KV cache, kept by the heap too
         between_steps = cfg.run.limit_probe == "every_step"
         est.process.update(
@@ -280,12 +361,14 @@ def estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
                 "reference": reference,
                 "offload_extra": extra,
                 "staging": staging_trainer,
-                "transient": step + probe if between_steps else max(step, probe),
+                "transient": step + probe + gather if between_steps else max(step, probe) + gather,
             }
         )
+        if ddp:
+            est.process["ddp_buckets"] = ddp
         if cfg.update.transport == "direct":
             est.process["engine_weights"] = engine_weights
-        elif not remote:
+        elif not remote and has_engine:
             est.engine_process = {
                 "runtime": runtime_bytes,
                 "step_workspace": STEP_WORKSPACE,
@@ -297,14 +380,16 @@ def estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
         est.process.update(
             {"offload_host": extra, "probe_pinned": pinned_bytes(min(max(trainer, PROBE_MIN), PROBE_CAP))}
         )
-        if cfg.update.transport != "direct" and not remote:
+        if cfg.update.transport != "direct" and not remote and has_engine:
             est.engine_process = {"runtime": runtime_bytes}
         est.device = {
             "trainer_state": trainer,
             "reference": reference,
             "staging": staging_trainer + staging_engine,
-            "transient": max(train_act, probe),  # the caching allocator reuses one phase's blocks in the next
+            "transient": max(train_act, probe, gather),  # the caching allocator reuses one phase's blocks in the next
         }
+        if ddp:
+            est.device["ddp_buckets"] = ddp
         if not remote:
             est.device.update({"engine_weights": engine_weights, "kv_cache": rollout_act})
     return est
@@ -384,17 +469,26 @@ class Machine:
     runtime_bytes: int
     host_bytes: int | None  # available (MemAvailable), the runtime already taken out of it
     device_bytes: int | None  # free on the device
+    ranks: Ranks = Ranks()  # the data-parallel launch: ranks on this machine share its RAM
 
     def shortfalls(self, est: Estimate, device_name: str = "device") -> list[str]:
         """Where `est` (with its margin) does not fit, one phrase each; empty when it fits."""
         where = []
-        need_host = est.host_bytes - est.process["runtime"]  # the runtime is loaded: not part of what is available
+        # this process's runtime is loaded: not part of what is available (the other ranks' may not be yet)
+        loaded = est.process["runtime"]
+        need_host = est.host_bytes - loaded
         if self.host_bytes is not None and need_host + margin_bytes(est.host_bytes) > self.host_bytes:
             trainer = est.process.get("trainer_state", 0) + est.device.get("trainer_state", 0)
-            state = f" (trainer state {gib(trainer)})" if trainer else ""
+            state = f" (trainer state {gib(trainer)}{' per rank' if self.ranks.world > 1 else ''})" if trainer else ""
+            ranks = (
+                f" for its {1 + est.other_ranks} ranks here (rank 0 {gib(est.host_bytes - est.other_ranks * sum(est.other_rank.values()))}, "
+                f"each other {gib(sum(est.other_rank.values()))})"
+                if est.other_ranks
+                else ""
+            )
             where.append(
-                f"host memory: estimated peak {gib(est.host_bytes)}{state} + {gib(margin_bytes(est.host_bytes))} "
-                f"margin, {gib(self.host_bytes + est.process['runtime'])} available"
+                f"host memory: estimated peak {gib(est.host_bytes)}{ranks}{state} + "
+                f"{gib(margin_bytes(est.host_bytes))} margin, {gib(self.host_bytes + loaded)} available"
             )
         if self.device_bytes is not None and est.device_bytes + margin_bytes(est.device_bytes) > self.device_bytes:
             where.append(
@@ -406,11 +500,25 @@ class Machine:
     def fits(self, est: Estimate) -> bool:
         return not self.shortfalls(est)
 
+    def estimate(self, cfg: Config, *, bench: bool = False) -> Estimate:
+        """`cfg`'s estimate on this machine (the run's, or the benchmark's: one process)."""
+        if bench:
+            return bench_estimate(cfg, cuda=self.cuda, runtime_bytes=self.runtime_bytes)
+        return estimate(cfg, cuda=self.cuda, runtime_bytes=self.runtime_bytes, ranks=self.ranks)
+
 
 # What a run can change to need less, each a config override and what it saves; the check keeps the ones
 # that fit (alone, or all together) and says so.
-def _savings(cfg: Config) -> list[tuple[str, str, object]]:
+def _savings(cfg: Config, ranks: Ranks = Ranks()) -> list[tuple[str, str, object]]:
     out = []
+    if ranks.world > 1 and cfg.trainer.parallel == "ddp":
+        out.append(
+            ("trainer.parallel=fsdp2", "shards the trainer's state over the ranks", ("trainer", "parallel", "fsdp2"))
+        )
+    if ranks.local > 1 and cfg.rollout.engines == "every_rank":
+        out.append(
+            ("rollout.engines=rank0", "one engine on this machine, not one per rank", ("rollout", "engines", "rank0"))
+        )
     if cfg.trainer.dtype == "float32":
         out.append(
             (
@@ -483,12 +591,11 @@ class Suggestion:
 def suggestions(cfg: Config, machine: Machine, *, bench: bool = False, overrides: list[str] = ()) -> list[Suggestion]:
     """What to change, each checked: the same estimate with the change fits `machine` with its margin.
     `overrides`: the command line's, which the benchmark's suggested command repeats (its config is the run's)."""
-    estimator = bench_estimate if bench else estimate
 
     def fits(c: Config) -> bool:
-        return machine.fits(estimator(c, cuda=machine.cuda, runtime_bytes=machine.runtime_bytes))
+        return machine.fits(machine.estimate(c, bench=bench))
 
-    savings = [] if bench else _savings(cfg)
+    savings = [] if bench else _savings(cfg, machine.ranks)
     found = [Suggestion([o], why) for o, why, change in savings if fits(_with(cfg, [change]))]
     if not found and len(savings) > 1 and fits(_with(cfg, [c for _, _, c in savings])):
         found.append(Suggestion([o for o, _, _ in savings], "together"))
@@ -502,7 +609,7 @@ def suggestions(cfg: Config, machine: Machine, *, bench: bool = False, overrides
             if fits(_with(alone, [c for _, _, c in savings])):
                 found.append(Suggestion([f"model={model.name}", *(o for o, _, _ in savings)]))
                 break
-    if not bench and machine.fits(bench_estimate(cfg, cuda=machine.cuda, runtime_bytes=machine.runtime_bytes)):
+    if not bench and machine.fits(machine.estimate(cfg, bench=True)):
         same = [o for o in overrides if not o.lstrip("+~").startswith("hydra")] or [f"model={cfg.model.name}"]
         found.append(Suggestion(same, "the update alone", command="python -m rlsync.bench"))
     return found
@@ -525,6 +632,7 @@ def machine_for(device) -> Machine:
         runtime_bytes=rss_bytes(),
         host_bytes=host_available_bytes(),
         device_bytes=device_available_bytes(device),
+        ranks=Ranks.launched(),
     )
 
 
@@ -535,7 +643,7 @@ def check_fits(
 
     Call after `load_runtime` and before any model is built. `bench`: python -m rlsync.bench's estimate."""
     machine = machine_for(device)
-    est = (bench_estimate if bench else estimate)(cfg, cuda=machine.cuda, runtime_bytes=machine.runtime_bytes)
+    est = machine.estimate(cfg, bench=bench)
     available = {"host_bytes": machine.host_bytes, "device_bytes": machine.device_bytes}
     if memory_check:
         where = machine.shortfalls(est, str(device))
@@ -558,12 +666,17 @@ def memory_fit(cfg: Config, device: torch.device, *, bench: bool = False, overri
     return {"estimate": estimate, "available": available}
 
 
-def memory_record(fit: dict, device: torch.device, *, engine_peak: int | None = None) -> dict:
+def memory_record(
+    fit: dict, device: torch.device, *, engine_peak: int | None = None, rank_peak: int | None = None
+) -> dict:
     """The estimate beside the measured peaks, for summary.json: how far off the estimate was.
-    `engine_peak`: the engine process's own peak resident set, as its close answered."""
+    `engine_peak`: the engine process's own peak resident set, as its close answered; `rank_peak`: data
+    parallel's largest rank's (perf/host_peak_rss_gb)."""
     estimate = fit["estimate"]
     peak = peak_rss_bytes()
     measured = {"peak_rss_bytes": peak}
+    if rank_peak:
+        measured["largest_rank_peak_rss_bytes"] = rank_peak
     if estimate.engine_process and engine_peak:
         measured["engine_peak_rss_bytes"] = engine_peak
     if device_peaks := run_device_peaks(device):  # the whole run's, not the last update's

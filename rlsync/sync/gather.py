@@ -1,8 +1,12 @@
 """The update's tensors from a sharded trainer (trainer.parallel=fsdp2): full tensors gathered from the shards.
 
-FSDP2 holds each parameter as a DTensor, one shard per rank; the engine needs whole tensors. As verl's
-and TRL's colocated updates do, each parameter is gathered with `DTensor.full_tensor()` (one all-gather
-over the trainer's group) shortly before it is sent:
+FSDP2 holds each parameter as a DTensor, one shard per rank; the engine needs whole tensors. verl's and
+TRL's colocated updates gather each parameter with `DTensor.full_tensor()` (one all-gather each) shortly
+before it is sent. Here `gather_shards` gathers a unit's shards as FSDP2's own forward does (its copy-in,
+one all-gather, copy-out): this rank's shards packed into one buffer, all-gathered in calls of the size the
+run's gather floor found fastest (rlsync.measure.limits.GatherFloor), each full tensor copied out of the
+result. Per-parameter calls pay a call per tensor, and a large tensor in one call runs where the
+collective is slow (gloo: 0.48 GB/s in 64 MiB to 1 GiB calls, 1.1 GB/s in 1 to 16 MiB ones). When:
 
 - `per_bucket` (the lazy, bucket by bucket gather of TRL PR #6386): a bucket's parameters are gathered
   just before the transport packs it, and dropped when it moves on: the gathered bytes held at once are
@@ -21,6 +25,7 @@ not a hang. `rewind()` starts a new pass (update.verify compares the engine with
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 
@@ -33,10 +38,88 @@ from rlsync.sync.buckets import Bucket
 GATHER_MODES = ("per_bucket", "per_tensor", "all_at_once")  # update.gather's choices
 
 
+class GatherBuffers:
+    """The gather's buffers, kept from one unit (and one update) to the next: this rank's packed shards, one
+    call's output and, unless the full tensors must outlive the next unit (all_at_once), the full tensors.
+    On a CPU every fresh allocation of the update's size is first-touched again (page faults: measured on
+    Qwen3-0.6B over 2 ranks, the gather at 0.46 of its floor with fresh buffers); a run on CUDA drops them
+    after each update (`clear`), so the engine gets that memory back for the rollout."""
+
+    def __init__(self, *, reuse_full: bool = True):
+        self.reuse_full = reuse_full
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if role == "full" and not self.reuse_full:
+            return torch.empty(numel, dtype=dtype, device=device)
+        key = (role, dtype, device)
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            self.buffers.pop(key, None)  # the smaller one goes first
+            buffer = self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer[:numel]
+
+    def clear(self) -> None:
+        self.buffers = {}
+
+
+def gather_shards(shards: list, *, call_bytes: int, buffers: GatherBuffers | None = None) -> list[torch.Tensor]:
+    """The full tensors of `shards` (DTensors sharded on dim 0 over one mesh dimension, as fully_shard makes
+    them; anything else is gathered with `full_tensor()`), in all-gathers of at most `call_bytes` gathered.
+
+    Each rank packs its shards, each padded to ceil(rows / ranks) rows as FSDP2 pads them, into one buffer
+    per dtype; every rank's buffer has the same layout, so rank r's part of a call's output lands in rank
+    r's rows of each full tensor. With `buffers` the full tensors are views of a reused buffer: valid until
+    the next call."""
+    buffers = buffers or GatherBuffers(reuse_full=False)
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    full: list[torch.Tensor | None] = [None] * len(shards)
+    packable: dict[tuple, list[int]] = {}  # (dtype, mesh) -> indices
+    for i, t in enumerate(shards):
+        if t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),) and t.dim() > 0:
+            packable.setdefault((t.dtype, t.device_mesh), []).append(i)
+        else:
+            full[i] = t.full_tensor()
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name in torch >= 2.13
+    for (dtype, mesh), indices in packable.items():
+        group, world = mesh.get_group(), mesh.size()
+        local0 = shards[indices[0]]._local_tensor
+        rows = [-(-shards[i].shape[0] // world) for i in indices]  # each rank's padded rows
+        per_row = [math.prod(shards[i].shape[1:]) for i in indices]
+        sizes = [r * w for r, w in zip(rows, per_row)]  # each tensor's padded elements per rank
+        device = local0.device
+        packed = buffers.get("packed", sum(sizes), dtype, device)
+        whole = buffers.get("full", world * sum(sizes), dtype, device)
+        padded = []  # each full tensor, padded: [world, padded elements per rank]
+        offset = 0
+        for i, size in zip(indices, sizes):
+            local = shards[i]._local_tensor.reshape(-1)
+            packed[offset : offset + local.numel()].copy_(local)  # a short last shard leaves padding unwritten
+            padded.append(whole[world * offset : world * (offset + size)].view(world, size))
+            offset += size
+        step = max(1, call_bytes // dtype.itemsize // world)  # elements each rank sends per call
+        out = buffers.get("out", world * min(step, packed.numel()), dtype, device).view(world, -1)
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        for lo in range(0, packed.numel(), step):
+            hi = min(lo + step, packed.numel())
+            chunk = out if hi - lo == out.size(1) else torch.empty(world, hi - lo, dtype=dtype, device=out.device)
+            gather(chunk.view(-1), packed[lo:hi], group=group)
+            for k, (start, size) in enumerate(zip(starts, sizes)):  # copy out the tensors this call covers
+                a, b = max(lo, start), min(hi, start + size)
+                if a < b:
+                    padded[k][:, a - start : b - start].copy_(chunk[:, a - lo : b - lo])
+        for k, i in enumerate(indices):
+            t = shards[i]
+            full[i] = padded[k].view(world * rows[k], *t.shape[1:])[: t.shape[0]]
+    return full
+
+
 class ShardedWeights(Mapping):
     """The update's tensors by name, gathered from `shards` (parameter name -> DTensor) bucket by bucket.
 
-    `gather(tensor)` makes a shard whole (`DTensor.full_tensor`); `layout`/`plan` turn the gathered
+    `gather(shards)` makes a list of shards whole (`gather_shards`); `layout`/`plan` turn the gathered
     parameters into the update's tensors (model.update_layout: per-expert views of a fused parameter).
     `seconds`, `rows` (per bucket: bytes and gather_time), `gathered_bytes` and `peak_bytes` say what the
     passes so far cost.
@@ -49,13 +132,15 @@ class ShardedWeights(Mapping):
         layout: str,
         plan: list[Entry],
         buckets: list[Bucket],
-        gather: Callable[[torch.Tensor], torch.Tensor],
+        gather: Callable[[list], list[torch.Tensor]],
         mode: str,
         device: torch.device,
+        buffers: GatherBuffers | None = None,
     ):
         if mode not in GATHER_MODES:
             raise ValueError(f"update.gather={mode!r}: expected one of {', '.join(GATHER_MODES)}")
         self.shards, self.layout, self.gather, self.mode, self.device = shards, layout, gather, mode, device
+        self.buffers = buffers  # what `gather` gathers into, kept between updates off CUDA
         self.entries = {e.name: e for e in plan}
         # the units gathered at once, in plan order: a bucket's tensors, or one tensor (per_tensor)
         names = [[n] for b in buckets for n in b.names] if mode == "per_tensor" else [b.names for b in buckets]
@@ -112,7 +197,7 @@ class ShardedWeights(Mapping):
         params = dict.fromkeys(e.param for e in entries)
         synchronize(self.device)
         start = time.perf_counter()
-        full = {p: self.gather(self.shards[p]) for p in params}
+        full = dict(zip(params, self.gather([self.shards[p] for p in params])))
         synchronize(self.device)
         elapsed = time.perf_counter() - start
         self.held.update(update_tensors(full, self.layout, entries))
@@ -127,11 +212,13 @@ class ShardedWeights(Mapping):
         for k in range(self.current + 1, len(self.units)):
             self._gather(k, keep=False)
             self.current = k
-        self.held = {}
+        self.release()
 
     def release(self) -> None:
-        """Drop what is held (the update is over)."""
+        """Drop what is held (the update is over); on CUDA the gather's buffers too, for the engine's rollout."""
         self.held = {}
+        if self.buffers is not None and self.device.type == "cuda":
+            self.buffers.clear()
 
     def metrics(self) -> dict[str, float]:
         """perf/update_weights_gather_* of the passes so far."""

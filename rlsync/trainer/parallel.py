@@ -23,14 +23,16 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator, Mapping
+from functools import partial
 
 import torch
 from torch import nn
 
+from rlsync.measure.limits import GatherFloor
 from rlsync.model.architecture import Entry, update_tensors
 from rlsync.registry import Registry
 from rlsync.sync.buckets import Bucket
-from rlsync.sync.gather import ShardedWeights
+from rlsync.sync.gather import GatherBuffers, ShardedWeights, gather_shards
 
 
 class Parallel:
@@ -60,9 +62,17 @@ class Parallel:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
     def update_source(
-        self, params: dict[str, torch.Tensor], *, layout: str, plan: list[Entry], buckets: list[Bucket], gather: str
+        self,
+        params: dict[str, torch.Tensor],
+        *,
+        layout: str,
+        plan: list[Entry],
+        buckets: list[Bucket],
+        gather: str,
+        call_bytes: int | None = None,
     ) -> Mapping[str, torch.Tensor]:
-        """The update's tensors by name: the parameters (or views of them), or shards gathered as they are read."""
+        """The update's tensors by name: the parameters (or views of them), or shards gathered as they are read
+        (in all-gathers of `call_bytes`, the size the run's gather floor found fastest)."""
         return update_tensors(params, layout, plan)
 
 
@@ -97,6 +107,7 @@ class Fsdp2(Parallel):
     """torch's fully_shard over every rank: each decoder layer a unit, then the root (every forward reshards)."""
 
     sharded = True
+    buffers: GatherBuffers | None = None  # the update's gather buffers (rlsync.sync.gather), made at the first update
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
@@ -139,16 +150,27 @@ class Fsdp2(Parallel):
         return norm
 
     def update_source(
-        self, params: dict[str, torch.Tensor], *, layout: str, plan: list[Entry], buckets: list[Bucket], gather: str
+        self,
+        params: dict[str, torch.Tensor],
+        *,
+        layout: str,
+        plan: list[Entry],
+        buckets: list[Bucket],
+        gather: str,
+        call_bytes: int | None = None,
     ) -> Mapping[str, torch.Tensor]:
+        if self.buffers is None:  # one set for the run: all_at_once's full tensors must outlive the next unit
+            self.buffers = GatherBuffers(reuse_full=gather != "all_at_once")
+        call_bytes = call_bytes or GatherFloor.CALL_SIZES[-1]
         return ShardedWeights(
             params,
             layout=layout,
             plan=plan,
             buckets=buckets,
-            gather=lambda t: t.full_tensor(),
+            gather=partial(gather_shards, call_bytes=call_bytes, buffers=self.buffers),
             mode=gather,
             device=self.device,
+            buffers=self.buffers,
         )
 
 
