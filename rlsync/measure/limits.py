@@ -360,6 +360,50 @@ class CopyProbe:
         return self.floor_bytes / (self.moved / self.last.seconds)
 
 
+class LinkShare:
+    """The host link as one data-parallel rank has it while every rank offloads at once: the floor of its
+    offload and onload (`to_host`, `to_device`, payload bytes per second, as `Limits` has them).
+
+    Each rank of the group copies a buffer of its offloaded state's size (capped) each way at the same
+    moment (a barrier, then `best_copy` on every rank for the same time budget). The ranks of a machine
+    share its memory bandwidth (a CPU run: the offload is a memcpy), or PCIe switches between GPUs; a
+    probe alone on an idle machine would give one rank the whole machine's bandwidth, a floor no rank's
+    offload can reach while the others offload too.
+    """
+
+    def __init__(self, nbytes: int, *, device: torch.device, group=None):
+        import torch.distributed as dist  # here: a single process never needs it
+
+        self.dist, self.group, self.nbytes, self.device = dist, group, nbytes, device
+        self.to_host = self.to_device = math.inf
+        self.how = ""
+        self.measure()
+
+    def measure(self) -> None:
+        host, device = torch.device("cpu"), self.device
+        directions = [(device, host), (host, device)] if device.type == "cuda" else [(host, host)]
+        rates = []
+        for src, dst in directions:
+            a, b = probe_buffers(self.nbytes, src=src, dst=dst, dtypes=BYTES, pin=src.type != dst.type)
+            self.dist.barrier(group=self.group)
+            synchronize(device)
+            best = best_copy(b, a, 3)
+            rates.append(b.nbytes / best.seconds)  # payload: each byte of the state crosses once
+            del a, b
+        self.to_host, self.to_device = rates[0], rates[-1]
+        world = self.dist.get_world_size(self.group)
+        self.how = f"{world} ranks copying at once, {best.describe()}"
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def as_dict(self) -> dict[str, float | str]:
+        return {
+            "rank_to_host_gbps": self.to_host / 1e9,
+            "rank_to_device_gbps": self.to_device / 1e9,
+            "rank_link_probe": self.how,
+        }
+
+
 class GatherFloor:
     """The floor of the update's gather from shards (trainer.parallel=fsdp2): the update's bytes, in the
     trainer's dtype, all-gathered over the trainer's group (every rank takes part, at the same point).

@@ -28,7 +28,7 @@ from rlsync.measure.devices import (
     sampler,
     select_device,
 )
-from rlsync.measure.limits import GatherFloor, Limits
+from rlsync.measure.limits import GatherFloor, Limits, LinkShare
 from rlsync.measure.memory import peak_rss_bytes
 from rlsync.measure.threads import RunCpu, cpu_threads
 from rlsync.measure.timing import Stopwatch
@@ -116,6 +116,7 @@ class Experiment:
         self.offloader: Offloader | None = None  # set by setup()
         self.parallel: Parallel | None = None  # trainer.parallel as this process runs it, set by setup()
         self.gather_floor: GatherFloor | None = None  # fsdp2: the gather's floor, measured by every rank
+        self.link_share: LinkShare | None = None  # data parallel: the offload's floor, every rank copying at once
         # data parallel: rank 0 holds the engine, or every rank its own (rollout.engines=every_rank)
         self.every_rank = self.dp.enabled and cfg.rollout.engines == "every_rank"
         self.has_engine = self.dp.is_main or self.every_rank
@@ -134,6 +135,8 @@ class Experiment:
                         self.limits.measure()  # the copy floors as the machine is now
                     if self.gather_floor is not None:  # every rank at once: a collective
                         self.gather_floor.measure()
+                    if self.link_share is not None:  # every rank at once: each one's share of the host link
+                        self.link_share.measure()
                 record({"step": step, **self.step(step, engine)})
         return self.recorder.result
 
@@ -182,6 +185,8 @@ class Experiment:
         engine = self.open_transport(allowed, weights, read_bytes) if self.has_engine else None
         if self.parallel.sharded:  # every rank, once the engines are open: an all-gather of the update's bytes
             self.gather_floor = GatherFloor(read_bytes, dtype=torch_dtype(cfg.trainer.dtype), device=device)
+        if self.dp.enabled and self.offloader.state_bytes:  # every rank: its share of the link, all at once
+            self.link_share = LinkShare(self.offloader.state_bytes, device=device)
         build_time = time.perf_counter() - t0
 
         self.setup_info = {
@@ -200,7 +205,11 @@ class Experiment:
                 {
                     "update_bytes": update_bytes,
                     "buckets": len(self.buckets),
-                    "limits": {**self.limits.as_dict(), **(self.gather_floor.as_dict() if self.gather_floor else {})},
+                    "limits": {
+                        **self.limits.as_dict(),
+                        **(self.gather_floor.as_dict() if self.gather_floor else {}),
+                        **(self.link_share.as_dict() if self.link_share else {}),
+                    },
                     "update_limit_time": self.limits.update_limit,
                 }
             )
@@ -402,7 +411,7 @@ class Experiment:
     def offload_metrics(self, m: dict) -> dict:
         """Beside perf/sleep_time and perf/wake_up_time: GB/s, the limit (bytes over the host-link copy
         bandwidth measured in this run; memcpy on a CPU) and the efficiency (limit / time)."""
-        return link_metrics(m, self.limits)
+        return link_metrics(m, self.link_share or self.limits)  # data parallel: the rank's share of the link
 
     def close(self) -> None:
         """The engine (its process too), then the trainer's pinned twin: a sweep's next job pins its own."""

@@ -339,7 +339,7 @@ def rank_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int, ranks: Ranks, 
         r = cfg.rollout
         micro = min(cfg.trainer.micro_batch_size, groups * r.samples_per_prompt)
         train_act += expert_gather_bytes(cfg, micro * (prompt + r.max_response_len))
-    probe = probe_bytes(trainer, engine_weights) if has_engine else 0  # the copy floors: ranks with an engine
+    probe = probe_bytes(trainer, engine_weights)  # the copy floors (data parallel: each rank its link's share)
     gather = gather_transient_bytes(cfg, shapes, world) if sharded else 0
     model = _cached("model", cfg.model, model_shapes)  # the offload moves parameters, fused experts whole
     extra = offload_extra(cfg, sharded_shapes(model, world) if sharded else model, cuda)
