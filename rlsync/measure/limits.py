@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from rlsync.fmt import fmt_bytes
+from rlsync.fmt import fmt_bytes, plural
 from rlsync.measure.devices import copy_into
 from rlsync.measure.threads import cpu_threads, thread_candidates
 from rlsync.measure.timing import synchronize
@@ -364,8 +364,10 @@ class LinkShare:
     """The host link as one data-parallel rank has it while every rank offloads at once: the floor of its
     offload and onload (`to_host`, `to_device`, payload bytes per second, as `Limits` has them).
 
-    Each rank of the group copies a buffer of its offloaded state's size (capped) each way at the same
-    moment (a barrier, then `best_copy` on every rank for the same time budget). The ranks of a machine
+    Each rank of the group copies a buffer of its offloaded state's size (capped) each way, every round at
+    the same moment (a barrier), with the threads its offload copies with; a round lasts as long as its
+    slowest rank, and the best round counts (ranks timing their own best rounds would each pick a moment
+    when the others were not copying). The ranks of a machine
     share its memory bandwidth (a CPU run: the offload is a memcpy), or PCIe switches between GPUs; a
     probe alone on an idle machine would give one rank the whole machine's bandwidth, a floor no rank's
     offload can reach while the others offload too.
@@ -379,20 +381,32 @@ class LinkShare:
         self.how = ""
         self.measure()
 
-    def measure(self) -> None:
-        host, device = torch.device("cpu"), self.device
+    def measure(self, rounds: int = 5) -> None:
+        host, device, dist = torch.device("cpu"), self.device, self.dist
         directions = [(device, host), (host, device)] if device.type == "cuda" else [(host, host)]
         rates = []
         for src, dst in directions:
             a, b = probe_buffers(self.nbytes, src=src, dst=dst, dtypes=BYTES, pin=src.type != dst.type)
-            self.dist.barrier(group=self.group)
-            synchronize(device)
-            best = best_copy(b, a, 3)
-            rates.append(b.nbytes / best.seconds)  # payload: each byte of the state crosses once
+            b.copy_(a)  # first touch
+            seconds = torch.empty(rounds, dtype=torch.float64)
+            for k in range(rounds):  # every round on every rank at once, with the threads the offload copies with
+                dist.barrier(group=self.group)
+                synchronize(device)
+                start = CLOCK()
+                b.copy_(a, non_blocking=src.type != dst.type)
+                synchronize(device)
+                seconds[k] = CLOCK() - start
+            # a round lasts as long as its slowest rank: the best such round is the share each rank has
+            slowest = seconds.to(device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
+            rates.append(b.nbytes / float(slowest.min()))  # payload: each byte of the state crosses once
+            probed = b.nbytes
             del a, b
         self.to_host, self.to_device = rates[0], rates[-1]
-        world = self.dist.get_world_size(self.group)
-        self.how = f"{world} ranks copying at once, {best.describe()}"
+        world = dist.get_world_size(self.group)
+        self.how = (
+            f"{world} ranks copying at once, {fmt_bytes(probed)} each, {plural(torch.get_num_threads(), 'thread')}"
+        )
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -412,13 +426,13 @@ class GatherFloor:
     (up to the update's bytes), the fastest size kept (`call_bytes`; the update's gather then calls at that
     size, rlsync.sync.gather). The size matters: gloo over loopback moved 1.1 GB/s in 1 to 16 MiB calls and
     0.48 GB/s in 64 MiB to 1 GiB ones on this project's CPU machine; NCCL gains up to a few hundred MiB.
-    Each size's rounds move at most `ROUND_BYTES` (64 MiB, or one call), the best of `rounds` counts, each
+    Each size's rounds walk `POOL_BYTES` (128 MiB, or one call), the best of `rounds` counts, each
     round started together (a barrier) so no rank times another's lateness. `per_second` counts the gathered
     (output) bytes: each rank receives (N-1)/N of them.
     """
 
     CALL_SIZES = tuple(1 << p for p in range(20, 29, 2))  # gathered bytes per call: 1, 4, 16, 64, 256 MiB
-    ROUND_BYTES = 64 << 20
+    POOL_BYTES = 128 << 20  # gathered bytes each round walks (the update's, if fewer)
 
     def __init__(self, nbytes: int, *, dtype: torch.dtype, device: torch.device, rounds: int = 3, group=None):
         import torch.distributed as dist  # here: a single process never needs it
@@ -443,23 +457,31 @@ class GatherFloor:
         # torch >= 2.13 names the one-tensor all-gather all_gather_single (all_gather_into_tensor before)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         sizes, seconds = self.sizes(), []
+        # Each round walks a pool of the update's bytes (up to POOL_BYTES, 4x this project's CPU's 32 MiB
+        # L3), a new slice per call, as the update reads each byte once: calls re-gathering one small buffer
+        # ran from the cache (16 MiB calls: 2.0 GB/s) where the update's 1.2 GB ran at 1.1 GB/s.
+        pool = max(sizes[-1], min(self.nbytes, self.POOL_BYTES)) // self.dtype.itemsize // world
+        inp = torch.ones(pool, dtype=self.dtype, device=self.device)
+        out = torch.empty(pool * world, dtype=self.dtype, device=self.device)
         for size in sizes:
             shard = max(1, size // self.dtype.itemsize // world)  # elements each rank contributes per call
-            inp = torch.ones(shard, dtype=self.dtype, device=self.device)
-            out = torch.empty(shard * world, dtype=self.dtype, device=self.device)
-            calls = max(1, min(self.nbytes, self.ROUND_BYTES) // out.nbytes)
-            gather(out, inp, group=self.group)  # first touch, the connections warm
+            calls = max(1, pool // shard)
+            gather(out[: shard * world], inp[:shard], group=self.group)  # first touch, the connections warm
             best = math.inf
             for _ in range(self.rounds):
                 dist.barrier(group=self.group)
                 synchronize(self.device)
                 start = CLOCK()
-                for _ in range(calls):
-                    gather(out, inp, group=self.group)
+                for k in range(calls):
+                    gather(
+                        out[k * shard * world : (k + 1) * shard * world],
+                        inp[k * shard : (k + 1) * shard],
+                        group=self.group,
+                    )
                 synchronize(self.device)
                 best = min(best, CLOCK() - start)
-            seconds.append(best / (calls * out.nbytes))  # per gathered byte
-            del inp, out
+            seconds.append(best / (calls * shard * world * self.dtype.itemsize))  # per gathered byte
+        del inp, out
         # every rank must choose the same call size (the update's collectives must match): the slowest rank's
         # time per size decides
         per_byte = torch.tensor(seconds, dtype=torch.float64, device=self.device)  # NCCL reduces device tensors

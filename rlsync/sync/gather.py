@@ -63,6 +63,14 @@ class GatherBuffers:
         self.buffers = {}
 
 
+def copy_out(padded: list, starts: list[int], sizes: list[int], chunk: torch.Tensor, lo: int, hi: int) -> None:
+    """One call's output [ranks, hi - lo] into the padded full tensors ([ranks, padded size]) it covers."""
+    for k, (start, size) in enumerate(zip(starts, sizes)):
+        a, b = max(lo, start), min(hi, start + size)
+        if a < b:
+            padded[k][:, a - start : b - start].copy_(chunk[:, a - lo : b - lo])
+
+
 def gather_shards(shards: list, *, call_bytes: int, buffers: GatherBuffers | None = None) -> list[torch.Tensor]:
     """The full tensors of `shards` (DTensors sharded on dim 0 over one mesh dimension, as fully_shard makes
     them; anything else is gathered with `full_tensor()`), in all-gathers of at most `call_bytes` gathered.
@@ -100,16 +108,24 @@ def gather_shards(shards: list, *, call_bytes: int, buffers: GatherBuffers | Non
             padded.append(whole[world * offset : world * (offset + size)].view(world, size))
             offset += size
         step = max(1, call_bytes // dtype.itemsize // world)  # elements each rank sends per call
-        out = buffers.get("out", world * min(step, packed.numel()), dtype, device).view(world, -1)
+        width = min(step, packed.numel())
+        outs = [buffers.get(f"out{j}", world * width, dtype, device).view(world, width) for j in range(2)]
         starts = [sum(sizes[:k]) for k in range(len(sizes))]
-        for lo in range(0, packed.numel(), step):
+
+        # Two output buffers: call j+1 runs in the collective's own threads (gloo) or stream (NCCL) while this
+        # thread copies call j's result out (Qwen3-0.6B's shapes over 2 gloo ranks: 1.0 s -> 0.76 s)
+        pending = None
+        for j, lo in enumerate(range(0, packed.numel(), step)):
             hi = min(lo + step, packed.numel())
-            chunk = out if hi - lo == out.size(1) else torch.empty(world, hi - lo, dtype=dtype, device=out.device)
-            gather(chunk.view(-1), packed[lo:hi], group=group)
-            for k, (start, size) in enumerate(zip(starts, sizes)):  # copy out the tensors this call covers
-                a, b = max(lo, start), min(hi, start + size)
-                if a < b:
-                    padded[k][:, a - start : b - start].copy_(chunk[:, a - lo : b - lo])
+            chunk = outs[j % 2] if hi - lo == width else torch.empty(world, hi - lo, dtype=dtype, device=device)
+            work = gather(chunk.view(-1), packed[lo:hi], group=group, async_op=True)
+            if pending is not None:
+                pending[0].wait()
+                copy_out(padded, starts, sizes, *pending[1:])
+            pending = (work, chunk, lo, hi)
+        if pending is not None:
+            pending[0].wait()
+            copy_out(padded, starts, sizes, *pending[1:])
         for k, i in enumerate(indices):
             t = shards[i]
             full[i] = padded[k].view(world * rows[k], *t.shape[1:])[: t.shape[0]]
