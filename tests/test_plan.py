@@ -262,6 +262,9 @@ def test_calibrate_quick_end_to_end_then_compare_and_refit(tmp_path):
     assert "Calibration written to" in proc.stdout and "Predicted update time:" in proc.stdout
     assert "calibration: 9 benchmark jobs, about " in proc.stdout  # its duration, from the reference's jobs
     assert "UNDERDETERMINED" not in proc.stdout  # the quick grid determines every coefficient it reports
+    # the all-gather over 2 gloo ranks, for the fsdp2 gather (plan.ranks)
+    assert data["collective"]["bus_gbps"] > 0 and data["collective"]["ranks"] == 2
+    assert "calibration: all-gather over 2 gloo ranks: bus bandwidth " in proc.stdout
 
     # the comparison table: the calibration's own tiny runs against the plan
     out = tmp_path / "compare.md"

@@ -560,6 +560,7 @@ def transports_ok(v) -> bool:
 
 
 MEBIBYTES_MAX = 2**20  # a bucket of up to 1 TiB: the plan of any model's largest tensor
+RANKS_MAX = 1_000_000  # plan.ranks: well past the largest published training clusters (about 10^5 GPUs)
 
 
 @dataclass
@@ -572,7 +573,7 @@ class PlanConfig:
     calibrate: bool = key(
         False,
         ANY,
-        "first fit the coefficients on this machine from 44 short rlsync.bench runs (about 11 min on 2 cores), write them to plan.calibration",
+        "first fit the coefficients on this machine from 44 short rlsync.bench runs and time an all-gather over 2 gloo ranks (about 11 min on 2 cores), write them to plan.calibration",
     )
     fit_from: Optional[str] = key(
         None,
@@ -588,6 +589,16 @@ class PlanConfig:
         None,
         or_null(above(0, "GB/s")),
         "the copy floor (GB/s read + written, a bench's limits.update_copy_gbps) the at-floor prediction is at; null: the calibration runs' median",
+    )
+    ranks: int = key(
+        1,
+        between(1, RANKS_MAX, "trainer ranks; more than any cluster has (a typo?)"),
+        "trainer ranks the plan is for (data parallel): with trainer.parallel=fsdp2 over N > 1 the update first gathers (N-1)/N of its bytes, and each rank holds 1/N of the state",
+    )
+    collective_gbps: Optional[float] = key(
+        None,
+        or_null(above(0, "GB/s")),
+        "the all-gather's bus bandwidth (GB/s each rank receives) the fsdp2 gather is predicted at; null: the calibration's (plan.calibrate=true measures 2 gloo ranks here)",
     )
     calibrate_repeats: int = key(3, COUNT, "calibration: timed repeats per benchmark job (after one warm-up)")
     calibrate_quick: bool = key(
@@ -614,13 +625,20 @@ class PlanConfig:
                 "null with plan.calibrate=true (one source of coefficients)",
                 "not allowed with plan.calibrate=true",
             )
+        if self.ranks > 1 and root.trainer.parallel == "none":
+            raise ConfigError(
+                "trainer.parallel",
+                "none",
+                f"ddp, fsdp2 (with plan.ranks={self.ranks}: none is one process only)",
+                f"not allowed with plan.ranks={self.ranks}",
+            )
 
 
 @dataclass
 class PlanAppConfig(Config):
     """`python -m rlsync.plan`: the runner's tree (model, update, rollout and trainer dtypes) plus `plan.*`."""
 
-    plan: PlanConfig = node(PlanConfig, "the planner (python -m rlsync.plan): calibration, bucket sizes")
+    plan: PlanConfig = node(PlanConfig, "the planner (python -m rlsync.plan): calibration, bucket sizes, ranks")
 
 
 SCHEMAS = {

@@ -55,7 +55,13 @@ def run_plan(cfg: PlanAppConfig, run_dir) -> dict:
         print()
     where, data = profiles.resolve(p.calibration)
     plan = planner.make_plan(
-        cfg, calibration=data, calibration_where=where, bucket_sizes=list(p.bucket_sizes), copy_gbps=p.copy_gbps
+        cfg,
+        calibration=data,
+        calibration_where=where,
+        bucket_sizes=list(p.bucket_sizes),
+        copy_gbps=p.copy_gbps,
+        ranks=p.ranks,
+        collective_gbps=p.collective_gbps,
     )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")

@@ -6,6 +6,11 @@ the planner the update itself uses), estimates the staging and peak memory (`rls
 where the calibration has coefficients for a setup, predicts the update time with a range
 (`rlsync.plan.cost`). Nothing is allocated: a 235B model plans in seconds.
 
+With data-parallel ranks (`plan.ranks`) the plan adds, under trainer.parallel=fsdp2, the update's gather from
+the shards beside the copy (bytes x (N-1)/N over the calibration's all-gather bus bandwidth, `gather_plan`),
+and the memory per rank (`per_rank_memory`: the run's memory check per rank), from which DOES NOT FIT is then
+judged.
+
 The flags (the known pain, sized): a tensor larger than the bucket (it travels alone, and the staging
 buffer grows to it), the staging memory each bucket size costs, and the per-tensor overhead share
 (per-tensor time minus bucketed time, over per-tensor time, on the same transport).
@@ -14,17 +19,20 @@ buffer grows to it), the staging memory each bucket size costs, and the per-tens
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 from rlsync.config.schema import MIB, Config, flat_engine_weights_choice
 from rlsync.fmt import fmt_bytes, fmt_seconds, fmt_share, markdown_table
 from rlsync.measure.limits import cache_resident_elements
 from rlsync.measure.threads import pooled
+from rlsync.model.architecture import layout_plan, model_shapes
 from rlsync.model.build import torch_dtype
 from rlsync.plan import cost, profiles
 from rlsync.plan.calibrate import calibrate_hint
-from rlsync.run.memory_check import DTYPE_BYTES, estimate, param_shapes, staging_bytes
+from rlsync.run.memory_check import DTYPE_BYTES, Ranks, estimate, param_shapes, rank_estimate, staging_bytes
 from rlsync.sync.buckets import TensorMeta, plan_buckets
+from rlsync.sync.gather import GATHER_MODES
 
 SCHEMA_VERSION = 1
 STRATEGIES = ("bucketed", "per_tensor")
@@ -63,6 +71,8 @@ class Planner:
         machine = (calibration or {}).get("machine", {})
         self.llc = None if machine.get("cuda") else machine.get("llc_bytes")  # the calibration machine's CPU cache
         self._plans: dict[float, list] = {}
+        self._param_of: Optional[dict[str, str]] = None  # update tensor -> the parameter it is (a view of)
+        self._param_bytes: dict[str, int] = {}  # parameter -> its bytes in the trainer's dtype (gather_units)
 
     def plan(self, bucket_mb: float) -> list:
         """The bucket plan at `bucket_mb`, once per size (a 235B MoE has ~37k tensors)."""
@@ -165,6 +175,32 @@ class Planner:
                 )
         return rows
 
+    def gather_units(self, bucket_mb: float, mode: str) -> list[list[str]]:
+        """The parameters each unit of the fsdp2 update gathers at once, in order (rlsync/sync/gather.py): a
+        bucket's (per_bucket, all_at_once) or one tensor's (per_tensor), each whole (a fused expert tensor is
+        gathered whole by every unit that sends one of its experts)."""
+        if self._param_of is None:
+            params = dict(model_shapes(self.cfg.model))
+            self._param_of = {e.name: e.param for e in layout_plan(params, self.cfg.model.update_layout)}
+            self._param_bytes = {n: math.prod(s) * DTYPE_BYTES[self.cfg.trainer.dtype] for n, s in params.items()}
+        units = [[m.name] for m in self.metas] if mode == "per_tensor" else [b.names for b in self.plan(bucket_mb)]
+        return [list(dict.fromkeys(self._param_of[n] for n in unit)) for unit in units]
+
+    def gather(self, bucket_mb: float, mode: str, call_bytes: Optional[int] = None) -> dict:
+        """What the fsdp2 update gathers at `bucket_mb`: all-gather calls, bytes, and the bytes held at once (a
+        unit's on a rank, the whole model's under all_at_once on a rank whose engine reads them; a rank without
+        an engine drains unit by unit, ShardedWeights.drain). Each unit's shards are packed and all-gathered
+        in calls of `call_bytes` (gather_shards, at the size the collective's floor found fastest); without
+        one, one call per unit is counted (at least)."""
+        units = [sum(self._param_bytes[p] for p in unit) for unit in self.gather_units(bucket_mb, mode)]
+        whole = sum(units)
+        return {
+            "collectives": sum(max(1, -(-u // call_bytes)) for u in units) if call_bytes else len(units),
+            "bytes": whole,
+            "held_bytes": whole if mode == "all_at_once" else max(units),
+            "held_bytes_draining": max(units),
+        }
+
     def per_tensor_share(self, transport: str, bucket_mb: float) -> Optional[float]:
         per_tensor = self.predict(cost.Setup(transport, "per_tensor"), None)
         bucketed = self.predict(setup_of(self.cfg, "bucketed", transport), bucket_mb)
@@ -181,8 +217,16 @@ def make_plan(
     bucket_sizes: list[float],
     cuda: Optional[bool] = None,
     copy_gbps: Optional[float] = None,
+    ranks: Optional[int] = None,
+    collective_gbps: Optional[float] = None,
 ) -> dict:
-    """plan.json: the tensors, the buckets per bucket size, memory, the predicted time and the flags."""
+    """plan.json: the tensors, the buckets per bucket size, memory, the predicted time and the flags.
+    `ranks` (default plan.ranks, else 1): the trainer's data-parallel ranks; with trainer.parallel=fsdp2 the
+    update's gather from the shards is predicted beside the copy, at `collective_gbps` (default
+    plan.collective_gbps, else the calibration's `collective`), and the memory per rank."""
+    plan_keys = getattr(cfg, "plan", None)
+    ranks = ranks or getattr(plan_keys, "ranks", 1)
+    collective_gbps = collective_gbps or getattr(plan_keys, "collective_gbps", None)
     p = Planner(cfg, calibration, copy_gbps=copy_gbps)
     cfg = p.cfg  # update.flat_engine_weights=null (auto) resolved, as the update resolves it
     u = cfg.update
@@ -200,8 +244,9 @@ def make_plan(
     configured = next(r for r in table if r["bucket_mb"] == u.bucket_mb)
     setup = setup_of(cfg)
     prediction = p.predict(setup, u.bucket_mb) if u.strategy in STRATEGIES else None
+    gathered = gather_plan(p, ranks, collective_of(calibration, collective_gbps), table, prediction)
     staging = staging_bytes(cfg, p.shapes)
-    run_peak = estimate(cfg, cuda=cuda, runtime_bytes=0)
+    run_peak = estimate(cfg, cuda=cuda, runtime_bytes=0, ranks=Ranks())  # one process: the planner's own launch aside
     t, e = DTYPE_BYTES[cfg.trainer.dtype], DTYPE_BYTES[cfg.rollout.dtype]
     update_alone = p.elements * (t + e) + sum(staging)
     machine = (calibration or {}).get("machine") or {}
@@ -250,10 +295,123 @@ def make_plan(
             "run_peak_device_bytes": run_peak.device_bytes or None,
             "capacity_bytes": capacity,
             "capacity_of": (machine.get("gpu") or machine.get("device") or "the GPU") if cuda else "this machine's RAM",
+            "per_rank": per_rank_memory(cfg, ranks=ranks, cuda=cuda),
         },
+        "gather": gathered,
     }
     plan["flags"] = flags(plan, configured)
     return plan
+
+
+def collective_of(calibration: Optional[dict], collective_gbps: Optional[float]) -> Optional[dict]:
+    """The all-gather's bus bandwidth (GB/s each rank receives) and call latency the fsdp2 gather is predicted
+    at, with where they came from: plan.collective_gbps, else the calibration's probe (plan.calibrate=true) or
+    a profile's published NVLink figure; None where there is none."""
+    if collective_gbps:
+        return {"bus_gbps": collective_gbps, "latency_s": None, "measured": None, "source": "plan.collective_gbps"}
+    found = (calibration or {}).get("collective")
+    if not found:
+        return None
+    if not found.get("measured"):
+        return {**found, "source": f"published: {found.get('source', 'a profile')}"}
+    load = found.get("load_average")
+    whose = (
+        "the reference calibration's (another machine's)"
+        if (calibration or {}).get("reference")
+        else "the calibration's"
+    )
+    return {
+        **found,
+        "source": f"{whose}, measured {found.get('date', '?')}: {found.get('probe', 'an all-gather')}"
+        + (f", load {load[0]:.2f}" if load else ""),
+    }
+
+
+def gather_plan(p: Planner, ranks: int, collective: Optional[dict], table: list[dict], copy: Optional[dict]) -> dict:
+    """plan.json's `gather`: under trainer.parallel=fsdp2 over N > 1 ranks the update first gathers each
+    parameter from its shards, every rank receiving (N-1)/N of its bytes in the trainer's dtype; predicted at
+    the collective's floor (cost.gather_seconds) plus, where one was measured, a call latency per all-gather.
+    Adds each bucket size's gather to `table`; the whole update = gather + copy (the copy: `copy`)."""
+    cfg = p.cfg
+    parallel, mode = cfg.trainer.parallel, cfg.update.gather
+    out = {"ranks": ranks, "parallel": parallel, "mode": mode, "trainer_dtype": cfg.trainer.dtype}
+    if ranks <= 1 or parallel != "fsdp2":
+        held = "one process holds" if ranks <= 1 else f"trainer.parallel={parallel}: every rank holds"
+        return {**out, "applies": False, "why": f"{held} the whole model: nothing to gather", "time_s": 0.0}
+    bw = collective["bus_gbps"] if collective else None
+    latency = collective.get("latency_s") if collective else None
+    call_bytes = collective.get("call_bytes") if collective else None
+
+    def predicted(g: dict) -> tuple[Optional[float], Optional[float]]:
+        if not bw:
+            return None, None
+        calls = g["collectives"] * latency if latency is not None else 0.0
+        return cost.gather_seconds(g["bytes"], ranks, bw), calls
+
+    for row in table:
+        g = p.gather(row["bucket_mb"], mode, call_bytes)
+        floor, calls = predicted(g)
+        row["gather_time_s"] = floor + calls if floor is not None else None
+        row["gather_held_bytes"] = g["held_bytes"]
+        bucketed = row.get("bucketed_time_s")
+        row["bucketed_with_gather_s"] = (
+            bucketed + row["gather_time_s"] if bucketed is not None and floor is not None else None
+        )
+    g = p.gather(cfg.update.bucket_mb, mode, call_bytes)
+    floor, calls = predicted(g)
+    time_s = floor + calls if floor is not None else None
+    whole = None
+    if copy and time_s is not None:
+        whole = {k: copy[k] + time_s for k in ("time_s", "low_s", "high_s")}
+    return {
+        **out,
+        "applies": True,
+        "bytes": g["bytes"],
+        "received_bytes": g["bytes"] * (ranks - 1) // ranks,
+        "collectives": g["collectives"],
+        "call_bytes": call_bytes,
+        "bus_gbps": bw,
+        "latency_s": latency,
+        "source": collective["source"] if collective else None,
+        "measured": collective.get("measured") if collective else None,
+        "floor_s": floor,
+        "latency_term_s": calls,
+        "time_s": time_s,
+        "held_bytes": {m: p.gather(cfg.update.bucket_mb, m, call_bytes)["held_bytes"] for m in GATHER_MODES},
+        "held_bytes_draining": g["held_bytes_draining"],
+        "whole_update": whole,
+    }
+
+
+def per_rank_memory(cfg: Config, *, ranks: int, cuda: bool) -> dict:
+    """The run's memory per rank (rlsync.run.memory_check.rank_estimate, the run's own memory check per rank):
+    under fsdp2 each rank's shards of the trainer state (1/N, padded), under ddp the whole state and DDP's
+    gradient buckets; the engine on every rank under rollout.engines=every_rank, on rank 0 only under rank0;
+    under fsdp2 the gather's transients. On a CPU all ranks share this machine's RAM (a CPU launch:
+    torchrun --nproc_per_node N); on GPUs each rank has its own device. Runtime not counted."""
+    launch = Ranks(world=ranks, local=1 if cuda else ranks)
+
+    def one(rank: int) -> dict:
+        est = rank_estimate(cfg, cuda=cuda, runtime_bytes=0, ranks=launch, rank=rank)
+        host = {**est.process, **{f"engine_process_{k}": v for k, v in est.engine_process.items()}}
+        return {
+            "host_bytes": sum(host.values()),
+            "device_bytes": est.device_bytes or None,
+            "host": host,
+            "device": est.device or None,
+        }
+
+    rank0 = one(0)
+    other = one(1) if ranks > 1 else None
+    return {
+        "ranks": ranks,
+        "parallel": cfg.trainer.parallel if ranks > 1 else "none",
+        "engines": cfg.rollout.engines,
+        "rank0": rank0,
+        "other_rank": other,
+        # the ranks of one machine share its RAM: what a CPU launch of them all needs
+        "all_ranks_host_bytes": rank0["host_bytes"] + (ranks - 1) * (other["host_bytes"] if other else 0),
+    }
 
 
 def flags(plan: dict, configured: dict) -> list[dict]:
@@ -325,6 +483,8 @@ def does_not_fit(mem: dict, cuda: bool) -> Optional[dict]:
     """The flag when the plan's memory exceeds the device's: a whole run's peak (per device on a GPU,
     the host's on a CPU) or the update alone's, against `capacity_bytes`; None when it fits or is unknown."""
     capacity = mem.get("capacity_bytes")
+    if (mem.get("per_rank") or {}).get("ranks", 1) > 1:
+        return does_not_fit_ranks(mem, cuda)
     run = mem["run_peak_device_bytes"] if cuda else mem["run_peak_host_bytes"]
     alone = mem["update_alone_peak_bytes"]
     if not capacity or max(run or 0, alone) <= capacity:
@@ -344,6 +504,106 @@ def does_not_fit(mem: dict, cuda: bool) -> Optional[dict]:
         "memory check would refuse it; shard the trainer (trainer.parallel=fsdp2 over more ranks), or a "
         "smaller model or dtype",
     }
+
+
+def does_not_fit_ranks(mem: dict, cuda: bool) -> Optional[dict]:
+    """The flag for N > 1 ranks, from the per-rank estimate: on a GPU each rank's device against one GPU's
+    memory; on a CPU all ranks together against this machine's RAM (they share it)."""
+    capacity, r = mem.get("capacity_bytes"), mem["per_rank"]
+    rank0, other = r["rank0"], r["other_rank"]
+    key = "device_bytes" if cuda else "host_bytes"
+    need = max(rank0[key] or 0, other[key] or 0) if cuda else r["all_ranks_host_bytes"]
+    if not capacity or need <= capacity:
+        return None
+    state = (rank0["device"] if cuda else rank0["host"]).get("trainer_state", 0)
+    each = f"rank 0 needs {fmt_bytes(rank0[key])}, each other rank {fmt_bytes(other[key])}"
+    what = f"{each} per device" if cuda else f"its {r['ranks']} ranks need {fmt_bytes(need)} together ({each})"
+    fix = (
+        "trainer.parallel=fsdp2 shards the state over the ranks"
+        if r["parallel"] == "ddp"
+        else "more ranks (plan.ranks)" + ("" if cuda else ", on more machines")
+    )
+    return {
+        "kind": "does_not_fit",
+        "bytes": need,
+        "capacity_bytes": capacity,
+        "message": f"DOES NOT FIT in {mem['capacity_of']} ({fmt_bytes(capacity)}): {what}; trainer state "
+        f"{fmt_bytes(state)} per rank under trainer.parallel={r['parallel']} (estimated per rank, runtime not "
+        f"counted): {fix}, or a smaller model or dtype",
+    }
+
+
+def gather_lines(plan: dict) -> list[str]:
+    """The fsdp2 gather beside the copy and the whole update, for N > 1 ranks (nothing for one)."""
+    g = plan.get("gather")
+    if not g or g["ranks"] <= 1:
+        return []
+    if not g["applies"]:
+        return [f"Gather from shards: none ({g['why']})"]
+    head = f"Gather from shards (trainer.parallel=fsdp2, {g['ranks']} ranks, update.gather={g['mode']})"
+    n = g["collectives"]
+    calls = (
+        f"{n} all-gather{'s' if n != 1 else ''} of up to {fmt_bytes(g['call_bytes'])}"
+        if g.get("call_bytes")
+        else f"at least {n} all-gather{'s' if n != 1 else ''} (one a unit; the call size unknown)"
+    )
+    moved = (
+        f"{fmt_bytes(g['bytes'])} in {g['trainer_dtype']} x {g['ranks'] - 1}/{g['ranks']} = "
+        f"{fmt_bytes(g['received_bytes'])} received per rank in {calls}"
+    )
+    if g["time_s"] is None:
+        lines = [
+            f"{head}: unpredicted: no calibrated collective bandwidth (plan.calibrate=true measures an all-gather "
+            f"over 2 gloo ranks; plan.collective_gbps=GBPS gives one); it moves {moved}"
+        ]
+    else:
+        calls = (
+            f" + {n} x {fmt_seconds(g['latency_s'])} call latency {fmt_seconds(g['latency_term_s'])}"
+            if g["latency_s"] is not None
+            else " (no call latency known: not counted)"
+        )
+        lines = [
+            f"{head}: {fmt_seconds(g['time_s'])} = floor {fmt_seconds(g['floor_s'])} ({moved}, over a bus bandwidth "
+            f"of {g['bus_gbps']:.3g} GB/s){calls}",
+            f"  collective bandwidth from {g['source']}",
+        ]
+    held = " | ".join(f"{m} {fmt_bytes(b)}" for m, b in g["held_bytes"].items())
+    lines.append(
+        f"  gathered full tensors held at once ({g['trainer_dtype']}): {held} (configured: {g['mode']}; "
+        f"a rank without an engine drains them unit by unit: {fmt_bytes(g['held_bytes_draining'])})"
+    )
+    w = g.get("whole_update")
+    if w:
+        lines.append(
+            f"Predicted whole update (gather + copy): {fmt_seconds(w['time_s'])} "
+            f"({fmt_seconds(w['low_s'])} to {fmt_seconds(w['high_s'])}; the copy's range)"
+        )
+    return lines
+
+
+def per_rank_line(plan: dict) -> list[str]:
+    """Memory per rank, for N > 1 ranks (nothing for one: the whole run's line says it)."""
+    r = plan["memory"].get("per_rank")
+    if not r or r["ranks"] <= 1:
+        return []
+    cuda = bool(plan["setup"]["cuda"])
+
+    def one(x: dict) -> str:
+        where = x["device"] if cuda else x["host"]
+        parts = [f"trainer state {fmt_bytes(where.get('trainer_state', 0))}"]
+        engine = where.get("engine_weights", 0) + x["host"].get("engine_process_engine_weights", 0)
+        parts.append(f"engine weights {fmt_bytes(engine)}" if engine else "no engine")
+        parts.append(f"transients {fmt_bytes(where.get('transient', 0))}")  # the step's, the probes', the gather's
+        if cuda:  # the state, engine and gathered tensors live on the device; the host holds the offloaded state
+            return f"device {fmt_bytes(x['device_bytes'])} ({', '.join(parts)}), host {fmt_bytes(x['host_bytes'])}"
+        return f"{fmt_bytes(x['host_bytes'])} ({', '.join(parts)})"
+
+    share = f"1/{r['ranks']} of the state each" if r["parallel"] == "fsdp2" else "the whole state each"
+    tail = "" if cuda else f"; all {r['ranks']} ranks on this machine {fmt_bytes(r['all_ranks_host_bytes'])}"
+    return [
+        f"Memory per rank ({r['ranks']} ranks, trainer.parallel={r['parallel']}: {share}; rollout.engines="
+        f"{r['engines']}; runtime not counted): rank 0 {one(r['rank0'])}; each other rank {one(r['other_rank'])}{tail}"
+    ]
 
 
 def render(plan: dict) -> str:
@@ -372,6 +632,10 @@ def render(plan: dict) -> str:
         f"per_tensor{unmeasured}",
         "per-tensor overhead",
     ]
+    g = plan.get("gather") or {}
+    gathers = bool(g.get("applies"))
+    if gathers:  # the fsdp2 gather beside the copy: its time, what it holds at once, the two together
+        head += ["gather", "gathered held", f"bucketed + gather{unmeasured}"]
     rows = [
         [
             f"{r['bucket_mb']:g} MiB" + (" *" if r["bucket_mb"] == s["bucket_mb"] else ""),
@@ -383,11 +647,25 @@ def render(plan: dict) -> str:
             fmt_seconds(r["per_tensor_time_s"]),
             fmt_share(r["per_tensor_share"]),
         ]
+        + (
+            [
+                fmt_seconds(r["gather_time_s"]),
+                fmt_bytes(r["gather_held_bytes"]),
+                fmt_seconds(r["bucketed_with_gather_s"]),
+            ]
+            if gathers
+            else []
+        )
         for r in plan["buckets"]
     ]
+    note = (
+        f"; gather: the update.gather={g['mode']} gather from {g['ranks']} shards, its held bytes in {g['trainer_dtype']}"
+        if gathers
+        else ""
+    )
     lines += [
         markdown_table(head, rows),
-        "(* the configured update.bucket_mb; staging for the configured transport)",
+        f"(* the configured update.bucket_mb; staging for the configured transport{note})",
         "",
     ]
     pred = plan["prediction"]
@@ -413,12 +691,14 @@ def render(plan: dict) -> str:
             + ("" if plan["calibration"]["machine"] is not None else "; none found")
             + ")"
         )
+    lines += gather_lines(plan)
     peak_dev = f", device {fmt_bytes(mem['run_peak_device_bytes'])}" if mem["run_peak_device_bytes"] else ""
     lines.append(
         f"Memory: staging {fmt_bytes(mem['staging_bytes'])}; the update alone (rlsync.bench: trainer and "
         f"engine weights + staging) {fmt_bytes(mem['update_alone_peak_bytes'])}; a whole run (AdamW state in "
         f"{s['trainer_dtype']}, runtime not counted) host {fmt_bytes(mem['run_peak_host_bytes'])}{peak_dev}"
     )
+    lines += per_rank_line(plan)
     for f in plan["flags"]:
         lines.append(f"Flag {f['kind']}: {f['message']}")
     return "\n".join(lines)
@@ -443,9 +723,15 @@ PLAN_KEYS = {  # plan.json's schema: key -> type, checked by tests and by rlsync
 }
 
 
+OPTIONAL_PLAN_KEYS = {"gather": dict}  # added since schema 1 was first written: absent from older plan.json files
+
+
 def check_plan(plan: dict) -> None:
     for k, kind in PLAN_KEYS.items():
         if k not in plan or not isinstance(plan[k], kind):
             raise ValueError(f"plan.json: {k!r} missing or not {kind}")
+    for k, kind in OPTIONAL_PLAN_KEYS.items():
+        if k in plan and not isinstance(plan[k], kind):
+            raise ValueError(f"plan.json: {k!r} not {kind}")
     if plan["kind"] != "plan" or plan["schema"] != SCHEMA_VERSION:
         raise ValueError(f"plan.json: kind {plan['kind']!r} schema {plan['schema']!r}, expected plan {SCHEMA_VERSION}")

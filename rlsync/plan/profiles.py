@@ -43,10 +43,31 @@ def default_path() -> Path:
     return Path(base) / "rlsync" / "calibration.json"
 
 
-def gpu_profile(name: str, device: str, copy_tbps: float, source: str, memory_mib: int) -> dict:
+# A published-figure profile's all-gather: NVLink's per-GPU bandwidth each way (NVIDIA's datasheets give it
+# both ways: H100/H200 SXM 900 GB/s, A100 SXM 600 GB/s), ~80 % of it as an all-gather's bus bandwidth (the
+# same share the copy profiles assume); no call latency (not counted). Published, not measured by rlsync.
+COLLECTIVE_SHARE = 0.8
+
+
+def nvlink_collective(both_ways_gbps: float, generation: str) -> dict:
+    """The `collective` of a GPU profile: bus bandwidth from NVLink's published both-ways figure."""
+    return {
+        "bus_gbps": both_ways_gbps / 2 * COLLECTIVE_SHARE,
+        "latency_s": None,
+        "measured": False,
+        "source": f"{generation} {both_ways_gbps:g} GB/s per GPU both ways (NVIDIA's datasheet), "
+        f"{both_ways_gbps / 2:g} GB/s each way, ~{COLLECTIVE_SHARE:.0%} of it for an all-gather's bus bandwidth; "
+        "published, not measured",
+    }
+
+
+def gpu_profile(
+    name: str, device: str, copy_tbps: float, source: str, memory_mib: int, collective: Optional[dict] = None
+) -> dict:
     """A GPU profile: bandwidth from `copy_tbps` (read + written, TB/s); the per-call and per-tensor
     costs are order-of-magnitude guesses (a kernel launch ~5-10 us; a CUDA IPC message round trip
-    between processes ~0.5-1 ms), to be replaced by `plan.calibrate=true` on that GPU."""
+    between processes ~0.5-1 ms), to be replaced by `plan.calibrate=true` on that GPU. `collective`:
+    the all-gather's bus bandwidth over NVLink (nvlink_collective), for the fsdp2 gather."""
     per_byte = 1 / (copy_tbps * 1e12)
     coef = {
         "direct/bucketed": Coefficients(20e-6, 10e-6, per_byte),
@@ -65,6 +86,7 @@ def gpu_profile(name: str, device: str, copy_tbps: float, source: str, memory_mi
         "machine": {"device": device, "cuda": True, "memory_bytes": memory_mib * 2**20},  # nvidia-smi's total
         "range": GPU_RANGE,
         "coefficients": {k: c.as_dict() for k, c in coef.items()},
+        **({"collective": collective} if collective else {}),
     }
 
 
@@ -75,6 +97,7 @@ PROFILES = {  # plan.calibration=NAME
         4.3,
         "device-to-device copy ~4.3 TB/s read + written (design notes, one H200); call costs guessed",
         143771,
+        nvlink_collective(900, "NVLink 4"),
     ),
     "h100": lambda: gpu_profile(
         "h100",
@@ -82,6 +105,7 @@ PROFILES = {  # plan.calibration=NAME
         2.6,
         "HBM3 3.35 TB/s published peak, ~80 % of it for a copy; call costs guessed",
         81559,
+        nvlink_collective(900, "NVLink 4"),
     ),
     "a100": lambda: gpu_profile(
         "a100",
@@ -89,6 +113,7 @@ PROFILES = {  # plan.calibration=NAME
         1.6,
         "HBM2e 2.0 TB/s published peak, ~80 % of it for a copy; call costs guessed",
         81920,
+        nvlink_collective(600, "NVLink 3"),
     ),
 }
 
@@ -214,6 +239,14 @@ def calibration_problem(data) -> Optional[str]:
         return f"its range is {spread!r}, not {{low: <= 1, high: >= 1}}"
     if data.get("floor_gbps") is not None and not number(data["floor_gbps"]):
         return f"its floor_gbps is {data['floor_gbps']!r}, not a number"
+    collective = data.get("collective")  # the all-gather probe (plan.calibrate=true) or a profile's NVLink figure
+    if collective is not None and not (
+        isinstance(collective, dict)
+        and number(collective.get("bus_gbps"))
+        and collective["bus_gbps"] > 0
+        and (collective.get("latency_s") is None or number(collective["latency_s"]))
+    ):
+        return f"its collective is {collective!r}, not {{bus_gbps: > 0, latency_s: a number or null}}"
     return None
 
 
