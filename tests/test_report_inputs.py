@@ -53,3 +53,18 @@ def test_a_plot_that_cannot_be_written_fails_the_report(tmp_path: Path, monkeypa
     result = run_report(str(tmp_path / "sweep"), "--no-wandb")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "plot(s) failed" in result.stderr
+
+
+def test_a_failed_jobs_reason_comes_from_error_log_before_the_launchers_log(tmp_path):
+    """The submitit launcher appends "Exiting after successful completion" to the job's log after the job
+    failed: the reason is error.log's line, whichever log changed last."""
+    import os
+
+    from rlsync.report.table import error_line
+
+    (tmp_path / "error.log").write_text("rlsync: failed: ValueError: bad shard\n")
+    (tmp_path / "rlsync.log").write_text(
+        "[2026-12-02 05:00:00,000][submitit][INFO] - Exiting after successful completion\n"
+    )
+    os.utime(tmp_path / "error.log", (1, 1))  # older than the launcher's line
+    assert error_line(tmp_path) == "rlsync: failed: ValueError: bad shard"

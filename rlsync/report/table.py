@@ -349,8 +349,10 @@ def is_number(value: Any) -> bool:
 
 
 def error_line(run_dir: Path) -> str:
-    """The last log line naming an error, else the last non-empty log line."""
-    for log in sorted(run_dir.glob("*.log"), key=lambda p: p.stat().st_mtime, reverse=True):
+    """The last log line naming an error, else the last non-empty log line: rlsync's error.log first (the
+    submitit launcher appends its own "Exiting after successful completion" to the job's log after it)."""
+    logs = sorted(run_dir.glob("*.log"), key=lambda p: (p.name != "error.log", -p.stat().st_mtime))
+    for log in logs:
         try:
             lines = [ln.strip() for ln in read_text(log).splitlines() if ln.strip()]
         except (OSError, ValueError):
