@@ -187,6 +187,19 @@ class StopOnSignals:
         raise Interrupted(signum)
 
     @contextmanager
+    def ending(self):
+        """While the run is already stopping (naming what stopped it): a signal now is absorbed, not raised
+        in the middle (a data-parallel rank 0 reading another rank's failure from the store was cut short
+        by the launcher's SIGTERM, and reported the SIGTERM instead)."""
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
+            if self.pending is not None:
+                self.raised = True  # the stop is under way: a second signal exits at once, as after a raise
+
+    @contextmanager
     def deferred(self):
         self.deferring = True
         try:

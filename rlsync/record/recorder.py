@@ -121,7 +121,8 @@ class Recorder:
                 yield self.record
                 self.status = "finished"
             except BaseException as err:
-                stopped_by = cause(err) if cause is not None else None
+                with self.stop.ending():  # the launcher's SIGTERM may follow another rank's exit at once
+                    stopped_by = cause(err) if cause is not None else None
                 if stopped_by is not None:
                     self.status, self.error, self.failure = "failed", str(stopped_by), stopped_by
                     raise stopped_by from err
