@@ -218,3 +218,20 @@ def test_a_submitit_job_of_two_ranks_refuses_a_single_process_trainer(tmp_path):
     line = "config error: trainer.parallel=none: not allowed (allowed: ddp, fsdp2 (with 2 data-parallel ranks))"
     assert f"rlsync: a sweep job failed: {line}" in proc.stderr.splitlines(), proc.stderr[-3000:]
     assert (sweep / "0" / "error.log").read_text().rstrip().endswith(line)  # rank 0's; rank 1 wrote none
+    # the sweep's plan, made before the launch on the submitting host, checked the job as 2 ranks
+    assert (
+        "0 fit, 1 refused" in proc.stderr
+        and "trainer.parallel=none: not allowed" in proc.stderr.split("rlsync: sweep job")[0]
+    )
+
+
+def test_a_check_before_the_launch_sees_the_jobs_ranks(monkeypatch):
+    """The sweep's plan checks each job as the launcher will run it: rank 0 of tasks_per_node x nodes ranks."""
+    from rlsync.config.launch import as_launched, launched
+    from rlsync.run.memory_check import Ranks
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    with as_launched(16, 8):
+        assert launched()[:2] == (0, 16) and Ranks.launched() == Ranks(16, 8)
+    assert launched() == (0, 1, 0) and Ranks.launched() == Ranks()

@@ -13,8 +13,10 @@ group is joined as under torchrun; ranks > 0 drop the log file Hydra's job loggi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from hydra.types import RunMode
@@ -85,6 +87,28 @@ def launcher_ranks(hc) -> int:
     """The ranks of each job the Hydra launcher starts: tasks_per_node x nodes (1 for Hydra's own launchers)."""
     launcher = hc.launcher
     return int(launcher.get("tasks_per_node", 1) or 1) * int(launcher.get("nodes", 1) or 1)
+
+
+def tasks_per_machine(hc) -> int:
+    """The ranks of one machine in each job the Hydra launcher starts (its tasks_per_node; 1 for Hydra's own)."""
+    return int(hc.launcher.get("tasks_per_node", 1) or 1)
+
+
+@contextlib.contextmanager
+def as_launched(world: int, local: int) -> Iterator[None]:
+    """Within the block this process looks like rank 0 of `world` ranks, `local` per machine (the variables a
+    submitit task exports), so a check made before the launch (the sweep's plan) sees the job's ranks."""
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    before = {k: os.environ.get(k) for k in keys}
+    os.environ.update(RANK="0", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(local))
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def check_launcher(hc) -> None:

@@ -13,6 +13,7 @@ and refused jobs, or, after an interruption, says how to make it by hand (`pytho
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -84,6 +85,7 @@ def plan_sweep(config: DictConfig) -> SweepPlan:
     """Every job composed, validated and memory-checked as it will be, before the first one starts."""
     from hydra import compose
 
+    from rlsync.config.launch import as_launched, launcher_ranks, tasks_per_machine
     from rlsync.config.schema import BenchAppConfig, Config
     from rlsync.config.validate import checked_config
     from rlsync.run.duration import preview
@@ -94,15 +96,18 @@ def plan_sweep(config: DictConfig) -> SweepPlan:
     launcher = str(config.hydra.launcher.get("_target_", "")).rsplit(".", 1)[-1]
     if launcher and launcher not in SEQUENTIAL_LAUNCHERS:
         plan.side_by_side = str(config.hydra.runtime.choices.get("hydra/launcher", launcher))
-    for num, overrides in enumerate(sweep_jobs(list(config.hydra.overrides.task))):
-        job = JobPlan(num, overrides)
-        plan.jobs.append(job)
-        try:
-            cfg = checked_config(compose(config_name=config.hydra.job.config_name, overrides=overrides), schema)
-        except Exception as err:  # noqa: BLE001 - a job's bad value is its refusal, named here
-            job.refused = errors.describe(errors.from_hydra(err) or err)
-            continue
-        job.refused, job.seconds = preview(cfg, bench=bench)
+    # a launcher of several tasks (submitit's tasks_per_node, nodes): each job is that many ranks, checked so
+    ranks, local = launcher_ranks(config.hydra), tasks_per_machine(config.hydra)
+    with as_launched(ranks, local) if ranks > 1 else contextlib.nullcontext():
+        for num, overrides in enumerate(sweep_jobs(list(config.hydra.overrides.task))):
+            job = JobPlan(num, overrides)
+            plan.jobs.append(job)
+            try:
+                cfg = checked_config(compose(config_name=config.hydra.job.config_name, overrides=overrides), schema)
+            except Exception as err:  # noqa: BLE001 - a job's bad value is its refusal, named here
+                job.refused = errors.describe(errors.from_hydra(err) or err)
+                continue
+            job.refused, job.seconds = preview(cfg, bench=bench)
     return plan
 
 
