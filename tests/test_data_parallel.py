@@ -399,6 +399,10 @@ def test_merge_takes_the_slowest_rank_and_weights_token_means():
     assert merged["train/logprob_abs_diff"] == pytest.approx((0.1 * 30 + 0.4 * 10) / 40)
     assert merged["train/grad_norm"] == 3.0 and merged["perf/sleep_bytes"] == 100  # shared, per rank
     assert merged["perf/device_mem_after_sleep_gb"] == 2.0
+    # one engine per rank: the rollout's averages over every rank's answers (rank 0 generated 6, rank 1 2)
+    merged = merge_ranks([{"rollout/reward_mean": 0.5}, {"rollout/reward_mean": 0.1}], [30, 10], [6, 2])
+    assert merged["rollout/reward_mean"] == pytest.approx((0.5 * 6 + 0.1 * 2) / 8)
+    assert merge_ranks([{"rollout/reward_mean": 0.5}, {}], [30, 10], [8, 0])["rollout/reward_mean"] == 0.5  # rank0
 
 
 def test_shares_are_whole_groups():

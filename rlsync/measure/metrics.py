@@ -24,6 +24,7 @@ class Merge(Enum):
     LARGEST = "largest"  # each rank's own device: the fullest one
     SUM = "sum"  # each rank holds its part of the whole batch's value
     TOKEN_MEAN = "token-weighted mean"  # a per-token average, weighted by each rank's answer tokens
+    ANSWER_MEAN = "answer-weighted mean"  # a per-answer average over the ranks that generated, by their answers
     RANK0 = "rank 0's"  # rank 0's (the engine, the update), or the first rank's that has it
 
 
@@ -137,9 +138,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("train/grad_norm", "gradient norm"),  # every rank holds the same all-reduced gradient
     Metric("train/clip_frac", "clipped ratio", merge=Merge.TOKEN_MEAN),
     Metric("train/kl", "KL to the reference", merge=Merge.TOKEN_MEAN),
-    Metric("rollout/reward_mean", "reward", console="reward"),
-    Metric("rollout/response_len_mean", "answer length"),
-    Metric("rollout/truncated_ratio", "truncated answers", "ratio"),
+    # rollout.engines=every_rank: every rank's engine generated its own groups (rank0: rank 0's engine, all)
+    Metric("rollout/reward_mean", "reward", merge=Merge.ANSWER_MEAN, console="reward"),
+    Metric("rollout/response_len_mean", "answer length", merge=Merge.ANSWER_MEAN),
+    Metric("rollout/truncated_ratio", "truncated answers", "ratio", merge=Merge.ANSWER_MEAN),
 )
 
 

@@ -261,6 +261,7 @@ class Experiment:
         cfg, watch, dp = self.cfg, Stopwatch(self.device), self.dp
         metrics: dict[str, float] = {}
         gen = advantages = None
+        rollout_metrics: dict[str, float] = {}  # this rank's engine's, if it generated
         with watch("step"):
             batch_tokens = None  # the loss's token-mean denominator; None: this process's whole batch
             if self.every_rank:  # one engine per rank: each generates its own whole prompt groups
@@ -271,6 +272,7 @@ class Experiment:
                     batch_tokens = dp.all_sum(int(gen.response_mask.sum()))
             elif dp.is_main:  # rank 0 owns the engine: it generates the whole batch
                 gen, advantages, rollout_metrics = self.rollout(engine, watch)
+            generated = gen.sequences.shape[0] if rollout_metrics else 0  # answers this rank's engine generated
             if dp.enabled and not self.every_rank:  # each rank trains whole prompt groups (advantages are per group)
                 with watch("batch_scatter"):
                     gen, advantages, batch_tokens = dp.scatter_groups(
@@ -307,10 +309,11 @@ class Experiment:
         # engine vs trainer log-prob of the same sampled tokens: ~0 iff the last update landed
         metrics["train/logprob_abs_diff"] = ((gen.logprobs - old_logp).abs() * mask).sum().item() / mask.sum().item()
         metrics["perf/host_peak_rss_gb"] = peak_rss_bytes() / 1e9  # ranks: the largest rank's
-        metrics = dp.gather_metrics(metrics, tokens=mask.sum().item())  # data parallel: each phase the slowest rank's
+        metrics.update(rollout_metrics)
+        # data parallel: each phase the slowest rank's, the rollout's averages over every rank's answers
+        metrics = dp.gather_metrics(metrics, tokens=mask.sum().item(), answers=generated)
         if dp.is_main:
             metrics.update(self.offload_metrics(metrics))
-            metrics.update(rollout_metrics)
         return metrics
 
     def update(self, engine, watch: Stopwatch, metrics: dict) -> None:

@@ -54,15 +54,17 @@ def generation_rows(gen: Generation, rows: slice) -> Generation:
     return Generation(**{k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in values.items()})
 
 
-def merge_ranks(rows: list[dict], tokens: list[float]) -> dict:
+def merge_ranks(rows: list[dict], tokens: list[float], answers: list[int] | None = None) -> dict:
     """One step's metrics of every rank (rank 0 first) -> the row rank 0 records, each key merged as
     the catalogue (rlsync/measure/metrics.py) says.
 
     A phase time measured on several ranks becomes the slowest rank's (what the step waits for),
     with `_rank_min` and `_rank_max` beside it; the loss is summed, per-token averages weighted by
-    each rank's answer tokens (`tokens`), memory peaks the largest; the rest (rollout metrics, the
-    update, bytes per rank, the grad norm every rank shares) is rank 0's, or the first rank's that has it.
+    each rank's answer tokens (`tokens`), per-answer rollout averages by each generating rank's answers
+    (`answers`), memory peaks the largest; the rest (the update, bytes per rank, the grad norm every rank
+    shares) is rank 0's, or the first rank's that has it.
     """
+    answers = answers or [1] * len(rows)
     merged = dict(rows[0])
     keys = dict.fromkeys(k for r in rows for k in r)  # rank 0's order first
     total_tokens = sum(tokens) or 1.0
@@ -73,6 +75,9 @@ def merge_ranks(rows: list[dict], tokens: list[float]) -> dict:
             merged[key] = sum(values)
         elif rule is Merge.TOKEN_MEAN:
             merged[key] = sum(r[key] * n for r, n in zip(rows, tokens) if key in r) / total_tokens
+        elif rule is Merge.ANSWER_MEAN:
+            weights = [(r[key], n) for r, n in zip(rows, answers) if key in r]
+            merged[key] = sum(v * n for v, n in weights) / (sum(n for _, n in weights) or 1)
         elif rule is Merge.SLOWEST and len(values) > 1:
             merged[key] = max(values)
             merged[f"{key}_rank_min"], merged[f"{key}_rank_max"] = min(values), max(values)
@@ -224,13 +229,14 @@ class DataParallel:
             if line is not None:
                 raise WeightMismatch(f"rank {rank}'s engine: {line}" if self.world > 1 else line)
 
-    def gather_metrics(self, metrics: dict, *, tokens: float) -> dict:
-        """Every rank's step metrics (all_gather) merged as `merge_ranks` says; a single process's as they are."""
+    def gather_metrics(self, metrics: dict, *, tokens: float, answers: int = 0) -> dict:
+        """Every rank's step metrics (all_gather) merged as `merge_ranks` says; a single process's as they are.
+        `tokens`: this rank's answer tokens trained on; `answers`: the answers its engine generated."""
         if not self.enabled:
             return metrics
         gathered: list = [None] * self.world
-        dist.all_gather_object(gathered, (metrics, tokens), group=self.object_group)
-        return merge_ranks([m for m, _ in gathered], [n for _, n in gathered])
+        dist.all_gather_object(gathered, (metrics, tokens, answers), group=self.object_group)
+        return merge_ranks([m for m, _, _ in gathered], [n for _, n, _ in gathered], [a for _, _, a in gathered])
 
     def check_same_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """update.verify: every rank must hold rank 0's trainer weights, or rank 0's update would speak for it alone."""
