@@ -61,8 +61,10 @@ def slurm_task(rank: int, nodes: int = 2, per_node: int = 8, **extra: str) -> di
 
 
 def submitit_port(job_id: str) -> str:
-    """The port submitit's TorchDistributedEnvironment draws from a job id (submitit/helpers.py)."""
-    return str(random.Random(job_id).randint(20000, 60000))
+    """The port a job's tasks draw from its id: below the ephemeral range, where no client socket holds one."""
+    port = random.Random(job_id).randint(20000, 32767)
+    assert port < int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    return str(port)
 
 
 def test_a_local_task_gets_torchruns_variables_on_loopback(monkeypatch):
@@ -168,7 +170,8 @@ def test_the_documented_slurm_command_asks_for_two_nodes_of_eight_ranks(register
     assert "srun" in script
 
 
-TWO_RANKS = ["-m", "hydra/launcher=local", "hydra.launcher.tasks_per_node=2"]
+# a failed rank 0 must not leave rank 1 waiting at the rendezvous for the default hour
+TWO_RANKS = ["-m", "hydra/launcher=local", "hydra.launcher.tasks_per_node=2", "run.rank_timeout_s=120"]
 
 
 @pytest.mark.slow

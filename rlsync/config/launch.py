@@ -39,10 +39,22 @@ def launched() -> tuple[int, int, int]:
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
+RENDEZVOUS_PORTS = (20000, 32767)  # below Linux's ephemeral range (32768-60999): no client socket holds one
+
+
+def rendezvous_port(job_id: str) -> int:
+    """The rendezvous port of a submitit job, the same in every task: drawn from the job id, as submitit draws
+    it, but below the ephemeral range. submitit's own (20000-60000) can be a port another connection on the
+    node holds: a 2-job sweep here failed to listen (EADDRINUSE) while the other job's gloo sockets were open."""
+    import random
+
+    return random.Random(str(job_id)).randint(*RENDEZVOUS_PORTS)
+
+
 def submitit_ranks() -> dict[str, str]:
     """torchrun's variables for this task of a submitit job of several tasks, from submitit's own
     `TorchDistributedEnvironment`: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, the rendezvous
-    (MASTER_ADDR: the job's first node; MASTER_PORT: drawn from the job id unless MASTER_PORT is set)
+    (MASTER_ADDR: the job's first node; MASTER_PORT: drawn from the job id, `rendezvous_port`, unless set)
     and OMP_NUM_THREADS as torchrun sets it.
     {} under torchrun or accelerate (RANK set), outside a submitit job, or in a job of one task."""
     env = os.environ
@@ -61,7 +73,7 @@ def submitit_ranks() -> dict[str, str]:
         "LOCAL_RANK": str(dist.local_rank),
         "LOCAL_WORLD_SIZE": str(dist.local_world_size),
         "MASTER_ADDR": addr,
-        "MASTER_PORT": str(dist.master_port),
+        "MASTER_PORT": str(env["MASTER_PORT"] if "MASTER_PORT" in env else rendezvous_port(dist._job_env.job_id)),
     }
     # One thread per rank unless set, as torchrun does with several ranks per node (accelerate's DDP would
     # otherwise reset torch's threads when it joins the group)
