@@ -186,26 +186,23 @@ class StopOnSignals:
         self.raised = True
         raise Interrupted(signum)
 
-    @contextmanager
     def ending(self):
         """While the run is already stopping (naming what stopped it): a signal now is absorbed, not raised
         in the middle (a data-parallel rank 0 reading another rank's failure from the store was cut short
         by the launcher's SIGTERM, and reported the SIGTERM instead)."""
-        self.deferring = True
-        try:
-            yield
-        finally:
-            self.deferring = False
-            if self.pending is not None:
-                self.raised = True  # the stop is under way: a second signal exits at once, as after a raise
+        return self.deferred(absorb=True)
 
     @contextmanager
-    def deferred(self):
+    def deferred(self, *, absorb: bool = False):
+        """A signal within the block waits for its end, then raises; `absorb`: the stop is under way, it is
+        not raised (a second signal still exits at once)."""
         self.deferring = True
         try:
             yield
         finally:
             self.deferring = False
+            if self.pending is not None and absorb:
+                self.raised = True
         if self.pending is not None and not self.raised:
             self.raised = True
             raise Interrupted(self.pending)
