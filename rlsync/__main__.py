@@ -36,7 +36,7 @@ def hydra_main(dcfg: DictConfig) -> None:
     with job_errors(log_dir, sweep_job=sweep_job, rank=rank, hydra_record=record):
         cfg = checked_config(dcfg)  # every key and value, before any model is built
         if cfg.run.dry_run:  # a sweep's jobs never get here: its plan stopped it (rlsync.report.sweep_callback)
-            from rlsync.run.duration import dry_run
+            from rlsync.check.duration import dry_run
 
             dry_run(cfg, " ".join(hc.overrides.task))
             return

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from simulated_cuda import SimulatedAllocator
 
+from rlsync.check import estimate as memory
 from rlsync.config.schema import MIB
 from rlsync.measure import devices
 from rlsync.measure.timing import DeviceMemory
-from rlsync.run import memory_check as memory
 from rlsync.run.loop import memory_record
 from rlsync.sync import flat, ipc
 from rlsync.sync.buckets import TensorMeta, plan_buckets

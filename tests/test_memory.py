@@ -11,9 +11,10 @@ import pytest
 import torch
 from conftest import FAST, ROOT, cli_env, read_jsonl, run_cli, run_main
 
+from rlsync.check import estimate as memory
+from rlsync.check import fit
 from rlsync.config.schema import Config
 from rlsync.measure import memory as memory_use
-from rlsync.run import memory_check as memory
 
 QWEN3_0P6B_PARAMS = 596_049_920  # Qwen/Qwen3-0.6B's published count, the tied embedding once
 
@@ -71,16 +72,16 @@ def test_a_separate_engine_process_is_counted_on_the_host(compose):
 
 def test_a_run_that_cannot_fit_is_refused_naming_what_to_change(compose, monkeypatch):
     cfg = compose("model=qwen3_1p7b", "update.bucket_mb=512")
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: 20 * 2**30)  # a 24 GiB machine's MemAvailable
-    with pytest.raises(memory.DoesNotFit) as caught:
-        memory.check_fits(cfg, torch.device("cpu"))
+    monkeypatch.setattr(fit, "host_available_bytes", lambda: 20 * 2**30)  # a 24 GiB machine's MemAvailable
+    with pytest.raises(fit.DoesNotFit) as caught:
+        fit.check_fits(cfg, torch.device("cpu"))
     line = str(caught.value)
     assert caught.value.exit_code == 2 and "\n" not in line
     assert line.startswith("this run does not fit: host memory: estimated peak ")
     # 20 GiB: not even bf16 with every saving fits 1.7B; the largest smaller preset and the update alone do
     assert "try model=qwen3_0p6b; " in line and "python -m rlsync.bench model=qwen3_1p7b" in line
     assert line.endswith("run.memory_check=false skips this check")
-    est, available = memory.check_fits(cfg, torch.device("cpu"), memory_check=False)  # the switch skips it
+    est, available = fit.check_fits(cfg, torch.device("cpu"), memory_check=False)  # the switch skips it
     assert est.host_bytes > available["host_bytes"]
 
 
@@ -105,10 +106,10 @@ def test_every_suggestion_is_a_configuration_the_same_check_accepts(compose, ove
 
     from rlsync.config.schema import to_config
 
-    machine = memory.Machine(cuda=False, runtime_bytes=500 * 2**20, host_bytes=int(gib * 2**30), device_bytes=None)
+    machine = fit.Machine(cuda=False, runtime_bytes=500 * 2**20, host_bytes=int(gib * 2**30), device_bytes=None)
     cfg = compose(*overrides)
-    found = memory.suggestions(cfg, machine, overrides=overrides)
-    text = memory.advice(cfg, machine, overrides=overrides)
+    found = fit.suggestions(cfg, machine, overrides=overrides)
+    text = fit.advice(cfg, machine, overrides=overrides)
     for suggestion in found:
         assert str(suggestion) in text
         if suggestion.command == "python -m rlsync.bench":
@@ -129,13 +130,13 @@ def test_every_suggestion_is_a_configuration_the_same_check_accepts(compose, ove
 def test_the_margin_refuses_what_would_only_just_fit(compose):
     cfg = compose("model=qwen3_0p6b", "trainer.dtype=bfloat16")
     est = memory.estimate(cfg, cuda=False, runtime_bytes=0)
-    exact = memory.Machine(cuda=False, runtime_bytes=0, host_bytes=est.host_bytes, device_bytes=None)
+    exact = fit.Machine(cuda=False, runtime_bytes=0, host_bytes=est.host_bytes, device_bytes=None)
     assert not exact.fits(est)  # no room for the margin
-    roomy = memory.Machine(
-        cuda=False, runtime_bytes=0, host_bytes=est.host_bytes + memory.margin_bytes(est.host_bytes), device_bytes=None
+    roomy = fit.Machine(
+        cuda=False, runtime_bytes=0, host_bytes=est.host_bytes + fit.margin_bytes(est.host_bytes), device_bytes=None
     )
     assert roomy.fits(est)
-    assert memory.margin_bytes(est.host_bytes) >= memory.MARGIN_MIN
+    assert fit.margin_bytes(est.host_bytes) >= memory.MARGIN_MIN
 
 
 def test_the_step_transients_add_up_on_a_cpu_and_the_probe_on_top_between_steps(compose):
@@ -157,7 +158,7 @@ def test_the_missions_example_is_refused_before_any_model_is_built(tmp_path, mon
     """`python -m rlsync model=qwen3_1p7b update.bucket_mb=512`: 1.7B parameters in fp32 AdamW need
     about 32 GB for the trainer alone. On a 24 GiB machine (its MemAvailable fixed here: what the advice
     offers depends on it, and the suite's other worker changes it), bf16 with every saving is offered."""
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: int(23.5 * 2**30))
+    monkeypatch.setattr(fit, "host_available_bytes", lambda: int(23.5 * 2**30))
     result = run_main("model=qwen3_1p7b", "update.bucket_mb=512", "wandb.mode=disabled", f"hydra.run.dir={tmp_path}")
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert result.returncode == 2, result.stderr
@@ -266,7 +267,7 @@ def test_the_2_rank_fsdp2_run_that_was_killed_is_refused_with_checked_advice(com
     """Qwen3-0.6B in fp32 over 2 fsdp2 ranks, each with its engine, was killed by the kernel in setup (12.7
     and 11.5 GB resident); on a 24 GiB machine (23 GiB available) it is refused, and what it offers fits."""
     two = memory.Ranks(world=2, local=2)
-    machine = memory.Machine(
+    machine = fit.Machine(
         cuda=False, runtime_bytes=500 * 2**20, host_bytes=int(23 * 2**30), device_bytes=None, ranks=two
     )
     overrides = ["model=qwen3_0p6b", "trainer.parallel=fsdp2", "rollout.engines=every_rank"]
@@ -274,7 +275,7 @@ def test_the_2_rank_fsdp2_run_that_was_killed_is_refused_with_checked_advice(com
     est = machine.estimate(cfg)
     assert not machine.fits(est)
     assert "for its 2 ranks here" in machine.shortfalls(est)[0]
-    found = [s for s in memory.suggestions(cfg, machine, overrides=overrides) if s.command == "python -m rlsync"]
+    found = [s for s in fit.suggestions(cfg, machine, overrides=overrides) if s.command == "python -m rlsync"]
     assert "trainer.dtype=bfloat16" in [o for s in found for o in s.overrides]
     for suggestion in found:
         assert machine.fits(machine.estimate(compose(*overrides, *suggestion.overrides))), suggestion

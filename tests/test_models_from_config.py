@@ -15,10 +15,10 @@ import pytest
 import torch
 from conftest import FAST, run_main
 
+from rlsync.check.estimate import param_count, param_shapes
 from rlsync.config.schema import ModelConfig, conf_file
 from rlsync.measure.memory import rss_bytes
 from rlsync.model.architecture import layout_plan, update_tensors
-from rlsync.run.memory_check import param_count, param_shapes
 
 LLAMA = {
     "model_type": "llama",
@@ -247,15 +247,16 @@ def test_model_keys_follow_the_config(tmp_path, compose):
 
 @pytest.mark.slow  # the 30B MoE's shapes and the advice's presets
 def test_the_30b_moe_preset_is_refused_on_a_24_gib_machine_without_allocating(compose, monkeypatch):
+    from rlsync.check import estimate as memory
+    from rlsync.check import fit
     from rlsync.config.validate import validate
-    from rlsync.run import memory_check as memory
 
     cfg = compose("model=qwen3_30b_a3b")
     validate(cfg)
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: 20 * 2**30)  # a 24 GiB machine's MemAvailable
+    monkeypatch.setattr(fit, "host_available_bytes", lambda: 20 * 2**30)  # a 24 GiB machine's MemAvailable
     before = rss_bytes()
-    with pytest.raises(memory.DoesNotFit) as caught:
-        memory.check_fits(cfg, torch.device("cpu"))
+    with pytest.raises(fit.DoesNotFit) as caught:
+        fit.check_fits(cfg, torch.device("cpu"))
     assert rss_bytes() - before < 256 * 2**20
     line = str(caught.value)
     assert "\n" not in line and line.startswith("this run does not fit: host memory: estimated peak ")

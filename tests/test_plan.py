@@ -420,10 +420,10 @@ def planned_rows(jobs: list[tuple]) -> list[dict]:
     """Each calibration job's work from its model's shapes alone (no run): the rows the fit would see."""
     import torch
 
+    from rlsync.check.estimate import param_shapes
     from rlsync.config.schema import ModelConfig
     from rlsync.measure.threads import pooled
     from rlsync.plan.calibrate import model_keys
-    from rlsync.run.memory_check import param_shapes
     from rlsync.sync.buckets import TensorMeta, plan_buckets
 
     rows = []

@@ -230,8 +230,8 @@ def test_a_submitit_job_of_two_ranks_refuses_a_single_process_trainer(tmp_path):
 
 def test_a_check_before_the_launch_sees_the_jobs_ranks(monkeypatch):
     """The sweep's plan checks each job as the launcher will run it: rank 0 of tasks_per_node x nodes ranks."""
+    from rlsync.check.estimate import Ranks
     from rlsync.config.launch import as_launched, launched
-    from rlsync.run.memory_check import Ranks
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)

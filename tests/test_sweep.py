@@ -15,9 +15,9 @@ HUGE = "qwen3_4b"  # refused for memory: the tests give the machine 8 GiB (small
 @pytest.fixture(autouse=True)
 def small_machine(monkeypatch):
     """An 8 GiB machine, whatever this one has: qwen3_4b never fits, the tiny model always does."""
-    from rlsync.run import memory_check
+    from rlsync.check import fit
 
-    monkeypatch.setattr(memory_check, "host_available_bytes", lambda: 8 * 2**30)
+    monkeypatch.setattr(fit, "host_available_bytes", lambda: 8 * 2**30)
 
 
 def test_a_dry_run_prints_the_plan_and_starts_nothing(tmp_path):

@@ -32,6 +32,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from rlsync.bench.offload import OffloadTarget
+from rlsync.check.duration import dry_run
+from rlsync.check.fit import memory_fit
+from rlsync.check.record import memory_record
 from rlsync.config.launch import hydra_job, hydra_record
 from rlsync.config.schema import CONFIG_PATH, BenchAppConfig, register_configs, to_dict
 from rlsync.config.validate import checked_config
@@ -45,8 +48,6 @@ from rlsync.model.architecture import update_tensors
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.record.recorder import Recorder, machine_info
 from rlsync.record.summary import stats_over
-from rlsync.run.duration import dry_run
-from rlsync.run.memory_check import memory_fit, memory_record
 from rlsync.sync import open_transport, plan_for, update_weights
 from rlsync.sync.auto import resolve_for_run, resolved_setup
 from rlsync.trainer.offload import Offloader
@@ -202,7 +203,7 @@ def run_bench(
 class Bench:
     def __init__(self, cfg: BenchAppConfig, recorder: Recorder, *, memory: Optional[dict] = None):
         self.cfg, self.recorder = cfg, recorder
-        self.memory = memory  # the estimate (rlsync.run.memory_check): summary.json puts the measured peak beside it
+        self.memory = memory  # the estimate (rlsync.check): summary.json puts the measured peak beside it
         self.device = resolve_device(cfg.run.device)
         self.breakdowns: list[list[dict]] = []  # per timed repeat
         self.setup: dict = {}

@@ -414,9 +414,7 @@ class RunConfig:
         choices("rlsync.measure.limits:PROBES"),
         "every_step: re-measure the copy floors before each step, outside its timing (they drift with the load) | start: once, before step 0",
     )
-    memory_check: bool = key(
-        True, ANY, "refuse a run whose estimated peak memory exceeds the machine's (rlsync.run.memory_check)"
-    )
+    memory_check: bool = key(True, ANY, "refuse a run whose estimated peak memory exceeds the machine's (rlsync.check)")
     dry_run: bool = key(
         False, ANY, "print what would run (each job's memory fit, an estimated duration) and start nothing"
     )

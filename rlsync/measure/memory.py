@@ -1,6 +1,6 @@
 """What this process uses and what the machine has left: resident sets, host and device memory available.
 
-Readings only; rlsync.run.memory_check estimates what a run will need and compares the two.
+Readings only; rlsync.check estimates what a run will need and compares the two.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The bucket plan of a config, and its predicted update time, from the config alone.
 
-`make_plan(cfg, calibration)` lists the update's tensors (`rlsync.run.memory_check.param_shapes`, the same
+`make_plan(cfg, calibration)` lists the update's tensors (`rlsync.check.estimate.param_shapes`, the same
 names and shapes the update sends), plans the buckets for each bucket size (`rlsync.sync.buckets`,
-the planner the update itself uses), estimates the staging and peak memory (`rlsync.run.memory_check`) and,
+the planner the update itself uses), estimates the staging and peak memory (`rlsync.check.estimate`) and,
 where the calibration has coefficients for a setup, predicts the update time with a range
 (`rlsync.plan.cost`). Nothing is allocated: a 235B model plans in seconds.
 
@@ -22,6 +22,7 @@ import dataclasses
 import math
 from typing import Optional
 
+from rlsync.check.estimate import DTYPE_BYTES, Ranks, estimate, param_shapes, rank_estimate, staging_bytes
 from rlsync.config.schema import MIB, Config, flat_engine_weights_choice
 from rlsync.fmt import fmt_bytes, fmt_seconds, fmt_share, markdown_table
 from rlsync.measure.limits import cache_resident_elements
@@ -30,7 +31,6 @@ from rlsync.model.architecture import layout_plan, model_shapes
 from rlsync.model.build import torch_dtype
 from rlsync.plan import cost, profiles
 from rlsync.plan.calibrate import calibrate_hint
-from rlsync.run.memory_check import DTYPE_BYTES, Ranks, estimate, param_shapes, rank_estimate, staging_bytes
 from rlsync.sync.buckets import TensorMeta, plan_buckets
 from rlsync.sync.gather import GATHER_MODES
 
@@ -384,7 +384,7 @@ def gather_plan(p: Planner, ranks: int, collective: Optional[dict], table: list[
 
 
 def per_rank_memory(cfg: Config, *, ranks: int, cuda: bool) -> dict:
-    """The run's memory per rank (rlsync.run.memory_check.rank_estimate, the run's own memory check per rank):
+    """The run's memory per rank (rlsync.check.estimate.rank_estimate, the run's own memory check per rank):
     under fsdp2 each rank's shards of the trainer state (1/N, padded), under ddp the whole state and DDP's
     gradient buckets; the engine on every rank under rollout.engines=every_rank, on rank 0 only under rank0;
     under fsdp2 the gather's transients. On a CPU all ranks share this machine's RAM (a CPU launch:

@@ -3,7 +3,7 @@ sweep report at the end, however the sweep ended.
 
 Before the first job: one line with the job count, how many fit in memory (each job's config
 composed, validated and checked as the job itself will be: refused jobs named) and an estimated
-duration (rlsync.run.duration); a warning when the launcher runs jobs side by side (their timings
+duration (rlsync.check.duration); a warning when the launcher runs jobs side by side (their timings
 then contaminate each other). `run.dry_run=true` prints that plan and starts nothing.
 
 Hydra skips `on_multirun_end` when a job failed; the sweep's end is then reported from the entry
@@ -24,7 +24,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from rlsync import errors
-from rlsync.run.duration import fmt_duration
+from rlsync.check.duration import fmt_duration
 
 SEQUENTIAL_LAUNCHERS = ("BasicLauncher",)  # Hydra's default: one job after another, in this process
 
@@ -57,7 +57,7 @@ class SweepPlan:
         out = [
             f"sweep of {n} job{'s' if n != 1 else ''}: {len(ok)} fit, {len(refused)} refused; "
             f"estimated {fmt_duration(total)} one after another (rough, from the model's size and this "
-            f"machine's rates: rlsync.run.duration)"
+            f"machine's rates: rlsync.check.duration)"
         ]
         out += [f"  job {j.num} ({' '.join(j.overrides) or 'defaults'}) will be refused: {j.refused}" for j in refused]
         if self.side_by_side:
@@ -85,10 +85,10 @@ def plan_sweep(config: DictConfig) -> SweepPlan:
     """Every job composed, validated and memory-checked as it will be, before the first one starts."""
     from hydra import compose
 
+    from rlsync.check.duration import preview
     from rlsync.config.launch import as_launched, launcher_ranks, tasks_per_machine
     from rlsync.config.schema import BenchAppConfig, Config
     from rlsync.config.validate import checked_config
-    from rlsync.run.duration import preview
 
     bench = config.hydra.job.config_name == "bench"
     schema = BenchAppConfig if bench else Config

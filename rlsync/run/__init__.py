@@ -1,1 +1,1 @@
-"""A run: the step loop (loop.py), and the check before it that it fits in memory (memory_check.py)."""
+"""A run: the step loop (loop.py) and how each rank takes part in its phases (roles.py)."""

@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from rlsync.check.fit import memory_fit
+from rlsync.check.record import memory_record
 from rlsync.config.schema import MIB, Config, to_dict
 from rlsync.engines.base import EngineSpec, Generation, answer_ids, engine_class
 from rlsync.measure.devices import (
@@ -36,7 +38,6 @@ from rlsync.model.architecture import params_layout, update_tensors
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.record import summary as summaries
 from rlsync.record.recorder import Recorder, machine_info
-from rlsync.run.memory_check import memory_fit, memory_record
 from rlsync.sync import (
     WeightMismatch,
     follow_update,

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from rlsync.check.estimate import DTYPE_BYTES, param_count, prompt_tokens
 from rlsync.config.schema import Config
 from rlsync.model.build import torch_dtype
-from rlsync.run.memory_check import DTYPE_BYTES, param_count, prompt_tokens
 
 STARTUP_S = 12.0  # imports, W&B, the engine, the first copy-floor probe (the tiny default run: 13 s in all)
 # Per layer: each generated token (decode), each micro-batch's log-probs and its training step. Calibrated on
@@ -105,8 +105,9 @@ _MACHINES: dict = {}  # device -> Machine, and (device, dtype) -> Rates: measure
 
 def preview(cfg: Config, *, bench: bool = False) -> tuple[str | None, float | None]:
     """(why the job would be refused for memory, or None; its estimated seconds) for a validated `cfg`."""
+    from rlsync.check.estimate import bench_estimate, estimate
+    from rlsync.check.fit import machine_for
     from rlsync.measure.devices import resolve_device
-    from rlsync.run.memory_check import bench_estimate, estimate, machine_for
 
     device = resolve_device(cfg.run.device)
     machine = _MACHINES.setdefault(str(device), machine_for(device))
@@ -132,7 +133,7 @@ def dry_run(cfg: Config, overrides: str, *, bench: bool = False) -> None:
     """run.dry_run=true on one job: whether it fits and how long it would take; nothing is built."""
     import sys
 
-    from rlsync.run.memory_check import load_runtime
+    from rlsync.check.fit import load_runtime
 
     load_runtime(cfg)  # the runtime the job would have, so the memory check is the job's own
     refused, seconds = preview(cfg, bench=bench)
@@ -141,7 +142,7 @@ def dry_run(cfg: Config, overrides: str, *, bench: bool = False) -> None:
         print(f"rlsync: dry run {what}: would be refused: {refused}", file=sys.stderr, flush=True)
     else:
         print(
-            f"rlsync: dry run {what}: fits; estimated {fmt_duration(seconds)} (rough: rlsync.run.duration); "
+            f"rlsync: dry run {what}: fits; estimated {fmt_duration(seconds)} (rough: rlsync.check.duration); "
             f"nothing started",
             file=sys.stderr,
             flush=True,
