@@ -192,3 +192,59 @@ def torch_threads():
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+
+
+class Ids:
+    """A vocabulary's ids as an engine spec takes them from a tokenizer: the ids generation may sample, eos, pad."""
+
+    def __init__(self, allowed, *, eos_id: int, pad_id: int):
+        self.allowed, self.eos_id, self.pad_id = allowed, eos_id, pad_id
+
+    def allowed_ids(self, vocab_size: int):
+        return self.allowed
+
+
+class Tiny:
+    """The tiny model of the default config (or `model`), its engine spec, its weights and an open transport:
+    every test that builds an engine builds it here, through the entry points' own `engine_spec`."""
+
+    def __init__(self):
+        from rlsync.config.schema import Config
+
+        self.cfg = Config()
+        self.model = self.cfg.model
+
+    def spec(self, *, model=None, rollout=None, tokenizer=None, device: str = "cpu"):
+        """The engine spec of `model` (the tiny one) under `rollout` (the default), for `tokenizer`'s ids
+        (the byte tokenizer's, or an `Ids`)."""
+        from rlsync.engines.base import engine_spec
+        from rlsync.model.build import build_tokenizer
+
+        model = model or self.model
+        return engine_spec(
+            model, rollout or self.cfg.rollout, device=device, tokenizer=tokenizer or build_tokenizer(model)
+        )
+
+    def weights(self, *, seed: int = 0, model=None, dtype=None) -> dict:
+        """The trainer's weights by parameter name (float32 on the CPU unless `dtype`)."""
+        import torch
+
+        from rlsync.model.build import build_model, named_weights
+
+        model = build_model(model or self.model, dtype=dtype or torch.float32, device=torch.device("cpu"), seed=seed)
+        return named_weights(model)
+
+    def open(self, update, weights: dict, *, spec=None, engine_dtype=None) -> tuple:
+        """(transport, bucket plan): the engine behind `update`'s transport, planned for `weights`."""
+        import torch
+
+        from rlsync.sync import open_transport, plan_for
+
+        buckets = plan_for(weights, update, engine_dtype or torch.bfloat16)
+        return open_transport(update, spec=spec or self.spec(), buckets=buckets), buckets
+
+
+@pytest.fixture(scope="session")
+def tiny() -> Tiny:
+    """The tiny model, its engine spec and transports (Tiny)."""
+    return Tiny()

@@ -13,10 +13,11 @@ import random
 
 import pytest
 import torch
+from conftest import Ids
 from simulated_cuda import DEVICE, DeviceMismatch, SimulatedCuda
 
 from rlsync.config.schema import ModelConfig, RolloutConfig
-from rlsync.engines.base import EngineSpec, Generation, answer_ids, token_logprobs
+from rlsync.engines.base import Generation, answer_ids, token_logprobs
 from rlsync.engines.hf import sample_tokens
 from rlsync.measure.devices import (
     cuda_index_to_select,
@@ -24,7 +25,7 @@ from rlsync.measure.devices import (
     device_memory_metrics,
     explicit_device,
 )
-from rlsync.model.build import ByteTokenizer, build_model, named_weights
+from rlsync.model.build import ByteTokenizer
 from rlsync.run.loop import score_rollout
 from rlsync.sync.engine_process import generator_here
 from rlsync.trainer.data_parallel import generation_rows
@@ -144,11 +145,10 @@ RECORDED = {
 }
 
 
-def test_hf_engine_draws_the_same_tokens_on_the_cpu_as_before():
-    engine = EngineSpec(
-        model=TINY, rollout=RolloutConfig(), device="cpu", allowed_ids=torch.arange(300) < 280, eos_id=188, pad_id=258
-    ).build()
-    weights = named_weights(build_model(TINY, dtype=torch.float32, device=CPU, seed=0))
+def test_hf_engine_draws_the_same_tokens_on_the_cpu_as_before(tiny):
+    ids = Ids(torch.arange(300) < 280, eos_id=188, pad_id=258)
+    engine = tiny.spec(model=TINY, rollout=RolloutConfig(), tokenizer=ids).build()
+    weights = tiny.weights(model=TINY)
     engine.load_weights((n, t.to(engine.dtype)) for n, t in weights.items())
     generator = torch.Generator().manual_seed(0)
     prompts = [[256, 72, 105], [256, 50, 43, 50, 61], [256, 33], [256, 40, 41, 42]]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import Ids, Tiny
 
 from rlsync.config.schema import ModelConfig, RolloutConfig, UpdateConfig
-from rlsync.engines.base import EngineSpec
 from rlsync.model.build import build_model, named_weights
 from rlsync.sync import open_transport, plan_for
 
@@ -24,15 +24,11 @@ TINY = ModelConfig(
 PROMPTS = [[256, 72, 105], [256, 50, 43, 50, 61]]
 
 
-def spec(release_weights: bool) -> EngineSpec:
-    return EngineSpec(
-        model=TINY,
-        rollout=RolloutConfig(release_weights=release_weights),
-        device="cpu",
-        allowed_ids=torch.ones(TINY.vocab_size, dtype=torch.bool),
-        eos_id=257,
-        pad_id=258,
-    )
+IDS = Ids(torch.ones(TINY.vocab_size, dtype=torch.bool), eos_id=257, pad_id=258)  # every id may be sampled
+
+
+def spec(release_weights: bool):
+    return Tiny().spec(model=TINY, rollout=RolloutConfig(release_weights=release_weights), tokenizer=IDS)
 
 
 def trainer_weights(seed: int) -> dict[str, torch.Tensor]:

@@ -322,24 +322,12 @@ def test_an_existing_checkpoint_directory_passes(tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_out_of_memory_in_the_update_names_the_bucket_size(monkeypatch, capsys, tmp_path):
-    from rlsync.engines.base import EngineSpec
-    from rlsync.model.build import build_model, build_tokenizer, named_weights
-    from rlsync.sync import flat, open_transport, plan_for, update_weights
+def test_out_of_memory_in_the_update_names_the_bucket_size(monkeypatch, capsys, tmp_path, tiny):
+    from rlsync.sync import flat, update_weights
 
-    cfg, update = Config(), UpdateConfig(bucket_mb=0.05)
-    tok = build_tokenizer(cfg.model)
-    weights = named_weights(build_model(cfg.model, dtype=torch.float32, device=torch.device("cpu"), seed=0))
-    buckets = plan_for(weights, update, torch.bfloat16)
-    spec = EngineSpec(
-        model=cfg.model,
-        rollout=cfg.rollout,
-        device="cpu",
-        allowed_ids=tok.allowed_ids(512),
-        eos_id=tok.eos_id,
-        pad_id=tok.pad_id,
-    )
-    engine = open_transport(update, spec=spec, buckets=buckets)
+    update = UpdateConfig(bucket_mb=0.05)
+    weights = tiny.weights()
+    engine, buckets = tiny.open(update, weights)
     update_weights(engine, weights, buckets=buckets, cfg=update, device=torch.device("cpu"), limit_time=1.0)
 
     def out_of_memory(*args, **kwargs):
@@ -505,12 +493,13 @@ def test_a_failed_verification_is_said_in_the_summary_and_the_closing_table(tmp_
 
 def test_out_of_memory_while_opening_the_engine_names_the_bucket_size_too(monkeypatch):
     import rlsync.run.loop as experiment
+    import rlsync.sync.side as side
     from rlsync.sync import is_out_of_memory
 
     def out_of_memory(*args, **kwargs):  # the staging buffers are allocated when the engine opens
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB")
 
-    monkeypatch.setattr(experiment, "open_transport", out_of_memory)
+    monkeypatch.setattr(side, "open_transport", out_of_memory)
     with pytest.raises(UpdateOutOfMemory, match=r"opening the engine and its update buffers with update.bucket_mb=512"):
         experiment.Experiment(Config()).setup()
     # an engine process's OOM arrives as its own error type, named in the first line

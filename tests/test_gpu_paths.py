@@ -7,10 +7,10 @@ import torch
 from simulated_cuda import SimulatedAllocator
 
 from rlsync.check import estimate as memory
+from rlsync.check.record import memory_record
 from rlsync.config.schema import MIB
 from rlsync.measure import devices
 from rlsync.measure.timing import DeviceMemory
-from rlsync.run.loop import memory_record
 from rlsync.sync import flat, ipc
 from rlsync.sync.buckets import TensorMeta, plan_buckets
 from rlsync.trainer.offload import plan_pin_chunks

@@ -9,11 +9,9 @@ import pytest
 import torch
 
 import rlsync.sync.direct as direct
-from rlsync.config.schema import Config, UpdateConfig
-from rlsync.engines.base import EngineSpec
+from rlsync.config.schema import UpdateConfig
 from rlsync.measure.timing import EventTimer, HostTimer, unit_timer
-from rlsync.model.build import build_model, build_tokenizer, named_weights
-from rlsync.sync import open_transport, plan_for, update_weights
+from rlsync.sync import update_weights
 
 CPU = torch.device("cpu")
 
@@ -126,7 +124,7 @@ def test_unit_timer_picks_the_host_clock_off_cuda():
 
 
 @pytest.mark.parametrize("strategy", ["per_tensor", "bucketed"])
-def test_direct_update_with_event_timing_syncs_once(monkeypatch, strategy):
+def test_direct_update_with_event_timing_syncs_once(monkeypatch, tiny, strategy):
     """The CUDA implementation inside a real `direct` update: one sync for all units, a row per unit."""
     device = FakeDevice()
     made = []
@@ -136,22 +134,9 @@ def test_direct_update_with_event_timing_syncs_once(monkeypatch, strategy):
         return made[-1]
 
     monkeypatch.setattr(direct, "unit_timer", fake_unit_timer)
-    cfg, update = (
-        Config(),
-        UpdateConfig(strategy=strategy, bucket_mb=0.05, flat_engine_weights=False),
-    )  # the two-copy path: pack and load events
-    tok = build_tokenizer(cfg.model)
-    weights = named_weights(build_model(cfg.model, dtype=torch.float32, device=CPU, seed=1))
-    buckets = plan_for(weights, update, torch.bfloat16)
-    spec = EngineSpec(
-        model=cfg.model,
-        rollout=cfg.rollout,
-        device="cpu",
-        allowed_ids=tok.allowed_ids(512),
-        eos_id=tok.eos_id,
-        pad_id=tok.pad_id,
-    )
-    engine = open_transport(update, spec=spec, buckets=buckets)
+    update = UpdateConfig(strategy=strategy, bucket_mb=0.05, flat_engine_weights=False)  # two copies: pack, load
+    weights = tiny.weights(seed=1)
+    engine, buckets = tiny.open(update, weights)
     try:
         metrics = update_weights(engine, weights, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
     finally:

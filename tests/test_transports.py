@@ -20,11 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import FAST, ROOT, cli_env, read_jsonl, run_main
+from conftest import FAST, ROOT, Tiny, cli_env, read_jsonl, run_main
 
 from rlsync.config.schema import Config, UpdateConfig
-from rlsync.engines.base import EngineSpec
-from rlsync.model.build import build_model, build_tokenizer, named_weights
+from rlsync.model.build import build_model, named_weights
 from rlsync.sync import WeightMismatch, checksum, open_transport, plan_for, update_weights
 from rlsync.sync.engine_process import EngineDied
 from rlsync.trainer.offload import Offloader
@@ -38,24 +37,15 @@ class Trainer:
     """The trainer side of a test: fp32 weights, their offloaded host copies, and an engine spec."""
 
     def __init__(self, seed: int = 3):
-        cfg = Config()
-        tok = build_tokenizer(cfg.model)
-        self.model = build_model(cfg.model, dtype=torch.float32, device=CPU, seed=seed)
+        self.tiny = Tiny()
+        self.model = build_model(self.tiny.model, dtype=torch.float32, device=CPU, seed=seed)
         self.offloader = Offloader(self.model, None, mode="full", device=CPU)
         self.weights = named_weights(self.model)
-        self.spec = EngineSpec(
-            model=cfg.model,
-            rollout=cfg.rollout,
-            device="cpu",
-            allowed_ids=tok.allowed_ids(512),
-            eos_id=tok.eos_id,
-            pad_id=tok.pad_id,
-        )
+        self.spec = self.tiny.spec()
 
     def open(self, update: UpdateConfig) -> tuple:
         """(engine, bucket plan): the engine behind `update`'s transport, for these weights."""
-        buckets = plan_for(self.weights, update, BF16)
-        return open_transport(update, spec=self.spec, buckets=buckets), buckets
+        return self.tiny.open(update, self.weights, spec=self.spec)
 
     def source(self, name: str) -> dict[str, torch.Tensor]:
         """The weights to send, freshly changed (a trained step), live or from the host copy."""

@@ -3,37 +3,25 @@
 import pytest
 import torch
 
-from rlsync.config.schema import Config, UpdateConfig
-from rlsync.engines.base import EngineSpec
-from rlsync.model.build import build_model, build_tokenizer, named_weights
-from rlsync.sync import WeightMismatch, checksum, open_transport, plan_for, update_weights, verify
+from rlsync.config.schema import UpdateConfig
+from rlsync.sync import WeightMismatch, checksum, update_weights, verify
 
 CPU = torch.device("cpu")
 LARGEST_MIB = 512 * 256 * 4 / 2**20 / 2  # tiny's embedding in bf16: 0.125 MiB
 
 
-def engine_and_weights(update: UpdateConfig, seed=3):
-    cfg = Config()
-    tok = build_tokenizer(cfg.model)
-    weights = named_weights(build_model(cfg.model, dtype=torch.float32, device=CPU, seed=seed))
-    buckets = plan_for(weights, update, torch.bfloat16)
-    spec = EngineSpec(
-        model=cfg.model,
-        rollout=cfg.rollout,
-        device="cpu",
-        allowed_ids=tok.allowed_ids(512),
-        eos_id=tok.eos_id,
-        pad_id=tok.pad_id,
-    )
-    return open_transport(update, spec=spec, buckets=buckets), weights, buckets
+def engine_and_weights(tiny, update: UpdateConfig, seed=3):
+    weights = tiny.weights(seed=seed)
+    engine, buckets = tiny.open(update, weights)
+    return engine, weights, buckets
 
 
 @pytest.mark.parametrize("strategy", ["bucketed", "per_tensor"])
 @pytest.mark.parametrize("bucket_mb", [LARGEST_MIB / 3, LARGEST_MIB, LARGEST_MIB * 1.5, 512.0])
 @pytest.mark.parametrize("flat", [False, None])  # None: auto, on for the HF engine's buckets (one copy, no staging)
-def test_engine_equals_trainer_bit_for_bit(strategy, bucket_mb, flat):
+def test_engine_equals_trainer_bit_for_bit(tiny, strategy, bucket_mb, flat):
     update = UpdateConfig(strategy=strategy, bucket_mb=bucket_mb, verify=True, flat_engine_weights=flat)
-    engine, weights, buckets = engine_and_weights(update)
+    engine, weights, buckets = engine_and_weights(tiny, update)
     with torch.no_grad():
         for t in weights.values():
             t.add_(torch.randn_like(t))  # trained weights differ from anything the engine could hold
@@ -52,9 +40,9 @@ def test_engine_equals_trainer_bit_for_bit(strategy, bucket_mb, flat):
     engine.close()
 
 
-def test_verify_names_the_mismatching_tensor():
+def test_verify_names_the_mismatching_tensor(tiny):
     update = UpdateConfig()
-    engine, weights, buckets = engine_and_weights(update)
+    engine, weights, buckets = engine_and_weights(tiny, update)
     update_weights(engine, weights, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
     sums = {n: checksum(t) for n, t in engine.weights().items()}
     verify(weights, sums, torch.bfloat16)  # equal: passes

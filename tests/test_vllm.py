@@ -23,7 +23,6 @@ import torch
 from conftest import FAST, ROOT, cli_env, read_jsonl
 
 from rlsync.config.schema import ModelConfig, RolloutConfig, UpdateConfig
-from rlsync.engines.base import EngineSpec
 from rlsync.engines.vllm import FusedLayers
 from rlsync.model.build import ByteTokenizer, build_model, named_weights
 from rlsync.sync import plan_for
@@ -42,18 +41,11 @@ real_engine = pytest.mark.slow  # builds a vLLM engine of its own: about 10 s be
 
 
 @pytest.fixture(scope="module")
-def setup():
+def setup(tiny):
     """One vLLM engine for the module (the tiny model), with the tokenizer and allowed ids it samples."""
     model_cfg, tok = ModelConfig(), ByteTokenizer()
     allowed = tok.allowed_ids(model_cfg.vocab_size)
-    spec = EngineSpec(
-        model=model_cfg,
-        rollout=RolloutConfig(engine="vllm", max_response_len=12),
-        device="cpu",
-        allowed_ids=allowed,
-        eos_id=tok.eos_id,
-        pad_id=tok.pad_id,
-    )
+    spec = tiny.spec(model=model_cfg, rollout=RolloutConfig(engine="vllm", max_response_len=12), tokenizer=tok)
     engine = spec.build()
     yield engine, tok, allowed
     engine.close()

@@ -38,18 +38,18 @@ from rlsync.check.record import memory_record
 from rlsync.config.launch import hydra_job, hydra_record
 from rlsync.config.schema import CONFIG_PATH, BenchAppConfig, register_configs, to_dict
 from rlsync.config.validate import checked_config
-from rlsync.engines.base import EngineSpec
 from rlsync.errors import cli, job_errors, show
 from rlsync.fmt import MIB, fmt_bytes, fmt_ratio, fmt_seconds, fmt_sig, fmt_spread, markdown_table, plural
-from rlsync.measure.devices import explicit_device, resolve_device, select_device
-from rlsync.measure.limits import Limits, cache_resident_elements, llc_bytes
+from rlsync.measure.devices import resolve_device, select_device
+from rlsync.measure.limits import cache_resident_elements, llc_bytes
 from rlsync.measure.threads import pooled
 from rlsync.model.architecture import update_tensors
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.record.recorder import Recorder, machine_info
 from rlsync.record.summary import stats_over
-from rlsync.sync import open_transport, plan_for, update_weights
-from rlsync.sync.auto import resolve_for_run, resolved_setup
+from rlsync.sync import update_weights
+from rlsync.sync.auto import resolved_setup
+from rlsync.sync.side import open_update_side
 from rlsync.trainer.offload import Offloader
 
 register_configs()
@@ -66,41 +66,29 @@ class UpdateTarget:
         t0 = time.perf_counter()
         model = build_model(cfg.model, dtype=torch_dtype(cfg.trainer.dtype), device=device, seed=cfg.run.seed)
         params = named_weights(model)
+        # the weights as built: detached, they keep their storage whatever the offload below does to the parameters
+        weights = {name: p.detach() for name, p in params.items()}
         layout = cfg.model.update_layout
-        self.weights = update_tensors(
-            params, layout
-        )  # by the update's names (per-expert views in the checkpoint layout)
-        self.source = self.weights
+        source = None
         if cfg.update.source == "host":  # the runner's path: the offloader's host copies (pinned on CUDA)
             self.offloader = Offloader(
                 model, None, mode="full", device=device, pin_chunk_bytes=int(cfg.trainer.offload_pin_chunk_mb * MIB)
             )
             self.offloader.sleep()
-            self.source = update_tensors(self.offloader.host_weights(params), layout)
-        self.buckets = plan_for(self.weights, cfg.update, torch_dtype(cfg.rollout.dtype))
-        update_bytes = sum(b.nbytes for b in self.buckets)
-        read_bytes = sum(t.numel() * t.element_size() for t in self.weights.values())
-        self.limits = Limits(
-            device,
-            update_bytes=update_bytes,
-            state_bytes=read_bytes,
-            read_bytes=read_bytes,
-            source=cfg.update.source,
-            dtypes=(torch_dtype(cfg.trainer.dtype), torch_dtype(cfg.rollout.dtype)),
-        )
-        self.update_cfg, self.resolved = resolve_for_run(
-            cfg.update, cfg.rollout, weights=self.source, buckets=self.buckets, device=device, model=cfg.model
-        )  # update.*=null (auto), before the engine opens
-        tokenizer = build_tokenizer(cfg.model)
-        spec = EngineSpec(
-            model=cfg.model,
-            rollout=cfg.rollout,
-            device=str(explicit_device(device)),
-            allowed_ids=tokenizer.allowed_ids(cfg.model.vocab_size),
-            eos_id=tokenizer.eos_id,
-            pad_id=tokenizer.pad_id,
-        )
-        self.engine = open_transport(self.update_cfg, spec=spec, buckets=self.buckets)
+            source = update_tensors(self.offloader.host_weights(params), layout)
+        side = open_update_side(
+            cfg,
+            weights,
+            device=device,
+            tokenizer=build_tokenizer(cfg.model),
+            state_bytes=sum(t.numel() * t.element_size() for t in weights.values()),  # the weights alone
+            probe=(lambda weights: source) if source is not None else None,  # the auto knobs time what is read
+        )  # update.*=null (auto) resolved before the engine opens
+        self.weights = side.weights  # by the update's names (per-expert views in the checkpoint layout)
+        self.source = source if source is not None else self.weights
+        self.buckets, self.limits, self.engine = side.buckets, side.limits, side.transport
+        self.update_cfg, self.resolved = side.update_cfg, side.resolved
+        update_bytes, read_bytes = side.update_bytes, side.read_bytes
         build_time = time.perf_counter() - t0
         self.limit_time = self.limits.update_limit
         self.probe = self.limits.update_probe()  # the same floor, re-timed beside each repeat (a shared machine drifts)
@@ -109,9 +97,8 @@ class UpdateTarget:
             "build_time": build_time,
             "update_bytes": update_bytes,
             "read_bytes": read_bytes,
-            "tensors": len(self.weights),
+            **side.info,  # tensors, params
             "layout": layout,
-            "params": sum(t.numel() for t in self.weights.values()),
             "pooled_tensors": sum(
                 pooled(t.numel()) for t in self.weights.values()
             ),  # the planner's cost model reads it

@@ -111,6 +111,22 @@ class EngineSpec:
         ENGINES.setdefault(self.rollout.engine, cls)
 
 
+def engine_spec(
+    model: ModelConfig, rollout: RolloutConfig, *, device, tokenizer, cpu_threads: int | None = None
+) -> EngineSpec:
+    """The spec of the engine `rollout.engine` names, for `tokenizer`'s vocabulary (the ids generation may
+    sample, its eos and pad ids): every entry point builds its engine's spec here."""
+    return EngineSpec(
+        model=model,
+        rollout=rollout,
+        device=str(device),
+        allowed_ids=tokenizer.allowed_ids(model.vocab_size),
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        cpu_threads=cpu_threads,
+    )
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, allowed: torch.Tensor, temperature: float):
     """Log-prob of `tokens` under softmax(logits / T) restricted to `allowed` ids.
 

@@ -22,10 +22,9 @@ import torch
 from rlsync.check.fit import memory_fit
 from rlsync.check.record import memory_record
 from rlsync.config.schema import MIB, Config, to_dict
-from rlsync.engines.base import EngineSpec, Generation, answer_ids, engine_class
+from rlsync.engines.base import Generation, answer_ids, engine_class
 from rlsync.measure.devices import (
     device_memory_metrics,
-    explicit_device,
     resolve_device,
     sampler,
     select_device,
@@ -34,21 +33,20 @@ from rlsync.measure.limits import GatherFloor, Limits, LinkShare
 from rlsync.measure.memory import peak_rss_bytes
 from rlsync.measure.threads import RunCpu, cpu_threads
 from rlsync.measure.timing import Stopwatch
-from rlsync.model.architecture import params_layout, update_tensors
+from rlsync.model.architecture import update_tensors
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.record import summary as summaries
 from rlsync.record.recorder import Recorder, machine_info
+from rlsync.run.roles import Roles
 from rlsync.sync import (
     WeightMismatch,
     follow_update,
-    is_out_of_memory,
-    open_transport,
-    out_of_memory,
-    plan_for,
     update_weights,
 )
-from rlsync.sync.auto import resolve_for_run, resolved_setup
+from rlsync.sync.auto import resolved_setup
+from rlsync.sync.base import Transport
 from rlsync.sync.gather import StandIns
+from rlsync.sync.side import UpdateSide, open_update_side
 from rlsync.trainer.data_parallel import DataParallel
 from rlsync.trainer.grpo import Trainer, group_advantages
 from rlsync.trainer.offload import Offloader, link_metrics
@@ -108,19 +106,19 @@ class Experiment:
         self.recorder = recorder or Recorder(Path("."), enabled=False)  # run dir, files, W&B, signals, summary.json
         self.memory = memory  # run_experiment's estimate: summary.json puts the measured peak beside it
         self.dp = dp or DataParallel()
-        self.engine = None  # set by setup() as soon as the engine is open
+        self.roles = Roles(self.dp, engines=cfg.rollout.engines)  # this rank's part in each phase
         self.device = self.dp.device(resolve_device(cfg.run.device))
+        self.side: UpdateSide | None = None  # the update's tensors, plan, floors, knobs and transport: setup()
         self.setup_info: dict = {}
-        self.limits: Limits | None = None  # the copy floors, measured by rank 0 in setup()
-        self.update_cfg = cfg.update  # rank 0: with its nulls (auto) resolved in setup() (rlsync.sync.auto)
-        self.resolved: dict | None = None  # those resolved values and why, for summary.json
         self.offloader: Offloader | None = None  # set by setup()
         self.parallel: Parallel | None = None  # trainer.parallel as this process runs it, set by setup()
         self.gather_floor: GatherFloor | None = None  # fsdp2: the gather's floor, measured by every rank
         self.link_share: LinkShare | None = None  # data parallel: the offload's floor, every rank copying at once
-        # data parallel: rank 0 holds the engine, or every rank its own (rollout.engines=every_rank)
-        self.every_rank = self.dp.enabled and cfg.rollout.engines == "every_rank"
-        self.has_engine = self.dp.is_main or self.every_rank
+
+    @property
+    def limits(self) -> Limits | None:
+        """The copy floors, measured by the ranks with an engine in setup()."""
+        return self.side.limits if self.side else None
 
     def run(self) -> dict:
         """Set up, then the steps, each recorded once finished; the summary however the run ends.
@@ -129,19 +127,14 @@ class Experiment:
         with self.recorder.steps(
             release=self.close, summarize=self.summary, closing=print_closing, cause=self.dp.failed_rank
         ) as record:  # data parallel: stopped by another rank?
-            engine = self.setup()
+            transport = self.setup()
             for step in range(self.cfg.run.steps):
                 if step > 0 and self.cfg.run.limit_probe == "every_step":  # outside the step's timing
-                    if self.limits is not None:  # the ranks with an engine
-                        self.limits.measure()  # the copy floors as the machine is now
-                    if self.gather_floor is not None:  # every rank at once: a collective
-                        self.gather_floor.measure()
-                    if self.link_share is not None:  # every rank at once: each one's share of the host link
-                        self.link_share.measure()
-                record({"step": step, **self.step(step, engine)})
+                    self.probe_limits()
+                record({"step": step, **self.step(step, transport)})
         return self.recorder.result
 
-    def setup(self):
+    def setup(self) -> Transport | None:
         """Build trainer and engine, measure the copy limits, do the first update, put the trainer to sleep.
 
         Data parallel: every rank builds a trainer and takes rank 0's weights (before trainer.parallel wraps
@@ -155,16 +148,20 @@ class Experiment:
         torch.manual_seed(cfg.run.seed)
         self.rng = random.Random(cfg.run.seed)
         # on the engine's device (the same as the trainer's); one engine per rank: each samples its own stream
-        self.sampler = sampler(device, cfg.run.seed + (self.dp.rank if self.every_rank else 0))
+        self.sampler = sampler(device, cfg.run.seed + (self.dp.rank if self.roles.every_rank else 0))
         self.tokenizer = build_tokenizer(cfg.model)
-        allowed = self.tokenizer.allowed_ids(cfg.model.vocab_size)
 
         t0 = time.perf_counter()
         model = build_model(cfg.model, dtype=torch_dtype(cfg.trainer.dtype), device=device, seed=cfg.run.seed)
         self.dp.broadcast_weights(model)  # data parallel: every rank starts from rank 0's weights, before any sharding
         self.parallel = parallel_for(cfg.trainer.parallel, world=self.dp.world, device=device)
+        self.roles.sharded = self.parallel.sharded
         self.trainer = Trainer(
-            model, cfg.trainer, allowed_ids=allowed, temperature=cfg.rollout.temperature, parallel=self.parallel
+            model,
+            cfg.trainer,
+            allowed_ids=self.tokenizer.allowed_ids(cfg.model.vocab_size),
+            temperature=cfg.rollout.temperature,
+            parallel=self.parallel,
         )
         self.offloader = Offloader(
             model,
@@ -179,39 +176,42 @@ class Experiment:
         self.params = named_weights(model)  # by parameter name: what the offload moves and data parallel compares
         # The update's names and views (model.update_layout), planned once; the views are made anew for
         # each update (update_source) and never kept: a view would hold the storage the offload frees.
-        self.layout = params_layout(self.params, cfg.model.update_layout)
-        weights = update_tensors(self.params, cfg.model.update_layout, self.layout)
-        read_bytes = self.read_bytes = sum(t.numel() * t.element_size() for t in weights.values())  # fsdp2: whole
-        self.buckets = plan_for(weights, cfg.update, torch_dtype(cfg.rollout.dtype))  # every rank: the gather's order
-        engine = self.open_transport(allowed, weights, read_bytes) if self.has_engine else None
+        self.side = side = open_update_side(
+            cfg,
+            self.params,
+            device=device,
+            tokenizer=self.tokenizer,
+            state_bytes=self.offloader.state_bytes,
+            probe=StandIns if self.parallel.sharded else None,  # shards: the probe copies whole stand-ins
+            engine=self.roles.has_engine,
+            cpu_threads=torch.get_num_threads(),  # an engine process uses the run's threads (run.cpu_threads)
+        )  # run() closes its transport, even if the rest of the setup fails
         if self.parallel.sharded:  # every rank, once the engines are open: an all-gather of the update's bytes
-            self.gather_floor = GatherFloor(read_bytes, dtype=torch_dtype(cfg.trainer.dtype), device=device)
+            self.gather_floor = GatherFloor(side.read_bytes, dtype=torch_dtype(cfg.trainer.dtype), device=device)
         if self.dp.enabled and self.offloader.state_bytes:  # every rank: its share of the link, all at once
             self.link_share = LinkShare(self.offloader.state_bytes, device=device)
         build_time = time.perf_counter() - t0
 
         self.setup_info = {
             "build_time": build_time,
-            "tensors": len(weights),
+            **side.info,
             "layout": cfg.model.update_layout,
-            "params": sum(t.numel() for t in weights.values()),
-            "resolved": self.resolved,
+            "resolved": side.resolved,
         }
-        del weights  # held past here, a view would keep storage the offload frees
+        side.release_views()  # held past here, a view would keep storage the offload frees
         source = self.update_source(live=True)  # fsdp2: shards, gathered as the engine reads them (every rank alike)
-        if engine is not None:
-            update_bytes = sum(b.nbytes for b in self.buckets)
-            engine.update_weights(source)  # the engine starts from the trainer's weights
+        if side.transport is not None:
+            side.transport.update_weights(source)  # the engine starts from the trainer's weights
             self.setup_info.update(
                 {
-                    "update_bytes": update_bytes,
-                    "buckets": len(self.buckets),
+                    "update_bytes": side.update_bytes,
+                    "buckets": len(side.buckets),
                     "limits": {
-                        **self.limits.as_dict(),
+                        **side.limits.as_dict(),
                         **(self.gather_floor.as_dict() if self.gather_floor else {}),
                         **(self.link_share.as_dict() if self.link_share else {}),
                     },
-                    "update_limit_time": self.limits.update_limit,
+                    "update_limit_time": side.limits.update_limit,
                 }
             )
         elif self.parallel.sharded:
@@ -223,63 +223,30 @@ class Experiment:
         with watch("first_sleep"):
             self.offloader.sleep()
         self.setup_info["offload"] = {**self.offloader.info, "first_sleep_time": watch.seconds["first_sleep"]}
-        return engine
+        return side.transport
 
-    def open_transport(self, allowed: torch.Tensor, weights: dict[str, torch.Tensor], read_bytes: int):
-        """The bucket plan of the update, the copy floors, the update's auto knobs resolved (rlsync.sync.auto:
-        before the engine opens, so its process gets them), then the rollout engine behind the transport."""
-        cfg = self.cfg
-        self.limits = Limits(
-            self.device,
-            update_bytes=sum(b.nbytes for b in self.buckets),
-            state_bytes=self.offloader.state_bytes or 2 * read_bytes,
-            read_bytes=read_bytes,
-            source=cfg.update.source,
-            dtypes=(torch_dtype(cfg.trainer.dtype), torch_dtype(cfg.rollout.dtype)),
-        )
-        probe = StandIns(weights) if self.parallel.sharded else weights  # shards: the probe copies whole stand-ins
-        self.update_cfg, self.resolved = resolve_for_run(
-            cfg.update, cfg.rollout, weights=probe, buckets=self.buckets, device=self.device, model=cfg.model
-        )
-        spec = EngineSpec(
-            model=cfg.model,
-            rollout=cfg.rollout,
-            device=str(explicit_device(self.device)),
-            allowed_ids=allowed,
-            eos_id=self.tokenizer.eos_id,
-            pad_id=self.tokenizer.pad_id,
-            cpu_threads=torch.get_num_threads(),  # an engine process uses the run's threads (run.cpu_threads)
-        )
-        try:
-            self.engine = open_transport(self.update_cfg, spec=spec, buckets=self.buckets)
-        except Exception as err:  # the staging buffers are allocated here: name the bucket size
-            if is_out_of_memory(err):
-                raise out_of_memory(self.buckets, cfg.update, "opening the engine and its update buffers") from err
-            raise
-        return self.engine  # run() closes it, even if the rest of the setup fails
+    def probe_limits(self) -> None:
+        """run.limit_probe=every_step: the floors again before a step, as the machine is now."""
+        if self.limits is not None:  # the ranks with an engine
+            self.limits.measure()  # the copy floors
+        if self.gather_floor is not None:  # every rank at once: a collective
+            self.gather_floor.measure()
+        if self.link_share is not None:  # every rank at once: each one's share of the host link
+            self.link_share.measure()
 
-    def step(self, step: int, engine) -> dict:
-        cfg, watch, dp = self.cfg, Stopwatch(self.device), self.dp
+    def step(self, step: int, transport: Transport | None) -> dict:
+        """One GRPO step: rollout, wake the trainer, log-probs, train, then the update and the sleep."""
+        cfg, watch = self.cfg, Stopwatch(self.device)
         metrics: dict[str, float] = {}
-        gen = advantages = None
-        rollout_metrics: dict[str, float] = {}  # this rank's engine's, if it generated
         with watch("step"):
-            batch_tokens = None  # the loss's token-mean denominator; None: this process's whole batch
-            if self.every_rank:  # one engine per rank: each generates its own whole prompt groups
-                gen, advantages, rollout_metrics = self.rollout(
-                    engine, watch, groups=dp.share(cfg.rollout.prompts_per_step)
-                )
-                with watch("batch_scatter"):  # the whole batch's answer tokens, every rank's loss denominator
-                    batch_tokens = dp.all_sum(int(gen.response_mask.sum()))
-            elif dp.is_main:  # rank 0 owns the engine: it generates the whole batch
-                gen, advantages, rollout_metrics = self.rollout(engine, watch)
-            generated = gen.sequences.shape[0] if rollout_metrics else 0  # answers this rank's engine generated
-            if dp.enabled and not self.every_rank:  # each rank trains whole prompt groups (advantages are per group)
-                with watch("batch_scatter"):
-                    gen, advantages, batch_tokens = dp.scatter_groups(
-                        gen, advantages, group_size=cfg.rollout.samples_per_prompt, device=self.device
-                    )
-
+            batch = self.roles.rollout(
+                lambda groups: self.rollout(transport, watch, groups),
+                watch,
+                prompts=cfg.rollout.prompts_per_step,
+                group_size=cfg.rollout.samples_per_prompt,
+                device=self.device,
+            )
+            gen = batch.gen
             with watch("wake_up"):
                 metrics["perf/wake_up_bytes"] = self.offloader.wake_up()
             metrics.update(self.device_memory("wake_up"))
@@ -292,15 +259,18 @@ class Experiment:
             with watch("train"):
                 metrics.update(
                     self.trainer.train_step(
-                        gen, old_logp=old_logp, advantages=advantages, ref_logp=ref_logp, batch_tokens=batch_tokens
+                        gen,
+                        old_logp=old_logp,
+                        advantages=batch.advantages,
+                        ref_logp=ref_logp,
+                        batch_tokens=batch.batch_tokens,
                     )
                 )
-            if dp.enabled and cfg.update.verify and not self.parallel.sharded:  # ddp: the replicas must agree
-                dp.check_same_weights(self.params)
+            self.roles.check_replicas(self.params, verify=cfg.update.verify)  # ddp: the replicas must agree
             if cfg.update.source == "host":  # Miles/slime's colocated order: offload, then update
                 self.trainer_sleep(watch, metrics)
             if cfg.update.enabled:
-                self.update(engine, watch, metrics)
+                self.update(transport, watch, metrics)
             if cfg.update.source == "device":
                 self.trainer_sleep(watch, metrics)
 
@@ -310,79 +280,75 @@ class Experiment:
         # engine vs trainer log-prob of the same sampled tokens: ~0 iff the last update landed
         metrics["train/logprob_abs_diff"] = ((gen.logprobs - old_logp).abs() * mask).sum().item() / mask.sum().item()
         metrics["perf/host_peak_rss_gb"] = peak_rss_bytes() / 1e9  # ranks: the largest rank's
-        metrics.update(rollout_metrics)
-        # data parallel: each phase the slowest rank's, the rollout's averages over every rank's answers
-        metrics = dp.gather_metrics(metrics, tokens=mask.sum().item(), answers=generated)
-        if dp.is_main:
-            metrics.update(self.offload_metrics(metrics))
+        metrics.update(batch.rollout_metrics)
+        metrics = self.roles.merge_metrics(metrics, tokens=mask.sum().item(), answers=batch.generated)
+        metrics.update(self.offload_metrics(metrics))
         return metrics
 
-    def update(self, engine, watch: Stopwatch, metrics: dict) -> None:
-        """The weight update into this rank's engine, if it has one; from shards (fsdp2) every rank gathers.
-
-        update.verify under data parallel: every rank's engine is checked and all ranks learn the verdict
-        (the first failing rank's mismatch is raised on every rank)."""
+    def update(self, transport: Transport | None, watch: Stopwatch, metrics: dict) -> None:
+        """The weight update into this rank's engine, if it has one; from shards (fsdp2) every rank gathers."""
         cfg, error = self.cfg, None
-        gather_limit = self.gather_floor.time(self.read_bytes) if self.gather_floor is not None else 0.0
-        if engine is not None or self.parallel.sharded:
+        if self.roles.takes_update():
             # The update writes into the engine's weights: allocate them first (release_weights), or
             # wake them where the engine's release always takes them off the device (timed as the
             # engine's resume, not inside the update).
-            if engine is not None and (
+            if transport is not None and (
                 cfg.rollout.release_weights or engine_class(cfg.rollout.engine).release_takes_weights
             ):
                 with watch("engine_resume"):
-                    engine.resume()
+                    transport.resume()
             with watch("update_layout"):  # the update's tensors: per-expert views cost ~10 us each
                 source = self.update_source()
             with watch("update_weights"):
                 try:
-                    if engine is not None:
-                        metrics.update(
-                            update_weights(
-                                engine,
-                                source,
-                                buckets=self.buckets,
-                                cfg=self.update_cfg,
-                                device=self.device,
-                                limit_time=self.limits.update_limit,
-                                gather_limit_time=gather_limit,
-                            )
-                        )
-                        if cfg.update.verify:
-                            metrics["update/verified_engines"] = 1
-                    else:  # no engine here: the same gathers as the engines' ranks
-                        metrics.update(follow_update(source, cfg=self.update_cfg, gather_limit_time=gather_limit))
+                    metrics.update(self.send(transport, source))
                 except WeightMismatch as err:
                     error = err
             del source  # no view outlives the update (the offload frees what it points at)
-        if self.dp.enabled and cfg.update.verify:
-            self.dp.agree(error)
-        elif error is not None:
-            raise error
+        self.roles.agree(error, verify=cfg.update.verify)
+
+    def send(self, transport: Transport | None, source: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The update's own metrics: through the transport, or (no engine here) the same gathers as the
+        engines' ranks take part in."""
+        side = self.side
+        gather_limit = self.gather_floor.time(side.read_bytes) if self.gather_floor is not None else 0.0
+        if transport is None:
+            return follow_update(source, cfg=side.update_cfg, gather_limit_time=gather_limit)
+        metrics = update_weights(
+            transport,
+            source,
+            buckets=side.buckets,
+            cfg=side.update_cfg,
+            device=self.device,
+            limit_time=side.limits.update_limit,
+            gather_limit_time=gather_limit,
+        )
+        if self.cfg.update.verify:
+            metrics["update/verified_engines"] = 1
+        return metrics
 
     def trainer_sleep(self, watch: Stopwatch, metrics: dict) -> None:
         with watch("sleep"):
             metrics["perf/sleep_bytes"] = self.offloader.sleep()
         metrics.update(self.device_memory("sleep"))
 
-    def rollout(self, engine, watch: Stopwatch, groups: slice = slice(None)):
+    def rollout(self, transport: Transport, watch: Stopwatch, groups: slice = slice(None)):
         """Generate `samples_per_prompt` answers per prompt and score them: (batch, advantages, rollout metrics).
         `groups`: this rank's prompts (one engine per rank); every rank draws the same prompts, then takes its own."""
         cfg = self.cfg
         prompts = make_prompts(cfg.rollout.prompts_per_step, rng=self.rng)[groups]
         prompt_ids = [self.tokenizer.encode(p.text) for p in prompts for _ in range(cfg.rollout.samples_per_prompt)]
         with watch("engine_resume"):
-            engine.resume()  # the engine gets its memory (KV cache, released weights) back
+            transport.resume()  # the engine gets its memory (KV cache, released weights) back
         with watch("rollout"):
-            gen = engine.generate(
+            gen = transport.generate(
                 prompt_ids,
                 max_new_tokens=cfg.rollout.max_response_len,
                 temperature=cfg.rollout.temperature,
                 generator=self.sampler,
             ).to(self.device)
         with watch("engine_release"):
-            engine.release()  # ... and hands it to the trainer until the next rollout
+            transport.release()  # ... and hands it to the trainer until the next rollout
         rewards, advantages = score_rollout(
             gen, prompts, self.tokenizer, group_size=cfg.rollout.samples_per_prompt, device=self.device
         )
@@ -397,12 +363,12 @@ class Experiment:
         update.source says (the first update, before the trainer ever slept)."""
         layout = self.cfg.model.update_layout
         if self.cfg.update.source == "host" and not live:
-            return update_tensors(self.offloader.host_weights(self.params), layout, self.layout)
+            return update_tensors(self.offloader.host_weights(self.params), layout, self.side.layout)
         return self.parallel.update_source(  # fsdp2: the shards, gathered bucket by bucket as they are read
             self.params,
             layout=layout,
-            plan=self.layout,
-            buckets=self.buckets,
+            plan=self.side.layout,
+            buckets=self.side.buckets,
             gather=self.cfg.update.gather,
             call_bytes=self.gather_floor.call_bytes if self.gather_floor is not None else None,
         )
@@ -414,15 +380,17 @@ class Experiment:
 
     def offload_metrics(self, m: dict) -> dict:
         """Beside perf/sleep_time and perf/wake_up_time: GB/s, the limit (bytes over the host-link copy
-        bandwidth measured in this run; memcpy on a CPU) and the efficiency (limit / time)."""
-        return link_metrics(m, self.link_share or self.limits)  # data parallel: the rank's share of the link
+        bandwidth measured in this run; memcpy on a CPU) and the efficiency (limit / time). Data parallel:
+        against the rank's share of the link; a rank > 0 without floors adds none (rank 0 records)."""
+        floors = self.link_share or self.limits
+        return link_metrics(m, floors) if floors is not None else {}
 
     def close(self) -> None:
         """The engine (its process too), then the trainer's pinned twin: a sweep's next job pins its own."""
         try:
-            if self.engine is not None:
-                self.engine.close()
-                self.setup_info["engine_peak_rss_bytes"] = self.engine.engine_peak_rss_bytes
+            if self.side is not None and self.side.transport is not None:
+                self.side.transport.close()
+                self.setup_info["engine_peak_rss_bytes"] = self.side.transport.engine_peak_rss_bytes
         finally:
             if self.offloader is not None:
                 self.offloader.close()

@@ -47,7 +47,7 @@ from omegaconf import DictConfig
 
 from rlsync.config.schema import CONFIG_PATH, EngineAppConfig, register_configs
 from rlsync.config.validate import checked_config
-from rlsync.engines.base import EngineSpec
+from rlsync.engines.base import engine_spec
 from rlsync.errors import ConfigError, RlsyncError, StopOnSignals, cli, job_errors
 from rlsync.measure.devices import resolve_device
 from rlsync.model.build import build_tokenizer
@@ -60,14 +60,8 @@ register_configs()
 
 def build_served_engine(cfg: EngineAppConfig):
     """The engine the config describes, on this machine's device (its weights filled by the first update)."""
-    tokenizer = build_tokenizer(cfg.model)
-    spec = EngineSpec(
-        model=cfg.model,
-        rollout=cfg.rollout,
-        device=str(resolve_device(cfg.run.device)),
-        allowed_ids=tokenizer.allowed_ids(cfg.model.vocab_size),
-        eos_id=tokenizer.eos_id,
-        pad_id=tokenizer.pad_id,
+    spec = engine_spec(
+        cfg.model, cfg.rollout, device=resolve_device(cfg.run.device), tokenizer=build_tokenizer(cfg.model)
     )
     return spec.build(strategy=cfg.update.strategy)
 
