@@ -39,13 +39,25 @@ def test_data_parallel_ranks_split_the_cores(monkeypatch):
     assert cpu.threads == 4 and cpu.why == "8 cores shared by 2 ranks"
 
 
-def test_the_load_of_other_processes_is_measured_without_this_ones():
+def test_the_load_of_other_processes_is_measured_without_this_ones(monkeypatch):
+    # over 2 s of wall time the machine's cores were busy 5 s, 3 of them this process's own: others kept 1 core
+    clock = {"wall": 100.0, "busy": 40.0, "own": 7.0}
+    monkeypatch.setattr(threads.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(threads, "_busy_seconds", lambda: clock["busy"])
+    monkeypatch.setattr(threads, "_own_seconds", lambda: clock["own"])
     load = threads.CpuLoad().start()
+    clock.update(wall=102.0, busy=45.0, own=10.0)
+    assert load.others() == pytest.approx(1.0)
+    clock.update(own=16.0)  # more than the machine's own count (clocks read apart): never below zero
+    assert load.others() == 0.0
+
+
+def test_this_process_cpu_time_is_counted_as_its_own():
+    before = threads._own_seconds()
     x = torch.randn(256, 256)
-    for _ in range(200):  # this process busy: not counted as the machine's load
+    for _ in range(200):  # this process busy: what CpuLoad takes out of the machine's count
         x = x @ x / 256
-    others = load.others()
-    assert others is not None and others >= 0
+    assert threads._own_seconds() > before
 
 
 @pytest.mark.parametrize(("others", "warned"), [(None, False), (0.2, False), (0.8, True), (1.9, True)])
