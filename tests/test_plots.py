@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from rlsync.report.fits import fit_by_setup
 from rlsync.report.plots import write_plots
-from rlsync.report.table import Run, fit_by_setup, table_row
+from rlsync.report.rows import table_row
+from rlsync.report.runs import Run
 
 MIB = 2**20
 PHASES = ("rollout", "wake_up", "log_probs", "train", "update_weights", "sleep")

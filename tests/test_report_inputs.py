@@ -60,7 +60,7 @@ def test_a_failed_jobs_reason_comes_from_error_log_before_the_launchers_log(tmp_
     failed: the reason is error.log's line, whichever log changed last."""
     import os
 
-    from rlsync.report.table import error_line
+    from rlsync.report.runs import error_line
 
     (tmp_path / "error.log").write_text("rlsync: failed: ValueError: bad shard\n")
     (tmp_path / "rlsync.log").write_text(

@@ -19,7 +19,8 @@ from test_report import PNG_SIGNATURE, REPO, leet, offline_env, run_report, writ
 
 from rlsync.fmt import fmt_seconds, fmt_share, fmt_spread
 from rlsync.report import write_report
-from rlsync.report.table import best_settings, fmt_efficiency, fmt_lead
+from rlsync.report.cells import fmt_efficiency
+from rlsync.report.ranking import best_settings, fmt_lead
 
 BUCKETS = (1.0, 4.0)  # MiB
 PER_BUCKET_S = 1e-4  # what each bucket adds to a fake update: bigger buckets win

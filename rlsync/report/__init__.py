@@ -26,27 +26,19 @@ import json
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from rlsync.errors import WriteFailed
 from rlsync.fmt import plural
 from rlsync.report import sizing
+from rlsync.report.cells import rows_markdown
+from rlsync.report.fits import fit_by_setup, update_fit_lines
 from rlsync.report.markdown import write_csv, write_markdown
 from rlsync.report.plots import write_plots
-from rlsync.report.table import (
-    Failure,
-    ReportResult,
-    Run,
-    best_settings,
-    collect,
-    fit_by_setup,
-    job_label,
-    load_job,
-    rows_markdown,
-    table_cells,
-    table_row,
-    update_fit_lines,
-)
+from rlsync.report.ranking import best_settings
+from rlsync.report.rows import table_row
+from rlsync.report.runs import Run, collect, job_label, load_job
+from rlsync.report.table import ReportResult, table_rows
 
 __all__ = ["load_job", "main", "print_result", "table_row", "write_report"]
 
@@ -152,31 +144,6 @@ def write_report(
 
         result.wandb_line = wandb_report.log_report_run(result)
     return result
-
-
-def table_rows(result: ReportResult) -> list[dict[str, Any]]:
-    """One table row per run; a run whose numbers cannot be tabulated (a value of a type nothing
-    expected) moves to the failures with one line instead of stopping the report."""
-    rows, kept = [], []
-    for run in result.runs:
-        try:
-            row = table_row(run)
-            table_cells(row)  # formatting is where a wrong type would show
-        except Exception as err:  # noqa: BLE001 - one bad record costs its own row
-            result.failures.append(
-                Failure(
-                    run.path,
-                    run.job,
-                    run.overrides,
-                    f"malformed run record ({type(err).__name__}: {err})".splitlines()[0],
-                    run.sweep,
-                )
-            )
-            continue
-        rows.append(row)
-        kept.append(run)
-    result.runs = kept
-    return rows
 
 
 # ----------------------------------------------------------------------------------------------

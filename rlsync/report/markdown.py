@@ -9,17 +9,11 @@ from typing import Any
 
 from rlsync.fmt import plural
 from rlsync.report import sizing
-from rlsync.report.table import (
-    TABLE_NOTE,
-    ReportResult,
-    best_settings,
-    common_overrides,
-    csv_fields,
-    machine_line,
-    phase_table,
-    run_label,
-    update_fit_lines,
-)
+from rlsync.report.cells import TABLE_NOTE, common_overrides, machine_line, phase_table, run_label
+from rlsync.report.fits import update_fit_lines
+from rlsync.report.ranking import best_settings
+from rlsync.report.rows import csv_fields
+from rlsync.report.table import ReportResult
 
 
 def write_markdown(path: Path, result: ReportResult, plots: list[Path], sources: list[Path]) -> None:

@@ -23,7 +23,10 @@ from typing import Any, Optional
 from rlsync import fmt
 from rlsync.fmt import MIB
 from rlsync.measure import metrics
-from rlsync.report.table import PER_TENSOR, UPDATE_PARTS, Fit, FitGroup, common_overrides, fmt_bucket, model_label
+from rlsync.report.cells import PER_TENSOR, common_overrides, fmt_bucket
+from rlsync.report.fits import Fit, FitGroup
+from rlsync.report.ranking import model_label
+from rlsync.report.rows import UPDATE_PARTS
 
 Row = dict[str, Any]
 TIMELINE_MAX_RUNS = 8  # more lines than this no longer read apart in one panel

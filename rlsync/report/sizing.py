@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 from rlsync.fmt import MIB, fmt_bytes, fmt_seconds, fmt_share
-from rlsync.report.table import Run
+from rlsync.report.runs import Run
 
 SETUP_KEYS = ("transport", "strategy", "bucket_mb")  # what a summary must say for its run to be sized
 

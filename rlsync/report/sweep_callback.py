@@ -7,7 +7,7 @@ duration (rlsync.check.duration); a warning when the launcher runs jobs side by 
 then contaminate each other). `run.dry_run=true` prints that plan and starts nothing.
 
 Hydra skips `on_multirun_end` when a job failed; the sweep's end is then reported from the entry
-point's error handling (rlsync.errors.SWEEP_ENDED), which writes the same report listing the failed
+point's error handling (rlsync.shell.SWEEP_ENDED), which writes the same report listing the failed
 and refused jobs, or, after an interruption, says how to make it by hand (`python -m rlsync.report DIR`).
 """
 
@@ -23,7 +23,7 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from rlsync import errors
+from rlsync import errors, shell
 from rlsync.check.duration import fmt_duration
 
 SEQUENTIAL_LAUNCHERS = ("BasicLauncher",)  # Hydra's default: one job after another, in this process
@@ -144,7 +144,7 @@ class SweepReport(Callback):
         if config.get("run", {}).get("dry_run"):
             say("run.dry_run=true: nothing started")
             raise SystemExit(0)
-        errors.SWEEP_ENDED.append(self.ended_early)
+        shell.SWEEP_ENDED.append(self.ended_early)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.job_started = time.monotonic()
@@ -178,7 +178,7 @@ class SweepReport(Callback):
         return f": about {fmt_duration(estimate)} left (estimated)" if estimate else ""
 
     def ended_early(self, how: str) -> None:
-        """rlsync.errors calls this when the sweep stopped before Hydra's end: a job failed, or an interruption."""
+        """rlsync.shell calls this when the sweep stopped before Hydra's end: a job failed, or an interruption."""
         if how == "interrupted":
             say(f"sweep interrupted: `python -m rlsync.report {self.sweep_dir}` reports the jobs that finished")
             return
@@ -188,8 +188,8 @@ class SweepReport(Callback):
         if self.reported or self.sweep_dir is None:
             return
         self.reported = True
-        if self.ended_early in errors.SWEEP_ENDED:
-            errors.SWEEP_ENDED.remove(self.ended_early)
+        if self.ended_early in shell.SWEEP_ENDED:
+            shell.SWEEP_ENDED.remove(self.ended_early)
         from rlsync.report import print_result, write_report
 
         took = f" in {fmt_duration(time.monotonic() - self.started)}" if self.started else ""

@@ -29,7 +29,10 @@ from typing import Any
 
 from rlsync.fmt import error_line
 from rlsync.measure import metrics
-from rlsync.report.table import TABLE_HEADER, ReportResult, best_settings, common_overrides, csv_fields, table_cells
+from rlsync.report.cells import TABLE_HEADER, common_overrides, table_cells
+from rlsync.report.ranking import best_settings
+from rlsync.report.rows import csv_fields
+from rlsync.report.table import ReportResult
 
 REPORT_JOB_TYPE = "report"
 UPDATE_METRIC = "perf/update_weights_time"

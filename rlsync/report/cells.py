@@ -1,0 +1,132 @@
+"""Formatting the table: each row's cells, the markdown tables of the runs and of the parts of their step,
+and the line on the machine they ran on."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Iterable
+from typing import Any, Optional
+
+from rlsync.fmt import fmt_mib, fmt_range, fmt_ratio, fmt_seconds, fmt_share, fmt_sig, fmt_spread, markdown_table
+from rlsync.measure import metrics
+from rlsync.report.runs import MIN_MEASURED, Run, is_number
+
+PER_TENSOR = "per_tensor"  # the strategy to which a bucket size does not apply
+
+
+def fmt_efficiency(eff: Optional[float]) -> str:
+    """ "0.82 (1.22x limit)", "0.0031 (323x limit)": limit / time, and how many times the limit the update took."""
+    if eff is None or eff <= 0:
+        return "n/a"
+    return f"{fmt_sig(eff)} ({fmt_ratio(1 / eff)} limit)"
+
+
+def fmt_bucket(bucket_mb: Any) -> str:
+    return f"{bucket_mb:g}" if is_number(bucket_mb) else "n/a" if bucket_mb is None else str(bucket_mb)
+
+
+def bucket_cell(row: dict[str, Any]) -> str:
+    """The bucket size in MiB; "per_tensor" for a run that sends one tensor at a time (no bucket)."""
+    return PER_TENSOR if row.get("strategy") == PER_TENSOR else fmt_bucket(row.get("bucket_mb"))
+
+
+TABLE_HEADER = (
+    "run", "model", "transport", "bucket (MiB)", "n", "update", "offload (sleep)", "onload (wake_up)",
+    "step", "update share", "efficiency (limit/time)", "peak update (MiB)",
+)  # fmt: skip
+TABLE_NOTE = (
+    "n: measured steps (a bench: timed repeats; warm-up left out). Update and step: median (min to max over "
+    f"the n); offload and onload: min to max. With n under {MIN_MEASURED} a range says little. Update share: "
+    "of the median step; efficiency: median of perf/update_weights_efficiency (the copy floor over the update "
+    "time); peak update: max of perf/update_weights_peak_bytes."
+)
+
+
+def common_overrides(rows: list[dict[str, Any]]) -> list[str]:
+    """Overrides every run shares (with two runs or more): said once above the table."""
+    if len(rows) < 2:
+        return []
+    shared = set(rows[0]["override_list"]).intersection(*(r["override_list"] for r in rows[1:]))
+    return [o for o in rows[0]["override_list"] if o in shared]
+
+
+def run_label(row: dict[str, Any], common: Iterable[str] = ()) -> str:
+    """ "3: model=qwen3_1p7b update.bucket_mb=512", leaving out the overrides all runs share."""
+    own = [o for o in row["override_list"] if o not in set(common)]
+    return f"{row['job']}: {' '.join(own)}" if own else row["job"]
+
+
+def table_cells(row: dict[str, Any], common: Iterable[str] = ()) -> list[str]:
+    run = run_label(row, common)
+    if row["status"] != "finished":
+        run += f" ({row['status']})"
+    return [
+        run,
+        str(row["model"] or "n/a"),
+        str(row["transport"] or "n/a")
+        + ("" if row["engine"] in (None, "hf") else f" ({row['engine']})"),  # engine if not hf
+        bucket_cell(row),
+        str(row["measured_steps"]),
+        fmt_spread(row["update_time_median"], row["update_time_min"], row["update_time_max"]),
+        fmt_range(row["sleep_time_min"], row["sleep_time_max"]),
+        fmt_range(row["wake_up_time_min"], row["wake_up_time_max"]),
+        fmt_spread(row["step_time_median"], row["step_time_min"], row["step_time_max"]),
+        fmt_share(row["update_share"]),
+        fmt_efficiency(row["update_efficiency_median"]),
+        "0 (no staging)" if row["update_peak_bytes_max"] == 0 else fmt_mib(row["update_peak_bytes_max"]),
+    ]
+
+
+def rows_markdown(rows: list[dict[str, Any]]) -> str:
+    common = common_overrides(rows)
+    out = [f"Overrides of every run: {' '.join(common)}", ""] if common else []
+    return "\n".join([*out, markdown_table(TABLE_HEADER, [table_cells(row, common) for row in rows])])
+
+
+def phase_table(rows: list[dict[str, Any]]) -> str:
+    """Per run with a step: the median of each part of the step (the catalogue's), with its share of the median step."""
+    rows = [r for r in rows if is_number(r.get("step_time_median")) and r["step_time_median"] > 0]
+    timed = [p for p in metrics.step_phases() if any(is_number(r.get(f"{p.name}_time_median")) for r in rows)]
+    if not timed:
+        return "No run timed the parts of a step (a bench times its target alone)."
+
+    def cell(row: dict[str, Any], phase: metrics.Phase) -> str:
+        seconds = row.get(f"{phase.name}_time_median")
+        share = fmt_share(seconds / row["step_time_median"]) if is_number(seconds) else ""
+        return f"{phase.metric.show(seconds)} ({share})" if share else "n/a"
+
+    common = common_overrides(rows)
+    cells = [[run_label(r, common), *(cell(r, p) for p in timed), fmt_seconds(r["step_time_median"])] for r in rows]
+    return markdown_table(["run", *(p.label for p in timed), "step (median)"], cells)
+
+
+def machine_line(runs: list[Run]) -> str:
+    """Where the runs ran: summary.json's "machine" when the runner wrote it, else this machine."""
+    machines = [m for m in (run.summary.get("machine") for run in runs) if isinstance(m, dict)]
+    devices = sorted({str(table_row_device(r)) for r in runs}) or ["n/a"]
+    if machines:
+        first = machines[0]
+        gpus = sorted({str(m["gpu"]) for m in machines if m.get("gpu")})
+        line = (
+            f"Machine: {first.get('platform', 'n/a')}, {first.get('cpus', 'n/a')} CPU threads,"
+            f" torch {first.get('torch', 'n/a')}, device {', '.join(devices)}"
+        )
+        line += f" ({', '.join(gpus)})" if gpus else ""
+        hosts = {json.dumps(m, sort_keys=True) for m in machines}
+        return line + (" (first run's; the runs report different machines)." if len(hosts) > 1 else ".")
+    try:
+        from importlib.metadata import version
+
+        torch_version = version("torch")  # no `import torch`: the report stays quick
+    except Exception:
+        torch_version = "not installed"
+    return (
+        f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, torch {torch_version},"
+        f" device {', '.join(devices)} (the runs did not record theirs: this is the machine that wrote the report)."
+    )
+
+
+def table_row_device(run: Run) -> Any:
+    return (run.summary.get("setup") or {}).get("device") or run.cfg("run.device") or "n/a"

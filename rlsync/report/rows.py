@@ -1,0 +1,188 @@
+"""One table row per run (raw seconds, bytes and ratios, the columns of report.csv) and each run's
+verdict: the share of its step, or for a bench what it timed against the copy floor."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from rlsync.fmt import fmt_bytes, fmt_seconds, fmt_share
+from rlsync.measure import metrics
+from rlsync.report.cells import PER_TENSOR, fmt_bucket
+from rlsync.report.runs import Run, is_number
+
+DEFAULT_VERDICT_THRESHOLD = 0.03  # update share of the step above which tuning it pays (run.verdict_threshold)
+UPDATE_PARTS = ("gather", "pack", "transfer", "load")  # perf/update_weights_<part>_time, in the order they run
+
+# report.csv columns: raw seconds, bytes and ratios (never formatted strings); between these two,
+# each of the step's parts (the catalogue's, rlsync/measure/metrics.py) as <phase>_time_median: see csv_fields().
+CSV_HEAD = (
+    "job", "overrides", "status", "model", "params", "engine", "scheme", "transport", "strategy", "bucket_mb",
+    "flat_engine_weights", "device", "measured_steps",
+    "update_time_min", "update_time_median", "update_time_max",
+    "step_time_min", "step_time_max",
+    "sleep_time_min", "sleep_time_median", "sleep_time_max",
+    "wake_up_time_min", "wake_up_time_median", "wake_up_time_max",
+)  # fmt: skip
+CSV_TAIL = (
+    "update_share", "update_efficiency_median", "update_limit_time_median", "update_gbps_median",
+    "update_bytes", "update_buckets_median", "update_peak_bytes_max",
+    "verdict",
+)  # fmt: skip
+
+
+def csv_fields() -> tuple[str, ...]:
+    """report.csv's columns: the setup, the headline ranges, the median of every part of the step, the update's."""
+    phases = [f"{p.name}_time_median" for p in metrics.step_phases()]
+    return tuple(dict.fromkeys([*CSV_HEAD, *phases, "step_time_median", *CSV_TAIL]))
+
+
+def table_row(run: Run) -> dict[str, Any]:
+    """One run's numbers, raw (seconds, bytes, ratios), keyed by CSV_FIELDS (and a few extras)."""
+    setup = run.summary.get("setup") or {}
+    model = run.summary.get("model") or {}
+    row: dict[str, Any] = {
+        "job": run.job,
+        "overrides": " ".join(run.overrides),
+        "override_list": list(run.overrides),
+        "status": run.status,
+        "model": model.get("name") or run.cfg("model.name"),
+        "params": model.get("params"),
+        "engine": setup.get("engine") or run.cfg("rollout.engine", "hf"),
+        "scheme": setup.get("scheme") or run.cfg("update.scheme"),  # scheme=NAME (rlsync/conf/scheme/): group by it
+        "transport": setup.get("transport") or run.cfg("update.transport"),
+        "flat_engine_weights": setup.get("flat_engine_weights", run.cfg("update.flat_engine_weights")),  # as resolved
+        "strategy": setup.get("strategy") or run.cfg("update.strategy"),
+        "bucket_mb": setup.get("bucket_mb", run.cfg("update.bucket_mb")),  # None for per_tensor, below
+        "device": setup.get("device") or run.cfg("run.device"),
+        "measured_steps": run.measured_steps,
+    }
+    if row["strategy"] == PER_TENSOR:  # one copy per tensor: no bucket, whatever update.bucket_mb says
+        row["bucket_mb"] = None
+    for stem, name in (("update_weights", "update"), ("sleep", "sleep"), ("wake_up", "wake_up")):
+        for which in ("min", "median", "max"):
+            row[f"{name}_time_{which}"] = run.stat(f"perf/{stem}_time", which)
+    for phase in metrics.step_phases():  # medians of every part of the step, for the breakdown
+        row[f"{phase.name}_time_median"] = run.stat(phase.metric.name)
+    row["step_time_median"] = run.stat("perf/step_time")
+    row["step_time_min"], row["step_time_max"] = run.stat("perf/step_time", "min"), run.stat("perf/step_time", "max")
+    row["update_share"] = update_share(run)
+    row["update_efficiency_median"] = run.stat("perf/update_weights_efficiency")
+    row["update_limit_time_median"] = run.stat("perf/update_weights_limit_time")
+    row["update_gbps_median"] = run.stat("perf/update_weights_gbps")
+    row["update_bytes"] = run.stat("perf/update_weights_bytes") or model.get("update_bytes")
+    row["update_buckets_median"] = run.stat("perf/update_weights_buckets")
+    row["update_peak_bytes_max"] = run.stat("perf/update_weights_peak_bytes", "max")
+    row["update_staging_bytes_max"] = run.stat("perf/update_weights_staging_bytes", "max")
+    for part in UPDATE_PARTS:  # the update's own split, where the transport times it (the update-phases plot)
+        row[f"update_{part}_time_median"] = run.stat(f"perf/update_weights_{part}_time")
+    row["verdict"] = run_verdict(run, row["update_share"])
+    row["bench"] = bench_target(run)  # its measured rows are repeats of the target, not steps
+    row["warmup_steps"] = run.warmup_steps
+    row["timeline"] = timeline(run)
+    return row
+
+
+def timeline(run: Run) -> list[dict[str, Any]]:
+    """Per logged step, warm-up included: its step and update seconds (update None where not logged).
+
+    Empty for a bench: its rows are repeats of the update alone, with no step around them.
+    """
+    points = []
+    for index, row in enumerate(run.step_rows):
+        step_time, update_time = row.get("perf/step_time"), row.get("perf/update_weights_time")
+        if is_number(step_time):
+            points.append(
+                {
+                    "step": row.get("step", index),  # tolerate rows without a step, as step_stats does
+                    "step_time": float(step_time),
+                    "update_time": float(update_time) if is_number(update_time) else None,
+                }
+            )
+    return points
+
+
+def update_share(run: Run) -> Optional[float]:
+    share = run.summary.get("share") or {}
+    value = share.get("update_weights", run.summary.get("share/update_weights"))
+    if is_number(value):
+        return float(value)
+    update, step = run.stat("perf/update_weights_time"), run.stat("perf/step_time")
+    return update / step if update is not None and step else None
+
+
+def run_verdict(run: Run, share: Optional[float]) -> str:
+    """The runner's verdict; for a bench, what it timed against the copy floor (it has no step to
+    share); for a run without either, a line built from the share of the step."""
+    warning = run.summary.get("warning")
+    if run.summary.get("verdict"):
+        return f"{run.summary['verdict']} ({warning})" if warning else str(run.summary["verdict"])
+    prefix = "incomplete (no summary.json)" if run.status == "incomplete" else run.status
+    target = bench_target(run)
+    if target:
+        line = bench_verdict(run, target)
+        line = line if run.status == "finished" else f"{prefix}: {line}"
+        return f"{line} ({warning})" if warning else line
+    if share is None:
+        return f"{prefix}: {run.measured_steps} measured steps, no step time to compare with"
+    threshold = run.cfg("run.verdict_threshold", DEFAULT_VERDICT_THRESHOLD)
+    advice = "worth tuning" if share > threshold else "tune rollout and training first"
+    return f"{prefix}: update is {fmt_share(share)} of the step ({advice}; threshold {threshold:.0%})"
+
+
+# bench.target -> (metric stem, what the verdict calls it), as the bench's closing tables do
+BENCH_PHASES = {
+    "update": (("update_weights", "update alone"),),
+    "offload": (("sleep", "offload alone"), ("wake_up", "onload alone")),
+}
+
+
+def bench_target(run: Run) -> Optional[str]:
+    """What a `python -m rlsync.bench` job timed: its summary says; one that left no summary still
+    has bench.* in its config. None for a run of the step loop, which has neither."""
+    return run.summary.get("target") or run.cfg("bench.target")
+
+
+def bench_verdict(run: Run, target: str) -> str:
+    """ "update alone: 0.18 s median, 1.91x the copy floor of 0.097 s (transport direct, bucketed, 512 MiB)".
+
+    The ratio is 1 / the median efficiency, each repeat against the floor probed beside it (as the
+    table's efficiency column and the bench's closing table), so a shared machine's drift cancels.
+    """
+    parts = []
+    for stem, label in BENCH_PHASES.get(target, ()):
+        seconds = run.stat(f"perf/{stem}_time")
+        if seconds is None:
+            continue
+        limit, efficiency = run.stat(f"perf/{stem}_limit_time"), run.stat(f"perf/{stem}_efficiency")
+        if limit is None:
+            parts.append(f"{label}: {fmt_seconds(seconds)} median, no copy floor measured")
+            continue
+        ratio = 1 / efficiency if efficiency else seconds / limit
+        parts.append(f"{label}: {fmt_seconds(seconds)} median, {ratio:.2f}x the copy floor of {fmt_seconds(limit)}")
+    if not parts:
+        return f"{run.measured_steps} timed repeats, no {target} time measured"
+    return f"{'; '.join(parts)} ({bench_setup(run, target)})"
+
+
+def bench_setup(run: Run, target: str) -> str:
+    """What the bench's time depends on: the update's path, or the offloaded state."""
+    if target == "offload":
+        offload = run.summary.get("offload") or {}
+        state = offload.get("state") or run.cfg("bench.offload_state", "trainer")
+        mode = offload.get("mode") or run.cfg("trainer.offload", "n/a")
+        memory = offload.get("memory") or run.cfg("trainer.offload_memory", "n/a")
+        moved = run.stat("perf/sleep_bytes")
+        size = f", {fmt_bytes(moved)}" if moved is not None else ""
+        return f"{state} state, offload {mode}, memory {memory}{size}"
+    setup = run.summary.get("setup") or {}
+    transport = setup.get("transport") or run.cfg("update.transport", "n/a")
+    flat = setup.get("flat_engine_weights", run.cfg("update.flat_engine_weights"))
+    strategy = setup.get("strategy") or run.cfg("update.strategy", "n/a")
+    bucket = setup.get("bucket_mb", run.cfg("update.bucket_mb"))
+    source = setup.get("source") or run.cfg("update.source")
+    engine = setup.get("engine") or run.cfg("rollout.engine", "hf")
+    parts = [f"transport {transport}" + (" flat" if flat else ""), str(strategy)]
+    parts += [f"{fmt_bucket(bucket)} MiB"] if strategy == "bucketed" else []
+    parts += [f"source {source}"] if source == "host" else []  # device is the default
+    parts += [f"engine {engine}"] if engine != "hf" else []
+    return ", ".join(parts)

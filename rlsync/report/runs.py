@@ -1,0 +1,367 @@
+"""Reading run directories back (summary.json, metrics.jsonl, .hydra/, logs) into a Run or a Failure,
+and finding the runs under the paths given: the sweeps and the job directories in them."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from rlsync.config.files import SUMMARY_MAX, UnreadableFile, read_bytes
+from rlsync.record.summary import stats_over
+
+DEFAULT_WARMUP_STEPS = 2
+MIN_MEASURED = 3  # fewer measured steps (or bench repeats) than this and a min-max range says little
+
+
+# ----------------------------------------------------------------------------------------------
+# What a run directory holds
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One job that measured at least one step (finished, interrupted or incomplete)."""
+
+    path: Path
+    job: str  # the job directory's name ("0", "1", ... in a sweep)
+    overrides: list[str]
+    status: str  # finished | interrupted | failed | incomplete (no summary.json)
+    error: Optional[str]
+    summary: dict[str, Any]  # summary.json, {} when missing
+    config: dict[str, Any]  # the resolved config (summary.json's, else .hydra/config.yaml)
+    stats: dict[str, dict[str, float]]  # metric -> {"median", "min", "max"} over measured steps
+    measured_steps: int
+    sweep: Optional[Path] = None
+    warmup_steps: int = DEFAULT_WARMUP_STEPS
+    step_rows: list[dict] = field(default_factory=list)  # metrics.jsonl, warm-up rows included
+
+    def cfg(self, dotted: str, default: Any = None) -> Any:
+        return dig(self.config, dotted, default)
+
+    def stat(self, metric: str, which: str = "median") -> Optional[float]:
+        return self.stats.get(metric, {}).get(which)
+
+
+@dataclass
+class Failure:
+    """A job that left no measurement, or whose summary says it failed."""
+
+    path: Path
+    job: str
+    overrides: list[str]
+    error: str
+    sweep: Optional[Path] = None
+
+
+def dig(tree: Any, dotted: str, default: Any = None) -> Any:
+    """tree["a"]["b"] for "a.b", or default when any level is missing."""
+    node = tree
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return default
+        node = node[key]
+    return default if node is None else node
+
+
+METRICS_MAX = 1 << 30  # a run's metrics.jsonl: ~2 KiB a step
+
+
+def read_text(path: Path, max_bytes: int = SUMMARY_MAX) -> str:
+    """A run's file as text, only if it is a regular file within `max_bytes` (a FIFO named summary.json
+    would block a plain read forever): FileNotFoundError, UnreadableFile (a ValueError) or OSError otherwise."""
+    return read_bytes(path, max_bytes=max_bytes).decode("utf-8", errors="replace")
+
+
+def read_json(path: Path) -> Optional[dict]:
+    try:
+        data = json.loads(read_text(path))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+class Malformed(ValueError):
+    """A run record the report cannot trust (summary.json torn or of the wrong shape): a failed run."""
+
+
+def read_summary(path: Path) -> dict:
+    """summary.json as a dict ({} when there is none); Malformed when it exists but is not a run's summary."""
+    try:
+        text = read_text(path)
+    except FileNotFoundError:
+        return {}
+    except UnreadableFile as err:
+        raise Malformed(f"summary.json unreadable ({err})") from None
+    except OSError as err:
+        raise Malformed(f"summary.json unreadable ({err.strerror or err})") from None
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise Malformed("summary.json nests too deep") from None
+    except ValueError as err:
+        raise Malformed(f"summary.json is not valid JSON ({err}); truncated?") from None
+    if not isinstance(data, dict):
+        raise Malformed(f"summary.json holds a {type(data).__name__}, not an object")
+    problem = summary_problem(data)
+    if problem:
+        raise Malformed(f"summary.json: {problem}")
+    return data
+
+
+# what the report reads from a summary, and the types it needs (None is always allowed)
+NUMBER, TEXT, COUNT, TABLE, LIST = "a number", "a string", "an integer", "an object", "a list"
+SUMMARY_TYPES = {
+    "status": TEXT,
+    "error": TEXT,
+    "verdict": TEXT,
+    "warning": TEXT,
+    "target": TEXT,
+    "kind": TEXT,
+    "warmup_steps": COUNT,
+    "measured_steps": COUNT,
+    "steps_finished": COUNT,
+    "steps_requested": COUNT,
+    "metrics": TABLE,
+    "share": TABLE,
+    "setup": TABLE,
+    "model": TABLE,
+    "machine": TABLE,
+    "limits": TABLE,
+    "offload": TABLE,
+    "config": TABLE,
+    "overrides": LIST,
+    "memory": TABLE,
+    "model.name": TEXT,
+    "model.params": NUMBER,
+    "model.update_bytes": NUMBER,
+    "setup.bucket_mb": NUMBER,
+    "setup.transport": TEXT,
+    "setup.strategy": TEXT,
+    "setup.device": TEXT,
+    "setup.engine": TEXT,
+    "setup.source": TEXT,
+    "offload.state": TEXT,
+    "offload.mode": TEXT,
+    "offload.memory": TEXT,
+    "config.run": TABLE,
+    "config.update": TABLE,
+    "config.model": TABLE,
+    "config.rollout": TABLE,
+    "config.trainer": TABLE,
+    "config.wandb": TABLE,
+    "config.bench": TABLE,
+    "config.run.warmup_steps": COUNT,
+    "config.run.verdict_threshold": NUMBER,
+    "config.update.bucket_mb": NUMBER,
+}
+
+
+def type_fits(value: Any, kind: str) -> bool:
+    if value is None:
+        return True
+    if kind == NUMBER:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == COUNT:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, {TEXT: str, TABLE: dict, LIST: list}[kind])
+
+
+def summary_problem(summary: dict) -> Optional[str]:
+    """What makes `summary` unreadable for the report (a key of the wrong type), or None."""
+    for key, kind in SUMMARY_TYPES.items():
+        head, _, rest = key.rpartition(".")
+        parent = summary if not head else raw_dig(summary, head)
+        if not isinstance(parent, dict) or rest not in parent:
+            continue
+        if not type_fits(parent[rest], kind):
+            return f"{key} is {shown_type(parent[rest])}, not {kind}"
+    for metric, agg in (summary.get("metrics") or {}).items():
+        if not isinstance(agg, dict) or not all(type_fits(v, NUMBER) for v in agg.values()):
+            return f"metrics.{metric} is {shown_type(agg)}, not an object of numbers"
+    for phase, share in (summary.get("share") or {}).items():
+        if not type_fits(share, NUMBER):
+            return f"share.{phase} is {shown_type(share)}, not a number"
+    if not all(isinstance(o, str) for o in summary.get("overrides") or []):
+        return "overrides is not a list of strings"
+    return None
+
+
+def raw_dig(tree: Any, dotted: str) -> Any:
+    for key in dotted.split("."):
+        if not isinstance(tree, dict):
+            return None
+        tree = tree.get(key)
+    return tree
+
+
+def shown_type(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return f"{type(value).__name__} {text[:30] + '...' if len(text) > 30 else text}"
+
+
+def read_yaml(path: Path) -> Any:
+    import yaml  # PyYAML, a dependency of omegaconf
+
+    try:
+        return yaml.safe_load(read_text(path))
+    except (OSError, ValueError, yaml.YAMLError, RecursionError):
+        return None
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl rows; a torn last line (an interrupted write) is skipped."""
+    rows = []
+    try:
+        lines = read_text(path, max_bytes=METRICS_MAX).splitlines()
+    except (OSError, ValueError):
+        return rows
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def step_stats(rows: list[dict], warmup_steps: int) -> tuple[dict[str, dict[str, float]], int]:
+    """Median, min and max of every numeric metric over the steps >= warmup_steps (as the runner does)."""
+    rows = [{"step": i, **r} for i, r in enumerate(rows)]  # tolerate rows without a step
+    return stats_over(rows, warmup_steps), sum(1 for r in rows if r["step"] >= warmup_steps)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def error_line(run_dir: Path) -> str:
+    """The last log line naming an error, else the last non-empty log line: rlsync's error.log first (the
+    submitit launcher appends its own "Exiting after successful completion" to the job's log after it)."""
+    logs = sorted(run_dir.glob("*.log"), key=lambda p: (p.name != "error.log", -p.stat().st_mtime))
+    for log in logs:
+        try:
+            lines = [ln.strip() for ln in read_text(log).splitlines() if ln.strip()]
+        except (OSError, ValueError):
+            continue
+        if not lines:
+            continue
+        flagged = [ln for ln in lines if "Error" in ln or "Exception" in ln]
+        return strip_log_prefix((flagged or lines)[-1])
+    return "no summary.json, metrics.jsonl or log: the job did not start"
+
+
+def strip_log_prefix(line: str) -> str:
+    """Drop Hydra's "[time][logger][LEVEL] - " prefix."""
+    head, sep, rest = line.partition("] - ")
+    return rest if sep and head.startswith("[") else line
+
+
+def load_job(run_dir: Path, sweep: Optional[Path] = None) -> Run | Failure:
+    """Read one job directory into a Run (it measured something) or a Failure; a record the report
+    cannot read (torn, wrong types) is a Failure with one line saying what is wrong, never a traceback."""
+    try:
+        return read_job(run_dir, sweep)
+    except Exception as err:  # noqa: BLE001 - one bad record costs its own row, never the report
+        overrides = read_yaml(run_dir / ".hydra" / "overrides.yaml")
+        overrides = [str(o) for o in overrides] if isinstance(overrides, list) else []
+        reason = str(err) if isinstance(err, Malformed) else f"unreadable run record ({type(err).__name__}: {err})"
+        return Failure(run_dir, run_dir.name, overrides, reason.splitlines()[0] if reason else "unreadable", sweep)
+
+
+def read_job(run_dir: Path, sweep: Optional[Path] = None) -> Run | Failure:
+    summary = read_summary(run_dir / "summary.json")
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    config = summary.get("config") or read_yaml(run_dir / ".hydra" / "config.yaml") or {}
+    config = config if isinstance(config, dict) else {}
+    overrides = summary.get("overrides") or read_yaml(run_dir / ".hydra" / "overrides.yaml") or []
+    overrides = [str(o) for o in overrides] if isinstance(overrides, list) else []
+    if not summary and not rows:
+        return Failure(run_dir, run_dir.name, overrides, error_line(run_dir), sweep)
+
+    warmup = summary.get("warmup_steps", dig(config, "run.warmup_steps", DEFAULT_WARMUP_STEPS))
+    stats, measured = step_stats(rows, int(warmup))
+    for metric, agg in (summary.get("metrics") or {}).items():  # the runner's numbers win
+        if isinstance(agg, dict) and is_number(agg.get("median")):
+            stats[metric] = {k: float(v) for k, v in agg.items() if is_number(v)}
+    status = summary.get("status", "incomplete") if summary else "incomplete"
+    error = summary.get("error")
+    if not stats:  # nothing to put in the table: it failed, or stopped within the warm-up
+        reason = error or (error_line(run_dir) if status == "failed" else f"{status} before any measured step")
+        return Failure(run_dir, run_dir.name, overrides, reason, sweep)
+    measured = summary.get("measured_steps", measured)
+    return Run(
+        run_dir,
+        run_dir.name,
+        overrides,
+        status,
+        error,
+        summary,
+        config,
+        stats,
+        measured,
+        sweep,
+        warmup_steps=int(warmup),
+        step_rows=rows,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding the runs
+# ----------------------------------------------------------------------------------------------
+
+
+def is_job_dir(path: Path) -> bool:
+    return any((path / name).exists() for name in (".hydra", "summary.json", "metrics.jsonl"))
+
+
+def is_sweep_dir(path: Path) -> bool:
+    """A folder of runs: a Hydra multirun directory (numbered job subdirectories), or any folder whose
+    subdirectories are runs (outputs/runs/, named by time), with no run of its own."""
+    if not path.is_dir() or is_job_dir(path):
+        return False
+    return any(child.is_dir() and is_job_dir(child) for child in path.iterdir())
+
+
+def sweep_jobs(sweep: Path) -> list[Path]:
+    """Every numbered subdirectory, even an empty one (a job that died before writing), then every other
+    subdirectory that holds a run, by name."""
+    children = [child for child in sweep.iterdir() if child.is_dir()]
+    numbered = sorted((c for c in children if c.name.isdigit()), key=lambda p: int(p.name))
+    named = sorted(c for c in children if not c.name.isdigit() and is_job_dir(c))
+    return numbered + named
+
+
+def collect(paths: Iterable[Path]) -> tuple[list[Run], list[Failure], list[Path], list[str]]:
+    """Runs, failures, the sweep directories seen, and notes on paths that held nothing."""
+    runs: list[Run] = []
+    failures: list[Failure] = []
+    sweeps: list[Path] = []
+    notes: list[str] = []
+    for path in paths:
+        if is_sweep_dir(path):
+            sweeps.append(path)
+            jobs = [(job, path) for job in sweep_jobs(path)]
+        elif path.is_dir() and is_job_dir(path):
+            jobs = [(path, None)]
+        else:
+            notes.append(f"{path}: not a run or sweep directory, skipped")
+            continue
+        for job_dir, sweep in jobs:
+            loaded = load_job(job_dir, sweep)
+            if isinstance(loaded, Failure):
+                failures.append(loaded)
+                continue
+            runs.append(loaded)
+            if loaded.status == "failed":  # measured some steps, then failed: both lists
+                failures.append(Failure(job_dir, job_dir.name, loaded.overrides, loaded.error or "failed", sweep))
+    return runs, failures, sweeps, notes
+
+
+def job_label(path: Path, sweep: Optional[Path], several_sweeps: bool) -> str:
+    """ "3" inside one sweep; "<sweep>/3" when several sweeps are compared."""
+    return f"{sweep.name}/{path.name}" if sweep is not None and several_sweeps else path.name
