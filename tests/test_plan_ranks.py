@@ -10,8 +10,8 @@ import json
 import pytest
 from conftest import run_main
 
-from rlsync.plan import cost, planner, profiles
-from rlsync.plan.calibrate import measure_collective
+from rlsync.plan import cost, planner, profiles, render
+from rlsync.plan.collective import measure_collective
 
 BUS_GBPS, LATENCY_S, CALL_BYTES = 2.0, 100e-6, 16 * 2**20  # a collective as a calibration would hold it
 COPY = {"direct/bucketed/flat": (60e-6, 40e-6, 1 / 6e9), "direct/bucketed": (60e-6, 40e-6, 1 / 6e9)}
@@ -40,7 +40,8 @@ def calibration(collective: bool = True) -> dict:
 def plan_cfg(compose, *overrides: str):
     from omegaconf import OmegaConf
 
-    from rlsync.config.schema import PlanAppConfig, to_config
+    from rlsync.config.compose import to_config
+    from rlsync.config.schema import PlanAppConfig
 
     return to_config(OmegaConf.structured(PlanAppConfig(**vars(compose(*overrides)))), PlanAppConfig)
 
@@ -70,7 +71,7 @@ def test_the_gather_scales_as_n_minus_1_over_n_and_adds_to_the_copy(compose):
             assert row["bucketed_with_gather_s"] == pytest.approx(row["bucketed_time_s"] + row["gather_time_s"])
     assert plans[4]["gather"]["floor_s"] / plans[2]["gather"]["floor_s"] == pytest.approx((3 / 4) / (1 / 2))
     assert plans[8]["gather"]["floor_s"] / plans[2]["gather"]["floor_s"] == pytest.approx((7 / 8) / (1 / 2))
-    text = planner.render(plans[2])
+    text = render.render(plans[2])
     assert "Gather from shards (trainer.parallel=fsdp2, 2 ranks, update.gather=per_bucket): " in text
     assert "over a bus bandwidth of 2 GB/s" in text and "Predicted whole update (gather + copy): " in text
     assert "| gather | gathered held | bucketed + gather |" in text
@@ -80,11 +81,11 @@ def test_ddp_and_a_single_rank_gather_nothing(compose):
     ddp = plan_of(compose, "model=qwen3_0p6b", "trainer.parallel=ddp", ranks=4)
     assert ddp["gather"]["applies"] is False and ddp["gather"]["time_s"] == 0.0
     assert "trainer.parallel=ddp: every rank holds the whole model" in ddp["gather"]["why"]
-    text = planner.render(ddp)
+    text = render.render(ddp)
     assert "Gather from shards: none (trainer.parallel=ddp" in text and "| gather |" not in text
     one = plan_of(compose, "model=qwen3_0p6b", "trainer.parallel=fsdp2", ranks=1)
     assert one["gather"]["applies"] is False
-    assert "Gather from shards" not in planner.render(one) and "Memory per rank" not in planner.render(one)
+    assert "Gather from shards" not in render.render(one) and "Memory per rank" not in render.render(one)
 
 
 def test_per_bucket_holds_one_bucket_all_at_once_the_whole_model_in_the_trainer_dtype(compose):
@@ -114,7 +115,7 @@ def test_per_rank_memory_halves_the_state_under_fsdp2_over_2_ranks(compose):
     r = every["memory"]["per_rank"]
     assert r["other_rank"]["host"]["engine_weights"] == r["rank0"]["host"]["engine_weights"]
     assert r["all_ranks_host_bytes"] == 2 * r["rank0"]["host_bytes"]
-    assert "Memory per rank (2 ranks, trainer.parallel=fsdp2: 1/2 of the state each" in planner.render(fsdp2)
+    assert "Memory per rank (2 ranks, trainer.parallel=fsdp2: 1/2 of the state each" in render.render(fsdp2)
 
 
 def test_does_not_fit_is_judged_per_rank(compose):
@@ -128,13 +129,13 @@ def test_does_not_fit_is_judged_per_rank(compose):
     assert "does_not_fit" not in {f["kind"] for f in fsdp2["flags"]}
     # the profile's all-gather is NVLink's published figure, said so
     assert fsdp2["gather"]["measured"] is False and fsdp2["gather"]["source"].startswith("published: NVLink 3")
-    assert fsdp2["gather"]["latency_s"] is None and "no call latency known" in planner.render(fsdp2)
+    assert fsdp2["gather"]["latency_s"] is None and "no call latency known" in render.render(fsdp2)
 
 
 def test_without_a_collective_bandwidth_the_gather_is_unpredicted_and_plan_collective_gbps_gives_one(compose):
     plan = plan_of(compose, "model=tiny", "trainer.parallel=fsdp2", ranks=2, cal=calibration(collective=False))
     assert plan["gather"]["time_s"] is None and plan["gather"]["whole_update"] is None
-    assert "unpredicted: no calibrated collective bandwidth" in planner.render(plan)
+    assert "unpredicted: no calibrated collective bandwidth" in render.render(plan)
     given = plan_of(compose, "model=tiny", "trainer.parallel=fsdp2", ranks=2, collective_gbps=4.0)
     assert given["gather"]["source"] == "plan.collective_gbps" and given["gather"]["bus_gbps"] == 4.0
     assert given["gather"]["floor_s"] == pytest.approx(given["gather"]["bytes"] / 2 / 4e9)

@@ -11,16 +11,18 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from rlsync.config.compose import CONFIG_PATH, register_configs
 from rlsync.config.launch import hydra_job
-from rlsync.config.schema import CONFIG_PATH, PlanAppConfig, register_configs
+from rlsync.config.schema import PlanAppConfig
 from rlsync.config.validate import checked_config
-from rlsync.errors import ConfigError, cli, job_errors
+from rlsync.errors import ConfigError
+from rlsync.shell import cli, job_errors
 
 register_configs()
 
 
 def run_plan(cfg: PlanAppConfig, run_dir) -> dict:
-    from rlsync.plan import calibrate, planner, profiles
+    from rlsync.plan import calibrate, planner, profiles, render
 
     p = cfg.plan
     if p.calibrate or p.fit_from:
@@ -65,7 +67,7 @@ def run_plan(cfg: PlanAppConfig, run_dir) -> dict:
     )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
-    print(planner.render(plan))
+    print(render.render(plan))
     print(f"\nplan.json: {run_dir / 'plan.json'}")
     return plan
 
