@@ -14,10 +14,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from rlsync.config.compose import CONFIG_PATH, register_configs
 from rlsync.config.launch import adopt_submitit_ranks, check_launcher, hydra_job, hydra_record, launched, rank_argv
-from rlsync.config.schema import CONFIG_PATH, register_configs
 from rlsync.config.validate import checked_config
-from rlsync.errors import cli, job_errors
+from rlsync.shell import cli, job_errors
 
 register_configs()
 

@@ -1,6 +1,6 @@
 """How a run ends when it does not finish: errors a user can act on, and interruptions.
 
-The entry points print an error as one line on stderr and exit with its `exit_code`, never a
+The entry points (rlsync.shell) print an error as one line on stderr and exit with its `exit_code`, never a
 traceback (RLSYNC_DEBUG=1 shows it): a bad value exits 2, a run that failed exits 1, a run
 stopped by SIGINT, SIGTERM or SIGHUP exits 128 + the signal (130, 143, 129), as shells report it.
 Hydra's own composition errors (unknown key, wrong type, unknown group choice) are translated
@@ -10,14 +10,10 @@ here into the same one-line `ConfigError`.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import signal
 import sys
 import threading
-import time
-import traceback
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -29,8 +25,8 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from rlsync.fmt import error_line, first_line
 
 DEBUG_ENV = "RLSYNC_DEBUG"  # =1: print the full traceback as well
-RUN_LOCK_NAME = ".rlsync.lock"  # a live run holds an flock on DIR/.rlsync.lock (rlsync.record.run_lock)
-CONF_DIR = Path(__file__).resolve().parent / "conf"  # the YAML configs every entry point reads (pkg://rlsync.conf)
+# The YAML configs every entry point reads (pkg://rlsync.conf); here, below rlsync.config, as from_hydra reads it
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 def debug_enabled() -> bool:
@@ -317,29 +313,8 @@ def type_phrase(cause) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# The entry points: one line per error, one exit code per kind
+# Each error's line and exit code: what the entry points print and exit with (rlsync.shell)
 # ----------------------------------------------------------------------------------------------
-
-
-class JobFailed(Exception):
-    """A sweep job's error, reported by the job: Hydra marks the job failed and runs the next one.
-
-    Picklable (its args are its fields), so a launcher that runs jobs in other processes can return it.
-    """
-
-    def __init__(self, exit_code: int, line: str):
-        super().__init__(exit_code, line)
-        self.exit_code, self.line = exit_code, line
-
-    def __str__(self) -> str:
-        return self.line
-
-
-REPORTED: list[str] = []  # the lines job_errors printed in this process (a remote job's went to its own log)
-# What a sweep in progress does when it ends before Hydra's own end (a failed job: Hydra skips on_multirun_end;
-# an interruption): called with "failed" or "interrupted". rlsync.report.sweep_callback registers its report.
-SWEEP_ENDED: list[Callable[[str], None]] = []
-INTERRUPTED_CODES = (129, 130, 143)  # SIGHUP, SIGINT, SIGTERM
 
 
 def describe(err: BaseException) -> str:
@@ -358,188 +333,3 @@ def exit_code(err: BaseException) -> int:
     if isinstance(err, KeyboardInterrupt):
         return 128 + signal.SIGINT
     return 1
-
-
-def kept(run_dir: Path, *, since: float) -> str:
-    """What a stopped run left on disk (a summary.json written since `since`), for the end of its error line."""
-    path = run_dir / "summary.json"
-    try:
-        if path.stat().st_mtime < since:
-            return ""
-        summary = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return ""
-    return (
-        f"; {summary.get('steps_finished', 0)} finished step(s) kept in {run_dir} "
-        f"(summary.json status {summary.get('status')})"
-    )
-
-
-@contextmanager
-def job_errors(
-    run_dir: Optional[Path],
-    *,
-    sweep_job: Optional[str] = None,
-    rank: int = 0,
-    hydra_record: Optional[dict[str, str]] = None,
-):
-    """Around one job: any error becomes one line on stderr (the traceback goes to run_dir/error.log;
-    `run_dir=None`, as in data-parallel ranks > 0, which write nothing: stderr only, their line
-    starting with "rank N:").
-
-    A single run exits with the error's code. A sweep's job raises `JobFailed`, so Hydra marks it
-    failed and goes on with the next job; an interruption stops the whole sweep. `hydra_record`
-    (.hydra/'s files, which the run writes once it holds its directory) goes beside error.log, so a
-    report finds a job that failed before that.
-    """
-    started = time.time()
-    try:
-        yield
-    except SystemExit:
-        raise
-    except BaseException as err:  # noqa: BLE001 - every way a job ends gets its line
-        shown = from_hydra(err) or err
-        ran = run_dir is not None and not isinstance(shown, BadInput)  # a run that may have kept finished steps
-        line = describe(shown) + (kept(run_dir, since=started) if ran else "")
-        if run_dir is not None and getattr(shown, "writes_error_log", True):  # not in a directory another run holds
-            write_error_log(run_dir, line, hydra_record)
-        if debug_enabled():
-            traceback.print_exc()
-        prefix = (f"job {sweep_job}: " if sweep_job is not None else "") + (f"rank {rank}: " if rank else "")
-        print(f"rlsync: {prefix}{line}", file=sys.stderr, flush=True)
-        REPORTED.append(line)
-        if sweep_job is None or isinstance(err, KeyboardInterrupt):
-            raise SystemExit(exit_code(shown)) from None
-        raise JobFailed(exit_code(shown), line) from err
-
-
-def held_by_a_live_run(run_dir: Path) -> bool:
-    """Whether another live run holds `run_dir` (its flock on the lock file): nothing of its may be written."""
-    import fcntl
-
-    try:
-        fd = os.open(Path(run_dir) / RUN_LOCK_NAME, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # drops our shared lock, if we took it
-    return False
-
-
-def write_error_log(run_dir: Path, line: str, hydra_record: Optional[dict[str, str]] = None) -> None:
-    """The traceback and the line, where a report over the sweep finds them (`*.log`); never into a
-    directory another live run holds (a second command refused on bad input touches nothing of it)."""
-    if held_by_a_live_run(run_dir):
-        return
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "error.log").write_text(traceback.format_exc() + f"Error: {line}\n", encoding="utf-8")
-        for name, text in (hydra_record or {}).items():
-            (run_dir / ".hydra").mkdir(exist_ok=True)
-            (run_dir / ".hydra" / name).write_text(text, encoding="utf-8")
-    except OSError:
-        pass  # the line on stderr is what matters
-
-
-HYDRA_REPEAT = "Error executing job with overrides: "  # what Hydra writes to stderr for each failed sweep job
-
-
-class PipeSafe:
-    """A text stream (stdout, stderr) whose reader may go away (`| head -n 2`): then what is written
-    goes to /dev/null instead of raising BrokenPipeError, so the run goes on and keeps its files."""
-
-    def __init__(self, stream):
-        self._stream = stream
-
-    def write(self, text: str) -> int:
-        if text.startswith(HYDRA_REPEAT) and REPORTED:  # Hydra's repeat of a failed job our line named already
-            return len(text)
-        try:
-            return self._stream.write(text)
-        except BrokenPipeError:
-            self._to_devnull()
-            return len(text)
-
-    def flush(self) -> None:
-        try:
-            self._stream.flush()
-        except BrokenPipeError:
-            self._to_devnull()
-            try:
-                self._stream.flush()  # what was buffered goes to /dev/null now
-            except OSError:
-                pass
-
-    def _to_devnull(self) -> None:
-        """Point the stream's file descriptor at /dev/null: later writes (ours, the interpreter's at exit) succeed."""
-        try:
-            fd = self._stream.fileno()
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, fd)
-            os.close(devnull)
-        except (OSError, ValueError, AttributeError):
-            pass  # not a file (a test's buffer): there is nothing to break
-
-    def __getattr__(self, name: str):
-        return getattr(self._stream, name)
-
-
-@contextmanager
-def pipe_safe_output():
-    """Within the block sys.stdout and sys.stderr are PipeSafe; both are flushed on the way out."""
-    saved = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = PipeSafe(saved[0]), PipeSafe(saved[1])
-    try:
-        yield
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        sys.stdout, sys.stderr = saved
-
-
-def end_sweep(how: str) -> None:
-    """The sweep in progress ended early: its report (or how to make it), once; never raises."""
-    while SWEEP_ENDED:
-        hook = SWEEP_ENDED.pop()
-        try:
-            hook(how)
-        except Exception as err:  # noqa: BLE001 - the sweep's own outcome is what the user must see
-            print(f"rlsync: the sweep report failed ({describe(err)})", file=sys.stderr, flush=True)
-
-
-def cli(app: Callable[[], Any]) -> None:
-    """Run a `@hydra.main` app with Hydra's error printing replaced by one line and an exit code.
-
-    HYDRA_FULL_ERROR=1 makes Hydra re-raise what it would print (several lines, exit 1); we print
-    the one line. RLSYNC_DEBUG=1 (or HYDRA_FULL_ERROR=1 set by the user) prints the traceback too.
-    A reader of stdout or stderr that goes away (`| head`) stops nothing (PipeSafe).
-    """
-    with pipe_safe_output():
-        _run_app(app)
-
-
-def _run_app(app: Callable[[], Any]) -> None:
-    if os.environ.get("HYDRA_FULL_ERROR") == "1":
-        os.environ[DEBUG_ENV] = "1"
-    os.environ["HYDRA_FULL_ERROR"] = "1"
-    try:
-        app()
-    except SystemExit as stop:
-        if stop.code in INTERRUPTED_CODES:
-            end_sweep("interrupted")
-        raise
-    except JobFailed as err:  # a sweep with failed jobs: each one printed its line, here or in its own log
-        if err.line not in REPORTED:
-            print(f"rlsync: a sweep job failed: {err.line}", file=sys.stderr, flush=True)
-        end_sweep("failed")
-        sys.exit(err.exit_code)
-    except BaseException as err:  # noqa: BLE001 - composition errors, Ctrl-C before the run
-        shown = from_hydra(err) or unusable_dir(err) or err
-        if debug_enabled():
-            traceback.print_exc()
-        print(f"rlsync: {describe(shown)}", file=sys.stderr, flush=True)
-        sys.exit(exit_code(shown))

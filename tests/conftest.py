@@ -89,10 +89,10 @@ def run_main(
 
     What a fresh interpreter would not carry over is put back afterwards: Hydra's global state, W&B's
     service, the environment, argv, the working directory, the logging handlers a Hydra job installs,
-    the lines rlsync.errors remembers having printed."""
+    the lines rlsync.shell remembers having printed."""
     from hydra.core.global_hydra import GlobalHydra
 
-    from rlsync import errors
+    from rlsync import shell
 
     entry = importlib.import_module(ENTRY_POINTS[module])
     argv0 = Path(entry.__file__)  # what `python -m` puts in argv[0]: the file it runs
@@ -104,8 +104,8 @@ def run_main(
     out, err = io.StringIO(), io.StringIO()
     code = 0
     GlobalHydra.instance().clear()
-    errors.REPORTED.clear()
-    errors.SWEEP_ENDED.clear()  # a sweep of an earlier call that ended early left no report hook behind
+    shell.REPORTED.clear()
+    shell.SWEEP_ENDED.clear()  # a sweep of an earlier call that ended early left no report hook behind
     try:
         os.environ.clear()
         os.environ.update(environ if environ is not None else cli_env(**env))
@@ -147,7 +147,7 @@ def read_jsonl(path: Path) -> list[dict]:
 @pytest.fixture(scope="session")
 def registered_schemas() -> None:
     """The schemas in Hydra's ConfigStore, once per process (as each entry point registers them on import)."""
-    from rlsync.config.schema import register_configs
+    from rlsync.config.compose import register_configs
 
     register_configs()
 
@@ -158,7 +158,7 @@ def compose(registered_schemas):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from rlsync.config.schema import to_config
+    from rlsync.config.compose import to_config
 
     def _compose(*overrides: str):
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

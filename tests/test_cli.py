@@ -11,7 +11,8 @@ import time
 import pytest
 from conftest import FAST, ROOT, cli_env, read_jsonl, run_cli, run_main
 
-from rlsync.config.schema import SCHEMAS, key_comment
+from rlsync.config.help import key_comment
+from rlsync.config.schema import SCHEMAS
 from rlsync.config.validate import leaves
 
 STEP_METRICS = [

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from rlsync.config.schema import Config, bucket_bytes
+from rlsync.config.derived import bucket_bytes
+from rlsync.config.schema import Config
 from rlsync.model.build import build_model, hf_config, model_bytes, named_weights
 
 # (model, hidden, layers, heads, tied, bf16 bytes with tied weights counted once)

@@ -21,7 +21,8 @@ from conftest import ROOT, cli_env, read_jsonl, run_main
 from rlsync.config.rules import ANY, Choices, Rule
 from rlsync.config.schema import BenchAppConfig, Config, EngineAppConfig, UpdateConfig
 from rlsync.config.validate import leaves, validate
-from rlsync.errors import ConfigError, Interrupted, JobFailed, StopOnSignals, UpdateOutOfMemory, job_errors
+from rlsync.errors import ConfigError, Interrupted, StopOnSignals, UpdateOutOfMemory
+from rlsync.shell import JobFailed, job_errors
 
 CUDA = torch.cuda.is_available()
 
@@ -172,7 +173,7 @@ def test_debug_switch_shows_the_traceback(tmp_path):
 def test_hydra_errors_become_one_config_error(override, line):
     from hydra import compose, initialize_config_dir
 
-    from rlsync.config.schema import register_configs
+    from rlsync.config.compose import register_configs
     from rlsync.errors import from_hydra
 
     register_configs()
@@ -234,7 +235,7 @@ def test_hydra_errors_become_one_config_error(override, line):
 def test_more_value_rules(overrides, line):
     from hydra import compose, initialize_config_dir
 
-    from rlsync.config.schema import register_configs
+    from rlsync.config.compose import register_configs
     from rlsync.config.validate import checked_config
 
     register_configs()

@@ -8,7 +8,7 @@ from simulated_cuda import SimulatedAllocator
 
 from rlsync.check import estimate as memory
 from rlsync.check.record import memory_record
-from rlsync.config.schema import MIB
+from rlsync.fmt import MIB
 from rlsync.measure import devices
 from rlsync.measure.timing import DeviceMemory
 from rlsync.sync import flat, ipc

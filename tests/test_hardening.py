@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from conftest import FAST, ROOT, cli_env, read_jsonl, run_main
 
-from rlsync.errors import PipeSafe
 from rlsync.record.run_lock import RunLock
 from rlsync.record.sinks import MetricsFile
+from rlsync.shell import PipeSafe
 
 LLAMA = {  # a tiny llama config.json (tests/test_models_from_config.py's)
     "model_type": "llama",

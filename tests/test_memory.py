@@ -104,7 +104,7 @@ def test_every_suggestion_is_a_configuration_the_same_check_accepts(compose, ove
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from rlsync.config.schema import to_config
+    from rlsync.config.compose import to_config
 
     machine = fit.Machine(cuda=False, runtime_bytes=500 * 2**20, host_bytes=int(gib * 2**30), device_bytes=None)
     cfg = compose(*overrides)

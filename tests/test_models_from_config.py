@@ -16,7 +16,8 @@ import torch
 from conftest import FAST, run_main
 
 from rlsync.check.estimate import param_count, param_shapes
-from rlsync.config.schema import ModelConfig, conf_file
+from rlsync.config.compose import conf_file
+from rlsync.config.schema import ModelConfig
 from rlsync.measure.memory import rss_bytes
 from rlsync.model.architecture import layout_plan, update_tensors
 

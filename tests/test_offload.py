@@ -49,7 +49,7 @@ def run_in_process(run_dir, *overrides: str) -> tuple[list[dict], dict]:
     """One real run through the composed config and the runner, without a new interpreter: (rows, summary)."""
     from hydra import compose, initialize_config_dir
 
-    from rlsync.config.schema import register_configs, to_config
+    from rlsync.config.compose import register_configs, to_config
     from rlsync.config.validate import validate
     from rlsync.run.loop import run_experiment
 

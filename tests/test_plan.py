@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, cli_env, run_main
 
-from rlsync.plan import compare, cost, planner, profiles
+from rlsync.plan import compare, cost, planner, profiles, render
 from rlsync.plan.calibrate import calibration_file, observations_under
 
 KNOWN = {  # setup key -> (per_call_s, per_tensor_s, per_byte_s); per_tensor's tensor term: per pooled tensor
@@ -124,7 +124,8 @@ def calibration_of(coefficients=KNOWN, measured=True) -> dict:
 
 
 def test_plan_schema_prediction_and_flags(compose):
-    from rlsync.config.schema import PlanAppConfig, to_config
+    from rlsync.config.compose import to_config
+    from rlsync.config.schema import PlanAppConfig
 
     cfg = compose(
         "model=qwen3_1p7b", "trainer.dtype=bfloat16", "update.flat_engine_weights=false"
@@ -157,14 +158,15 @@ def test_plan_schema_prediction_and_flags(compose):
     c, t, b = KNOWN["ipc/per_tensor"]
     assert ipc["pooled_tensors"] == 197 and ipc["tensor_term"] == {"count": 197, "counts": "pooled tensors"}
     assert ipc["time_s"] == pytest.approx(310 * c + 197 * t + 1_720_574_976 * 8 * b)
-    text = planner.render(plan)
+    text = render.render(plan)
     assert "Flag tensor_over_bucket" in text and "Predicted update time" in text and "unmeasured" not in text
 
 
 def test_the_default_plan_predicts_the_one_copy_update_it_resolves(compose):
     """update.flat_engine_weights=null: the headline prediction, its table column and the flags are
     the flat (one-copy) setup's, as the update resolves it; not the two-copy path's coefficients."""
-    from rlsync.config.schema import PlanAppConfig, to_config
+    from rlsync.config.compose import to_config
+    from rlsync.config.schema import PlanAppConfig
 
     cfg = compose("model=qwen3_1p7b", "trainer.dtype=bfloat16", "rollout.dtype=bfloat16")
     assert cfg.update.flat_engine_weights is None
@@ -179,7 +181,7 @@ def test_the_default_plan_predicts_the_one_copy_update_it_resolves(compose):
     assert flat["flat"] is True and plan["prediction"]["time_s"] == pytest.approx(flat["time_s"])
     assert plan["prediction"]["moved_bytes"] == plan["model"]["params"] * 4  # one bf16 -> bf16 copy: read 2 + write 2
     assert "flat buffer" in next(f["message"] for f in plan["flags"] if f["kind"] == "tensor_over_bucket")
-    assert "Update: direct flat, bucketed" in planner.render(plan)
+    assert "Update: direct flat, bucketed" in render.render(plan)
 
 
 def test_gpu_profile_is_marked_unmeasured(tmp_path):
@@ -305,7 +307,7 @@ def bench_run(
     tensors: int = 310,
     params: int = 1_720_574_976,
 ):
-    from rlsync.report.table import Run
+    from rlsync.report.runs import Run
 
     stats = {
         "perf/update_weights_time": {"median": seconds, "min": seconds * 0.95, "max": seconds * 1.05},
@@ -395,7 +397,8 @@ def test_the_plan_counts_the_cache_of_the_calibration_machine(compose):
     q_proj and o_proj (2048 x 2048), k_proj and v_proj (1024 x 2048), the two norms (2048) and
     q_norm, k_norm (128): 12,587,264 elements; 28 layers and the final norm: 352,445,440. Not the
     MLP (6144 x 2048) nor the embedding."""
-    from rlsync.config.schema import PlanAppConfig, to_config
+    from rlsync.config.compose import to_config
+    from rlsync.config.schema import PlanAppConfig
 
     cfg = compose("model=qwen3_1p7b", "trainer.dtype=bfloat16", "update.strategy=per_tensor", "update.transport=ipc")
     cfg = to_config(__import__("omegaconf").OmegaConf.structured(PlanAppConfig(**vars(cfg))), PlanAppConfig)
@@ -507,7 +510,8 @@ def test_a_fresh_install_plans_qwen3_30b_a3b_with_the_reference(tmp_path):
 def plan_cfg(compose, *overrides: str):
     from omegaconf import OmegaConf
 
-    from rlsync.config.schema import PlanAppConfig, to_config
+    from rlsync.config.compose import to_config
+    from rlsync.config.schema import PlanAppConfig
 
     cfg = compose(*overrides)
     return to_config(OmegaConf.structured(PlanAppConfig(**vars(cfg))), PlanAppConfig)
@@ -527,7 +531,7 @@ def test_a_gpu_profile_predicts_a_range_and_flags_a_run_that_does_not_fit(compos
     (flag,) = [f for f in big["flags"] if f["kind"] == "does_not_fit"]
     assert flag["bytes"] == big["memory"]["run_peak_device_bytes"] > 80 * 2**30
     assert flag["message"].startswith("DOES NOT FIT in NVIDIA A100-SXM4-80GB (80.0 GiB): a whole run needs ")
-    assert "per device" in flag["message"] and "Flag does_not_fit: DOES NOT FIT" in planner.render(big)
+    assert "per device" in flag["message"] and "Flag does_not_fit: DOES NOT FIT" in render.render(big)
 
 
 def test_the_calibration_says_how_long_it_takes():

@@ -81,7 +81,7 @@ def hydra_conf():
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from rlsync.config.schema import register_configs
+    from rlsync.config.compose import register_configs
 
     register_configs()  # the schemas the primary configs start from, and the help's resolvers
 

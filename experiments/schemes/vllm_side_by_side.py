@@ -34,11 +34,12 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_module
 
-from rlsync.config.schema import BenchAppConfig, register_configs, to_config
+from rlsync.config.compose import register_configs, to_config
+from rlsync.config.schema import BenchAppConfig
 from rlsync.engines.base import EngineSpec
 from rlsync.engines.vllm import _reload_in_worker
-from rlsync.measure.limits import Limits, machine_threads
-from rlsync.measure.threads import cpu_threads
+from rlsync.measure.limits import Limits
+from rlsync.measure.threads import cpu_threads, machine_threads
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.sync import open_transport, plan_for, update_weights
 from rlsync.sync.auto import resolve_for_run

@@ -35,10 +35,11 @@ from rlsync.bench.offload import OffloadTarget
 from rlsync.check.duration import dry_run
 from rlsync.check.fit import memory_fit
 from rlsync.check.record import memory_record
+from rlsync.config.compose import CONFIG_PATH, register_configs, to_dict
 from rlsync.config.launch import hydra_job, hydra_record
-from rlsync.config.schema import CONFIG_PATH, BenchAppConfig, register_configs, to_dict
+from rlsync.config.schema import BenchAppConfig
 from rlsync.config.validate import checked_config
-from rlsync.errors import cli, job_errors, show
+from rlsync.errors import show
 from rlsync.fmt import MIB, fmt_bytes, fmt_ratio, fmt_seconds, fmt_sig, fmt_spread, markdown_table, plural
 from rlsync.measure.devices import resolve_device, select_device
 from rlsync.measure.limits import cache_resident_elements, llc_bytes
@@ -47,6 +48,7 @@ from rlsync.model.architecture import update_tensors
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.record.recorder import Recorder, machine_info
 from rlsync.record.summary import stats_over
+from rlsync.shell import cli, job_errors
 from rlsync.sync import update_weights
 from rlsync.sync.auto import resolved_setup
 from rlsync.sync.side import open_update_side

@@ -35,8 +35,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlsync.config.schema import MIB, Config, ModelConfig, bucket_bytes, flat_engine_weights_choice
+from rlsync.config.derived import bucket_bytes, flat_engine_weights_choice
+from rlsync.config.schema import Config, ModelConfig
 from rlsync.engines.base import engine_class
+from rlsync.fmt import MIB
 from rlsync.measure.limits import GatherFloor
 from rlsync.model.architecture import model_shapes, update_shapes
 from rlsync.model.build import torch_dtype

@@ -135,6 +135,10 @@ def mebibytes(why: str) -> Rule:
     )
 
 
+def size_rule(high: int, what: str) -> Rule:
+    return between(1, high, f"{what}; larger is no published model (a typo?)")
+
+
 ANY = Rule(lambda v: True, "any value of the key's type")
 NAME = Rule(lambda v: isinstance(v, str) and bool(v.strip()), "a non-empty string")
 OPTIONAL_NAME = or_null(NAME)

@@ -1,27 +1,18 @@
 """The typed config tree: every key, its default, its value rule and a one-line comment.
 
-Hydra composes YAML from rlsync/conf/ (the top-level conf/ links there) on top of the `Config` schema registered here, so a wrong type or an
-unknown key is rejected while composing. Each key's value rule and the line `--help` shows sit beside
-it (`key(default, rule, doc)`, rlsync/config/rules.py), a rule that ties keys together is the `check(root)`
+Hydra composes rlsync/conf/ over these trees (`SCHEMAS`, registered by rlsync/config/compose.py), so a wrong
+type or an unknown key is rejected while composing. Each key's value rule and the line `--help` shows sit
+beside it (`key(default, rule, doc)`, rlsync/config/rules.py), a rule that ties keys together is the `check(root)`
 method of the node it is about, and an engine's own rules are its class's (`Engine.check_config`);
-rlsync/config/validate.py applies them all, once, before any model is built. `to_config` turns the
-composed DictConfig into plain dataclasses once, at the entry point; the rest of the code only
-reads attributes of that tree (no `cfg.update` surprises: on a DictConfig that is the `update`
-method, not the node).
-
-Choices an implementation owns are named by import path (`choices("rlsync.engines.base:engine_names")`)
-and looked up when checked: this module imports nothing of rlsync but the rules, the formatters and
-the error type.
+rlsync/config/validate.py applies them all, once, before any model is built. Choices an implementation owns
+are named by import path (`choices("rlsync.engines.base:engine_names")`) and looked up when checked: this
+module imports nothing of rlsync but the rules and the error type.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import MISSING, dataclass, fields, is_dataclass
-from typing import Any, Optional, get_type_hints
-
-from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from dataclasses import dataclass
+from typing import Optional
 
 from rlsync.config.rules import (
     ANY,
@@ -40,11 +31,10 @@ from rlsync.config.rules import (
     or_null,
     parsed_by,
     resolve,
+    size_rule,
 )
-from rlsync.errors import CONF_DIR, ConfigError, show
-from rlsync.fmt import MIB
+from rlsync.errors import ConfigError
 
-CONFIG_PATH = "pkg://rlsync.conf"  # every entry point's @hydra.main: the YAML configs inside the package (rlsync/conf)
 SEED_MAX = 2**64 - 1  # torch.manual_seed takes an unsigned 64-bit seed
 WANDB_PROJECT_FORBIDDEN = "/\\#?%:"  # wandb.Settings.validate_project (wandb 0.2x/0.3x); also at most 128 chars
 WANDB_PROJECT_MAX, WANDB_TAG_MAX = 128, 64  # characters; a tag must be 1 to 64 (wandb.Settings.validate_run_tags)
@@ -57,10 +47,6 @@ COPY_THREADS_MAX = 1024  # update.copy_threads: torch.set_num_threads(100000) cr
 # Plausible model sizes: 8x the largest published (126 layers, 53k wide, 256k vocabulary), so a typo is
 # refused at once instead of a memory check that builds 100000 layers on the meta device to count them.
 LAYERS_MAX, WIDTH_MAX, VOCAB_MAX, HEADS_MAX = 1024, 1 << 19, 1 << 21, 1024
-
-
-def size_rule(high: int, what: str) -> Rule:
-    return between(1, high, f"{what}; larger is no published model (a typo?)")
 
 
 @dataclass
@@ -238,40 +224,6 @@ class UpdateConfig:
                 "per-expert slots of the flat buffers)",
                 "not allowed for a model with fused experts",
             )
-
-
-def flat_engine_weights_choice(
-    update: UpdateConfig, rollout: RolloutConfig, model: Optional[ModelConfig] = None
-) -> tuple[bool, str]:
-    """update.flat_engine_weights as the update runs it, and why: the one place null (auto) is resolved.
-
-    Auto is on wherever the engine can hold its weights as views into bucket-shaped flat buffers (one
-    copy per update); off where it cannot: the engine says why (Engine.flat_weights_refusal), strategies
-    other than bucketed send no buckets, and with ipc plus rollout.release_weights the buffers would be shared
-    memory the engine cannot free (UpdateConfig.check refuses an explicit true there).
-    """
-    if update.flat_engine_weights is not None:
-        return bool(update.flat_engine_weights), "set explicitly"
-    refusal = resolve("rlsync.engines.base:engine_class")(rollout.engine).flat_weights_refusal(rollout.engine)
-    if refusal:
-        return False, f"auto: off, {refusal}"
-    if update.strategy != "bucketed":
-        return False, f"auto: off, update.strategy={update.strategy} sends no buckets"
-    if update.transport == "ipc" and rollout.release_weights:
-        return (
-            False,
-            "auto: off, with ipc and rollout.release_weights=true the weights would be shared memory the engine cannot free",
-        )
-    if (
-        model is not None
-        and model.update_layout == "checkpoint"
-        and resolve("rlsync.model.architecture:has_fused_experts")(model)
-    ):
-        return (
-            False,
-            "auto: off, the per-expert tensors of model.update_layout=checkpoint are views of fused expert weights",
-        )
-    return True, f"auto: on, the {rollout.engine} engine holds its weights as bucket-shaped views (one copy)"
 
 
 @dataclass
@@ -645,71 +597,3 @@ SCHEMAS = {
     "rlsync_engine_schema": EngineAppConfig,
     "rlsync_plan_schema": PlanAppConfig,
 }
-HELP_KEY_WIDTH = 40  # `--help`: the column the comments start in
-
-
-def register_configs() -> None:
-    for name, schema in SCHEMAS.items():
-        ConfigStore.instance().store(name=name, node=schema)
-    OmegaConf.register_new_resolver("rlsync_keys", help_keys, replace=True)
-    OmegaConf.register_new_resolver("rlsync_conf", conf_file, replace=True)
-
-
-def conf_file(path: str) -> str:
-    """`${rlsync_conf:model/hf/x.json}` (the MoE presets): a file shipped in the package's configs."""
-    return str(CONF_DIR / path)
-
-
-# ----------------------------------------------------------------------------------------------
-# `--help`: every key of the schema, read from this file, so the help cannot go stale
-# ----------------------------------------------------------------------------------------------
-
-
-def key_comment(schema: type, key: str) -> str:
-    """The one-line doc of `key` (dotted: "update.bucket_mb") in `schema`: what `--help` shows beside it."""
-    *path, name = key.split(".")
-    for part in path:
-        schema = get_type_hints(schema)[part]
-    return next((f.metadata.get("doc", "") for f in fields(schema) if f.name == name), "")
-
-
-def schema_lines(schema: type, values: Any, prefix: str = "") -> Iterator[str]:
-    """`--help`'s listing of `schema`: a header per node, then `  key=value  comment` per key, with the
-    value from `values` (the composed config) where it has the key, else the schema's default."""
-    hints = get_type_hints(schema)
-    for f in fields(schema):
-        name, comment = prefix + f.name, key_comment(schema, f.name)
-        if values is not None and f.name in values:
-            value = values[f.name]
-        else:
-            value = f.default_factory() if f.default is MISSING else f.default
-        if is_dataclass(hints[f.name]):
-            yield from ("", f"{name}: {comment}")
-            yield from schema_lines(hints[f.name], value, prefix=name + ".")
-        else:
-            value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-            yield f"  {name}={show(value)}".ljust(HELP_KEY_WIDTH) + f"  {comment}".rstrip()
-
-
-def help_keys(*, _root_: DictConfig) -> str:
-    """`${rlsync_keys:}` (conf/hydra/help/rlsync.yaml): the composed app config's keys, listed from its schema."""
-    keys = {k for k in _root_ if k != "hydra"}
-    schema = next((s for s in SCHEMAS.values() if {f.name for f in fields(s)} == keys), Config)
-    return (
-        "\n".join(schema_lines(schema, _root_)).strip("\n").replace("$", "$$")
-    )  # Hydra's template is a string.Template
-
-
-def to_config(dcfg: DictConfig, schema: type = Config):
-    """Resolve the composed config and turn it into the typed dataclass tree (`schema`'s)."""
-    plain = OmegaConf.masked_copy(dcfg, [k for k in dcfg.keys() if k != "hydra"]) if "hydra" in dcfg else dcfg
-    typed = OmegaConf.merge(OmegaConf.structured(schema), plain)
-    return OmegaConf.to_object(typed)
-
-
-def to_dict(cfg: Config) -> dict:
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-
-
-def bucket_bytes(cfg: UpdateConfig) -> int:
-    return int(cfg.bucket_mb * MIB)

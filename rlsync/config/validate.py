@@ -20,10 +20,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlsync.config.compose import to_config
 from rlsync.config.files import CONFIG_JSON_MAX, UnreadableFile, read_json
 from rlsync.config.launch import launched
 from rlsync.config.rules import number, resolve
-from rlsync.config.schema import Config, to_config
+from rlsync.config.schema import Config
 from rlsync.errors import CONF_DIR, ConfigError
 
 OPEN_FILES_MIN, OPEN_FILES_WANTED = 256, 4096  # an engine process's file descriptors: refused below, raised to

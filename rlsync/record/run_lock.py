@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from rlsync.errors import RUN_LOCK_NAME, BadInput, os_error_text
+from rlsync.errors import BadInput, os_error_text
 
-LOCK_NAME = RUN_LOCK_NAME
+LOCK_NAME = ".rlsync.lock"  # what a live run holds an flock on (rlsync.shell.held_by_a_live_run tests it too)
 
 
 class RunDirBusy(BadInput):

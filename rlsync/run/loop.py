@@ -21,8 +21,10 @@ import torch
 
 from rlsync.check.fit import memory_fit
 from rlsync.check.record import memory_record
-from rlsync.config.schema import MIB, Config, to_dict
+from rlsync.config.compose import to_dict
+from rlsync.config.schema import Config
 from rlsync.engines.base import Generation, answer_ids, engine_class
+from rlsync.fmt import MIB
 from rlsync.measure.devices import (
     device_memory_metrics,
     resolve_device,

@@ -44,8 +44,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
-from rlsync.config.schema import MIB
 from rlsync.engines.base import Cancelled, cancelled_by, check_cancelled
+from rlsync.fmt import MIB
 from rlsync.serve.http import BodyLimit, drop_line
 from rlsync.sync.broadcast import BroadcastReceiver
 from rlsync.sync.engine_process import EngineServer

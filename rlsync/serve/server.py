@@ -45,14 +45,16 @@ import hydra
 import uvicorn
 from omegaconf import DictConfig
 
-from rlsync.config.schema import CONFIG_PATH, EngineAppConfig, register_configs
+from rlsync.config.compose import CONFIG_PATH, register_configs
+from rlsync.config.schema import EngineAppConfig
 from rlsync.config.validate import checked_config
 from rlsync.engines.base import engine_spec
-from rlsync.errors import ConfigError, RlsyncError, StopOnSignals, cli, job_errors
+from rlsync.errors import ConfigError, RlsyncError, StopOnSignals
 from rlsync.measure.devices import resolve_device
 from rlsync.model.build import build_tokenizer
 from rlsync.serve.app import Control, log
 from rlsync.serve.http import guarded_protocol, quiet_uvicorn
+from rlsync.shell import cli, job_errors
 from rlsync.sync.remote import DEFAULT_PORT, TOKEN_ENV, parse_address
 
 register_configs()

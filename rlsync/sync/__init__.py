@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from rlsync.config.schema import MIB, UpdateConfig, bucket_bytes
+from rlsync.config.derived import bucket_bytes
+from rlsync.config.schema import UpdateConfig
 from rlsync.engines.base import EngineSpec, checksum  # checksum: the engines' weight fingerprint, which verify compares
 from rlsync.errors import UpdateOutOfMemory
+from rlsync.fmt import MIB
 from rlsync.measure.threads import cpu_threads
 from rlsync.measure.timing import DeviceMemory, Stopwatch
 from rlsync.sync.auto import resolve_update

@@ -1,6 +1,6 @@
 """The update's `null` (auto) knobs, resolved in one place, each with the reason it took its value.
 
-- `update.flat_engine_weights=null`: `rlsync.config.schema.flat_engine_weights_choice` (config alone: the
+- `update.flat_engine_weights=null`: `rlsync.config.derived.flat_engine_weights_choice` (config alone: the
   engine, transport, strategy and rollout.release_weights decide it; the memory estimate reads it too).
 - `update.copy_threads=null`: the CPU thread count that copies the update's own tensors fastest
   (`fastest_threads`): a sample of them (`sample`, up to SAMPLE_BYTES) copied and cast as the update
@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from rlsync.config.schema import ModelConfig, RolloutConfig, UpdateConfig, flat_engine_weights_choice
+from rlsync.config.derived import flat_engine_weights_choice
+from rlsync.config.schema import ModelConfig, RolloutConfig, UpdateConfig
 from rlsync.measure.devices import copy_into
 from rlsync.measure.threads import cpu_threads, thread_candidates
 from rlsync.sync.buckets import Bucket

@@ -1,0 +1,43 @@
+"""Between Hydra and the schema: what Hydra composes over, and the typed tree of what it composed.
+
+Hydra composes YAML from rlsync/conf/ (the top-level conf/ links there) on top of the schemas
+`register_configs` puts in its ConfigStore (rlsync/config/schema.py SCHEMAS), with the resolvers the
+YAML calls: `${rlsync_keys:}` (--help's listing, rlsync/config/help.py) and `${rlsync_conf:PATH}`.
+`to_config` turns the composed DictConfig into plain dataclasses once, at the entry point; the rest of
+the code only reads attributes of that tree (no `cfg.update` surprises: on a DictConfig that is the
+`update` method, not the node).
+"""
+
+from __future__ import annotations
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from rlsync.config.help import help_keys
+from rlsync.config.schema import SCHEMAS, Config
+from rlsync.errors import CONF_DIR
+
+CONFIG_PATH = "pkg://rlsync.conf"  # every entry point's @hydra.main: the YAML configs inside the package (rlsync/conf)
+
+
+def register_configs() -> None:
+    for name, schema in SCHEMAS.items():
+        ConfigStore.instance().store(name=name, node=schema)
+    OmegaConf.register_new_resolver("rlsync_keys", help_keys, replace=True)
+    OmegaConf.register_new_resolver("rlsync_conf", conf_file, replace=True)
+
+
+def conf_file(path: str) -> str:
+    """`${rlsync_conf:model/hf/x.json}` (the MoE presets): a file shipped in the package's configs."""
+    return str(CONF_DIR / path)
+
+
+def to_config(dcfg: DictConfig, schema: type = Config):
+    """Resolve the composed config and turn it into the typed dataclass tree (`schema`'s)."""
+    plain = OmegaConf.masked_copy(dcfg, [k for k in dcfg.keys() if k != "hydra"]) if "hydra" in dcfg else dcfg
+    typed = OmegaConf.merge(OmegaConf.structured(schema), plain)
+    return OmegaConf.to_object(typed)
+
+
+def to_dict(cfg: Config) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
