@@ -38,7 +38,7 @@ import torch
 from rlsync.config.derived import bucket_bytes, flat_engine_weights_choice
 from rlsync.config.schema import Config, ModelConfig
 from rlsync.engines.base import engine_class
-from rlsync.fmt import MIB
+from rlsync.fmt import GIB, MIB
 from rlsync.measure.limits import GatherFloor
 from rlsync.model.architecture import model_shapes, update_shapes
 from rlsync.model.build import torch_dtype
@@ -47,7 +47,6 @@ from rlsync.trainer.data_parallel import split_evenly as split_groups
 from rlsync.trainer.offload import plan_pin_chunks, plan_segments, resolve_memory
 from rlsync.trainer.task import make_prompts
 
-GIB = 2**30
 PROBE_MIN, PROBE_CAP = MIB, GIB  # rlsync.measure.limits.copy_bandwidth clamps its buffers to this range
 ADAM_MOMENTS = 2  # exp_avg, exp_avg_sq, in the parameter's dtype
 LOGIT_COPIES = 4  # logits, their float32 log-softmax, its gradient, the gathered log-probs' graph

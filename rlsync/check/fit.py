@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from rlsync.check.estimate import (
-    GIB,
     MARGIN_FRACTION,
     MARGIN_MIN,
     Estimate,
@@ -21,6 +20,7 @@ from rlsync.check.estimate import (
 )
 from rlsync.config.schema import Config, ModelConfig
 from rlsync.errors import BadInput
+from rlsync.fmt import GIB
 from rlsync.measure.devices import reset_run_peaks
 from rlsync.measure.memory import (
     device_available_bytes,

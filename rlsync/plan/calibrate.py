@@ -42,6 +42,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
+from rlsync.check.estimate import DTYPE_BYTES
 from rlsync.config.files import SUMMARY_MAX, UnreadableFile, read_json
 from rlsync.config.schema import BenchAppConfig, Config
 from rlsync.plan import cost, profiles
@@ -214,7 +215,7 @@ def floor_s_per_byte(summary: dict) -> Optional[float]:
     re-timed beside each repeat) over the bytes one converting copy of the update reads and writes."""
     s, m = summary["setup"], summary["model"]
     limit = (summary.get("metrics", {}).get("perf/update_weights_limit_time") or {}).get("median")
-    nbytes = m["params"] * (cost.DTYPE_BYTES[s["trainer_dtype"]] + cost.DTYPE_BYTES[s["engine_dtype"]])
+    nbytes = m["params"] * (DTYPE_BYTES[s["trainer_dtype"]] + DTYPE_BYTES[s["engine_dtype"]])
     return limit / nbytes if limit and nbytes else None
 
 

@@ -33,7 +33,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from rlsync.check.estimate import DTYPE_BYTES  # bytes per element of each trainer / engine dtype
+
 TERMS = ("per_call_s", "per_tensor_s", "per_byte_s")
 
 

@@ -383,9 +383,10 @@ class Experiment:
     def offload_metrics(self, m: dict) -> dict:
         """Beside perf/sleep_time and perf/wake_up_time: GB/s, the limit (bytes over the host-link copy
         bandwidth measured in this run; memcpy on a CPU) and the efficiency (limit / time). Data parallel:
-        against the rank's share of the link; a rank > 0 without floors adds none (rank 0 records)."""
-        floors = self.link_share or self.limits
-        return link_metrics(m, floors) if floors is not None else {}
+        against the rank's share of the link."""
+        if not self.dp.is_main:  # rank 0 alone records
+            return {}
+        return link_metrics(m, self.link_share or self.limits)
 
     def close(self) -> None:
         """The engine (its process too), then the trainer's pinned twin: a sweep's next job pins its own."""
