@@ -14,6 +14,23 @@ MIB = 2**20
 GIB = 2**30
 
 
+def fmt_path(path: Any) -> str:
+    """A path as a user reads it back: relative under the working directory, `~/...` under home."""
+    import os
+
+    full = os.path.abspath(os.fspath(path))
+    for base, shown in ((os.getcwd(), ""), (os.path.expanduser("~"), "~")):
+        if base not in ("", os.sep) and (full == base or full.startswith(base + os.sep)):
+            rest = os.path.relpath(full, base)
+            return os.path.join(shown, rest) if shown else rest
+    return full
+
+
+def is_number(value: Any) -> bool:
+    """A finite int or float (a bool is not a number here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def time_unit(seconds: float) -> tuple[float, str, int]:
     """Scale, unit and decimals that show `seconds` with about three significant digits."""
     x = abs(seconds)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import read_jsonl, run_cli
 
-from rlsync.bench.runner import bucket_medians, closing_table
+from rlsync.bench.runner import bucket_medians, update_table
 from rlsync.config.schema import BenchAppConfig
 
 
@@ -40,7 +40,7 @@ def test_bench_sweep_writes_runs_files_for_each_transport(tmp_path):
         timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("time / limit") == 2  # one closing table per job
+    assert proc.stdout.count("time / floor") == 2  # one closing table per job
     for job, transport in (("0", "direct"), ("1", "ipc")):
         run_dir = sweep / job
         rows = read_jsonl(run_dir / "metrics.jsonl")
@@ -106,7 +106,7 @@ def test_the_offload_target_refuses_nothing_to_move_and_unknown_states():
         validate(cfg)
 
 
-def test_bucket_medians_and_the_closing_table():
+def test_bucket_medians_and_the_update_table():
     breakdowns = [
         [{"bytes": 100, "pack_time": t, "load_time": 2 * t}, {"bytes": 50, "pack_time": t}] for t in (1, 3, 2)
     ]
@@ -138,7 +138,7 @@ def test_bucket_medians_and_the_closing_table():
             "perf/update_weights_pack_time": stat(0.12),
         },
     }
-    text = closing_table(result)
+    text = update_table(result)
     assert "| qwen3_0p6b | ipc | bucketed | 512 MiB x2 | device | 0.20 s | 0.10 s | 2.00x | 0.50 |" in text
     assert "512 MiB |" in text and "Per bucket" in text
 

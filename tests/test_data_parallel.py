@@ -120,7 +120,12 @@ def test_two_ranks_train_and_update_the_engine_bit_exact(two_ranks):
     # update.verify: every engine tensor equals rank 0's after each update, and every rank holds rank 0's weights
     assert summary["status"] == "finished" and summary["verification"] == "passed"
     setup = summary["setup"]
-    assert (setup["ranks"], setup["parallel"], setup["engines"], setup["gather"]) == (2, "fsdp2", "rank0", "per_bucket")
+    assert (setup["ranks"], setup["parallel"], setup["placement"], setup["gather"]) == (
+        2,
+        "fsdp2",
+        "rank0",
+        "per_bucket",
+    )
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]  # one row per step: rank 0's, merged
     assert max(r["train/logprob_abs_diff"] for r in rows) < 0.02  # the engine samples with the trained weights
@@ -538,7 +543,7 @@ def test_a_failing_rank_is_named_as_the_runs_error(tmp_path):
     of a multi-node launch."""
     script, run_dir = tmp_path / "failing_rank.py", tmp_path / "run"
     script.write_text(FAILING_RANK)
-    every_rank = ["trainer.parallel=ddp", "rollout.engines=every_rank", "update.transport=ipc"]
+    every_rank = ["trainer.parallel=ddp", "rollout.placement=every_rank", "update.transport=ipc"]
     proc = torchrun(*DP_RUN, *every_rank, "run.steps=4", f"hydra.run.dir={run_dir}", cwd=ROOT, script=str(script))
     assert proc.returncode != 0
     (row,) = read_jsonl(run_dir / "metrics.jsonl")  # the finished step: both ranks' engines updated and verified
@@ -560,7 +565,7 @@ def test_the_framework_schemes_train_as_their_frameworks_do():
     from test_schemes import compose_app
 
     got = {s: compose_app("config", f"scheme={s}") for s in ("verl", "trl", "nemo_rl", "miles")}
-    assert {s: (c.trainer.parallel, c.rollout.engines, c.update.gather) for s, c in got.items()} == {
+    assert {s: (c.trainer.parallel, c.rollout.placement, c.update.gather) for s, c in got.items()} == {
         "verl": ("fsdp2", "every_rank", "per_tensor"),  # fsdp_workers.py: full_tensor() per parameter
         "trl": ("fsdp2", "every_rank", "per_tensor"),
         "nemo_rl": ("fsdp2", "every_rank", "per_tensor"),

@@ -324,19 +324,19 @@ def test_an_existing_checkpoint_directory_passes(tmp_path):
 
 
 def test_out_of_memory_in_the_update_names_the_bucket_size(monkeypatch, capsys, tmp_path, tiny):
-    from rlsync.sync import flat, update_weights
+    from rlsync.sync import flat, timed_update
 
     update = UpdateConfig(bucket_mb=0.05)
     weights = tiny.weights()
     engine, buckets = tiny.open(update, weights)
-    update_weights(engine, weights, buckets=buckets, cfg=update, device=torch.device("cpu"), limit_time=1.0)
+    timed_update(engine, weights, buckets=buckets, cfg=update, device=torch.device("cpu"), limit_time=1.0)
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
 
     monkeypatch.setattr(flat, "pack", out_of_memory)
     with pytest.raises(UpdateOutOfMemory) as caught:
-        update_weights(engine, weights, buckets=buckets, cfg=update, device=torch.device("cpu"), limit_time=1.0)
+        timed_update(engine, weights, buckets=buckets, cfg=update, device=torch.device("cpu"), limit_time=1.0)
     engine.close()
     message = str(caught.value)
     assert "update.bucket_mb=0.05" in message and "smaller update.bucket_mb" in message

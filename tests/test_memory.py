@@ -240,7 +240,9 @@ def test_fsdp2_ranks_each_hold_a_shard_and_every_rank_on_the_machine_counts(comp
     engines each has an engine, with rank0 only rank 0 has one."""
     two = memory.Ranks(world=2, local=2)
     single = memory.estimate(compose("model=qwen3_0p6b", "trainer.dtype=bfloat16"), cuda=False, runtime_bytes=0)
-    cfg = compose("model=qwen3_0p6b", "trainer.dtype=bfloat16", "trainer.parallel=fsdp2", "rollout.engines=every_rank")
+    cfg = compose(
+        "model=qwen3_0p6b", "trainer.dtype=bfloat16", "trainer.parallel=fsdp2", "rollout.placement=every_rank"
+    )
     est = memory.estimate(cfg, cuda=False, runtime_bytes=0, ranks=two)
     assert 0.5 <= est.process["trainer_state"] / single.process["trainer_state"] < 0.501  # a shard: half, padded
     assert est.other_ranks == 1 and est.other_rank["engine_weights"] == single.process["engine_weights"]
@@ -270,7 +272,7 @@ def test_the_2_rank_fsdp2_run_that_was_killed_is_refused_with_checked_advice(com
     machine = fit.Machine(
         cuda=False, runtime_bytes=500 * 2**20, host_bytes=int(23 * 2**30), device_bytes=None, ranks=two
     )
-    overrides = ["model=qwen3_0p6b", "trainer.parallel=fsdp2", "rollout.engines=every_rank"]
+    overrides = ["model=qwen3_0p6b", "trainer.parallel=fsdp2", "rollout.placement=every_rank"]
     cfg = compose(*overrides)
     est = machine.estimate(cfg)
     assert not machine.fits(est)

@@ -108,10 +108,10 @@ def test_per_rank_memory_halves_the_state_under_fsdp2_over_2_ranks(compose):
     assert state == fsdp2["model"]["params"] * 4 * 4  # weights, grads, two AdamW moments in float32
     assert sharded["rank0"]["host"]["trainer_state"] == state // 2 == sharded["other_rank"]["host"]["trainer_state"]
     assert ddp["memory"]["per_rank"]["other_rank"]["host"]["trainer_state"] == state
-    # rollout.engines=rank0: the engine on rank 0 only; every_rank: on each
+    # rollout.placement=rank0: the engine on rank 0 only; every_rank: on each
     assert sharded["rank0"]["host"]["engine_weights"] == fsdp2["model"]["update_bytes"]
     assert not sharded["other_rank"]["host"].get("engine_weights")
-    every = plan_of(compose, "model=qwen3_0p6b", "trainer.parallel=fsdp2", "rollout.engines=every_rank", ranks=2)
+    every = plan_of(compose, "model=qwen3_0p6b", "trainer.parallel=fsdp2", "rollout.placement=every_rank", ranks=2)
     r = every["memory"]["per_rank"]
     assert r["other_rank"]["host"]["engine_weights"] == r["rank0"]["host"]["engine_weights"]
     assert r["all_ranks_host_bytes"] == 2 * r["rank0"]["host_bytes"]

@@ -303,7 +303,7 @@ def test_cli_writes_table_csv_plots_and_failures(sweep: Path) -> None:
         summary = json.loads((sweep / str(num) / "summary.json").read_text())
         assert summary["verdict"] in md
         eff = summary["metrics"]["perf/update_weights_efficiency"]["median"]
-        assert f"{eff:.2f} ({1 / eff:.2f}x limit)" in row
+        assert f"{eff:.2f} ({1 / eff:.2f}x floor)" in row
     assert "Machine:" in md and "device cpu" in md
     assert "## Failed runs" in md and ERROR_LINE in md
     assert "fixed + bytes /" in md and "GB/s" in md

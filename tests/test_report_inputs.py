@@ -60,11 +60,11 @@ def test_a_failed_jobs_reason_comes_from_error_log_before_the_launchers_log(tmp_
     failed: the reason is error.log's line, whichever log changed last."""
     import os
 
-    from rlsync.report.runs import error_line
+    from rlsync.report.runs import failure_line
 
     (tmp_path / "error.log").write_text("rlsync: failed: ValueError: bad shard\n")
     (tmp_path / "rlsync.log").write_text(
         "[2026-12-02 05:00:00,000][submitit][INFO] - Exiting after successful completion\n"
     )
     os.utime(tmp_path / "error.log", (1, 1))  # older than the launcher's line
-    assert error_line(tmp_path) == "rlsync: failed: ValueError: bad shard"
+    assert failure_line(tmp_path) == "rlsync: failed: ValueError: bad shard"

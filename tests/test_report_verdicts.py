@@ -139,8 +139,8 @@ def test_per_tensor_has_no_bucket_size_and_its_own_series(tmp_path: Path, drawn:
 def test_numbers_never_round_to_zero() -> None:
     assert fmt_share(0.0004) == "0.04 %" and fmt_share(0.00004) == "0.004 %" and fmt_share(0.123) == "12.3 %"
     assert fmt_share(0) == "0 %"
-    assert fmt_efficiency(0.003) == "0.0030 (333.3x limit)"
-    assert fmt_efficiency(0.82) == "0.82 (1.22x limit)"
+    assert fmt_efficiency(0.003) == "0.0030 (333.3x floor)"
+    assert fmt_efficiency(0.82) == "0.82 (1.22x floor)"
     assert fmt_lead(0.87, 0.8724) == "0.28 %" and fmt_lead(1, 1.05) == "5.00 %" and fmt_lead(1, 1.52) == "1.52x"
 
 

@@ -35,7 +35,7 @@ from conftest import FAST, ROOT, cli_env, read_jsonl, run_main
 from test_transports import BF16, CPU, SMALL_BUCKET_MB, Trainer, assert_engine_holds
 
 from rlsync.config.schema import ModelConfig, UpdateConfig
-from rlsync.sync import open_transport, plan_for, update_weights
+from rlsync.sync import open_transport, plan_for, timed_update
 from rlsync.sync.engine_process import EngineDied, EngineFailed
 from rlsync.sync.remote import TOKEN_ENV, EngineUnreachable, parse_address
 
@@ -147,7 +147,7 @@ def test_standalone_engine_receives_bit_exact_updates(engine_server, strategy, i
         )  # the group's store and gloo device: 127.0.0.1, where the engine is
         for source in ("device", "host", "device"):
             sent = trainer.source(source)
-            metrics = update_weights(engine, sent, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
+            metrics = timed_update(engine, sent, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
             assert_engine_holds(engine, sent)  # every tensor, bit for bit (verify=True checked the checksums too)
             assert metrics["perf/update_weights_bytes"] == sum(b.nbytes for b in buckets)
             rows = engine.last_update_buckets

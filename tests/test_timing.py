@@ -11,7 +11,7 @@ import torch
 import rlsync.sync.direct as direct
 from rlsync.config.schema import UpdateConfig
 from rlsync.measure.timing import EventTimer, HostTimer, unit_timer
-from rlsync.sync import update_weights
+from rlsync.sync import timed_update
 
 CPU = torch.device("cpu")
 
@@ -138,7 +138,7 @@ def test_direct_update_with_event_timing_syncs_once(monkeypatch, tiny, strategy)
     weights = tiny.weights(seed=1)
     engine, buckets = tiny.open(update, weights)
     try:
-        metrics = update_weights(engine, weights, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
+        metrics = timed_update(engine, weights, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
     finally:
         engine.close()
     assert len(made) == 1 and device.syncs == 1 and device.event_syncs == 0

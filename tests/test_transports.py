@@ -24,7 +24,7 @@ from conftest import FAST, ROOT, Tiny, cli_env, read_jsonl, run_main
 
 from rlsync.config.schema import Config, UpdateConfig
 from rlsync.model.build import build_model, named_weights
-from rlsync.sync import WeightMismatch, checksum, open_transport, plan_for, update_weights
+from rlsync.sync import WeightMismatch, checksum, open_transport, plan_for, timed_update
 from rlsync.sync.engine_process import EngineDied
 from rlsync.trainer.offload import Offloader
 
@@ -102,7 +102,7 @@ def test_process_engine_is_bit_exact_for_both_sources(transport, strategy, infli
     try:
         for source in ("device", "host", "device"):
             sent = trainer.source(source)
-            metrics = update_weights(engine, sent, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
+            metrics = timed_update(engine, sent, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
             assert_engine_holds(engine, sent)
             for key in ("pack", "transfer", "load"):
                 assert metrics[f"perf/update_weights_{key}_time"] >= 0
@@ -135,7 +135,7 @@ def test_direct_is_bit_exact(strategy, source, flat):
     engine = open_transport(update, spec=trainer.spec, buckets=buckets)
     for _ in range(2):
         sent = trainer.source(source)
-        metrics = update_weights(engine, sent, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
+        metrics = timed_update(engine, sent, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
         assert_engine_holds(engine, sent)
     if flat and strategy == "bucketed":
         assert metrics["perf/update_weights_peak_bytes"] == 0  # packing wrote the engine's weights: no staging
@@ -153,7 +153,7 @@ def test_ipc_generates_what_the_in_process_engine_generates():
             update = UpdateConfig(transport=transport)
             buckets = plan_for(weights, update, BF16)
             engines[transport] = open_transport(update, spec=trainer.spec, buckets=buckets)
-            update_weights(engines[transport], weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
+            timed_update(engines[transport], weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
         prompts = [[256, *b"12+7="], [256, *b"3*4=?"], [256, 65]]
         outs, states = {}, {}
         for transport, engine in engines.items():
@@ -175,7 +175,7 @@ def test_verify_in_the_engine_process_names_the_tensor():
     update = UpdateConfig(transport="ipc", verify=True)
     engine, buckets = trainer.open(update)
     try:
-        update_weights(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
+        timed_update(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
         sums = engine.checksums()  # computed in the engine process
         assert sums == {n: checksum(t.to(BF16)) for n, t in trainer.weights.items()}
         with torch.no_grad():
@@ -203,14 +203,14 @@ def test_a_dead_engine_is_a_clear_error_within_seconds(transport):
     buckets = plan_for(trainer.weights, update, BF16)
     engine = open_transport(update, spec=trainer.spec, buckets=buckets)
     try:
-        update_weights(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
+        timed_update(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
         kill_after(engine.process.pid, 0.5)
         start = time.monotonic()
         with pytest.raises(EngineDied, match=r"exit code -9 \(killed by SIGKILL\)"):
             engine.generate([[256, 65]] * 8, max_new_tokens=100_000, temperature=1.0, generator=torch.Generator())
         assert time.monotonic() - start < 5.0
         with pytest.raises(EngineDied, match="exit code -9"):  # and every later call says the same at once
-            update_weights(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
+            timed_update(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
     finally:
         engine.close()
     assert not engine.process.process.is_alive()
@@ -230,7 +230,7 @@ def test_a_broadcast_engine_killed_mid_update_does_not_hang_the_trainer():
         with pytest.raises(
             EngineDied, match=r"exit code -9 \(killed by SIGKILL\) while the trainer waited for a weight"
         ):
-            update_weights(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
+            timed_update(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
         assert time.monotonic() - start < 5.0
     finally:
         engine.close()
@@ -245,7 +245,7 @@ def test_broadcast_leaves_the_default_process_group_alone():
         update = UpdateConfig(transport="broadcast", bucket_mb=SMALL_BUCKET_MB)
         engine, buckets = trainer.open(update)
         try:
-            update_weights(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
+            timed_update(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
             assert_engine_holds(engine, trainer.weights)
         finally:
             engine.close()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rlsync.config.schema import UpdateConfig
-from rlsync.sync import WeightMismatch, checksum, update_weights, verify
+from rlsync.sync import WeightMismatch, checksum, timed_update, verify
 
 CPU = torch.device("cpu")
 LARGEST_MIB = 512 * 256 * 4 / 2**20 / 2  # tiny's embedding in bf16: 0.125 MiB
@@ -25,7 +25,7 @@ def test_engine_equals_trainer_bit_for_bit(tiny, strategy, bucket_mb, flat):
     with torch.no_grad():
         for t in weights.values():
             t.add_(torch.randn_like(t))  # trained weights differ from anything the engine could hold
-    metrics = update_weights(engine, weights, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
+    metrics = timed_update(engine, weights, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
     got = engine.weights()
     assert set(got) == set(weights)
     for name, t in weights.items():
@@ -43,7 +43,7 @@ def test_engine_equals_trainer_bit_for_bit(tiny, strategy, bucket_mb, flat):
 def test_verify_names_the_mismatching_tensor(tiny):
     update = UpdateConfig()
     engine, weights, buckets = engine_and_weights(tiny, update)
-    update_weights(engine, weights, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
+    timed_update(engine, weights, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
     sums = {n: checksum(t) for n, t in engine.weights().items()}
     verify(weights, sums, torch.bfloat16)  # equal: passes
     sums["model.norm.weight"] += 1

@@ -41,7 +41,7 @@ from rlsync.engines.vllm import _reload_in_worker
 from rlsync.measure.limits import Limits
 from rlsync.measure.threads import cpu_threads, machine_threads
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
-from rlsync.sync import open_transport, plan_for, update_weights
+from rlsync.sync import open_transport, plan_for, timed_update
 from rlsync.sync.auto import resolve_for_run
 from rlsync.sync.direct import DirectTransport
 
@@ -109,13 +109,13 @@ def main() -> int:
 
     def rlsync(threads) -> float:
         ucfg = update_cfg if threads is None else dataclasses.replace(update_cfg, copy_threads=threads)
-        return update_weights(bucketed, weights, buckets=buckets, cfg=ucfg, device=device, limit_time=1.0)[
+        return timed_update(bucketed, weights, buckets=buckets, cfg=ucfg, device=device, limit_time=1.0)[
             "perf/update_weights_time"
         ]
 
     def trl() -> float:
         ucfg = dataclasses.replace(update_cfg, strategy="per_tensor")
-        return update_weights(per_tensor, weights, buckets=buckets, cfg=ucfg, device=device, limit_time=1.0)[
+        return timed_update(per_tensor, weights, buckets=buckets, cfg=ucfg, device=device, limit_time=1.0)[
             "perf/update_weights_time"
         ]
 

@@ -211,8 +211,8 @@ def table(summaries: list[dict]) -> str:
         "direction",
         "bytes",
         "time (median, min to max)",
-        "limit",
-        "time / limit",
+        "floor",
+        "time / floor",
         "GB/s",
         "first touch",
     ]
@@ -269,7 +269,7 @@ class OffloadTarget:
         self.state.close()
 
     @staticmethod
-    def closing_table(result: dict) -> str:
+    def table(result: dict) -> str:
         """The bench's closing table for this target, from its summary.json (medians over the timed repeats)."""
         m = result["metrics"]
 

@@ -49,7 +49,7 @@ from rlsync.model.build import build_model, build_tokenizer, named_weights, torc
 from rlsync.record.recorder import Recorder, machine_info
 from rlsync.record.summary import stats_over
 from rlsync.shell import cli, job_errors
-from rlsync.sync import update_weights
+from rlsync.sync import timed_update
 from rlsync.sync.auto import resolved_setup
 from rlsync.sync.side import open_update_side
 from rlsync.trainer.offload import Offloader
@@ -122,7 +122,7 @@ class UpdateTarget:
         }
 
     def repeat(self) -> dict[str, float]:
-        return update_weights(
+        return timed_update(
             self.engine,
             self.source,
             buckets=self.buckets,
@@ -294,8 +294,8 @@ def bucket_medians(breakdowns: list[list[dict]]) -> list[dict]:
 def target_table(target: str):
     """The closing table of a target: its own where it has one."""
     if target == "offload":
-        return OffloadTarget.closing_table
-    return closing_table
+        return OffloadTarget.table
+    return update_table
 
 
 def peak_phrase(nbytes) -> str:
@@ -303,7 +303,7 @@ def peak_phrase(nbytes) -> str:
     return "0 (no staging)" if nbytes == 0 else fmt_bytes(nbytes)
 
 
-def closing_table(result: dict) -> str:
+def update_table(result: dict) -> str:
     m, s = result["metrics"], result["setup"]
 
     def med(key: str, which: str = "median"):
@@ -317,8 +317,8 @@ def closing_table(result: dict) -> str:
         "bucket",
         "source",
         "time (median, min to max)",
-        "limit",
-        "time / limit",
+        "floor",
+        "time / floor",
         "efficiency",
         "GB/s",
         "peak bytes",

@@ -42,7 +42,7 @@ from rlsync.fmt import GIB, MIB
 from rlsync.measure.limits import GatherFloor
 from rlsync.model.architecture import model_shapes, update_shapes
 from rlsync.model.build import torch_dtype
-from rlsync.sync.buckets import TensorMeta, plan_buckets
+from rlsync.sync.buckets import TensorMeta, largest_bucket_bytes, plan_buckets
 from rlsync.trainer.data_parallel import split_evenly as split_groups
 from rlsync.trainer.offload import plan_pin_chunks, plan_segments, resolve_memory
 from rlsync.trainer.task import make_prompts
@@ -181,11 +181,10 @@ def pinned_bytes(nbytes: int) -> int:
     return 1 << max(0, nbytes - 1).bit_length() if nbytes else 0
 
 
-def largest_bucket_bytes(cfg: Config, shapes: list[tuple[str, tuple[int, ...]]]) -> int:
+def planned_largest_bucket(cfg: Config, shapes: list[tuple[str, tuple[int, ...]]]) -> int:
     """The update's largest bucket, planned by the planner the update uses (rlsync.sync.buckets)."""
     dtype = torch_dtype(cfg.rollout.dtype)
-    buckets = plan_buckets([TensorMeta(n, s, dtype) for n, s in shapes], bucket_bytes(cfg.update))
-    return max(b.nbytes for b in buckets)
+    return largest_bucket_bytes(plan_buckets([TensorMeta(n, s, dtype) for n, s in shapes], bucket_bytes(cfg.update)))
 
 
 def staging_bytes(cfg: Config, shapes) -> tuple[int, int]:
@@ -196,7 +195,7 @@ def staging_bytes(cfg: Config, shapes) -> tuple[int, int]:
     slot = (
         max(numel(s) for _, s in shapes) * DTYPE_BYTES[cfg.rollout.dtype]
         if u.strategy == "per_tensor"
-        else largest_bucket_bytes(cfg, shapes)
+        else planned_largest_bucket(cfg, shapes)
     )
     flat_weights, _ = flat_engine_weights_choice(
         u, cfg.rollout, cfg.model
@@ -297,7 +296,7 @@ def gather_transient_bytes(cfg: Config, shapes: list[tuple[str, tuple[int, ...]]
     elif mode == "per_tensor":
         held = max(numel(s) for _, s in shapes) * t
     else:  # per_bucket: the largest bucket (planned in the engine's dtype, as the update plans it), gathered in
-        held = largest_bucket_bytes(cfg, shapes) * t // DTYPE_BYTES[cfg.rollout.dtype]  # the trainer's
+        held = planned_largest_bucket(cfg, shapes) * t // DTYPE_BYTES[cfg.rollout.dtype]  # the trainer's
     call = GATHER_CALL_MAX  # one call's output buffer
     probe = min(sum(numel(s) for _, s in shapes) * t, GATHER_CALL_MAX) * (1 + 1 / world)
     return int(max(held * (1 + 1 / world) + call, probe))
@@ -313,9 +312,9 @@ def rank_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int, ranks: Ranks, 
     t, e = DTYPE_BYTES[cfg.trainer.dtype], DTYPE_BYTES[cfg.rollout.dtype]
     trainer = sum(numel(s) for _, s in held) * t * (2 + ADAM_MOMENTS)  # weights, grads, AdamW moments
     reference = params * t if cfg.trainer.kl_coef > 0 else 0  # a whole frozen copy on every rank
-    has_engine = rank == 0 or cfg.rollout.engines == "every_rank"
+    has_engine = rank == 0 or cfg.rollout.placement == "every_rank"
     groups = split_groups(cfg.rollout.prompts_per_step, world)[rank]  # this rank's share of the prompt groups
-    engine_groups = cfg.rollout.prompts_per_step if world > 1 and cfg.rollout.engines == "rank0" else groups
+    engine_groups = cfg.rollout.prompts_per_step if world > 1 and cfg.rollout.placement == "rank0" else groups
     engine_weights = params * e if has_engine else 0
     staging_trainer, staging_engine = staging_bytes(cfg, shapes) if has_engine else (0, 0)
     prompt = prompt_tokens()

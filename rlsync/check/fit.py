@@ -120,9 +120,13 @@ def _savings(cfg: Config, ranks: Ranks = Ranks()) -> list[tuple[str, str, object
         out.append(
             ("trainer.parallel=fsdp2", "shards the trainer's state over the ranks", ("trainer", "parallel", "fsdp2"))
         )
-    if ranks.local > 1 and cfg.rollout.engines == "every_rank":
+    if ranks.local > 1 and cfg.rollout.placement == "every_rank":
         out.append(
-            ("rollout.engines=rank0", "one engine on this machine, not one per rank", ("rollout", "engines", "rank0"))
+            (
+                "rollout.placement=rank0",
+                "one engine on this machine, not one per rank",
+                ("rollout", "placement", "rank0"),
+            )
         )
     if cfg.trainer.dtype == "float32":
         out.append(

@@ -14,12 +14,11 @@ but the formatters.
 from __future__ import annotations
 
 import importlib
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from rlsync.fmt import MIB
+from rlsync.fmt import MIB, is_number
 
 INT64_MAX = 2**63 - 1  # torch sizes and offsets are int64
 
@@ -79,24 +78,20 @@ def node(schema: type, doc: str) -> Any:
     return field(default_factory=schema, metadata={"doc": doc})
 
 
-def number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def note(why: str) -> str:
     return f" ({why})" if why else ""
 
 
 def at_least(low: float, why: str = "") -> Rule:
-    return Rule(lambda v: number(v) and v >= low, f"a number >= {low:g}{note(why)}")
+    return Rule(lambda v: is_number(v) and v >= low, f"a number >= {low:g}{note(why)}")
 
 
 def above(low: float, why: str = "") -> Rule:
-    return Rule(lambda v: number(v) and v > low, f"a number > {low:g}{note(why)}")
+    return Rule(lambda v: is_number(v) and v > low, f"a number > {low:g}{note(why)}")
 
 
 def between(low: float, high: float, why: str = "") -> Rule:
-    return Rule(lambda v: number(v) and low <= v <= high, f"{low:g} to {high:g}{note(why)}")
+    return Rule(lambda v: is_number(v) and low <= v <= high, f"{low:g} to {high:g}{note(why)}")
 
 
 def one_of(names: Iterable[str]) -> Rule:
@@ -130,7 +125,7 @@ def parsed_by(parser: str, allowed: str) -> Rule:
 def mebibytes(why: str) -> Rule:
     """A size in MiB that is a whole number of bytes from 1 to INT64_MAX once multiplied out (int(v * MIB))."""
     return Rule(
-        lambda v: number(v) and 1 <= int(v * MIB) <= INT64_MAX,
+        lambda v: is_number(v) and 1 <= int(v * MIB) <= INT64_MAX,
         f"a number of MiB from {1 / MIB:.3g} (1 byte) to {INT64_MAX / MIB:.3g} (2^63 - 1 bytes){note(why)}",
     )
 

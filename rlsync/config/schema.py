@@ -26,7 +26,6 @@ from rlsync.config.rules import (
     key,
     mebibytes,
     node,
-    number,
     one_of,
     or_null,
     parsed_by,
@@ -34,6 +33,7 @@ from rlsync.config.rules import (
     size_rule,
 )
 from rlsync.errors import ConfigError
+from rlsync.fmt import is_number
 
 SEED_MAX = 2**64 - 1  # torch.manual_seed takes an unsigned 64-bit seed
 WANDB_PROJECT_FORBIDDEN = "/\\#?%:"  # wandb.Settings.validate_project (wandb 0.2x/0.3x); also at most 128 chars
@@ -41,7 +41,8 @@ WANDB_PROJECT_MAX, WANDB_TAG_MAX = 128, 64  # characters; a tag must be 1 to 64 
 DTYPE = choices("rlsync.model.build:DTYPES")
 SECONDS = above(0, "seconds")
 COUNT = at_least(1)
-ENGINE_PLACEMENTS = ("rank0", "every_rank")  # rollout.engines: where data parallel's engines live
+VERDICT_THRESHOLD = 0.03  # run.verdict_threshold: the update share of the step above which tuning it pays
+ENGINE_PLACEMENTS = ("rank0", "every_rank")  # rollout.placement: where data parallel's engines live
 KL_COEF_MAX = 1000.0  # trainer.kl_coef: typical weights are 1e-3 to 1; 1e308 turns the loss into inf
 COPY_THREADS_MAX = 1024  # update.copy_threads: torch.set_num_threads(100000) crashes the process
 # Plausible model sizes: 8x the largest published (126 layers, 53k wide, 256k vocabulary), so a typo is
@@ -60,7 +61,8 @@ class ModelConfig:
     head_dim: int = key(
         64,
         Rule(
-            lambda v: number(v) and v >= 2 and v % 2 == 0, "an even integer >= 2 (rotary embeddings turn pairs of dims)"
+            lambda v: is_number(v) and v >= 2 and v % 2 == 0,
+            "an even integer >= 2 (rotary embeddings turn pairs of dims)",
         ),
         "width of one attention head",
     )
@@ -245,7 +247,7 @@ class RolloutConfig:
         ANY,
         "engine frees its weights after generation (KV cache always); re-allocated before the update, which refills them",
     )
-    engines: str = key(
+    placement: str = key(
         "rank0",
         one_of(ENGINE_PLACEMENTS),
         "data parallel: rank0: one engine, on rank 0, generates the whole batch | every_rank: one per rank (colocated, verl's layout), each its rank's prompt groups",
@@ -343,7 +345,8 @@ class RunConfig:
     seed: int = key(
         0,
         Rule(
-            lambda v: number(v) and 0 <= v <= SEED_MAX, f"0 to 2^64 - 1 = {SEED_MAX} (torch seeds are unsigned 64-bit)"
+            lambda v: is_number(v) and 0 <= v <= SEED_MAX,
+            f"0 to 2^64 - 1 = {SEED_MAX} (torch seeds are unsigned 64-bit)",
         ),
         "seeds the model init and the sampling",
     )
@@ -353,8 +356,8 @@ class RunConfig:
         "auto: cuda when available, else cpu (and present: rlsync.config.validate)",
     )
     verdict_threshold: float = key(
-        0.03,
-        Rule(lambda v: number(v) and 0 < v < 1, "a share of the step between 0 and 1"),
+        VERDICT_THRESHOLD,
+        Rule(lambda v: is_number(v) and 0 < v < 1, "a share of the step between 0 and 1"),
         "update share of the step above which it is worth tuning",
     )
     progress: bool = key(True, ANY, "progress bar over the steps")
@@ -502,7 +505,7 @@ class BenchAppConfig(Config):
 
 
 def bucket_sizes_ok(v) -> bool:
-    return isinstance(v, list) and bool(v) and all(number(x) and 0 < x <= MEBIBYTES_MAX for x in v)
+    return isinstance(v, list) and bool(v) and all(is_number(x) and 0 < x <= MEBIBYTES_MAX for x in v)
 
 
 def transports_ok(v) -> bool:

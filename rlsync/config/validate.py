@@ -23,9 +23,10 @@ from omegaconf import DictConfig, OmegaConf
 from rlsync.config.compose import to_config
 from rlsync.config.files import CONFIG_JSON_MAX, UnreadableFile, read_json
 from rlsync.config.launch import launched
-from rlsync.config.rules import number, resolve
+from rlsync.config.rules import resolve
 from rlsync.config.schema import Config
 from rlsync.errors import CONF_DIR, ConfigError
+from rlsync.fmt import is_number
 
 OPEN_FILES_MIN, OPEN_FILES_WANTED = 256, 4096  # an engine process's file descriptors: refused below, raised to
 REQUIRED_GROUPS = ("model", "rollout", "scheme")  # config groups a run cannot do without (null is refused)
@@ -88,7 +89,7 @@ def validate(cfg, *, types: bool = True) -> None:
             raise ConfigError(key, value, hint_phrase(hint), "wrong type")
         if not rule.ok(value):
             allowed = rule.allowed.replace("a number", "an integer") if hint is int else rule.allowed
-            raise ConfigError(key, value, allowed, "out of range" if number(value) else "not allowed")
+            raise ConfigError(key, value, allowed, "out of range" if is_number(value) else "not allowed")
     engine = resolve("rlsync.engines.base:engine_class")(cfg.rollout.engine)
     engine.check_config(cfg)  # the engine's own rules across keys (Engine.check_config)
     for node in nodes(cfg):

@@ -95,13 +95,13 @@ HEADLINE = ("update_weights", "sleep", "wake_up", "step")
 
 
 def moved(phase: str) -> tuple[Metric, ...]:
-    """What a phase that copies bytes logs beside its time: bytes, GB/s, its copy floor, limit / time."""
+    """What a phase that copies bytes logs beside its time: bytes, GB/s, its copy floor, floor / time."""
     p = f"perf/{phase}"
     return (
         Metric(f"{p}_bytes", "bytes", "bytes"),
         Metric(f"{p}_gbps", "GB/s", "GB/s"),
         Metric(f"{p}_limit_time", "copy floor", "s"),
-        Metric(f"{p}_efficiency", "efficiency (limit/time)", "ratio"),
+        Metric(f"{p}_efficiency", "efficiency (floor/time)", "ratio"),
     )
 
 
@@ -138,7 +138,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("train/grad_norm", "gradient norm"),  # every rank holds the same all-reduced gradient
     Metric("train/clip_frac", "clipped ratio", merge=Merge.TOKEN_MEAN),
     Metric("train/kl", "KL to the reference", merge=Merge.TOKEN_MEAN),
-    # rollout.engines=every_rank: every rank's engine generated its own groups (rank0: rank 0's engine, all)
+    # rollout.placement=every_rank: every rank's engine generated its own groups (rank0: rank 0's engine, all)
     Metric("rollout/reward_mean", "reward", merge=Merge.ANSWER_MEAN, console="reward"),
     Metric("rollout/response_len_mean", "answer length", merge=Merge.ANSWER_MEAN),
     Metric("rollout/truncated_ratio", "truncated answers", "ratio", merge=Merge.ANSWER_MEAN),

@@ -33,10 +33,9 @@ import torch
 from torch import nn
 
 from rlsync.config.files import CONFIG_JSON_MAX, MAX_DEPTH, UnreadableFile, read_json
-from rlsync.config.rules import number
 from rlsync.config.schema import ModelConfig
 from rlsync.errors import ConfigError
-from rlsync.fmt import fmt_bytes
+from rlsync.fmt import fmt_bytes, is_number
 
 LAYOUTS = ("checkpoint", "fused")  # model.update_layout's choices
 EXPERTS = "experts."
@@ -157,7 +156,7 @@ def check_values(m: ModelConfig, values: dict[str, Any]) -> None:
             typed = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not typed or not rule.ok(value):
             allowed = rule.allowed.replace("a number", "an integer") if hint is int else rule.allowed
-            problem = "out of range" if typed and number(value) else "not allowed"
+            problem = "out of range" if typed and is_number(value) else "not allowed"
             raise ConfigError(f"model.{key}", value, allowed, f"{problem} in model.config={m.config}")
 
 

@@ -19,7 +19,7 @@ COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 FIX = "pip uninstall -y torchvision torchaudio torchcodec (rlsync needs none of them)"
 
 
-class BrokenInstall(BadInput):
+class MismatchedPackage(BadInput):
     """A package installed beside torch that breaks the model imports (exit 2, with the fix)."""
 
 
@@ -60,8 +60,8 @@ def _is_version(text: str) -> bool:
 
 
 def check_companions(torch_version: str | None = None) -> None:
-    """Raise BrokenInstall naming the first companion package that does not match this torch."""
+    """Raise MismatchedPackage naming the first companion package that does not match this torch."""
     version = torch_version or torch.__version__
     for name in COMPANIONS:
         if why := mismatch(name, version):
-            raise BrokenInstall(f"{why}: it breaks transformers' model imports; {FIX}")
+            raise MismatchedPackage(f"{why}: it breaks transformers' model imports; {FIX}")

@@ -16,6 +16,7 @@ from rlsync.config.launch import hydra_job
 from rlsync.config.schema import PlanAppConfig
 from rlsync.config.validate import checked_config
 from rlsync.errors import ConfigError
+from rlsync.fmt import fmt_path
 from rlsync.shell import cli, job_errors
 
 register_configs()
@@ -52,7 +53,7 @@ def run_plan(cfg: PlanAppConfig, run_dir) -> dict:
         where = profiles.save(data, p.calibration)
         (run_dir / "calibration.json").write_text(json.dumps(data, indent=2) + "\n")
         took = f", {calibrate.fmt_minutes(data['seconds'])}" if data.get("seconds") else ""
-        print(f"Calibration written to {where} ({len(data['observations'])} runs{took}):")
+        print(f"Calibration written to {fmt_path(where)} ({len(data['observations'])} runs{took}):")
         print("\n".join(calibrate.coefficient_lines(data)))
         print()
     where, data = profiles.resolve(p.calibration)
@@ -68,7 +69,7 @@ def run_plan(cfg: PlanAppConfig, run_dir) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
     print(render.render(plan))
-    print(f"\nplan.json: {run_dir / 'plan.json'}")
+    print(f"\nplan.json: {fmt_path(run_dir / 'plan.json')}")
     return plan
 
 

@@ -47,6 +47,7 @@ from rlsync.config.files import SUMMARY_MAX, UnreadableFile, read_json
 from rlsync.config.schema import BenchAppConfig, Config
 from rlsync.plan import cost, profiles
 from rlsync.plan.collective import measure_collective
+from rlsync.sync.base import STRATEGIES
 
 DEEP = {
     "name": "deep",
@@ -177,7 +178,7 @@ def observation(summary: dict, source: str = "") -> Optional[cost.Observation]:
         return None
     s, m = summary["setup"], summary["model"]
     t = summary.get("metrics", {}).get("perf/update_weights_time") or {}
-    if s.get("strategy") not in ("bucketed", "per_tensor") or not t.get("median"):
+    if s.get("strategy") not in STRATEGIES or not t.get("median"):
         return None
     setup = cost.Setup(
         s["transport"], s["strategy"], bool(s.get("flat_engine_weights")) and s["strategy"] == "bucketed"

@@ -26,10 +26,10 @@ from rlsync.plan import cost, profiles
 from rlsync.plan.calibrate import calibrate_hint
 from rlsync.plan.flags import flags
 from rlsync.plan.ranks import collective_of, gather_plan, per_rank_memory
+from rlsync.sync.base import STRATEGIES
 from rlsync.sync.buckets import TensorMeta, plan_buckets
 
 SCHEMA_VERSION = 1
-STRATEGIES = ("bucketed", "per_tensor")
 
 
 def with_update(cfg: Config, **changes) -> Config:

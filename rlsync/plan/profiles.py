@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Optional
 
 from rlsync.config.files import CALIBRATION_MAX, UnreadableFile, read_json
-from rlsync.config.rules import number
 from rlsync.errors import ConfigError
+from rlsync.fmt import GIB, fmt_path, is_number
 from rlsync.plan.cost import Coefficients
 
 KIND = "rlsync_calibration"
@@ -193,8 +193,8 @@ def resolve(value: Optional[str]) -> tuple[str, Optional[dict]]:
     if not path.exists():
         ref = None if value else reference()
         if ref is not None:
-            return f"reference {REFERENCE.name} (shipped with rlsync; none of this machine at {path})", ref
-        return str(path), None
+            return f"reference {REFERENCE.name} (shipped with rlsync; none of this machine at {fmt_path(path)})", ref
+        return fmt_path(path), None
     try:  # a regular file only (a FIFO would block), of bounded size and nesting, of the calibration's shape
         data = read_json(path, max_bytes=CALIBRATION_MAX)
         problem = calibration_problem(data)
@@ -207,7 +207,7 @@ def resolve(value: Optional[str]) -> tuple[str, Optional[dict]]:
             f"a calibration file written by python -m rlsync.plan (JSON, kind {KIND}), or {', '.join(PROFILES)}",
             problem,
         )
-    return str(path), data
+    return fmt_path(path), data
 
 
 def calibration_problem(data) -> Optional[str]:
@@ -227,24 +227,24 @@ def calibration_problem(data) -> Optional[str]:
             missing = [k for k in ("per_call_s", "per_tensor_s", "per_byte_s") if k not in c]
             if missing:
                 return f"{which}[{setup!r}] has no {missing[0]}"
-            bad = [k for k in Coefficients.__dataclass_fields__ if k in c and not number(c[k])]
+            bad = [k for k in Coefficients.__dataclass_fields__ if k in c and not is_number(c[k])]
             if bad:
                 return f"{which}[{setup!r}].{bad[0]} is {c[bad[0]]!r}, not a number"
     spread = data.get("range")  # a profile's range, multiples of the prediction
     if spread is not None and not (
         isinstance(spread, dict)
-        and all(number(spread.get(k)) for k in ("low", "high"))
+        and all(is_number(spread.get(k)) for k in ("low", "high"))
         and spread["low"] <= 1 <= spread["high"]
     ):
         return f"its range is {spread!r}, not {{low: <= 1, high: >= 1}}"
-    if data.get("floor_gbps") is not None and not number(data["floor_gbps"]):
+    if data.get("floor_gbps") is not None and not is_number(data["floor_gbps"]):
         return f"its floor_gbps is {data['floor_gbps']!r}, not a number"
     collective = data.get("collective")  # the all-gather probe (plan.calibrate=true) or a profile's NVLink figure
     if collective is not None and not (
         isinstance(collective, dict)
-        and number(collective.get("bus_gbps"))
+        and is_number(collective.get("bus_gbps"))
         and collective["bus_gbps"] > 0
-        and (collective.get("latency_s") is None or number(collective["latency_s"]))
+        and (collective.get("latency_s") is None or is_number(collective["latency_s"]))
     ):
         return f"its collective is {collective!r}, not {{bus_gbps: > 0, latency_s: a number or null}}"
     return None
@@ -266,11 +266,11 @@ def coefficients(data: Optional[dict], which: str = "coefficients") -> dict[str,
     return {k: Coefficients.from_dict(v) for k, v in (data or {}).get(which, {}).items()}
 
 
-def machine_line(m: dict) -> str:
+def describe_machine(m: dict) -> str:
     """ "cpu (2 cpus, Intel(R) Xeon(R) ..., 23.5 GiB, torch 2.13.0+cpu, load 1.56)"."""
     parts = [f"{m.get('cpus', '?')} cpus"]
     parts += [m["cpu_model"]] if m.get("cpu_model") else []
-    parts += [f"{m['host_memory_bytes'] / 2**30:.1f} GiB"] if m.get("host_memory_bytes") else []
+    parts += [f"{m['host_memory_bytes'] / GIB:.1f} GiB"] if m.get("host_memory_bytes") else []
     parts += [f"torch {m.get('torch', '?')}"]
     load = m.get("load_average")
     parts += [f"load {load[0]:.2f}"] if load else []
@@ -288,7 +288,7 @@ def describe(where: str, data: Optional[dict], hint: str = "python -m rlsync.pla
         "REFERENCE (another machine's: read its times as an order of magnitude), " if data.get("reference") else ""
     )
     line = (
-        f"{where}: {reference}measured {m.get('date', '?')} on {machine_line(m)}, dtypes "
+        f"{where}: {reference}measured {m.get('date', '?')} on {describe_machine(m)}, dtypes "
         f"{data.get('dtypes', {}).get('trainer', '?')} -> {data.get('dtypes', {}).get('engine', '?')}, "
         f"{len(data.get('observations', []))} runs"
     )

@@ -105,7 +105,7 @@ def gather_plan(
 def per_rank_memory(cfg: Config, *, ranks: int, cuda: bool) -> dict:
     """The run's memory per rank (rlsync.check.estimate.rank_estimate, the run's own memory check per rank):
     under fsdp2 each rank's shards of the trainer state (1/N, padded), under ddp the whole state and DDP's
-    gradient buckets; the engine on every rank under rollout.engines=every_rank, on rank 0 only under rank0;
+    gradient buckets; the engine on every rank under rollout.placement=every_rank, on rank 0 only under rank0;
     under fsdp2 the gather's transients. On a CPU all ranks share this machine's RAM (a CPU launch:
     torchrun --nproc_per_node N); on GPUs each rank has its own device. Runtime not counted."""
     launch = Ranks(world=ranks, local=1 if cuda else ranks)
@@ -125,7 +125,7 @@ def per_rank_memory(cfg: Config, *, ranks: int, cuda: bool) -> dict:
     return {
         "ranks": ranks,
         "parallel": cfg.trainer.parallel if ranks > 1 else "none",
-        "engines": cfg.rollout.engines,
+        "placement": cfg.rollout.placement,
         "rank0": rank0,
         "other_rank": other,
         # the ranks of one machine share its RAM: what a CPU launch of them all needs

@@ -74,8 +74,8 @@ def per_rank_line(plan: dict) -> list[str]:
     share = f"1/{r['ranks']} of the state each" if r["parallel"] == "fsdp2" else "the whole state each"
     tail = "" if cuda else f"; all {r['ranks']} ranks on this machine {fmt_bytes(r['all_ranks_host_bytes'])}"
     return [
-        f"Memory per rank ({r['ranks']} ranks, trainer.parallel={r['parallel']}: {share}; rollout.engines="
-        f"{r['engines']}; runtime not counted): rank 0 {one(r['rank0'])}; each other rank {one(r['other_rank'])}{tail}"
+        f"Memory per rank ({r['ranks']} ranks, trainer.parallel={r['parallel']}: {share}; rollout.placement="
+        f"{r['placement']}; runtime not counted): rank 0 {one(r['rank0'])}; each other rank {one(r['other_rank'])}{tail}"
     ]
 
 

@@ -29,6 +29,15 @@ def shares(stats: dict[str, dict[str, float]]) -> dict[str, float]:
     return {p.name: stats[p.metric.name]["median"] / step for p in timed}
 
 
+def share_verdict(update: float, threshold: float) -> str:
+    """The verdict's judgement, in the one phrasing the run, the bench-less report row and docs use."""
+    if update < threshold:
+        return (
+            f"The weight update is {fmt_share(update)} of the step (under {fmt_share(threshold)}): not the step to tune"
+        )
+    return f"The weight update is {fmt_share(update)} of the step (over {fmt_share(threshold)}): worth tuning"
+
+
 def verdict(share: dict[str, float], stats: dict, *, threshold: float, setup: dict) -> str:
     if "update_weights" not in share:
         return "No measured step timed the weight update: nothing to judge."
@@ -38,21 +47,18 @@ def verdict(share: dict[str, float], stats: dict, *, threshold: float, setup: di
     sent = sent_phrase(setup)
     if update < threshold:
         return (
-            f"The weight update is {fmt_share(update)} of the step (under {fmt_share(threshold)}): not the step "
-            f"to tune; the largest phase is {largest} ({fmt_share(others.get(largest, 0))} of the step).{sent}"
+            f"{share_verdict(update, threshold)}; the largest phase is {largest} "
+            f"({fmt_share(others.get(largest, 0))} of the step).{sent}"
         )
     efficiency = stats.get("perf/update_weights_efficiency", {}).get("median")
-    at_limit = f", at {fmt_sig(efficiency)} of the copy limit" if efficiency else ""
+    at_limit = f", at {fmt_sig(efficiency)} of the copy floor" if efficiency else ""
     units = stats["perf/update_weights_buckets"]["median"]
     how = (
         f"strategy=per_tensor ({units:.0f} tensors, one copy each)"
         if setup["strategy"] == "per_tensor"
         else f"strategy={setup['strategy']}, bucket {setup['bucket_mb']:g} MiB ({units:.0f} buckets)"
     )
-    return (
-        f"The weight update is {fmt_share(update)} of the step (over {fmt_share(threshold)}): worth tuning. "
-        f"This run used transport={setup['transport']}, {how}{at_limit}.{sent}"
-    )
+    return f"{share_verdict(update, threshold)}. This run used transport={setup['transport']}, {how}{at_limit}.{sent}"
 
 
 def sent_phrase(setup: dict) -> str:

@@ -9,18 +9,28 @@ import platform
 from collections.abc import Iterable
 from typing import Any, Optional
 
-from rlsync.fmt import fmt_mib, fmt_range, fmt_ratio, fmt_seconds, fmt_share, fmt_sig, fmt_spread, markdown_table
+from rlsync.fmt import (
+    fmt_mib,
+    fmt_range,
+    fmt_ratio,
+    fmt_seconds,
+    fmt_share,
+    fmt_sig,
+    fmt_spread,
+    is_number,
+    markdown_table,
+)
 from rlsync.measure import metrics
-from rlsync.report.runs import MIN_MEASURED, Run, is_number
+from rlsync.report.runs import MIN_MEASURED, Run
 
 PER_TENSOR = "per_tensor"  # the strategy to which a bucket size does not apply
 
 
 def fmt_efficiency(eff: Optional[float]) -> str:
-    """ "0.82 (1.22x limit)", "0.0031 (323x limit)": limit / time, and how many times the limit the update took."""
+    """ "0.82 (1.22x floor)", "0.0031 (323x floor)": floor / time, and how many times the floor the update took."""
     if eff is None or eff <= 0:
         return "n/a"
-    return f"{fmt_sig(eff)} ({fmt_ratio(1 / eff)} limit)"
+    return f"{fmt_sig(eff)} ({fmt_ratio(1 / eff)} floor)"
 
 
 def fmt_bucket(bucket_mb: Any) -> str:
@@ -34,7 +44,7 @@ def bucket_cell(row: dict[str, Any]) -> str:
 
 TABLE_HEADER = (
     "run", "model", "transport", "bucket (MiB)", "n", "update", "offload (sleep)", "onload (wake_up)",
-    "step", "update share", "efficiency (limit/time)", "peak update (MiB)",
+    "step", "update share", "efficiency (floor/time)", "peak update (MiB)",
 )  # fmt: skip
 TABLE_NOTE = (
     "n: measured steps (a bench: timed repeats; warm-up left out). Update and step: median (min to max over "

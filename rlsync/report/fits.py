@@ -7,8 +7,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from rlsync.fmt import fmt_seconds
-from rlsync.report.runs import MIN_MEASURED, is_number
+from rlsync.fmt import fmt_seconds, is_number
+from rlsync.report.runs import MIN_MEASURED
 
 MIN_FIT_SIZES = 3  # distinct update sizes that make a line of time against bytes meaningful by themselves
 

@@ -40,11 +40,11 @@ BAR_LABEL_WIDTH = 48  # characters per line of a bar's label, wrapped beyond
 LEGEND_AT = (1.02, 1.0)  # legends right of the axes, clear of the last tick label
 
 
-def number(value: Any) -> Optional[float]:
+def as_float(value: Any) -> Optional[float]:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def time_unit(seconds: list[float]) -> tuple[float, str]:
+def axis_unit(seconds: list[float]) -> tuple[float, str]:
     """Scale and unit so that the largest time reads as a plain number."""
     scale, unit, _ = fmt.time_unit(max(seconds, default=1.0))
     return scale, unit
@@ -76,7 +76,7 @@ def series_label(row: Row, rows: list[Row]) -> str:
     return ", ".join(parts)
 
 
-def run_label(row: Row, rows: list[Row]) -> str:
+def bar_label(row: Row, rows: list[Row]) -> str:
     """A bar's label: the job and everything that sets its update apart, "3: tiny, ipc, bucketed, 4 MiB";
     with the run's own overrides too where another run has the same setup (they differ in something else)."""
 
@@ -96,7 +96,7 @@ def by_setup(rows: list[Row], x_key: str, y_key: str) -> dict[str, list[Row]]:
     """Rows with both values, one series per model and transport/strategy (engine), sorted along x:
     a line joins only runs that differ in x. Labelled "tiny, direct, bucketed", "tiny, ipc, per_tensor"
     (a model name that comes with several update sizes is split by size, so each line is one model)."""
-    rows = [r for r in rows if number(r.get(x_key)) is not None and number(r.get(y_key)) is not None]
+    rows = [r for r in rows if as_float(r.get(x_key)) is not None and as_float(r.get(y_key)) is not None]
     series: dict[str, list[Row]] = {}
     for row in rows:
         series.setdefault(series_label(row, rows), []).append(row)
@@ -114,7 +114,7 @@ def per_tensor_levels(
         color = f"C{colors_used + index}"
         for row in rs:  # one per run; several runs of one setup share the colour and the label
             ax.axhline(row[y_key] * scale, color=color, linestyle=":", label=label if row is rs[0] else None)
-            floor = number(row.get(floor_key)) if floor_key else None
+            floor = as_float(row.get(floor_key)) if floor_key else None
             if floor is not None:
                 ax.axhline(floor * scale, color=color, gid=f"copy floor: {label}", **FLOOR_STYLE)
     return len(levels)
@@ -186,8 +186,8 @@ def min_max_bars(rows: list[Row], scale: float) -> list[list[float]]:
     below, above = [], []
     for r in rows:
         median = r["update_time_median"]
-        below.append((median - (number(r.get("update_time_min")) or median)) * scale)
-        above.append(((number(r.get("update_time_max")) or median) - median) * scale)
+        below.append((median - (as_float(r.get("update_time_min")) or median)) * scale)
+        above.append(((as_float(r.get("update_time_max")) or median) - median) * scale)
     return [below, above]
 
 
@@ -197,17 +197,17 @@ def plot_update_time_vs_bucket(rows: list[Row], fits: list[FitGroup], path: Path
     buckets = {r["bucket_mb"] for rs in series.values() for r in rs}
     if len(buckets) < 2:
         return f"{path.name} skipped: needs runs with at least two bucket sizes (found {len(buckets)})"
-    timed = [r for r in rows if number(r.get("update_time_median")) is not None]
-    floors = [number(r.get("update_limit_time_median")) for r in timed]
-    drawn = [number(r.get("update_time_max")) or r["update_time_median"] for r in timed]
-    drawn += [number(r.get("update_time_min")) or r["update_time_median"] for r in timed]
-    scale, unit = time_unit(drawn)
+    timed = [r for r in rows if as_float(r.get("update_time_median")) is not None]
+    floors = [as_float(r.get("update_limit_time_median")) for r in timed]
+    drawn = [as_float(r.get("update_time_max")) or r["update_time_median"] for r in timed]
+    drawn += [as_float(r.get("update_time_min")) or r["update_time_median"] for r in timed]
+    scale, unit = axis_unit(drawn)
     fig, ax = new_axes("Weight update time vs bucket size\n(median, bars: min to max; dashed: the copy floor)", WIDE)
     for index, (label, rs) in enumerate(series.items()):
         xs = [r["bucket_mb"] for r in rs]
         ys = [r["update_time_median"] * scale for r in rs]
         ax.errorbar(xs, ys, yerr=min_max_bars(rs, scale), marker="o", capsize=3, color=f"C{index}", label=label)
-        floor = [(r["bucket_mb"], number(r.get("update_limit_time_median"))) for r in rs]
+        floor = [(r["bucket_mb"], as_float(r.get("update_limit_time_median"))) for r in rs]
         floor = [(x, y * scale) for x, y in floor if y is not None]
         if floor:  # the plain copy over the same path, timed in the same run: how far the update is from it
             ax.plot(*zip(*floor), color=f"C{index}", marker="x", gid=f"copy floor: {label}", **FLOOR_STYLE)
@@ -228,7 +228,7 @@ def plot_update_time_vs_bytes(rows: list[Row], fits: list[FitGroup], path: Path)
     if not any(group.fit for group in fits):
         return f"{path.name} skipped: no setup has a meaningful fit of update time against bytes (see the fit lines)"
     points = [r for group in fits for r in group.rows]
-    scale, unit = time_unit([r["update_time_median"] for r in points])
+    scale, unit = axis_unit([r["update_time_median"] for r in points])
     fig, ax = new_axes("Weight update time vs bytes sent", WIDE if len(fits) > 1 else (7, 4.5))
     xs = [0.0, max(r["update_bytes"] for r in points) * 1.05]
     if len(fits) == 1:
@@ -282,9 +282,9 @@ def draw_fit_per_group(ax, fits: list[FitGroup], xs: list[float], scale: float, 
 
 def step_parts(row: Row) -> dict[str, float]:
     """Median seconds per part of the step (the catalogue's), plus "other" for what the step spends outside them."""
-    parts = {p.name: number(row.get(f"{p.name}_time_median")) for p in metrics.step_phases()}
+    parts = {p.name: as_float(row.get(f"{p.name}_time_median")) for p in metrics.step_phases()}
     parts = {p: v for p, v in parts.items() if v is not None}
-    step = number(row.get("step_time_median"))
+    step = as_float(row.get("step_time_median"))
     if step is not None and step > sum(parts.values()):
         parts["other"] = step - sum(parts.values())
     return parts
@@ -294,7 +294,7 @@ def bucket_label(row: Row) -> str:
     """ "512 MiB"; "per_tensor" for a run without buckets; "" when the bucket size is not known."""
     if row.get("strategy") == PER_TENSOR:
         return PER_TENSOR
-    bucket = number(row.get("bucket_mb"))
+    bucket = as_float(row.get("bucket_mb"))
     return f"{bucket:g} MiB" if bucket is not None else ""
 
 
@@ -326,18 +326,18 @@ def stacked_bars(ax, parts: list[dict[str, float]], order: list[tuple[str, str, 
 def plot_step_breakdown(rows: list[Row], fits: list[FitGroup], path: Path) -> Optional[str]:
     """The median step by phase, one bar per run of the step loop, the update's share at its end.
     A bench has no step (its rows are repeats of the update alone): update_phases.png splits those."""
-    stepped = [r for r in rows if not r.get("bench") and number(r.get("step_time_median")) is not None]
+    stepped = [r for r in rows if not r.get("bench") and as_float(r.get("step_time_median")) is not None]
     bars = [(row, step_parts(row)) for row in stepped]
     bars = [(row, parts) for row, parts in bars if parts]
     if not bars:
         why = "the runs are benchmarks, which time no step (update_phases.png splits the update)"
         return f"{path.name} skipped: " + (why if any(r.get("bench") for r in rows) else "no run logged phase times")
-    scale, unit = time_unit([sum(parts.values()) for _, parts in bars])
+    scale, unit = axis_unit([sum(parts.values()) for _, parts in bars])
     drawn_rows = [row for row, _ in bars]
     order = [(p.name, p.label, p.color) for p in (*metrics.step_phases(), metrics.OTHER)]  # the order the step runs
     entries = sum(any(parts.get(name) for _, parts in bars) for name, _, _ in order)
     fig, ax = bar_axes("Median step by phase (the weight update's share at the end)",
-                       [run_label(row, drawn_rows) for row in drawn_rows], entries)  # fmt: skip
+                       [bar_label(row, drawn_rows) for row in drawn_rows], entries)  # fmt: skip
     ends = stacked_bars(ax, [parts for _, parts in bars], order, scale)
     for y, ((_row, parts), end) in enumerate(zip(bars, ends)):
         if "update_weights" in parts and sum(parts.values()) > 0:
@@ -353,9 +353,9 @@ def plot_step_breakdown(rows: list[Row], fits: list[FitGroup], path: Path) -> Op
 def update_parts(row: Row) -> dict[str, float]:
     """The update's median split (gather, pack, transfer, load: what the transport times), plus
     "unsplit" for the rest of the median update; {} when the run logged no split."""
-    parts = {p: number(row.get(f"update_{p}_time_median")) for p in UPDATE_PARTS}
+    parts = {p: as_float(row.get(f"update_{p}_time_median")) for p in UPDATE_PARTS}
     parts = {p: v for p, v in parts.items() if v is not None}
-    total = number(row.get("update_time_median"))
+    total = as_float(row.get("update_time_median"))
     if not parts or total is None:
         return {}
     if total > sum(parts.values()):
@@ -379,16 +379,16 @@ def plot_update_phases(rows: list[Row], fits: list[FitGroup], path: Path) -> Opt
         return f"{path.name} skipped: no run logged the update's phases (perf/update_weights_pack_time, ...)"
     drawn_rows = [row for row, _ in bars]
     fig, ax = bar_axes("Weight update by phase (share of each run's median update; |: the copy floor)",
-                       [run_label(row, drawn_rows) for row in drawn_rows], len(UPDATE_PARTS) + 2)  # fmt: skip
+                       [bar_label(row, drawn_rows) for row in drawn_rows], len(UPDATE_PARTS) + 2)  # fmt: skip
     shares = [{p: 100 * v / sum(parts.values()) for p, v in parts.items()} for _, parts in bars]
     order = [(p, label_of(f"perf/update_weights_{p}_time"), UPDATE_PART_COLORS[p]) for p in UPDATE_PARTS]
     stacked_bars(ax, shares, [*order, ("unsplit", "not split", "#dddddd")], 1.0)
     handles, labels = ax.get_legend_handles_labels()
     marked = False
     for y, (row, parts) in enumerate(bars):
-        total, floor = number(row.get("update_time_median")), number(row.get("update_limit_time_median"))
+        total, floor = as_float(row.get("update_time_median")), as_float(row.get("update_limit_time_median"))
         total = total or sum(parts.values())  # the parts' medians need not add up to the update's
-        efficiency = number(row.get("update_efficiency_median"))  # each repeat against its own floor, as the table
+        efficiency = as_float(row.get("update_efficiency_median"))  # each repeat against its own floor, as the table
         times = 1 / efficiency if efficiency else total / floor if floor else None
         text = f" {fmt.fmt_seconds(total)}" + (f", {times:.3g}x the floor" if times else "")
         ax.annotate(text, (100, y), va="center", ha="left", fontsize="small")
@@ -413,7 +413,7 @@ def plot_peak_memory_vs_bucket(rows: list[Row], fits: list[FitGroup], path: Path
     buckets = {r["bucket_mb"] for rs in series.values() for r in rs}
     if len(buckets) < 2:
         return f"{path.name} skipped: needs runs with perf/update_weights_peak_bytes at two or more bucket sizes"
-    peaks = [number(r.get("update_peak_bytes_max")) for r in rows]
+    peaks = [as_float(r.get("update_peak_bytes_max")) for r in rows]
     if not any(peaks):
         return (
             f"{path.name} skipped: every run's update held 0 bytes beyond the weights (no staging buffer: "
@@ -432,7 +432,7 @@ def plot_peak_memory_vs_bucket(rows: list[Row], fits: list[FitGroup], path: Path
         )
     per_tensor_levels(
         ax,
-        [r for r in rows if number(r.get("update_peak_bytes_max")) is not None],
+        [r for r in rows if as_float(r.get("update_peak_bytes_max")) is not None],
         "update_peak_bytes_max",
         1 / MIB,
         len(series),
@@ -475,7 +475,7 @@ def timeline_label(row: Row, drawn: list[Row]) -> str:
 
 def shade_warmup(axes: list, rows: list[Row]) -> Optional[str]:
     """Grey band over the warm-up steps (left out of every median); returns its legend label."""
-    warmups = sorted({int(r["warmup_steps"]) for r in rows if number(r.get("warmup_steps"))})
+    warmups = sorted({int(r["warmup_steps"]) for r in rows if as_float(r.get("warmup_steps"))})
     warmups = [w for w in warmups if w > 0]
     for warmup in warmups:  # runs with different warm-ups: overlapping bands, darker where all agree
         for ax in axes:
@@ -498,7 +498,7 @@ def plot_step_timeline(rows: list[Row], fits: list[FitGroup], path: Path) -> Opt
         return f"{path.name} skipped: needs a run with perf/step_time logged for at least 3 steps (a bench has none)"
     drawn = runs[:TIMELINE_MAX_RUNS]
     points = [p for r in drawn for p in r["timeline"]]
-    scale, unit = time_unit([p["step_time"] for p in points])
+    scale, unit = axis_unit([p["step_time"] for p in points])
     fig, (times_ax, share_ax) = pyplot().subplots(
         2, 1, sharex=True, figsize=(9, 6.5), dpi=100, gridspec_kw={"height_ratios": [3, 2]}
     )

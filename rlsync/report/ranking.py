@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from rlsync.fmt import MIB, fmt_ratio, fmt_seconds, fmt_share, fmt_spread
+from rlsync.fmt import MIB, fmt_ratio, fmt_seconds, fmt_share, fmt_spread, is_number
 from rlsync.report.cells import fmt_bucket
 from rlsync.report.fits import spans_overlap, time_span
-from rlsync.report.runs import MIN_MEASURED, is_number
+from rlsync.report.runs import MIN_MEASURED
 
 
 def model_label(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rlsync.fmt import fmt_bytes, fmt_seconds, fmt_share
+from rlsync.config.schema import VERDICT_THRESHOLD
+from rlsync.fmt import fmt_bytes, fmt_seconds, is_number
 from rlsync.measure import metrics
+from rlsync.record.summary import share_verdict
 from rlsync.report.cells import PER_TENSOR, fmt_bucket
-from rlsync.report.runs import Run, is_number
+from rlsync.report.runs import Run
 
-DEFAULT_VERDICT_THRESHOLD = 0.03  # update share of the step above which tuning it pays (run.verdict_threshold)
 UPDATE_PARTS = ("gather", "pack", "transfer", "load")  # perf/update_weights_<part>_time, in the order they run
 
 # report.csv columns: raw seconds, bytes and ratios (never formatted strings); between these two,
@@ -124,9 +125,7 @@ def run_verdict(run: Run, share: Optional[float]) -> str:
         return f"{line} ({warning})" if warning else line
     if share is None:
         return f"{prefix}: {run.measured_steps} measured steps, no step time to compare with"
-    threshold = run.cfg("run.verdict_threshold", DEFAULT_VERDICT_THRESHOLD)
-    advice = "worth tuning" if share > threshold else "tune rollout and training first"
-    return f"{prefix}: update is {fmt_share(share)} of the step ({advice}; threshold {threshold:.0%})"
+    return f"{prefix}: {share_verdict(share, run.cfg('run.verdict_threshold', VERDICT_THRESHOLD))}"
 
 
 # bench.target -> (metric stem, what the verdict calls it), as the bench's closing tables do

@@ -1,16 +1,16 @@
-"""Reading run directories back (summary.json, metrics.jsonl, .hydra/, logs) into a Run or a Failure,
+"""Reading run directories back (summary.json, metrics.jsonl, .hydra/, logs) into a Run or a FailedRun,
 and finding the runs under the paths given: the sweeps and the job directories in them."""
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from rlsync.config.files import SUMMARY_MAX, UnreadableFile, read_bytes
+from rlsync.fmt import is_number
 from rlsync.record.summary import stats_over
 
 DEFAULT_WARMUP_STEPS = 2
@@ -47,7 +47,7 @@ class Run:
 
 
 @dataclass
-class Failure:
+class FailedRun:
     """A job that left no measurement, or whose summary says it failed."""
 
     path: Path
@@ -74,14 +74,6 @@ def read_text(path: Path, max_bytes: int = SUMMARY_MAX) -> str:
     """A run's file as text, only if it is a regular file within `max_bytes` (a FIFO named summary.json
     would block a plain read forever): FileNotFoundError, UnreadableFile (a ValueError) or OSError otherwise."""
     return read_bytes(path, max_bytes=max_bytes).decode("utf-8", errors="replace")
-
-
-def read_json(path: Path) -> Optional[dict]:
-    try:
-        data = json.loads(read_text(path))
-    except (OSError, ValueError, RecursionError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 class Malformed(ValueError):
@@ -235,11 +227,7 @@ def step_stats(rows: list[dict], warmup_steps: int) -> tuple[dict[str, dict[str,
     return stats_over(rows, warmup_steps), sum(1 for r in rows if r["step"] >= warmup_steps)
 
 
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def error_line(run_dir: Path) -> str:
+def failure_line(run_dir: Path) -> str:
     """The last log line naming an error, else the last non-empty log line: rlsync's error.log first (the
     submitit launcher appends its own "Exiting after successful completion" to the job's log after it)."""
     logs = sorted(run_dir.glob("*.log"), key=lambda p: (p.name != "error.log", -p.stat().st_mtime))
@@ -261,19 +249,19 @@ def strip_log_prefix(line: str) -> str:
     return rest if sep and head.startswith("[") else line
 
 
-def load_job(run_dir: Path, sweep: Optional[Path] = None) -> Run | Failure:
-    """Read one job directory into a Run (it measured something) or a Failure; a record the report
-    cannot read (torn, wrong types) is a Failure with one line saying what is wrong, never a traceback."""
+def load_job(run_dir: Path, sweep: Optional[Path] = None) -> Run | FailedRun:
+    """Read one job directory into a Run (it measured something) or a FailedRun; a record the report
+    cannot read (torn, wrong types) is a FailedRun with one line saying what is wrong, never a traceback."""
     try:
         return read_job(run_dir, sweep)
     except Exception as err:  # noqa: BLE001 - one bad record costs its own row, never the report
         overrides = read_yaml(run_dir / ".hydra" / "overrides.yaml")
         overrides = [str(o) for o in overrides] if isinstance(overrides, list) else []
         reason = str(err) if isinstance(err, Malformed) else f"unreadable run record ({type(err).__name__}: {err})"
-        return Failure(run_dir, run_dir.name, overrides, reason.splitlines()[0] if reason else "unreadable", sweep)
+        return FailedRun(run_dir, run_dir.name, overrides, reason.splitlines()[0] if reason else "unreadable", sweep)
 
 
-def read_job(run_dir: Path, sweep: Optional[Path] = None) -> Run | Failure:
+def read_job(run_dir: Path, sweep: Optional[Path] = None) -> Run | FailedRun:
     summary = read_summary(run_dir / "summary.json")
     rows = read_metrics(run_dir / "metrics.jsonl")
     config = summary.get("config") or read_yaml(run_dir / ".hydra" / "config.yaml") or {}
@@ -281,7 +269,7 @@ def read_job(run_dir: Path, sweep: Optional[Path] = None) -> Run | Failure:
     overrides = summary.get("overrides") or read_yaml(run_dir / ".hydra" / "overrides.yaml") or []
     overrides = [str(o) for o in overrides] if isinstance(overrides, list) else []
     if not summary and not rows:
-        return Failure(run_dir, run_dir.name, overrides, error_line(run_dir), sweep)
+        return FailedRun(run_dir, run_dir.name, overrides, failure_line(run_dir), sweep)
 
     warmup = summary.get("warmup_steps", dig(config, "run.warmup_steps", DEFAULT_WARMUP_STEPS))
     stats, measured = step_stats(rows, int(warmup))
@@ -291,8 +279,8 @@ def read_job(run_dir: Path, sweep: Optional[Path] = None) -> Run | Failure:
     status = summary.get("status", "incomplete") if summary else "incomplete"
     error = summary.get("error")
     if not stats:  # nothing to put in the table: it failed, or stopped within the warm-up
-        reason = error or (error_line(run_dir) if status == "failed" else f"{status} before any measured step")
-        return Failure(run_dir, run_dir.name, overrides, reason, sweep)
+        reason = error or (failure_line(run_dir) if status == "failed" else f"{status} before any measured step")
+        return FailedRun(run_dir, run_dir.name, overrides, reason, sweep)
     measured = summary.get("measured_steps", measured)
     return Run(
         run_dir,
@@ -327,7 +315,7 @@ def is_sweep_dir(path: Path) -> bool:
     return any(child.is_dir() and is_job_dir(child) for child in path.iterdir())
 
 
-def sweep_jobs(sweep: Path) -> list[Path]:
+def job_dirs(sweep: Path) -> list[Path]:
     """Every numbered subdirectory, even an empty one (a job that died before writing), then every other
     subdirectory that holds a run, by name."""
     children = [child for child in sweep.iterdir() if child.is_dir()]
@@ -336,16 +324,16 @@ def sweep_jobs(sweep: Path) -> list[Path]:
     return numbered + named
 
 
-def collect(paths: Iterable[Path]) -> tuple[list[Run], list[Failure], list[Path], list[str]]:
+def collect(paths: Iterable[Path]) -> tuple[list[Run], list[FailedRun], list[Path], list[str]]:
     """Runs, failures, the sweep directories seen, and notes on paths that held nothing."""
     runs: list[Run] = []
-    failures: list[Failure] = []
+    failures: list[FailedRun] = []
     sweeps: list[Path] = []
     notes: list[str] = []
     for path in paths:
         if is_sweep_dir(path):
             sweeps.append(path)
-            jobs = [(job, path) for job in sweep_jobs(path)]
+            jobs = [(job, path) for job in job_dirs(path)]
         elif path.is_dir() and is_job_dir(path):
             jobs = [(path, None)]
         else:
@@ -353,12 +341,12 @@ def collect(paths: Iterable[Path]) -> tuple[list[Run], list[Failure], list[Path]
             continue
         for job_dir, sweep in jobs:
             loaded = load_job(job_dir, sweep)
-            if isinstance(loaded, Failure):
+            if isinstance(loaded, FailedRun):
                 failures.append(loaded)
                 continue
             runs.append(loaded)
             if loaded.status == "failed":  # measured some steps, then failed: both lists
-                failures.append(Failure(job_dir, job_dir.name, loaded.overrides, loaded.error or "failed", sweep))
+                failures.append(FailedRun(job_dir, job_dir.name, loaded.overrides, loaded.error or "failed", sweep))
     return runs, failures, sweeps, notes
 
 

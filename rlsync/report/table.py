@@ -10,7 +10,7 @@ from typing import Any, Optional
 from rlsync.report.cells import table_cells
 from rlsync.report.fits import Fit, FitGroup
 from rlsync.report.rows import table_row
-from rlsync.report.runs import Failure, Run
+from rlsync.report.runs import FailedRun, Run
 
 
 @dataclass
@@ -20,7 +20,7 @@ class ReportResult:
     out_dir: Path
     group: str
     runs: list[Run] = field(default_factory=list)
-    failures: list[Failure] = field(default_factory=list)
+    failures: list[FailedRun] = field(default_factory=list)
     rows: list[dict[str, Any]] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # skipped plots, unreadable paths
@@ -49,7 +49,7 @@ def table_rows(result: ReportResult) -> list[dict[str, Any]]:
             table_cells(row)  # formatting is where a wrong type would show
         except Exception as err:  # noqa: BLE001 - one bad record costs its own row
             result.failures.append(
-                Failure(
+                FailedRun(
                     run.path,
                     run.job,
                     run.overrides,

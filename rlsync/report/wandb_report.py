@@ -27,7 +27,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from rlsync.fmt import error_line
+from rlsync.config.schema import VERDICT_THRESHOLD
+from rlsync.fmt import error_line, fmt_share
 from rlsync.measure import metrics
 from rlsync.report.cells import TABLE_HEADER, common_overrides, table_cells
 from rlsync.report.ranking import best_settings
@@ -275,8 +276,8 @@ def intro_markdown(group: str, runs: list[dict[str, Any]]) -> str:
         + (f", models {', '.join(models)}" if models else "")
         + (f", bucket sizes {', '.join(f'{b:g}' for b in buckets)} MiB" if buckets else "")
         + ". Times are medians over the measured steps (warm-up left out). "
-        + "Rule of thumb: tune rollout and training first; come back to the update when it passes "
-        + "a few percent of the step. Built by `python -m rlsync.report --wandb-report`."
+        + "The verdict: the update is worth tuning once it passes run.verdict_threshold (default "
+        + f"{fmt_share(VERDICT_THRESHOLD)}) of the step. Built by `python -m rlsync.report --wandb-report`."
     )
 
 

@@ -43,7 +43,7 @@ from rlsync.run.roles import Roles
 from rlsync.sync import (
     WeightMismatch,
     follow_update,
-    update_weights,
+    timed_update,
 )
 from rlsync.sync.auto import resolved_setup
 from rlsync.sync.base import Transport
@@ -108,7 +108,7 @@ class Experiment:
         self.recorder = recorder or Recorder(Path("."), enabled=False)  # run dir, files, W&B, signals, summary.json
         self.memory = memory  # run_experiment's estimate: summary.json puts the measured peak beside it
         self.dp = dp or DataParallel()
-        self.roles = Roles(self.dp, engines=cfg.rollout.engines)  # this rank's part in each phase
+        self.roles = Roles(self.dp, placement=cfg.rollout.placement)  # this rank's part in each phase
         self.device = self.dp.device(resolve_device(cfg.run.device))
         self.side: UpdateSide | None = None  # the update's tensors, plan, floors, knobs and transport: setup()
         self.setup_info: dict = {}
@@ -140,7 +140,7 @@ class Experiment:
         """Build trainer and engine, measure the copy limits, do the first update, put the trainer to sleep.
 
         Data parallel: every rank builds a trainer and takes rank 0's weights (before trainer.parallel wraps
-        or shards the model); rank 0 alone opens the engine (every rank its own with rollout.engines=
+        or shards the model); rank 0 alone opens the engine (every rank its own with rollout.placement=
         every_rank), measures the copy limits (the other ranks wait, so the probe has the memory to itself)
         and does the first update. Under fsdp2 every rank then measures the gather's floor and gathers.
         """
@@ -316,7 +316,7 @@ class Experiment:
         gather_limit = self.gather_floor.time(side.read_bytes) if self.gather_floor is not None else 0.0
         if transport is None:
             return follow_update(source, cfg=side.update_cfg, gather_limit_time=gather_limit)
-        metrics = update_weights(
+        metrics = timed_update(
             transport,
             source,
             buckets=side.buckets,
@@ -382,7 +382,7 @@ class Experiment:
 
     def offload_metrics(self, m: dict) -> dict:
         """Beside perf/sleep_time and perf/wake_up_time: GB/s, the limit (bytes over the host-link copy
-        bandwidth measured in this run; memcpy on a CPU) and the efficiency (limit / time). Data parallel:
+        bandwidth measured in this run; memcpy on a CPU) and the efficiency (floor / time). Data parallel:
         against the rank's share of the link."""
         if not self.dp.is_main:  # rank 0 alone records
             return {}
@@ -470,7 +470,7 @@ def run_summary(
         "offload": cfg.trainer.offload,
         "ranks": ranks,  # data-parallel trainer ranks
         "parallel": cfg.trainer.parallel if ranks > 1 else "none",  # how they share the model (trainer.parallel)
-        "engines": cfg.rollout.engines if ranks > 1 else "rank0",  # rank0: one engine | every_rank: one per rank
+        "placement": cfg.rollout.placement if ranks > 1 else "rank0",  # rank0: one engine | every_rank: one per rank
         "gather": cfg.update.gather if ranks > 1 and cfg.trainer.parallel == "fsdp2" else None,
         "limit_probe": cfg.run.limit_probe,
         "update_layout": cfg.model.update_layout,  # checkpoint: per-expert tensors (as published) | fused

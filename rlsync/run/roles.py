@@ -1,7 +1,7 @@
 """What this process does in each phase of a step, given its rank: the step loop calls it once per phase.
 
 A single process does everything. Under data parallel (rlsync.trainer.data_parallel) every rank trains
-its share of whole prompt groups; where the engines live (rollout.engines) decides the rest:
+its share of whole prompt groups; where the engines live (rollout.placement) decides the rest:
 
 - `rank0`: rank 0 alone holds the engine, generates the whole batch and scatters prompt groups;
   under fsdp2 the other ranks take part in the update's gathers (each one a collective);
@@ -37,9 +37,9 @@ Rollout = Callable[[slice], tuple[Generation, torch.Tensor, dict[str, float]]]  
 class Roles:
     """This rank's part in each phase (module docstring); a single process's is every part."""
 
-    def __init__(self, dp: DataParallel, *, engines: str):
+    def __init__(self, dp: DataParallel, *, placement: str):
         self.dp = dp
-        self.every_rank = dp.enabled and engines == "every_rank"  # one engine per rank
+        self.every_rank = dp.enabled and placement == "every_rank"  # one engine per rank
         self.has_engine = dp.is_main or self.every_rank
         self.sharded = False  # trainer.parallel shards the weights (fsdp2): set once the trainer is built
 

@@ -11,7 +11,7 @@ registry there (`register_transport`), whose built-ins are:
 - `broadcast` (sync/broadcast.py): the engine in its own process joined to the trainer in a
   torch.distributed group; one broadcast per bucket.
 
-`update_weights` here wraps a transport's update (its `UpdateResult`) with what every transport
+`timed_update` here wraps a transport's update (its `UpdateResult`) with what every transport
 reports: bytes, buckets, bandwidth, the limit and the efficiency against it, the memory peak, and
 the optional verification.
 """
@@ -72,7 +72,7 @@ def verify(trainer_weights: dict[str, torch.Tensor], engine_checksums: dict[str,
         )
 
 
-def update_weights(
+def timed_update(
     engine: Transport,
     weights: dict[str, torch.Tensor],
     *,

@@ -129,7 +129,7 @@ def generator_here(sent: torch.device, engine_device: torch.device) -> torch.dev
     return engine_device if sent.type == engine_device.type else sent
 
 
-def serve(conn, spec: EngineSpec, receiver: Receiver, strategy: str) -> None:
+def engine_main(conn, spec: EngineSpec, receiver: Receiver, strategy: str) -> None:
     """Entry point of the engine process: build, answer "start", then serve until "close" or EOF.
 
     The trainer owns the engine's lifetime: a Ctrl-C or SIGTERM sent to the whole process group must
@@ -238,8 +238,8 @@ def passive_openmp(enabled: bool):
         del os.environ["OMP_WAIT_POLICY"]
 
 
-class Answer:
-    """One answered request: the result and the handoff latency around the engine's work."""
+class PipeReply:
+    """One request answered over the pipe (the HTTP one is messages.Reply): the result and the handoff latency around the engine's work."""
 
     def __init__(
         self, result, *, sent: float, waited: float, received: float, t_recv: float, t_send: float, t_prev_send: float
@@ -260,7 +260,9 @@ class EngineProcess:
         preload = (*engine_class(spec.rollout.engine).preload_modules(), *receiver.preload_modules())
         ctx = start_context(torch.device(spec.device), preload)
         conn, child = ctx.Pipe(duplex=True)
-        process = ctx.Process(target=serve, args=(child, spec, receiver, strategy), name="rlsync-serve", daemon=True)
+        process = ctx.Process(
+            target=engine_main, args=(child, spec, receiver, strategy), name="rlsync-serve", daemon=True
+        )
         with passive_openmp(engine_class(spec.rollout.engine).passive_cpu_threads):
             process.start()
         child.close()
@@ -329,7 +331,7 @@ class EngineProcess:
         self._sent.append((op, sent))
         return sent
 
-    def reply(self, op: str) -> Answer:
+    def reply(self, op: str) -> PipeReply:
         """The answer to the oldest outstanding request, which must be `op`."""
         expected, sent = self._sent[0]
         assert expected == op, f"engine protocol: waiting for {op!r}, but {expected!r} is answered first"
@@ -420,7 +422,7 @@ class EngineProcess:
         """Ask the engine to exit; kill it if it does not answer within CLOSE_S. Safe to call twice.
 
         An engine busy with a request that cannot finish (a receive whose sender stopped) never
-        answers; SIGTERM is ignored there (see `serve`), so it is killed.
+        answers; SIGTERM is ignored there (see `engine_main`), so it is killed.
         """
         if self.closed:
             return
@@ -457,14 +459,14 @@ class EngineProcess:
     def _death(self, what: str) -> str:
         return f"{self.who} {self._ended()} while the trainer waited for {what}"
 
-    def _unpack(self, message: tuple, *, sent: float, waited: float) -> Answer:
+    def _unpack(self, message: tuple, *, sent: float, waited: float) -> PipeReply:
         received = time.monotonic()
         if message[0] == "error":
             _, op, tb = message
             last = tb.strip().splitlines()[-1]
             raise EngineFailed(f"{self.who} failed during {op!r}: {last}\n{tb}")
         _, op, result, t_recv, t_send, t_prev_send = message
-        return Answer(
+        return PipeReply(
             result, sent=sent, waited=waited, received=received, t_recv=t_recv, t_send=t_send, t_prev_send=t_prev_send
         )
 

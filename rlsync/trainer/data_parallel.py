@@ -6,7 +6,7 @@
 This module joins the launch's process group and moves what the step needs between ranks; how the ranks
 share the model (trainer.parallel: accelerate's DDP, torch's FSDP2) is rlsync/trainer/parallel.py.
 
-With one engine (rollout.engines=rank0), rank 0 generates the whole batch and sends each rank whole
+With one engine (rollout.placement=rank0), rank 0 generates the whole batch and sends each rank whole
 prompt groups (GRPO advantages are normalised within a group, so a group never straddles ranks); with
 one engine per rank (every_rank, the colocated layout) each rank generates its own groups. Every rank
 scores and trains on its share; each rank's loss is its tokens' part of the *whole batch's* token

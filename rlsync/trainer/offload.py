@@ -521,7 +521,7 @@ def link_metrics(m: dict, limits) -> dict[str, float]:
     """perf/{sleep,wake_up}_{gbps,limit_time,efficiency} from their _time and _bytes in `m`.
 
     The limit is the payload over the one-way copy bandwidth measured in the same run (`limits.to_host`,
-    `limits.to_device`: pinned PCIe on CUDA, memcpy on a CPU); efficiency = limit / time (1 = at the limit).
+    `limits.to_device`: pinned PCIe on CUDA, memcpy on a CPU); efficiency = floor / time (1 = at the floor).
     """
     out = {}
     for phase, bandwidth in (("sleep", limits.to_host), ("wake_up", limits.to_device)):
