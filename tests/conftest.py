@@ -205,7 +205,7 @@ class Ids:
 
 
 class Tiny:
-    """The tiny model of the default config (or `model`), its engine spec, its weights and an open transport:
+    """The tiny model of the default config (or `model`), built, its engine spec, its weights and an open transport:
     every test that builds an engine builds it here, through the entry points' own `engine_spec`."""
 
     def __init__(self):
@@ -225,14 +225,19 @@ class Tiny:
             model, rollout or self.cfg.rollout, device=device, tokenizer=tokenizer or build_tokenizer(model)
         )
 
-    def weights(self, *, seed: int = 0, model=None, dtype=None) -> dict:
-        """The trainer's weights by parameter name (float32 on the CPU unless `dtype`)."""
+    def build(self, *, seed: int = 0, model=None, dtype=None):
+        """The trainer's model: `model` (the tiny one) seeded with `seed`, float32 on the CPU unless `dtype`."""
         import torch
 
-        from rlsync.model.build import build_model, named_weights
+        from rlsync.model.build import build_model
 
-        model = build_model(model or self.model, dtype=dtype or torch.float32, device=torch.device("cpu"), seed=seed)
-        return named_weights(model)
+        return build_model(model or self.model, dtype=dtype or torch.float32, device=torch.device("cpu"), seed=seed)
+
+    def weights(self, *, seed: int = 0, model=None, dtype=None) -> dict:
+        """The trainer's weights by parameter name (`build`'s model)."""
+        from rlsync.model.build import named_weights
+
+        return named_weights(self.build(seed=seed, model=model, dtype=dtype))
 
     def open(self, update, weights: dict, *, spec=None, engine_dtype=None) -> tuple:
         """(transport, bucket plan): the engine behind `update`'s transport, planned for `weights`."""

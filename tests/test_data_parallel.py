@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import FAST, ROOT, cli_env, read_jsonl, run_cli, run_main
+from conftest import FAST, ROOT, Tiny, cli_env, read_jsonl, run_cli, run_main
 
 DP_RUN = [*FAST, "trainer.lr=1e-3", "update.verify=true", "wandb.mode=disabled"]
 FSDP2_RUN = [*DP_RUN, "trainer.parallel=fsdp2"]  # the fixture's launch; rank 0 holds the one engine
@@ -229,13 +229,12 @@ def fixed_batch(groups: int, step: int):
 def tiny_trainer(parallel: str, world: int = 1, before_wrap=lambda model: None):
     """The tiny model's trainer under `parallel`, and its offloader (full: params, grads, AdamW state move)."""
     from rlsync.config.schema import ModelConfig, TrainerConfig
-    from rlsync.model.build import build_model
     from rlsync.trainer.grpo import Trainer
     from rlsync.trainer.offload import Offloader
     from rlsync.trainer.parallel import parallel_for
 
     cpu = torch.device("cpu")
-    model = build_model(ModelConfig(), dtype=torch.float32, device=cpu, seed=3)
+    model = Tiny().build(seed=3)
     before_wrap(model)
     # no clipping at this size: a wrongly scaled gradient must show, not be clipped to the same norm
     cfg = TrainerConfig(lr=1e-3, micro_batch_size=2, grad_clip=1e6)

@@ -8,8 +8,6 @@ import torch
 from conftest import Ids, Tiny
 
 from rlsync.config.schema import ModelConfig, RolloutConfig, UpdateConfig
-from rlsync.model.build import build_model, named_weights
-from rlsync.sync import open_transport, plan_for
 
 CPU = torch.device("cpu")
 TINY = ModelConfig(
@@ -32,7 +30,7 @@ def spec(release_weights: bool):
 
 
 def trainer_weights(seed: int) -> dict[str, torch.Tensor]:
-    return named_weights(build_model(TINY, dtype=torch.float32, device=CPU, seed=seed))
+    return Tiny().weights(model=TINY, seed=seed)
 
 
 def generate(engine, seed: int = 0):
@@ -61,8 +59,7 @@ def test_release_resume_without_weight_release_is_bit_exact():
 def test_released_weights_free_their_memory_and_the_update_refills_them(strategy):
     weights = trainer_weights(0)
     cfg = UpdateConfig(strategy=strategy, bucket_mb=0.05)  # several buckets
-    buckets = plan_for(weights, cfg, torch.bfloat16)
-    handle = open_transport(cfg, spec=spec(release_weights=True), buckets=buckets)
+    handle, buckets = Tiny().open(cfg, weights, spec=spec(release_weights=True))
     reference = spec(release_weights=False).build()  # never released: what the same weights generate
     try:
         handle.update_weights(weights)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import Tiny
 from pydantic import ValidationError
 
-from rlsync.config.schema import Config, UpdateConfig
-from rlsync.model.build import build_model, named_weights
+from rlsync.config.schema import UpdateConfig
 from rlsync.sync import plan_for
 from rlsync.sync.broadcast import BroadcastReceiver
 from rlsync.sync.messages import (
@@ -41,7 +41,7 @@ def test_a_tensor_whose_bytes_do_not_match_its_shape_is_refused():
 
 
 def plan_of(update: UpdateConfig) -> tuple[Plan, list]:
-    weights = named_weights(build_model(Config().model, dtype=torch.float32, device=torch.device("cpu"), seed=0))
+    weights = Tiny().weights(seed=0)
     buckets = plan_for(weights, update, torch.bfloat16)
     receiver = BroadcastReceiver(
         buckets,

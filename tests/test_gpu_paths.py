@@ -4,6 +4,7 @@ the pinned twin's size in the memory estimate."""
 from __future__ import annotations
 
 import torch
+from conftest import Tiny
 from simulated_cuda import SimulatedAllocator
 
 from rlsync.check import estimate as memory
@@ -97,13 +98,12 @@ def test_the_pinned_twin_is_estimated_per_chunk_as_the_offload_pins_it(compose):
 
 def test_the_estimate_matches_the_chunks_an_offloader_allocates(compose):
     """The same chunks, from the config alone and from a real Offloader (twin, on the CPU)."""
-    from rlsync.model.build import build_model
     from rlsync.trainer.offload import Offloader
 
     cfg = compose(
         "model=tiny", "trainer.offload_memory=twin", "trainer.offload=full", "trainer.offload_pin_chunk_mb=0.01"
     )
-    model = build_model(cfg.model, dtype=torch.float32, device=torch.device("cpu"), seed=0)
+    model = Tiny().build(model=cfg.model, seed=0)
     optimizer = torch.optim.AdamW(model.parameters())
     offloader = Offloader(
         model, optimizer, mode="full", device=torch.device("cpu"), memory="twin", pin_chunk_bytes=int(0.01 * MIB)

@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+from conftest import Tiny
 
 from rlsync.trainer.grpo import group_advantages, grpo_loss
 from rlsync.trainer.task import longest_common_subsequence, make_prompts, reward
@@ -90,10 +91,9 @@ def uneven_batch():
 def fresh_trainer(micro_batch_size: int):
     """The same seeded weights every call, so every train step starts from the same model."""
     from rlsync.config.schema import ModelConfig, TrainerConfig
-    from rlsync.model.build import build_model
     from rlsync.trainer.grpo import Trainer
 
-    model = build_model(ModelConfig(), dtype=torch.float32, device=torch.device("cpu"), seed=3)
+    model = Tiny().build(seed=3)
     cfg = TrainerConfig(micro_batch_size=micro_batch_size, kl_coef=0.1)
     return Trainer(model, cfg, allowed_ids=torch.ones(ModelConfig().vocab_size, dtype=torch.bool), temperature=1.0)
 

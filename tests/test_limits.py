@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from conftest import Tiny
 
 import rlsync.measure.limits
 from rlsync.config.schema import Config, UpdateConfig
@@ -18,7 +19,7 @@ from rlsync.measure.limits import (
     crosses_host_link,
     update_floor_bytes,
 )
-from rlsync.model.build import build_model, named_weights
+from rlsync.model.build import named_weights
 from rlsync.sync import plan_for
 from rlsync.trainer.offload import Offloader
 
@@ -59,7 +60,7 @@ def test_same_memory_floor_reads_and_writes(source):
 def test_floor_bytes_are_those_of_the_offloaded_views_the_update_sends():
     """The host views the update reads (Offloader.host_weights) hold the trainer's dtype: the floor's bytes."""
     cfg = Config()
-    model = build_model(cfg.model, dtype=torch.float32, device=torch.device("cpu"), seed=0)
+    model = Tiny().build(model=cfg.model, seed=0)
     weights = named_weights(model)
     offloader = Offloader(model, None, mode="full", device=torch.device("cpu"), memory="twin")
     offloader.sleep()

@@ -7,12 +7,11 @@ import statistics
 
 import pytest
 import torch
-from conftest import FAST, ROOT, read_jsonl, run_main
+from conftest import FAST, ROOT, Tiny, read_jsonl, run_main
 
 from rlsync.config.schema import ModelConfig, TrainerConfig
 from rlsync.engines.base import Generation
 from rlsync.errors import ConfigError
-from rlsync.model.build import build_model
 from rlsync.trainer.grpo import Trainer
 from rlsync.trainer.offload import Offloader, empty_host_cache, plan_pin_chunks, plan_segments, resolve_memory
 
@@ -64,7 +63,7 @@ def run_in_process(run_dir, *overrides: str) -> tuple[list[dict], dict]:
 
 
 def make_trainer(seed: int = 0) -> Trainer:
-    model = build_model(TINY, dtype=torch.float32, device=CPU, seed=seed)
+    model = Tiny().build(model=TINY, seed=seed)
     return Trainer(
         model,
         TrainerConfig(lr=1e-2, micro_batch_size=2),

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, ROOT, cli_env, read_jsonl, run_main
+from conftest import FAST, ROOT, Tiny, cli_env, read_jsonl, run_main
 from test_transports import BF16, CPU, SMALL_BUCKET_MB, Trainer, assert_engine_holds
 
 from rlsync.config.schema import ModelConfig, UpdateConfig
-from rlsync.sync import open_transport, plan_for, timed_update
+from rlsync.sync import plan_for, timed_update
 from rlsync.sync.engine_process import EngineDied, EngineFailed
 from rlsync.sync.remote import TOKEN_ENV, EngineUnreachable, parse_address
 
@@ -182,12 +182,11 @@ def test_generation_over_http_equals_an_engine_in_this_process(engine_server):
 def test_engine_refuses_a_plan_for_another_model(engine_server):
     trainer = Trainer()
     other = ModelConfig(hidden_size=128, intermediate_size=256)  # the tiny model, narrower
-    from rlsync.model.build import build_model, named_weights
 
-    weights = named_weights(build_model(other, dtype=torch.float32, device=CPU, seed=0))
+    weights = Tiny().weights(model=other, seed=0)
     update = remote_update(engine_server.address)
     with pytest.raises(EngineFailed) as caught:
-        open_transport(update, spec=trainer.spec, buckets=plan_for(weights, update, BF16))
+        Tiny().open(update, weights, spec=trainer.spec)
     first = str(caught.value).splitlines()[0]
     assert f"the engine at {engine_server.address} failed during 'start': PlanMismatch:" in first
     assert "(512, 128)" in first and "(512, 256)" in first and "model" in first  # which tensor, both shapes, the fix

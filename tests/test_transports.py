@@ -23,8 +23,8 @@ import torch.distributed as dist
 from conftest import FAST, ROOT, Tiny, cli_env, read_jsonl, run_main
 
 from rlsync.config.schema import Config, UpdateConfig
-from rlsync.model.build import build_model, named_weights
-from rlsync.sync import WeightMismatch, checksum, open_transport, plan_for, timed_update
+from rlsync.model.build import named_weights
+from rlsync.sync import WeightMismatch, checksum, timed_update
 from rlsync.sync.engine_process import EngineDied
 from rlsync.trainer.offload import Offloader
 
@@ -38,7 +38,7 @@ class Trainer:
 
     def __init__(self, seed: int = 3):
         self.tiny = Tiny()
-        self.model = build_model(self.tiny.model, dtype=torch.float32, device=CPU, seed=seed)
+        self.model = self.tiny.build(seed=seed)
         self.offloader = Offloader(self.model, None, mode="full", device=CPU)
         self.weights = named_weights(self.model)
         self.spec = self.tiny.spec()
@@ -95,10 +95,9 @@ def test_process_engine_is_bit_exact_for_both_sources(transport, strategy, infli
         verify=True,
         engine_timeout_s=120,
     )
-    buckets = plan_for(trainer.weights, update, BF16)
+    engine, buckets = trainer.open(update)
     largest_tensor = max(t.numel() * 2 for t in trainer.weights.values())
     assert max(b.nbytes for b in buckets) == largest_tensor > SMALL_BUCKET_MB * 2**20  # one tensor alone, oversized
-    engine = open_transport(update, spec=trainer.spec, buckets=buckets)
     try:
         for source in ("device", "host", "device"):
             sent = trainer.source(source)
@@ -131,8 +130,7 @@ def test_process_engine_is_bit_exact_for_both_sources(transport, strategy, infli
 def test_direct_is_bit_exact(strategy, source, flat):
     trainer = Trainer()
     update = UpdateConfig(strategy=strategy, bucket_mb=SMALL_BUCKET_MB, flat_engine_weights=flat, verify=True)
-    buckets = plan_for(trainer.weights, update, BF16)
-    engine = open_transport(update, spec=trainer.spec, buckets=buckets)
+    engine, buckets = trainer.open(update)
     for _ in range(2):
         sent = trainer.source(source)
         metrics = timed_update(engine, sent, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
@@ -151,8 +149,7 @@ def test_ipc_generates_what_the_in_process_engine_generates():
     try:
         for transport in ("direct", "ipc"):
             update = UpdateConfig(transport=transport)
-            buckets = plan_for(weights, update, BF16)
-            engines[transport] = open_transport(update, spec=trainer.spec, buckets=buckets)
+            engines[transport], buckets = trainer.tiny.open(update, weights, spec=trainer.spec)
             timed_update(engines[transport], weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
         prompts = [[256, *b"12+7="], [256, *b"3*4=?"], [256, 65]]
         outs, states = {}, {}
@@ -200,8 +197,7 @@ def test_a_dead_engine_is_a_clear_error_within_seconds(transport):
     then close() still leaves no process and no process group behind."""
     trainer = Trainer()
     update = UpdateConfig(transport=transport, bucket_mb=SMALL_BUCKET_MB)
-    buckets = plan_for(trainer.weights, update, BF16)
-    engine = open_transport(update, spec=trainer.spec, buckets=buckets)
+    engine, buckets = trainer.open(update)
     try:
         timed_update(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
         kill_after(engine.process.pid, 0.5)
@@ -221,8 +217,7 @@ def test_a_broadcast_engine_killed_mid_update_does_not_hang_the_trainer():
     """The hardest wait: the trainer inside a collective whose peer is gone."""
     trainer = Trainer()
     update = UpdateConfig(transport="broadcast", bucket_mb=SMALL_BUCKET_MB, engine_timeout_s=120)
-    buckets = plan_for(trainer.weights, update, BF16)
-    engine = open_transport(update, spec=trainer.spec, buckets=buckets)
+    engine, buckets = trainer.open(update)
     os.kill(engine.process.pid, signal.SIGSTOP)  # frozen: the trainer's broadcasts cannot complete
     kill_after(engine.process.pid, 0.5)
     start = time.monotonic()

@@ -20,11 +20,11 @@ import sys
 
 import pytest
 import torch
-from conftest import FAST, ROOT, cli_env, read_jsonl
+from conftest import FAST, ROOT, Tiny, cli_env, read_jsonl
 
 from rlsync.config.schema import ModelConfig, RolloutConfig, UpdateConfig
 from rlsync.engines.vllm import FusedLayers
-from rlsync.model.build import ByteTokenizer, build_model, named_weights
+from rlsync.model.build import ByteTokenizer, named_weights
 from rlsync.sync import plan_for
 from rlsync.sync.direct import DirectTransport
 from rlsync.trainer.grpo import sequence_logprobs
@@ -53,7 +53,7 @@ def setup(tiny):
 
 def trainer_model(seed: int):
     """A trainer model in fp32; each seed gives different weights, so a missed update shows."""
-    return build_model(ModelConfig(), dtype=torch.float32, device=CPU, seed=seed)
+    return Tiny().build(seed=seed)
 
 
 def load(engine, model, strategy: str = "bucketed", bucket_mb: float = 512.0) -> dict:
