@@ -11,7 +11,7 @@ import torch
 from conftest import read_jsonl, run_cli
 
 from rlsync.bench.runner import bucket_medians, update_table
-from rlsync.config.schema import BenchAppConfig
+from rlsync.config.apps import BenchAppConfig
 
 
 def wandb_summary(run_dir) -> dict:

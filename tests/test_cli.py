@@ -11,8 +11,8 @@ import time
 import pytest
 from conftest import FAST, ROOT, cli_env, read_jsonl, run_cli, run_main
 
+from rlsync.config.apps import SCHEMAS
 from rlsync.config.help import key_comment
-from rlsync.config.schema import SCHEMAS
 from rlsync.config.validate import leaves
 
 STEP_METRICS = [

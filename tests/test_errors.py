@@ -18,8 +18,9 @@ import pytest
 import torch
 from conftest import ROOT, cli_env, read_jsonl, run_main
 
+from rlsync.config.apps import BenchAppConfig, EngineAppConfig
 from rlsync.config.rules import ANY, Choices, Rule
-from rlsync.config.schema import BenchAppConfig, Config, EngineAppConfig, UpdateConfig
+from rlsync.config.schema import Config, UpdateConfig
 from rlsync.config.validate import leaves, validate
 from rlsync.errors import ConfigError, Interrupted, StopOnSignals, UpdateOutOfMemory
 from rlsync.shell import JobFailed, job_errors

@@ -124,8 +124,8 @@ def calibration_of(coefficients=KNOWN, measured=True) -> dict:
 
 
 def test_plan_schema_prediction_and_flags(compose):
+    from rlsync.config.apps import PlanAppConfig
     from rlsync.config.compose import to_config
-    from rlsync.config.schema import PlanAppConfig
 
     cfg = compose(
         "model=qwen3_1p7b", "trainer.dtype=bfloat16", "update.flat_engine_weights=false"
@@ -165,8 +165,8 @@ def test_plan_schema_prediction_and_flags(compose):
 def test_the_default_plan_predicts_the_one_copy_update_it_resolves(compose):
     """update.flat_engine_weights=null: the headline prediction, its table column and the flags are
     the flat (one-copy) setup's, as the update resolves it; not the two-copy path's coefficients."""
+    from rlsync.config.apps import PlanAppConfig
     from rlsync.config.compose import to_config
-    from rlsync.config.schema import PlanAppConfig
 
     cfg = compose("model=qwen3_1p7b", "trainer.dtype=bfloat16", "rollout.dtype=bfloat16")
     assert cfg.update.flat_engine_weights is None
@@ -397,8 +397,8 @@ def test_the_plan_counts_the_cache_of_the_calibration_machine(compose):
     q_proj and o_proj (2048 x 2048), k_proj and v_proj (1024 x 2048), the two norms (2048) and
     q_norm, k_norm (128): 12,587,264 elements; 28 layers and the final norm: 352,445,440. Not the
     MLP (6144 x 2048) nor the embedding."""
+    from rlsync.config.apps import PlanAppConfig
     from rlsync.config.compose import to_config
-    from rlsync.config.schema import PlanAppConfig
 
     cfg = compose("model=qwen3_1p7b", "trainer.dtype=bfloat16", "update.strategy=per_tensor", "update.transport=ipc")
     cfg = to_config(__import__("omegaconf").OmegaConf.structured(PlanAppConfig(**vars(cfg))), PlanAppConfig)
@@ -510,8 +510,8 @@ def test_a_fresh_install_plans_qwen3_30b_a3b_with_the_reference(tmp_path):
 def plan_cfg(compose, *overrides: str):
     from omegaconf import OmegaConf
 
+    from rlsync.config.apps import PlanAppConfig
     from rlsync.config.compose import to_config
-    from rlsync.config.schema import PlanAppConfig
 
     cfg = compose(*overrides)
     return to_config(OmegaConf.structured(PlanAppConfig(**vars(cfg))), PlanAppConfig)

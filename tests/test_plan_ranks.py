@@ -40,8 +40,8 @@ def calibration(collective: bool = True) -> dict:
 def plan_cfg(compose, *overrides: str):
     from omegaconf import OmegaConf
 
+    from rlsync.config.apps import PlanAppConfig
     from rlsync.config.compose import to_config
-    from rlsync.config.schema import PlanAppConfig
 
     return to_config(OmegaConf.structured(PlanAppConfig(**vars(compose(*overrides)))), PlanAppConfig)
 

@@ -15,9 +15,10 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
 from rlsync.bench.runner import run_bench
+from rlsync.config.apps import BenchAppConfig
 from rlsync.config.compose import to_config
 from rlsync.config.derived import flat_engine_weights_choice
-from rlsync.config.schema import BenchAppConfig, RolloutConfig, UpdateConfig
+from rlsync.config.schema import RolloutConfig, UpdateConfig
 from rlsync.sync.auto import copy_threads_choice, resolve_update
 
 SCHEMES = sorted(p.stem for p in (ROOT / "rlsync" / "conf" / "scheme").glob("*.yaml"))

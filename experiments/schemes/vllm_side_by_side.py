@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_module
 
+from rlsync.config.apps import BenchAppConfig
 from rlsync.config.compose import register_configs, to_config
-from rlsync.config.schema import BenchAppConfig
 from rlsync.engines.base import EngineSpec
 from rlsync.engines.vllm import _reload_in_worker
 from rlsync.measure.limits import Limits

@@ -35,9 +35,9 @@ from rlsync.bench.offload import OffloadTarget
 from rlsync.check.duration import dry_run
 from rlsync.check.fit import memory_fit
 from rlsync.check.record import memory_record
+from rlsync.config.apps import BenchAppConfig
 from rlsync.config.compose import CONFIG_PATH, register_configs, to_dict
 from rlsync.config.launch import hydra_job, hydra_record
-from rlsync.config.schema import BenchAppConfig
 from rlsync.config.validate import checked_config
 from rlsync.errors import show
 from rlsync.fmt import MIB, fmt_bytes, fmt_ratio, fmt_seconds, fmt_sig, fmt_spread, markdown_table, plural
@@ -55,6 +55,18 @@ from rlsync.sync.side import open_update_side
 from rlsync.trainer.offload import Offloader
 
 register_configs()
+
+
+@torch.no_grad()
+def change_elements(weights: dict[str, torch.Tensor], share: float, *, seed: int) -> None:
+    """Flip the sign of about `share` of each tensor's elements, drawn at random (a zero stays zero)."""
+    generator = torch.Generator().manual_seed(seed)
+    for tensor in weights.values():
+        count = round(share * tensor.numel())
+        if count:
+            drawn = torch.randint(tensor.numel(), (count,), generator=generator).to(tensor.device)
+            picked = torch.unravel_index(drawn, tensor.shape)  # views too (a MoE model's per-expert tensors)
+            tensor[picked] = -tensor[picked]  # positions drawn twice flip once: a little under `share`
 
 
 class UpdateTarget:
@@ -93,6 +105,7 @@ class UpdateTarget:
         update_bytes, read_bytes = side.update_bytes, side.read_bytes
         build_time = time.perf_counter() - t0
         self.limit_time = self.limits.update_limit
+        self.repeats = 0
         self.probe = self.limits.update_probe()  # the same floor, re-timed beside each repeat (a shared machine drifts)
         llc = llc_bytes() if device.type == "cpu" else None  # the CPU copies' last-level cache
         self.setup = {
@@ -122,6 +135,9 @@ class UpdateTarget:
         }
 
     def repeat(self) -> dict[str, float]:
+        if self.cfg.bench.changed_ratio:  # untimed: what a training step would have changed since the last repeat
+            self.repeats += 1
+            change_elements(self.source, self.cfg.bench.changed_ratio, seed=self.cfg.run.seed + self.repeats)
         return timed_update(
             self.engine,
             self.source,

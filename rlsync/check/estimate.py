@@ -43,6 +43,7 @@ from rlsync.measure.limits import GatherFloor
 from rlsync.model.architecture import model_shapes, update_shapes
 from rlsync.model.build import torch_dtype
 from rlsync.sync.buckets import TensorMeta, largest_bucket_bytes, plan_buckets
+from rlsync.sync.payload import payload_of
 from rlsync.trainer.data_parallel import split_evenly as split_groups
 from rlsync.trainer.offload import plan_pin_chunks, plan_segments, resolve_memory
 from rlsync.trainer.task import make_prompts
@@ -211,6 +212,17 @@ def staging_bytes(cfg: Config, shapes) -> tuple[int, int]:
     return slot * u.inflight_buckets, (0 if flat_weights else slot * u.inflight_buckets)
 
 
+def payload_bytes(cfg: Config, shapes) -> int:
+    """What the update's payload holds on the trainer's side (a delta: the last values sent) and at most
+    while it encodes one bucket (rlsync.sync.payload: Payload.memory_bytes)."""
+    if not cfg.update.enabled:
+        return 0
+    e = DTYPE_BYTES[cfg.rollout.dtype]
+    total = sum(numel(s) for _, s in shapes) * e
+    held, transient = payload_of(cfg.update).memory_bytes(total, planned_largest_bucket(cfg, shapes), e)
+    return held + transient
+
+
 # transformers' MoE blocks on a CPU gather each routed token's expert weights for a batched matmul and keep
 # them for the backward: per token, layer and routed expert its three projections. Calibrated on tiny_moe
 # (16 layers of 64 experts, 4 per token): 0.47 GiB beyond the dense estimate, 0.45 GiB by this term.
@@ -317,6 +329,7 @@ def rank_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int, ranks: Ranks, 
     engine_groups = cfg.rollout.prompts_per_step if world > 1 and cfg.rollout.placement == "rank0" else groups
     engine_weights = params * e if has_engine else 0
     staging_trainer, staging_engine = staging_bytes(cfg, shapes) if has_engine else (0, 0)
+    payload = payload_bytes(cfg, shapes) if has_engine else 0
     prompt = prompt_tokens()
     train_act, _ = activation_bytes(with_prompts(cfg, groups), prompt)
     _, rollout_act = activation_bytes(with_prompts(cfg, engine_groups), prompt) if has_engine else (0, 0)
@@ -352,6 +365,8 @@ def rank_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int, ranks: Ranks, 
                 "transient": step + probe + gather if between_steps else max(step, probe) + gather,
             }
         )
+        if payload:
+            est.process["payload"] = payload
         if ddp:
             est.process["ddp_buckets"] = ddp
         if cfg.update.transport == "direct":
@@ -376,6 +391,8 @@ def rank_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int, ranks: Ranks, 
             "staging": staging_trainer + staging_engine,
             "transient": max(train_act, probe, gather),  # the caching allocator reuses one phase's blocks in the next
         }
+        if payload:
+            est.device["payload"] = payload
         if ddp:
             est.device["ddp_buckets"] = ddp
         if not remote:
@@ -409,6 +426,8 @@ def bench_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
     )
     if host_source:
         est.process["host_source"] = host_source
+    if payload_bytes(cfg, shapes):
+        where["payload"] = payload_bytes(cfg, shapes)
     if cfg.update.transport != "direct" and not cfg.update.engine_address and not cuda:
         est.engine_process = {"runtime": runtime_bytes, "step_workspace": STEP_WORKSPACE}
     return est

@@ -13,8 +13,9 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from rlsync.config.apps import SCHEMAS
 from rlsync.config.help import help_keys
-from rlsync.config.schema import SCHEMAS, Config
+from rlsync.config.schema import Config
 from rlsync.errors import CONF_DIR
 
 CONFIG_PATH = "pkg://rlsync.conf"  # every entry point's @hydra.main: the YAML configs inside the package (rlsync/conf)

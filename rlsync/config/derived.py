@@ -35,6 +35,11 @@ def flat_engine_weights_choice(
         return False, f"auto: off, {refusal}"
     if update.strategy != "bucketed":
         return False, f"auto: off, update.strategy={update.strategy} sends no buckets"
+    if update.delta:
+        return (
+            False,
+            "auto: off, update.delta=true sends through a staging buffer (flat weights leave no transfer to shrink)",
+        )
     if update.transport == "ipc" and rollout.release_weights:
         return (
             False,

@@ -13,7 +13,8 @@ from typing import Any, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlsync.config.schema import SCHEMAS, Config
+from rlsync.config.apps import SCHEMAS
+from rlsync.config.schema import Config
 from rlsync.errors import show
 
 HELP_KEY_WIDTH = 40  # `--help`: the column the comments start in

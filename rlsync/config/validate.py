@@ -92,6 +92,7 @@ def validate(cfg, *, types: bool = True) -> None:
             raise ConfigError(key, value, allowed, "out of range" if is_number(value) else "not allowed")
     engine = resolve("rlsync.engines.base:engine_class")(cfg.rollout.engine)
     engine.check_config(cfg)  # the engine's own rules across keys (Engine.check_config)
+    resolve("rlsync.sync.payload.base:payload_of")(cfg.update).check_config(cfg)  # the payload's (Payload.check_config)
     for node in nodes(cfg):
         check = getattr(node, "check", None)  # the rules across keys of this node (rlsync/config/schema.py)
         if check is not None:

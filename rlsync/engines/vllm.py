@@ -327,13 +327,13 @@ class VLLMEngine(Engine):
                 "null with rollout.engine=vllm (rlsync's vLLM engine builds Qwen3 from the model.* keys)",
                 "not supported with rollout.engine=vllm",
             )
-        for name in ("verify", "flat_engine_weights"):
+        for name in ("verify", "flat_engine_weights", "delta"):
             if getattr(update, name) is True:  # flat_engine_weights=null (auto) resolves to false with vLLM
                 raise ConfigError(
                     f"update.{name}",
                     True,
                     "false (vLLM fuses q/k/v and gate/up and re-packs its "
-                    "weights: they cannot be checked or bound by trainer name; train/logprob_abs_diff "
+                    "weights: they cannot be checked, bound or patched by trainer name; train/logprob_abs_diff "
                     "checks the update)",
                     "not supported with rollout.engine=vllm",
                 )

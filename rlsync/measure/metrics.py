@@ -115,6 +115,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("perf/update_weights_pack_time", "pack", "s", Merge.SLOWEST),  # the update's split, where the
     Metric("perf/update_weights_transfer_time", "transfer", "s", Merge.SLOWEST),  # transport can tell them apart
     Metric("perf/update_weights_load_time", "load", "s", Merge.SLOWEST),
+    # update.delta=true: the compare and encode per bucket, the full update's bytes, the share that changed
+    Metric("perf/update_weights_encode_time", "encode", "s", Merge.SLOWEST),
+    Metric("perf/update_weights_full_bytes", "full update bytes", "bytes"),
+    Metric("perf/update_weights_changed_ratio", "changed share", "ratio"),
     # trainer.parallel=fsdp2: the full tensors gathered from the shards, inside the update (sync/gather.py)
     Metric("perf/update_weights_gather_time", "gather", "s", Merge.SLOWEST),
     Metric("perf/update_weights_gather_bytes", "gathered bytes", "bytes"),

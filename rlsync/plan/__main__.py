@@ -11,9 +11,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from rlsync.config.apps import PlanAppConfig
 from rlsync.config.compose import CONFIG_PATH, register_configs
 from rlsync.config.launch import hydra_job
-from rlsync.config.schema import PlanAppConfig
 from rlsync.config.validate import checked_config
 from rlsync.errors import ConfigError
 from rlsync.fmt import fmt_path

@@ -43,8 +43,9 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from rlsync.check.estimate import DTYPE_BYTES
+from rlsync.config.apps import BenchAppConfig
 from rlsync.config.files import SUMMARY_MAX, UnreadableFile, read_json
-from rlsync.config.schema import BenchAppConfig, Config
+from rlsync.config.schema import Config
 from rlsync.plan import cost, profiles
 from rlsync.plan.collective import measure_collective
 from rlsync.sync.base import STRATEGIES

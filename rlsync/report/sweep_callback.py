@@ -86,8 +86,9 @@ def plan_sweep(config: DictConfig) -> SweepPlan:
     from hydra import compose
 
     from rlsync.check.duration import preview
+    from rlsync.config.apps import BenchAppConfig
     from rlsync.config.launch import as_launched, launcher_ranks, tasks_per_machine
-    from rlsync.config.schema import BenchAppConfig, Config
+    from rlsync.config.schema import Config
     from rlsync.config.validate import checked_config
 
     bench = config.hydra.job.config_name == "bench"

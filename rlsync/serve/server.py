@@ -45,8 +45,8 @@ import hydra
 import uvicorn
 from omegaconf import DictConfig
 
+from rlsync.config.apps import EngineAppConfig
 from rlsync.config.compose import CONFIG_PATH, register_configs
-from rlsync.config.schema import EngineAppConfig
 from rlsync.config.validate import checked_config
 from rlsync.engines.base import engine_spec
 from rlsync.errors import ConfigError, RlsyncError, StopOnSignals

@@ -114,6 +114,7 @@ def timed_update(
         "perf/update_weights_peak_bytes": result.staging_bytes + memory.peak_extra + result.engine_peak_bytes,
         **result.split_metrics(),
     }
+    metrics.update(payload_metrics(result, nbytes, seconds))
     if sharded:
         metrics.update(gather_metrics(weights, gather_limit_time))
         copy_time = max(seconds - weights.seconds, 1e-12)  # the update without its gather
@@ -127,6 +128,22 @@ def timed_update(
         if sharded:
             weights.release()
     return metrics
+
+
+def payload_metrics(result: UpdateResult, full_bytes: int, seconds: float) -> dict[str, float]:
+    """From a payload that compares each bucket with the last update (update.delta=true): the bytes that
+    crossed (perf/update_weights_bytes, beside the full update's _full_bytes) and the share of elements whose
+    engine-dtype value changed (_changed_ratio); nothing for a payload that sends every element."""
+    rows = [r for r in result.buckets if "changed" in r]
+    if not rows:
+        return {}
+    sent = sum(r["bytes"] for r in result.buckets)
+    return {
+        "perf/update_weights_bytes": sent,
+        "perf/update_weights_gbps": sent / seconds / 1e9,
+        "perf/update_weights_full_bytes": full_bytes,
+        "perf/update_weights_changed_ratio": sum(r["changed"] for r in rows) / sum(r["elements"] for r in rows),
+    }
 
 
 def gather_metrics(weights: ShardedWeights, gather_limit_time: float) -> dict[str, float]:

@@ -43,6 +43,8 @@ from rlsync.measure.timing import DeviceMemory, HostTimer, unit_timer
 from rlsync.sync.base import Receiver, UpdateResult
 from rlsync.sync.buckets import Bucket, Slot, largest_bucket_bytes
 from rlsync.sync.engine_process import EngineProcess, ForwardsToEngineProcess
+from rlsync.sync.payload import Encoded, Payload, payload_of
+from rlsync.sync.payload.full import FullPayload
 
 HOST = "127.0.0.1"  # an engine process started here: the store and both ends of the group listen on loopback only
 TRAINER, ENGINE = 0, 1  # ranks
@@ -113,8 +115,10 @@ class BroadcastReceiver(Receiver):
         timeout_s: float,
         join_timeout_s: float,
         copy_threads: int,
+        payload: type[Payload] = FullPayload,
     ):
         self.buckets, self.strategy, self.inflight, self.flat_weights = buckets, strategy, inflight, flat_weights
+        self.payload = payload
         self.copy_threads = copy_threads
         self.host, self.port, self.timeout_s = HOST, port, timeout_s  # a standalone engine sets `host`
         self.bind_host = HOST  # where this side of the group listens (a standalone engine: its end of the session)
@@ -150,6 +154,11 @@ class BroadcastReceiver(Receiver):
         timer, memory = unit_timer(device), DeviceMemory(device)
         units = units_of(self.buckets, self.strategy)
         rows: list[dict] = [{"load_time": 0.0} for _ in units]  # 0: received into the weights themselves
+        if self.payload is not FullPayload:
+            with cpu_threads(self.copy_threads, device), memory.track():
+                self.receive_encoded(engine, units, rows, timer)
+            timer.resolve()
+            return {"load_times": [r["load_time"] for r in rows], "peak_extra": memory.peak_extra}
         with cpu_threads(self.copy_threads, device), memory.track():
             posted: deque = deque()
             for k in range(min(self.inflight, len(units))):
@@ -165,6 +174,19 @@ class BroadcastReceiver(Receiver):
                     posted.append(self.group.broadcast(self.target(nxt, *units[nxt]), root=TRAINER))
         timer.resolve()  # one sync: the update has landed before the reply says so
         return {"load_times": [r["load_time"] for r in rows], "peak_extra": memory.peak_extra}
+
+    def receive_encoded(self, engine: Engine, units: list, rows: list[dict], timer) -> None:
+        """A payload whose size varies per bucket (a delta): each bucket's header first (what it carries),
+        then only its bytes, into one slot, decoded before the next is received."""
+        header = torch.empty(4, dtype=torch.int64)
+        for k, (unit, numel) in enumerate(units):
+            self.group.broadcast(header, root=TRAINER).wait()
+            encoded = Encoded.from_header(header.tolist())
+            buffer = self.slots[0][:numel]
+            if encoded.nbytes:
+                self.group.broadcast(buffer.view(torch.uint8)[: encoded.nbytes], root=TRAINER).wait()
+            with timer("load", rows[k]):
+                self.payload.decode(engine, unit, buffer, encoded)
 
     def close(self) -> None:
         self.slots, self.flat, self.group = [], None, None
@@ -192,6 +214,9 @@ class BroadcastTransport(ForwardsToEngineProcess):
             for _ in range(cfg.inflight_buckets)
         ]
         self.engine_staging = 0
+        self.payload = payload_of(cfg)
+        self.encoder = self.payload.encoder(buckets, self.device)
+        self.headers = [torch.empty(4, dtype=torch.int64) for _ in self.slots]  # a varying payload's, per slot
         receiver = BroadcastReceiver(
             buckets,
             strategy=cfg.strategy,
@@ -201,6 +226,7 @@ class BroadcastTransport(ForwardsToEngineProcess):
             timeout_s=cfg.engine_timeout_s,
             join_timeout_s=join_timeout_s,
             copy_threads=cfg.copy_threads,
+            payload=self.payload,
         )
         if cfg.engine_address:  # an engine started on its own: it checks the plan against its model
             self.process = EngineProcess.over_http(
@@ -231,11 +257,19 @@ class BroadcastTransport(ForwardsToEngineProcess):
         for k, (unit, numel) in enumerate(self.units):
             if len(in_flight) == len(self.slots):
                 self._wait(*in_flight.popleft(), waits)
-            buffer = self.slots[k % len(self.slots)][:numel]
-            rows.append({"bytes": numel * unit.dtype.itemsize})
-            with timer("pack", rows[-1]):
-                flat.pack(unit, weights, buffer)
-            in_flight.append((rows[-1], self.group.broadcast(buffer, root=TRAINER)))
+            slot = k % len(self.slots)
+            buffer = self.slots[slot][:numel]
+            rows.append({})
+            encoded = self.encoder.encode(k, unit, weights, buffer, timer, rows[-1])  # full: the bucket's elements
+            rows[-1].update(encoded.row(unit))
+            if self.payload is FullPayload:  # the same size every time: the engine posts its receives ahead
+                works = [self.group.broadcast(buffer, root=TRAINER)]
+            else:  # a size of its own: what it carries first, then only those bytes
+                self.headers[slot].copy_(torch.tensor(encoded.header()))
+                works = [self.group.broadcast(self.headers[slot], root=TRAINER)]
+                if encoded.nbytes:
+                    works.append(self.group.broadcast(buffer.view(torch.uint8)[: encoded.nbytes], root=TRAINER))
+            in_flight.append((rows[-1], works))
         while in_flight:
             self._wait(*in_flight.popleft(), waits)
         timer.resolve()
@@ -245,7 +279,7 @@ class BroadcastTransport(ForwardsToEngineProcess):
         trainer_staging = sum(s.numel() * s.element_size() for s in self.slots)
         return UpdateResult(
             {
-                "pack": timer.seconds["pack"],
+                **timer.seconds,  # pack (and a payload's encode)
                 "transfer": waits.seconds["transfer"],
                 "load": sum(reply.result["load_times"]),
             },
@@ -254,14 +288,15 @@ class BroadcastTransport(ForwardsToEngineProcess):
             engine_peak_bytes=reply.result["peak_extra"],
         )
 
-    def _wait(self, row: dict, work, waits: HostTimer) -> None:
+    def _wait(self, row: dict, works: list, waits: HostTimer) -> None:
         with waits("transfer", row):
-            self.process.wait_for(work.is_completed, "a weight broadcast")
-            try:
-                work.wait()  # raises the backend's error, if the broadcast failed; orders our stream after it
-            except RuntimeError as err:
-                self.process.blame(err, "a weight broadcast")
-                raise
+            for work in works:
+                self.process.wait_for(work.is_completed, "a weight broadcast")
+                try:
+                    work.wait()  # raises the backend's error, if the broadcast failed; orders our stream after it
+                except RuntimeError as err:
+                    self.process.blame(err, "a weight broadcast")
+                    raise
 
     def close(self) -> None:
         """The engine process first (it leaves the group on its way out), then our side of the group."""

@@ -20,13 +20,24 @@ from rlsync.sync import flat
 from rlsync.sync.base import Transport, UpdateResult
 from rlsync.sync.buckets import Bucket, largest_bucket_bytes
 from rlsync.sync.gather import gather_bucket
+from rlsync.sync.payload import Payload, payload_of
+from rlsync.sync.payload.full import FullPayload
 
 
 class DirectTransport(Transport):
     """`engine`, built in this process, behind the update `buckets` plans (`open` builds it from the spec)."""
 
-    def __init__(self, engine: Engine, buckets: list[Bucket], *, strategy: str, flat_weights: bool = False):
+    def __init__(
+        self,
+        engine: Engine,
+        buckets: list[Bucket],
+        *,
+        strategy: str,
+        flat_weights: bool = False,
+        payload: type[Payload] = FullPayload,
+    ):
         self.engine, self.buckets, self.strategy = engine, buckets, strategy
+        self.payload, self.encoder = payload, payload.encoder(buckets, engine.device)
         self.staging = None
         self.flat = None  # the engine's weights, one flat buffer per bucket (flat_weights)
         self.pass_through = strategy == "bucketed" and not flat_weights and engine.loads_trainer_tensors
@@ -40,7 +51,11 @@ class DirectTransport(Transport):
     @classmethod
     def open(cls, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig) -> DirectTransport:
         return cls(
-            spec.build(strategy=cfg.strategy), buckets, strategy=cfg.strategy, flat_weights=cfg.flat_engine_weights
+            spec.build(strategy=cfg.strategy),
+            buckets,
+            strategy=cfg.strategy,
+            flat_weights=cfg.flat_engine_weights,
+            payload=payload_of(cfg),
         )
 
     def generate(self, prompts: list[list[int]], **kwargs) -> Generation:
@@ -79,15 +94,15 @@ class DirectTransport(Transport):
                 gather_bucket(weights, bucket)
                 with timer("pack", rows[-1]):
                     flat.pack(bucket, weights, buffer)  # writes the engine's weights: the whole update
-        else:
-            for bucket in self.buckets:
+        else:  # through the staging buffer, in the update's payload (full: the bucket's elements)
+            for index, bucket in enumerate(self.buckets):
                 buffer = self.staging[: bucket.numel]
-                rows.append({"bytes": bucket.nbytes})
+                rows.append({})
                 gather_bucket(weights, bucket)
-                with timer("pack", rows[-1]):
-                    flat.pack(bucket, weights, buffer)
+                encoded = self.encoder.encode(index, bucket, weights, buffer, timer, rows[-1])
+                rows[-1].update(encoded.row(bucket))
                 with timer("load", rows[-1]):  # same stream: the load follows the pack without a sync
-                    self.engine.load_weights(flat.views(bucket, buffer))
+                    self.payload.decode(self.engine, bucket, buffer, encoded)
         timer.resolve()
         return UpdateResult(dict(timer.seconds), rows, staging_bytes=staging_bytes)
 

@@ -33,6 +33,8 @@ from rlsync.sync.base import Receiver, UpdateResult
 from rlsync.sync.buckets import Bucket, largest_bucket_bytes
 from rlsync.sync.engine_process import EngineProcess, ForwardsToEngineProcess
 from rlsync.sync.gather import gather_bucket
+from rlsync.sync.payload import Encoded, Payload, payload_of
+from rlsync.sync.payload.full import FullPayload
 
 
 class IpcReceiver(Receiver):
@@ -45,8 +47,10 @@ class IpcReceiver(Receiver):
         slots: list[torch.Tensor],
         flat_weights: list[torch.Tensor] | None,
         copy_threads: int,
+        payload: type[Payload] = FullPayload,
     ):
         self.buckets, self.slots, self.flat, self.copy_threads = buckets, slots, flat_weights, copy_threads
+        self.payload = payload
 
     def open(self, engine: Engine) -> dict:
         self.metas = {s.meta.name: s.meta for b in self.buckets for s in b.slots}
@@ -58,13 +62,13 @@ class IpcReceiver(Receiver):
 
     @torch.no_grad()
     def handle(self, engine: Engine, request: tuple) -> dict:
-        kind, key, slot = request
+        kind, key, slot, *header = request  # a bucket's request carries its encoding's header
         device = engine.device
         timer, memory, row = unit_timer(device), DeviceMemory(device), {}
         with cpu_threads(self.copy_threads, device), memory.track(), timer("load", row):
             if kind == "bucket":
                 bucket = self.buckets[key]
-                engine.load_weights(flat.views(bucket, self.slots[slot][: bucket.numel]))
+                self.payload.decode(engine, bucket, self.slots[slot][: bucket.numel], Encoded.from_header(header[0]))
             elif kind == "tensor":
                 meta = self.metas[key]
                 engine.load_weights([(key, self.slots[slot][: meta.numel].view(meta.shape))])
@@ -91,7 +95,11 @@ class IpcTransport(ForwardsToEngineProcess):
             slot_numel = max(s.meta.numel for b in buckets for s in b.slots)
         count = cfg.inflight_buckets if slot_numel else 0
         self.slots = [flat.empty(slot_numel, self.dtype, self.device, shared=True) for _ in range(count)]
-        receiver = IpcReceiver(buckets, slots=self.slots, flat_weights=self.flat, copy_threads=cfg.copy_threads)
+        self.payload = payload_of(cfg)
+        self.encoder = self.payload.encoder(buckets, self.device)
+        receiver = IpcReceiver(
+            buckets, slots=self.slots, flat_weights=self.flat, copy_threads=cfg.copy_threads, payload=self.payload
+        )
         self.process = EngineProcess(spec, receiver, strategy=cfg.strategy, timeout_s=cfg.engine_timeout_s)
         try:
             self.process.call("open")
@@ -130,13 +138,16 @@ class IpcTransport(ForwardsToEngineProcess):
                 buffer = self.slots[k % len(self.slots)][:numel]
                 rows.append({"bytes": numel * self.dtype.itemsize})
                 source = weights[item] if key[0] == "tensor" else gather_bucket(weights, item)  # gathered off the clock
-                with timer("pack", rows[-1]):
-                    if key[0] == "bucket":
-                        flat.pack(item, weights, buffer)
-                    else:  # a host source is cast on the device, as flat.pack does (rlsync.measure.devices.copy_into)
+                message = (*key, k % len(self.slots))
+                if key[0] == "bucket":  # in the update's payload (full: the bucket's elements)
+                    encoded = self.encoder.encode(key[1], item, weights, buffer, timer, rows[-1])
+                    rows[-1].update(encoded.row(item))
+                    message += (encoded.header(),)
+                else:  # a host source is cast on the device, as flat.pack does (rlsync.measure.devices.copy_into)
+                    with timer("pack", rows[-1]):
                         copy_into(buffer, source.reshape(-1))
                 timer.handoff()  # the bytes are in the buffer before the engine is told
-                self.process.send("update", (*key, k % len(self.slots)))
+                self.process.send("update", message)
                 pending.append(len(rows) - 1)
             while pending:
                 engine_peak = max(engine_peak, self._finish(rows[pending.popleft()]))
@@ -145,7 +156,7 @@ class IpcTransport(ForwardsToEngineProcess):
         timer.resolve()
         staging = sum(s.numel() * s.element_size() for s in self.slots)  # shared: the same pages on both sides
         return UpdateResult(
-            {"pack": timer.seconds["pack"], "transfer": transfer, "load": load},
+            {**timer.seconds, "transfer": transfer, "load": load},  # pack (and a payload's encode), transfer, load
             rows,
             staging_bytes=staging,
             engine_peak_bytes=engine_peak,

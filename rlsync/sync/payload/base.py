@@ -1,0 +1,111 @@
+"""The payload interface (`Payload`, its trainer-side `Encoder`, what one bucket's encoding is: `Encoded`)
+and the registry of payloads."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from rlsync.engines.base import Engine
+from rlsync.registry import Registry
+from rlsync.sync.buckets import Bucket
+
+FULL, SPARSE = 0, 1  # Encoded.mode: the bucket's every element, or (positions, values) of the changed ones
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """What one bucket's encoding put in the staging buffer; it travels beside the buffer (in the request
+    that names the bucket, or a header broadcast) so the engine side knows what to read."""
+
+    mode: int  # FULL or SPARSE
+    count: int  # elements carried: the bucket's numel (FULL) or the changed ones (SPARSE)
+    nbytes: int  # bytes of the buffer that carry it, from its start
+    changed: int | None  # elements whose engine-dtype value changed since the last update; None: not compared
+
+    def header(self) -> list[int]:
+        """As four integers (a broadcast's header tensor, a request's fields)."""
+        return [self.mode, self.count, self.nbytes, -1 if self.changed is None else self.changed]
+
+    @classmethod
+    def from_header(cls, values) -> Encoded:
+        mode, count, nbytes, changed = (int(v) for v in values)
+        return cls(mode, count, nbytes, None if changed < 0 else changed)
+
+    def row(self, bucket: Bucket) -> dict:
+        """A bucket's row of the update: the bytes that crossed and, from a compared bucket, what changed."""
+        row = {"bytes": self.nbytes}
+        if self.changed is not None:
+            row.update(elements=bucket.numel, changed=self.changed)
+        return row
+
+
+class Encoder(ABC):
+    """The trainer's side of a payload, for one transport's bucket plan: it may keep state across updates."""
+
+    # memory it holds between updates, and at most during one bucket's encoding (the memory check counts both)
+    held_bytes: int = 0
+
+    @abstractmethod
+    def encode(
+        self, index: int, bucket: Bucket, weights: dict[str, torch.Tensor], buffer: torch.Tensor, timer, row: dict
+    ) -> Encoded:
+        """Bucket `index` of the plan from the trainer's `weights` into `buffer` (the engine's dtype, at least
+        the bucket's numel); `timer(phase, row)` times its parts ("pack", "encode") into `row`."""
+
+
+class Payload(ABC):
+    """One kind of update payload: its encoder, its decoding into an engine, its config rules and memory.
+
+    Decoding runs wherever the engine is (the trainer's process, an engine process), so a payload
+    class holds no state: `decode` is a class method, and the engine side needs nothing but the plan."""
+
+    name: ClassVar[str]
+
+    @classmethod  # noqa: B027 - optional: most payloads have no rules of their own
+    def check_config(cls, cfg) -> None:
+        """This payload's rules across the config's keys: a ConfigError naming the key; none by default."""
+
+    @classmethod
+    @abstractmethod
+    def encoder(cls, buckets: list[Bucket], device: torch.device) -> Encoder:
+        """A fresh trainer-side encoder for `buckets`, its buffers on `device` (the engine's)."""
+
+    @classmethod
+    @abstractmethod
+    def decode(cls, engine: Engine, bucket: Bucket, buffer: torch.Tensor, encoded: Encoded) -> None:
+        """`encoded` (the first `encoded.nbytes` of `buffer`) into `engine`'s weights."""
+
+    @classmethod
+    def memory_bytes(cls, total_bytes: int, largest_bucket_bytes: int, itemsize: int) -> tuple[int, int]:
+        """(held between updates, transient during one bucket) on the trainer's side, for an update of
+        `total_bytes` whose largest bucket is `largest_bucket_bytes` (the engine's dtype of `itemsize`)."""
+        return 0, 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The registry: the update's payload -> payload class
+# ----------------------------------------------------------------------------------------------
+
+PAYLOADS: Registry[Payload] = Registry(
+    "update payload",
+    {
+        "full": "rlsync.sync.payload.full:FullPayload",  # every element of every bucket
+        "delta": "rlsync.sync.payload.delta:DeltaPayload",  # update.delta=true: only the changed elements
+    },
+)
+register_payload = PAYLOADS.register
+payload_names = PAYLOADS.names
+payload_class = PAYLOADS.resolve
+
+
+def payload_name(update) -> str:
+    """Which payload the update config asks for."""
+    return "delta" if update.delta else "full"
+
+
+def payload_of(update) -> type[Payload]:
+    return payload_class(payload_name(update))
