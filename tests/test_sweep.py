@@ -113,3 +113,23 @@ def test_the_benchmark_dry_run_checks_its_own_estimate(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "rlsync: dry run (run.dry_run=true): fits; estimated " in result.stderr
     assert not (tmp_path / "bench" / "summary.json").exists()
+
+
+def test_a_presets_own_sweep_is_planned_as_it_will_run(tmp_path):
+    """experiment=delta sweeps from its own hydra.sweeper.params (12 jobs); a key the command line sets
+    as well takes the command line's values, as Hydra's basic sweeper runs it."""
+    sweep = tmp_path / "sweep"
+    bench = {"module": "rlsync.bench"}
+    preset = run_main("-m", "run.dry_run=true", "experiment=delta", "model=tiny", f"hydra.sweep.dir={sweep}", **bench)
+    assert preset.returncode == 0, preset.stderr
+    assert any(ln.startswith("rlsync: sweep of 12 jobs: 12 fit") for ln in preset.stderr.splitlines()), preset.stderr
+    narrowed = run_main(
+        "-m",
+        "run.dry_run=true",
+        "experiment=delta",
+        "model=tiny",
+        "bench.changed_ratio=0.01",
+        f"hydra.sweep.dir={sweep}",
+        **bench,
+    )
+    assert any(ln.startswith("rlsync: sweep of 3 jobs: 3 fit") for ln in narrowed.stderr.splitlines()), narrowed.stderr

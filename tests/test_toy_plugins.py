@@ -175,3 +175,38 @@ def test_an_engine_declares_its_strategies_and_rules_and_runs_verified_steps(com
         "update.strategy=toy_copy: not allowed with rollout.engine=hf (allowed: bucketed, "
         "per_tensor (toy_copy is Toy's own transfer: set rollout.engine=toy_own))"
     )
+
+
+class ToyProcessTransport(ToyTransport):
+    """As ToyTransport, but declaring the facts of an engine in its own process with two staging buffers a side."""
+
+    engine_in_process = False
+
+    @classmethod
+    def staging_slots(cls, cfg, flat_weights):
+        return 2, 2
+
+
+@pytest.mark.parametrize("toy, like", [(ToyTransport, "direct"), (ToyProcessTransport, "broadcast")])
+def test_the_memory_check_sizes_a_registered_transport_from_its_declared_facts(compose, toy, like):
+    """No rlsync module names these transports: the estimate reads what each declares (where its engine
+    lives, its staging buffers), and matches the built-in transport that declares the same."""
+    from rlsync.check.estimate import estimate, param_shapes, planned_largest_bucket, staging_bytes
+
+    register_transport("toy_facts", toy)
+    try:
+        overrides = ("model=qwen3_0p6b", "update.flat_engine_weights=false", "update.inflight_buckets=2")
+        mine = compose(*overrides, "update.transport=toy_facts")
+        theirs = compose(*overrides, f"update.transport={like}")
+        largest = planned_largest_bucket(mine, param_shapes(mine.model))
+        slots = toy.staging_slots(mine.update, False)
+        assert staging_bytes(mine, param_shapes(mine.model)) == (slots[0] * largest, slots[1] * largest)
+        got, want = (estimate(c, cuda=False, runtime_bytes=0).as_dict() for c in (mine, theirs))
+        if toy is ToyTransport:  # one slot in this process; direct holds the same
+            assert got == want
+            assert got["engine_process"] is None and "engine_weights" in got["process"]
+        else:  # an engine process of its own, with its buffers: as broadcast's
+            assert got == want
+            assert got["engine_process"]["staging"] == 2 * largest
+    finally:
+        TRANSPORTS.pop("toy_facts")

@@ -47,7 +47,7 @@ from rlsync.measure.threads import pooled
 from rlsync.model.architecture import update_tensors
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.record.recorder import Recorder, machine_info
-from rlsync.record.summary import stats_over
+from rlsync.record.summary import delta_line, stats_over
 from rlsync.shell import cli, job_errors
 from rlsync.sync import timed_update
 from rlsync.sync.auto import resolved_setup
@@ -368,11 +368,14 @@ def update_table(result: dict) -> str:
         f"{result['warmup_steps']} warm-up",
         markdown_table(head, [row]),
     ]
+    changed = med("perf/update_weights_changed_ratio")
     if s.get("tensors") is not None:
         out.append(
-            f"Each update sent {s['tensors']:,} tensors, {fmt_bytes(result['model'].get('update_bytes'))} "
-            f"(model.update_layout={s.get('layout')})."
+            f"{'A full update sends' if changed is not None else 'Each update sent'} {s['tensors']:,} tensors, "
+            f"{fmt_bytes(result['model'].get('update_bytes'))} (model.update_layout={s.get('layout')})."
         )
+    if changed is not None:  # update.delta=true: what crossed, against the full update
+        out.append(delta_line(m))
     auto = [f"{k}={show(s[k])} ({s[k + '_why']})" for k in ("flat_engine_weights", "copy_threads") if s.get(k + "_why")]
     if auto:
         out.append("update: " + "; ".join(auto))

@@ -42,6 +42,7 @@ from rlsync.fmt import GIB, MIB
 from rlsync.measure.limits import GatherFloor
 from rlsync.model.architecture import model_shapes, update_shapes
 from rlsync.model.build import torch_dtype
+from rlsync.sync.base import transport_class
 from rlsync.sync.buckets import TensorMeta, largest_bucket_bytes, plan_buckets
 from rlsync.sync.payload import payload_of
 from rlsync.trainer.data_parallel import split_evenly as split_groups
@@ -201,15 +202,12 @@ def staging_bytes(cfg: Config, shapes) -> tuple[int, int]:
     flat_weights, _ = flat_engine_weights_choice(
         u, cfg.rollout, cfg.model
     )  # null (auto) resolved as the update resolves it
-    if flat_weights:
-        slot = 0 if u.transport != "broadcast" else slot  # packing writes the engine's weights
-    if u.transport == "direct":
-        if u.strategy == "bucketed" and not flat_weights and engine_class(cfg.rollout.engine).loads_trainer_tensors:
-            return 0, 0  # the engine's loader takes the trainer's tensors (vLLM): no staging buffer (sync/direct.py)
-        return slot, 0
-    if u.transport == "ipc":  # shared: the same pages on both sides, counted once
-        return slot * u.inflight_buckets, 0
-    return slot * u.inflight_buckets, (0 if flat_weights else slot * u.inflight_buckets)
+    transport = transport_class(u.transport)
+    in_process_loader = transport.engine_in_process and engine_class(cfg.rollout.engine).loads_trainer_tensors
+    if u.strategy == "bucketed" and not flat_weights and in_process_loader:
+        return 0, 0  # the engine's loader takes the trainer's tensors (vLLM): no staging buffer (sync/direct.py)
+    trainer, engine = transport.staging_slots(u, flat_weights)  # what the transport declares
+    return slot * trainer, slot * engine
 
 
 def payload_bytes(cfg: Config, shapes) -> int:
@@ -345,7 +343,7 @@ def rank_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int, ranks: Ranks, 
     model = _cached("model", cfg.model, model_shapes)  # the offload moves parameters, fused experts whole
     extra = offload_extra(cfg, sharded_shapes(model, world) if sharded else model, cuda)
     ddp = params * t if world > 1 and cfg.trainer.parallel == "ddp" else 0  # DDP's gradient buckets, a copy
-    own_engine = cfg.update.transport == "direct"  # the engine's KV cache lives in this process
+    own_engine = transport_class(cfg.update.transport).engine_in_process  # its KV cache lives in this process
     remote = bool(cfg.update.engine_address)  # an engine on another machine: not this one's memory
     est = Estimate()
     est.process["runtime"] = runtime_bytes
@@ -369,7 +367,7 @@ def rank_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int, ranks: Ranks, 
             est.process["payload"] = payload
         if ddp:
             est.process["ddp_buckets"] = ddp
-        if cfg.update.transport == "direct":
+        if own_engine:
             est.process["engine_weights"] = engine_weights
         elif not remote and has_engine:
             est.engine_process = {
@@ -383,7 +381,7 @@ def rank_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int, ranks: Ranks, 
         est.process.update(
             {"offload_host": extra, "probe_pinned": pinned_bytes(min(max(trainer, PROBE_MIN), PROBE_CAP))}
         )
-        if cfg.update.transport != "direct" and not remote and has_engine:
+        if not own_engine and not remote and has_engine:
             est.engine_process = {"runtime": runtime_bytes}
         est.device = {
             "trainer_state": trainer,
@@ -428,6 +426,6 @@ def bench_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
         est.process["host_source"] = host_source
     if payload_bytes(cfg, shapes):
         where["payload"] = payload_bytes(cfg, shapes)
-    if cfg.update.transport != "direct" and not cfg.update.engine_address and not cuda:
+    if not transport_class(cfg.update.transport).engine_in_process and not cfg.update.engine_address and not cuda:
         est.engine_process = {"runtime": runtime_bytes, "step_workspace": STEP_WORKSPACE}
     return est

@@ -40,10 +40,11 @@ def flat_engine_weights_choice(
             False,
             "auto: off, update.delta=true sends through a staging buffer (flat weights leave no transfer to shrink)",
         )
-    if update.transport == "ipc" and rollout.release_weights:
+    if rollout.release_weights and resolve("rlsync.sync.base:transport_class")(update.transport).flat_weights_shared:
         return (
             False,
-            "auto: off, with ipc and rollout.release_weights=true the weights would be shared memory the engine cannot free",
+            f"auto: off, with {update.transport} and rollout.release_weights=true the weights would be shared memory "
+            "the engine cannot free",
         )
     if (
         model is not None

@@ -192,21 +192,12 @@ class UpdateConfig:
     )
 
     def check(self, root: Config) -> None:
-        rollout = root.rollout
         if self.source == "host" and root.trainer.offload == "none":
             raise ConfigError(
                 "update.source",
                 "host",
                 "device (source=host sends from the offloaded copy, which trainer.offload=none never makes)",
                 "not allowed with trainer.offload=none",
-            )
-        if self.transport == "ipc" and self.flat_engine_weights is True and rollout.release_weights:
-            raise ConfigError(
-                "update.flat_engine_weights",
-                True,
-                "false with rollout.release_weights=true (with ipc "
-                "the engine's weights are then shared memory, which the engine cannot free)",
-                "not allowed with rollout.release_weights=true",
             )
         if self.engine_address and self.transport != "broadcast":
             raise ConfigError(

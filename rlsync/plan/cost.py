@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from rlsync.check.estimate import DTYPE_BYTES  # bytes per element of each trainer / engine dtype
+from rlsync.sync.base import Transport, transport_class, transport_names
 
 TERMS = ("per_call_s", "per_tensor_s", "per_byte_s")
 
@@ -58,11 +59,9 @@ class Setup:
 
 def copies(setup: Setup) -> int:
     """How many times the update copies each element (rlsync/sync: direct.py, ipc.py, broadcast.py)."""
-    if setup.strategy == "per_tensor":
-        return 1 if setup.transport == "direct" else 2  # ipc: into the shared slot, then the engine's load
-    if setup.flat:
-        return 1 if setup.transport != "broadcast" else 2  # packing writes the engine's weights
-    return 2 if setup.transport != "broadcast" else 3  # pack, (broadcast,) load
+    # what the transport declares; a setup read from a calibration of a transport not registered here: the default
+    declares = transport_class(setup.transport) if setup.transport in transport_names() else Transport
+    return declares.copies(setup.strategy, setup.flat)
 
 
 def moved_bytes(setup: Setup, elements: int, trainer_dtype: str, engine_dtype: str, cached: int = 0) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from rlsync.fmt import fmt_range, fmt_seconds, fmt_share, fmt_sig, fmt_spread, markdown_table
+from rlsync.fmt import fmt_bytes, fmt_range, fmt_seconds, fmt_share, fmt_sig, fmt_spread, markdown_table
 from rlsync.measure import metrics
 
 
@@ -59,6 +59,22 @@ def verdict(share: dict[str, float], stats: dict, *, threshold: float, setup: di
         else f"strategy={setup['strategy']}, bucket {setup['bucket_mb']:g} MiB ({units:.0f} buckets)"
     )
     return f"{share_verdict(update, threshold)}. This run used transport={setup['transport']}, {how}{at_limit}.{sent}"
+
+
+def delta_line(stats: dict) -> str | None:
+    """update.delta=true: the share of elements that changed and the bytes that crossed, against the full
+    update (medians over the measured updates); None for a full update."""
+    changed = stats.get("perf/update_weights_changed_ratio")
+    full = stats.get("perf/update_weights_full_bytes", {}).get("median")
+    if not changed or not full:
+        return None
+    sent = stats["perf/update_weights_bytes"]["median"]
+    encode = stats.get("perf/update_weights_encode_time", {}).get("median")
+    took = f"; encoding took {fmt_seconds(encode)} of the update" if encode is not None else ""
+    return (
+        f"Delta (update.delta=true): {fmt_share(changed['median'])} of the elements changed per update (median), "
+        f"{fmt_bytes(sent)} sent of the full {fmt_bytes(full)} ({fmt_share(sent / full)}){took}."
+    )
 
 
 def sent_phrase(setup: dict) -> str:

@@ -72,12 +72,14 @@ def side_by_side_warning(launcher: str) -> str:
     )
 
 
-def sweep_jobs(task_overrides: list[str]) -> list[list[str]]:
-    """Each job's overrides, in the order Hydra's basic sweeper runs them."""
+def sweep_jobs(task_overrides: list[str], sweeper_params=None) -> list[list[str]]:
+    """Each job's overrides, in the order Hydra's basic sweeper runs them: its `hydra.sweeper.params` (an
+    experiment preset's sweep) first, then the command line's, a key given in both taking the latter."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parsed = OverridesParser.create().parse_overrides(task_overrides)
+    params = [f"{k}={v}" for k, v in (sweeper_params or {}).items()]
+    parsed = OverridesParser.create().parse_overrides(params + task_overrides)
     return BasicSweeper.split_arguments(parsed, max_batch_size=None)[0]
 
 
@@ -100,7 +102,8 @@ def plan_sweep(config: DictConfig) -> SweepPlan:
     # a launcher of several tasks (submitit's tasks_per_node, nodes): each job is that many ranks, checked so
     ranks, local = launcher_ranks(config.hydra), tasks_per_machine(config.hydra)
     with as_launched(ranks, local) if ranks > 1 else contextlib.nullcontext():
-        for num, overrides in enumerate(sweep_jobs(list(config.hydra.overrides.task))):
+        params = config.hydra.sweeper.get("params")
+        for num, overrides in enumerate(sweep_jobs(list(config.hydra.overrides.task), params)):
             job = JobPlan(num, overrides)
             plan.jobs.append(job)
             try:

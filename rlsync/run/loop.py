@@ -546,5 +546,7 @@ def print_closing(result: dict) -> None:
     if "warning" in result:
         print(f"WARNING: {result['warning']}", file=out)
     print(result["verdict"], file=out)
+    if summaries.delta_line(result["metrics"]):
+        print(summaries.delta_line(result["metrics"]), file=out)
     if result.get("verification") == "passed":
         print("Verified: after every update the engine's weights matched the trainer's (update.verify=true).", file=out)

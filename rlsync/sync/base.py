@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -60,6 +61,29 @@ class Transport(Rollout):
     """
 
     last_update: UpdateResult | None = None
+
+    # What the memory check, the planner and validation know of a transport without naming it.
+    engine_in_process: ClassVar[bool] = True  # the engine lives in the trainer's process: its memory is the trainer's
+    # with update.flat_engine_weights=true the engine's weights are memory shared with the trainer, which the
+    # engine cannot free (so not with rollout.release_weights=true)
+    flat_weights_shared: ClassVar[bool] = False
+
+    @classmethod
+    def staging_slots(cls, cfg: UpdateConfig, flat_weights: bool) -> tuple[int, int]:
+        """Staging buffers of the largest bucket's (per_tensor: tensor's) size on each side (trainer, engine),
+        each counted once (memory both sides map is the trainer's). By default: one on the trainer's side
+        (pack, then load), none where packing writes the engine's flat weights."""
+        return (0 if flat_weights else 1), 0
+
+    @classmethod
+    def copies(cls, strategy: str, flat_weights: bool) -> int:
+        """How many times the update copies each element (the planner's cost model): by default the pack
+        and the engine's load, one copy where either is the whole update (per_tensor, flat weights)."""
+        return 1 if strategy == "per_tensor" or flat_weights else 2
+
+    @classmethod
+    def check_config(cls, cfg) -> None:  # noqa: B027 - optional: most transports have no rules of their own
+        """This transport's rules across the config's keys: a ConfigError naming the key; none by default."""
 
     @classmethod
     def open(cls, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig) -> Transport:

@@ -193,6 +193,17 @@ class BroadcastReceiver(Receiver):
 
 
 class BroadcastTransport(ForwardsToEngineProcess):
+    engine_in_process = False
+
+    @classmethod
+    def staging_slots(cls, cfg: UpdateConfig, flat_weights: bool) -> tuple[int, int]:
+        """The trainer packs into its own buffers; the engine receives into its own, or into its flat weights."""
+        return cfg.inflight_buckets, (0 if flat_weights else cfg.inflight_buckets)
+
+    @classmethod
+    def copies(cls, strategy: str, flat_weights: bool) -> int:
+        return 2 if strategy == "per_tensor" or flat_weights else 3  # pack, broadcast, (load)
+
     def __init__(self, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig):
         self.group = None
         self.device = torch.device(spec.device)

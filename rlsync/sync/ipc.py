@@ -25,6 +25,7 @@ import torch
 
 from rlsync.config.schema import UpdateConfig
 from rlsync.engines.base import Engine, EngineSpec
+from rlsync.errors import ConfigError
 from rlsync.measure.devices import copy_into
 from rlsync.measure.threads import cpu_threads
 from rlsync.measure.timing import DeviceMemory, synchronize, unit_timer
@@ -82,6 +83,28 @@ class IpcReceiver(Receiver):
 
 
 class IpcTransport(ForwardsToEngineProcess):
+    engine_in_process = False
+    flat_weights_shared = True  # the flat weights are the shared buffers themselves
+
+    @classmethod
+    def staging_slots(cls, cfg: UpdateConfig, flat_weights: bool) -> tuple[int, int]:
+        return (0 if flat_weights else cfg.inflight_buckets), 0  # shared: the same pages on both sides, once
+
+    @classmethod
+    def copies(cls, strategy: str, flat_weights: bool) -> int:
+        return 1 if flat_weights and strategy == "bucketed" else 2  # per_tensor: into the shared slot, then the load
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.update.flat_engine_weights is True and cfg.rollout.release_weights:
+            raise ConfigError(
+                "update.flat_engine_weights",
+                True,
+                "false with rollout.release_weights=true (with ipc "
+                "the engine's weights are then shared memory, which the engine cannot free)",
+                "not allowed with rollout.release_weights=true",
+            )
+
     def __init__(self, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig):
         self.device = torch.device(spec.device)
         self.buckets, self.strategy = buckets, cfg.strategy

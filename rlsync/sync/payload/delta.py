@@ -59,7 +59,7 @@ class DeltaEncoder(Encoder):
                 return Encoded(FULL, bucket.numel, bucket.nbytes, bucket.numel)
             bits = SAME_WIDTH_INT[new.element_size()]
             changed = new.view(bits) != last.view(bits)  # bit for bit: -0.0 against 0.0 and NaNs count as changed
-            count = int(changed.sum())  # on CUDA a sync: what follows is sized by it
+            count = int(torch.count_nonzero(changed))  # on CUDA a sync: what follows is sized by it
             nbytes = sparse_bytes(count, new.element_size())
             if nbytes >= bucket.nbytes:
                 last.copy_(new)
