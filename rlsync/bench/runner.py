@@ -47,10 +47,11 @@ from rlsync.measure.threads import pooled
 from rlsync.model.architecture import update_tensors
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.record.recorder import Recorder, machine_info
-from rlsync.record.summary import delta_line, stats_over
+from rlsync.record.summary import payload_line, stats_over
 from rlsync.shell import cli, job_errors
 from rlsync.sync import timed_update
 from rlsync.sync.auto import resolved_setup
+from rlsync.sync.payload import payload_name
 from rlsync.sync.side import open_update_side
 from rlsync.trainer.offload import Offloader
 
@@ -251,6 +252,7 @@ class Bench:
             "setup": {
                 "scheme": update.scheme,
                 "transport": update.transport,
+                "payload": payload_name(update),  # what each bucket carried (rlsync/sync/payload)
                 "strategy": update.strategy,
                 "bucket_mb": update.bucket_mb,
                 "source": update.source,
@@ -368,14 +370,14 @@ def update_table(result: dict) -> str:
         f"{result['warmup_steps']} warm-up",
         markdown_table(head, [row]),
     ]
-    changed = med("perf/update_weights_changed_ratio")
+    other = med("perf/update_weights_full_bytes") is not None  # a payload other than full
     if s.get("tensors") is not None:
         out.append(
-            f"{'A full update sends' if changed is not None else 'Each update sent'} {s['tensors']:,} tensors, "
+            f"{'A full update sends' if other else 'Each update sent'} {s['tensors']:,} tensors, "
             f"{fmt_bytes(result['model'].get('update_bytes'))} (model.update_layout={s.get('layout')})."
         )
-    if changed is not None:  # update.delta=true: what crossed, against the full update
-        out.append(delta_line(m))
+    if other:  # update.delta, update.wire_dtype: what crossed, against the full update
+        out.append(payload_line(m))
     auto = [f"{k}={show(s[k])} ({s[k + '_why']})" for k in ("flat_engine_weights", "copy_threads") if s.get(k + "_why")]
     if auto:
         out.append("update: " + "; ".join(auto))

@@ -44,7 +44,7 @@ from rlsync.model.architecture import model_shapes, update_shapes
 from rlsync.model.build import torch_dtype
 from rlsync.sync.base import transport_class
 from rlsync.sync.buckets import TensorMeta, largest_bucket_bytes, plan_buckets
-from rlsync.sync.payload import payload_of
+from rlsync.sync.payload import payload_name, payload_of
 from rlsync.trainer.data_parallel import split_evenly as split_groups
 from rlsync.trainer.offload import plan_pin_chunks, plan_segments, resolve_memory
 from rlsync.trainer.task import make_prompts
@@ -204,7 +204,7 @@ def staging_bytes(cfg: Config, shapes) -> tuple[int, int]:
     )  # null (auto) resolved as the update resolves it
     transport = transport_class(u.transport)
     in_process_loader = transport.engine_in_process and engine_class(cfg.rollout.engine).loads_trainer_tensors
-    if u.strategy == "bucketed" and not flat_weights and in_process_loader:
+    if u.strategy == "bucketed" and not flat_weights and in_process_loader and payload_name(u) == "full":
         return 0, 0  # the engine's loader takes the trainer's tensors (vLLM): no staging buffer (sync/direct.py)
     trainer, engine = transport.staging_slots(u, flat_weights)  # what the transport declares
     return slot * trainer, slot * engine

@@ -35,11 +35,9 @@ def flat_engine_weights_choice(
         return False, f"auto: off, {refusal}"
     if update.strategy != "bucketed":
         return False, f"auto: off, update.strategy={update.strategy} sends no buckets"
-    if update.delta:
-        return (
-            False,
-            "auto: off, update.delta=true sends through a staging buffer (flat weights leave no transfer to shrink)",
-        )
+    if update.delta or update.wire_dtype:
+        which = "update.delta=true" if update.delta else f"update.wire_dtype={update.wire_dtype}"
+        return False, f"auto: off, {which} sends through a staging buffer (the engine decodes it into its weights)"
     if rollout.release_weights and resolve("rlsync.sync.base:transport_class")(update.transport).flat_weights_shared:
         return (
             False,

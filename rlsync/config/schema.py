@@ -149,6 +149,11 @@ class UpdateConfig:
     delta: bool = key(
         False, ANY, "send only the elements whose engine-dtype value changed since the last update (the first is full)"
     )
+    wire_dtype: Optional[str] = key(
+        None,
+        or_null(one_of(("float8_e4m3fn",))),
+        "null: the engine's dtype | float8_e4m3fn: 2-D weights in FP8 with a scale per 128x128 block (embeddings, lm_head, norms kept)",
+    )
     flat_engine_weights: Optional[bool] = key(
         None,
         ANY,

@@ -61,20 +61,23 @@ def verdict(share: dict[str, float], stats: dict, *, threshold: float, setup: di
     return f"{share_verdict(update, threshold)}. This run used transport={setup['transport']}, {how}{at_limit}.{sent}"
 
 
-def delta_line(stats: dict) -> str | None:
-    """update.delta=true: the share of elements that changed and the bytes that crossed, against the full
-    update (medians over the measured updates); None for a full update."""
-    changed = stats.get("perf/update_weights_changed_ratio")
+def payload_line(stats: dict) -> str | None:
+    """A payload other than full (update.delta, update.wire_dtype): the bytes that crossed against the full
+    update's, the share of elements that changed (a delta) and the encoding's time (medians over the
+    measured updates); None for a full update."""
     full = stats.get("perf/update_weights_full_bytes", {}).get("median")
-    if not changed or not full:
+    if not full:
         return None
     sent = stats["perf/update_weights_bytes"]["median"]
+    changed = stats.get("perf/update_weights_changed_ratio")
     encode = stats.get("perf/update_weights_encode_time", {}).get("median")
     took = f"; encoding took {fmt_seconds(encode)} of the update" if encode is not None else ""
-    return (
+    what = (
         f"Delta (update.delta=true): {fmt_share(changed['median'])} of the elements changed per update (median), "
-        f"{fmt_bytes(sent)} sent of the full {fmt_bytes(full)} ({fmt_share(sent / full)}){took}."
+        if changed
+        else "FP8 on the wire (update.wire_dtype=float8_e4m3fn): "
     )
+    return f"{what}{fmt_bytes(sent)} sent of the full {fmt_bytes(full)} ({fmt_share(sent / full)}){took}."
 
 
 def sent_phrase(setup: dict) -> str:

@@ -48,6 +48,7 @@ from rlsync.sync import (
 from rlsync.sync.auto import resolved_setup
 from rlsync.sync.base import Transport
 from rlsync.sync.gather import StandIns
+from rlsync.sync.payload import payload_name
 from rlsync.sync.side import UpdateSide, open_update_side
 from rlsync.trainer.data_parallel import DataParallel
 from rlsync.trainer.grpo import Trainer, group_advantages
@@ -465,6 +466,7 @@ def run_summary(
         **resolved_setup(setup_info.get("resolved"), cfg.update),
         "device": str(device),
         "engine": cfg.rollout.engine,
+        "payload": payload_name(cfg.update),  # what each bucket carried: full, delta, fp8 (rlsync/sync/payload)
         "engine_address": cfg.update.engine_address,  # null: the engine ran on this machine, started by the run
         "max_response_len": cfg.rollout.max_response_len,
         "offload": cfg.trainer.offload,
@@ -546,7 +548,11 @@ def print_closing(result: dict) -> None:
     if "warning" in result:
         print(f"WARNING: {result['warning']}", file=out)
     print(result["verdict"], file=out)
-    if summaries.delta_line(result["metrics"]):
-        print(summaries.delta_line(result["metrics"]), file=out)
+    if summaries.payload_line(result["metrics"]):
+        print(summaries.payload_line(result["metrics"]), file=out)
     if result.get("verification") == "passed":
-        print("Verified: after every update the engine's weights matched the trainer's (update.verify=true).", file=out)
+        fp8 = (
+            result["setup"].get("payload") == "fp8"
+        )  # the engine holds the trainer's weights quantized, then dequantized
+        matched = "the same block quantization of the trainer's" if fp8 else "the trainer's"
+        print(f"Verified: after every update the engine's weights matched {matched} (update.verify=true).", file=out)

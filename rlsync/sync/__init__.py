@@ -41,6 +41,7 @@ from rlsync.sync.base import (  # noqa: F401 - also rlsync.sync's names, for its
 )
 from rlsync.sync.buckets import Bucket, metas_of, plan_buckets
 from rlsync.sync.gather import ShardedWeights, full_weights
+from rlsync.sync.payload import payload_name, payload_of
 
 
 class WeightMismatch(RuntimeError):
@@ -114,7 +115,8 @@ def timed_update(
         "perf/update_weights_peak_bytes": result.staging_bytes + memory.peak_extra + result.engine_peak_bytes,
         **result.split_metrics(),
     }
-    metrics.update(payload_metrics(result, nbytes, seconds))
+    if payload_name(cfg) != "full":
+        metrics.update(payload_metrics(result, nbytes, seconds))
     if sharded:
         metrics.update(gather_metrics(weights, gather_limit_time))
         copy_time = max(seconds - weights.seconds, 1e-12)  # the update without its gather
@@ -124,26 +126,28 @@ def timed_update(
     if cfg.verify:
         with torch.no_grad():
             checksums = engine.checksums()
-            verify(full_weights(weights), checksums, buckets[0].dtype)
+            verify(payload_of(cfg).expected(buckets, full_weights(weights)), checksums, buckets[0].dtype)
         if sharded:
             weights.release()
     return metrics
 
 
 def payload_metrics(result: UpdateResult, full_bytes: int, seconds: float) -> dict[str, float]:
-    """From a payload that compares each bucket with the last update (update.delta=true): the bytes that
-    crossed (perf/update_weights_bytes, beside the full update's _full_bytes) and the share of elements whose
-    engine-dtype value changed (_changed_ratio); nothing for a payload that sends every element."""
-    rows = [r for r in result.buckets if "changed" in r]
-    if not rows:
-        return {}
+    """From a payload other than full (a delta, FP8): the bytes that crossed (perf/update_weights_bytes,
+    beside the full update's _full_bytes) and, from one that compares each bucket with the last update, the
+    share of elements whose engine-dtype value changed (_changed_ratio)."""
     sent = sum(r["bytes"] for r in result.buckets)
-    return {
+    metrics = {
         "perf/update_weights_bytes": sent,
         "perf/update_weights_gbps": sent / seconds / 1e9,
         "perf/update_weights_full_bytes": full_bytes,
-        "perf/update_weights_changed_ratio": sum(r["changed"] for r in rows) / sum(r["elements"] for r in rows),
     }
+    compared = [r for r in result.buckets if "changed" in r]
+    if compared:
+        metrics["perf/update_weights_changed_ratio"] = sum(r["changed"] for r in compared) / sum(
+            r["elements"] for r in compared
+        )
+    return metrics
 
 
 def gather_metrics(weights: ShardedWeights, gather_limit_time: float) -> dict[str, float]:

@@ -37,10 +37,12 @@ class DirectTransport(Transport):
         payload: type[Payload] = FullPayload,
     ):
         self.engine, self.buckets, self.strategy = engine, buckets, strategy
-        self.payload, self.encoder = payload, payload.encoder(buckets, engine.device)
+        self.payload, self.encoder = payload, payload.encoder(buckets, engine.device)  # before pass_through
         self.staging = None
         self.flat = None  # the engine's weights, one flat buffer per bucket (flat_weights)
-        self.pass_through = strategy == "bucketed" and not flat_weights and engine.loads_trainer_tensors
+        self.pass_through = (
+            strategy == "bucketed" and not flat_weights and engine.loads_trainer_tensors and payload is FullPayload
+        )
         if flat_weights:
             self.flat = flat.allocate(buckets, engine.device)
             flat.bind(engine.weights, buckets, self.flat)

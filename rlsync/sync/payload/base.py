@@ -80,6 +80,12 @@ class Payload(ABC):
         """`encoded` (the first `encoded.nbytes` of `buffer`) into `engine`'s weights."""
 
     @classmethod
+    def expected(cls, buckets: list[Bucket], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the engine holds after the update, from the trainer's `weights` (update.verify compares its
+        checksums in the engine's dtype): the weights themselves, for a payload that carries them exactly."""
+        return weights
+
+    @classmethod
     def memory_bytes(cls, total_bytes: int, largest_bucket_bytes: int, itemsize: int) -> tuple[int, int]:
         """(held between updates, transient during one bucket) on the trainer's side, for an update of
         `total_bytes` whose largest bucket is `largest_bucket_bytes` (the engine's dtype of `itemsize`)."""
@@ -95,6 +101,7 @@ PAYLOADS: Registry[Payload] = Registry(
     {
         "full": "rlsync.sync.payload.full:FullPayload",  # every element of every bucket
         "delta": "rlsync.sync.payload.delta:DeltaPayload",  # update.delta=true: only the changed elements
+        "fp8": "rlsync.sync.payload.fp8:Fp8Payload",  # update.wire_dtype=float8_e4m3fn: 2-D weights in FP8 blocks
     },
 )
 register_payload = PAYLOADS.register
@@ -104,7 +111,9 @@ payload_class = PAYLOADS.resolve
 
 def payload_name(update) -> str:
     """Which payload the update config asks for."""
-    return "delta" if update.delta else "full"
+    if update.delta:
+        return "delta"
+    return "fp8" if update.wire_dtype else "full"
 
 
 def payload_of(update) -> type[Payload]:

@@ -101,6 +101,12 @@ class DeltaPayload(Payload):
                 "false (released weights come back empty: a delta needs the last ones)",
             ),
             (
+                update.wire_dtype is not None,
+                "update.wire_dtype",
+                update.wire_dtype,
+                "null (one payload at a time: the delta sends the engine's dtype)",
+            ),
+            (
                 bool(update.engine_address),
                 "update.engine_address",
                 update.engine_address,
