@@ -127,7 +127,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("perf/update_weights_gather_efficiency", "gather efficiency (floor/time)", "ratio"),
     Metric("perf/update_weights_copy_limit_time", "copy floor", "s"),  # the update's copy alone, without the gather
     Metric("perf/update_weights_copy_efficiency", "copy efficiency (floor/time)", "ratio"),
-    Metric("update/verified_engines", "engines verified", merge=Merge.SUM),  # update.verify: one per rank's engine
+    Metric("update/verified_engines", "engines verified", merge=Merge.SUM),
+    # from the previous rollout's last token to this one's first: release, onload, log-probs, train, update,
+    # offload, what runs between steps, resume (each its own metric); from the second step on
+    Metric("perf/engine_idle_time", "engine idle", "s", Merge.SLOWEST),  # update.verify: one per rank's engine
     *moved("sleep"),
     *moved("wake_up"),
     # this process's peak resident set so far (VmHWM): data parallel's merge is the largest rank's

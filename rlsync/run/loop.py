@@ -150,6 +150,8 @@ class Experiment:
         self.dp.start(device, timeout_s=cfg.run.rank_timeout_s)  # a single process: nothing to join
         torch.manual_seed(cfg.run.seed)
         self.rng = random.Random(cfg.run.seed)
+        self.generation_ended: float | None = None  # when the last rollout's last token came (perf_counter)
+        self.engine_idle: float | None = None  # from then to this step's first token (perf/engine_idle_time)
         # on the engine's device (the same as the trainer's); one engine per rank: each samples its own stream
         self.sampler = sampler(device, cfg.run.seed + (self.dp.rank if self.roles.every_rank else 0))
         self.tokenizer = build_tokenizer(cfg.model)
@@ -280,6 +282,8 @@ class Experiment:
         mask = gen.response_mask.float()
         # The update's own clock wins over the phase clock: the phase also holds the optional verification.
         metrics = {**watch.totals("perf/{}_time"), **metrics}
+        if self.engine_idle is not None:  # this rank's engine, since the previous step's rollout ended
+            metrics["perf/engine_idle_time"], self.engine_idle = self.engine_idle, None
         # engine vs trainer log-prob of the same sampled tokens: ~0 iff the last update landed
         metrics["train/logprob_abs_diff"] = ((gen.logprobs - old_logp).abs() * mask).sum().item() / mask.sum().item()
         metrics["perf/host_peak_rss_gb"] = peak_rss_bytes() / 1e9  # ranks: the largest rank's
@@ -343,6 +347,7 @@ class Experiment:
         prompt_ids = [self.tokenizer.encode(p.text) for p in prompts for _ in range(cfg.rollout.samples_per_prompt)]
         with watch("engine_resume"):
             transport.resume()  # the engine gets its memory (KV cache, released weights) back
+        started = time.perf_counter()  # the engine resumed (synchronized): generation starts now
         with watch("rollout"):
             gen = transport.generate(
                 prompt_ids,
@@ -350,6 +355,9 @@ class Experiment:
                 temperature=cfg.rollout.temperature,
                 generator=self.sampler,
             ).to(self.device)
+        if self.generation_ended is not None:  # the engine generated nothing since the last rollout's end
+            self.engine_idle = started - self.generation_ended
+        self.generation_ended = time.perf_counter()
         with watch("engine_release"):
             transport.release()  # ... and hands it to the trainer until the next rollout
         rewards, advantages = score_rollout(
