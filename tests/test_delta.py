@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import FAST, read_jsonl, run_main
+from conftest import FAST, ROOT, read_jsonl, run_main
 
 from rlsync.config.schema import Config, UpdateConfig
 from rlsync.sync import timed_update
@@ -144,3 +144,19 @@ def test_the_memory_check_counts_the_last_values_a_delta_keeps(compose):
     engine_bytes = full.process["engine_weights"]
     assert delta.process["payload"] > engine_bytes  # the last values (the engine's weights once more) and the encode
     assert delta.host_bytes - full.host_bytes == delta.process["payload"]
+
+
+def test_the_report_sets_the_kinds_side_by_side(tmp_path):
+    """The study's recorded runs (experiments/payloads): each row names its payload, a delta that sent
+    nothing counts 0 bytes, the model stays one model, and each payload gets its own line of time against bytes."""
+    from rlsync.report import write_report
+
+    runs = ROOT / "experiments/payloads/results_cpu/runs"
+    result = write_report([runs / "delta", runs / "full"], tmp_path, log_wandb=False)
+    payloads = {(r["transport"], r["payload"]) for r in result.rows}
+    assert ("direct", "delta") in payloads and ("direct", "full") in payloads
+    assert "| direct, delta |" in result.table_markdown
+    nothing = [r for r in result.rows if r["payload"] == "delta" and r["update_changed_ratio_median"] == 0]
+    assert nothing and all(r["update_bytes"] == 0 for r in nothing)
+    assert {r["update_full_bytes"] for r in result.rows if r["payload"] == "delta"} == {1192099840}
+    assert {f.label for f in result.fits} >= {"transport direct, payload delta", "transport direct, payload full"}

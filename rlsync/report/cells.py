@@ -76,6 +76,7 @@ def table_cells(row: dict[str, Any], common: Iterable[str] = ()) -> list[str]:
         run,
         str(row["model"] or "n/a"),
         str(row["transport"] or "n/a")
+        + ("" if row.get("payload") in (None, "full") else f", {row['payload']}")  # the payload if not full
         + ("" if row["engine"] in (None, "hf") else f" ({row['engine']})"),  # engine if not hf
         bucket_cell(row),
         str(row["measured_steps"]),

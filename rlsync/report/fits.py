@@ -1,4 +1,4 @@
-"""The update-time fits: a line of update time against bytes, one per transport (strategy, engine)
+"""The update-time fits: a line of update time against bytes, one per transport (payload, strategy, engine)
 of the runs, and why no line is shown where it would say nothing."""
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def spans_overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
     return a[0] <= b[1] and b[0] <= a[1]
 
 
-FIT_KEYS = ("transport", "strategy", "engine")  # each makes its own line of time against bytes
+FIT_KEYS = ("transport", "payload", "strategy", "engine")  # each makes its own line of time against bytes
 
 
 def fit_by_setup(rows: list[dict[str, Any]]) -> list[FitGroup]:

@@ -64,7 +64,8 @@ def transport_label(row: Row) -> str:
     """ "direct", "ipc flat" (a bucketed update into the engine's flat weights), "direct (vllm)"."""
     flat = " flat" if row.get("flat_engine_weights") and row.get("strategy") != PER_TENSOR else ""
     engine = "" if row.get("engine") in (None, "hf") else f" ({row['engine']})"
-    return f"{row.get('transport') or 'n/a'}{flat}{engine}"
+    payload = "" if row.get("payload") in (None, "full") else f" {row['payload']}"  # delta, fp8
+    return f"{row.get('transport') or 'n/a'}{flat}{payload}{engine}"
 
 
 def series_label(row: Row, rows: list[Row]) -> str:

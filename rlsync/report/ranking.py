@@ -16,16 +16,22 @@ def model_label(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """The row's model; with its update size when the same name comes with several sizes among `rows`
     (say `model.num_hidden_layers` swept under one name), so that each label is one model."""
     model = str(row.get("model") or "n/a")
-    sizes = {r.get("update_bytes") for r in rows if str(r.get("model") or "n/a") == model}
-    size = row.get("update_bytes")
+
+    def size_of(r: dict[str, Any]):  # the model's update, whatever its payload sent (a delta: fewer bytes)
+        return r.get("update_full_bytes") or r.get("update_bytes")
+
+    sizes = {size_of(r) for r in rows if str(r.get("model") or "n/a") == model}
+    size = size_of(row)
     return f"{model} ({size / MIB:.3g} MiB)" if len(sizes) > 1 and is_number(size) else model
 
 
 def setup_label(row: dict[str, Any], bucket: bool = True) -> str:
     """ "direct, bucket 512 MiB", "ipc, per_tensor", "direct (ENGINE), STRATEGY": how the run updated.
     A per_tensor run has no bucket size, whatever update.bucket_mb said."""
-    transport = str(row.get("transport") or "n/a") + (
-        "" if row.get("engine") in (None, "hf") else f" ({row['engine']})"
+    transport = (
+        str(row.get("transport") or "n/a")
+        + ("" if row.get("payload") in (None, "full") else f", {row['payload']}")
+        + ("" if row.get("engine") in (None, "hf") else f" ({row['engine']})")
     )
     strategy = row.get("strategy")
     if strategy in (None, "bucketed"):

@@ -3,6 +3,7 @@ verdict: the share of its step, or for a bench what it timed against the copy fl
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Optional
 
 from rlsync.config.schema import VERDICT_THRESHOLD
@@ -11,13 +12,14 @@ from rlsync.measure import metrics
 from rlsync.record.summary import share_verdict
 from rlsync.report.cells import PER_TENSOR, fmt_bucket
 from rlsync.report.runs import Run
+from rlsync.sync.payload import payload_name
 
 UPDATE_PARTS = ("gather", "pack", "transfer", "load")  # perf/update_weights_<part>_time, in the order they run
 
 # report.csv columns: raw seconds, bytes and ratios (never formatted strings); between these two,
 # each of the step's parts (the catalogue's, rlsync/measure/metrics.py) as <phase>_time_median: see csv_fields().
 CSV_HEAD = (
-    "job", "overrides", "status", "model", "params", "engine", "scheme", "transport", "strategy", "bucket_mb",
+    "job", "overrides", "status", "model", "params", "engine", "scheme", "transport", "payload", "strategy", "bucket_mb",
     "flat_engine_weights", "device", "measured_steps",
     "update_time_min", "update_time_median", "update_time_max",
     "step_time_min", "step_time_max",
@@ -26,7 +28,7 @@ CSV_HEAD = (
 )  # fmt: skip
 CSV_TAIL = (
     "update_share", "update_efficiency_median", "update_limit_time_median", "update_gbps_median",
-    "update_bytes", "update_buckets_median", "update_peak_bytes_max",
+    "update_bytes", "update_full_bytes", "update_changed_ratio_median", "update_buckets_median", "update_peak_bytes_max",
     "verdict",
 )  # fmt: skip
 
@@ -35,6 +37,11 @@ def csv_fields() -> tuple[str, ...]:
     """report.csv's columns: the setup, the headline ranges, the median of every part of the step, the update's."""
     phases = [f"{p.name}_time_median" for p in metrics.step_phases()]
     return tuple(dict.fromkeys([*CSV_HEAD, *phases, "step_time_median", *CSV_TAIL]))
+
+
+def run_update_keys(run: Run) -> dict[str, Any]:
+    """The update keys that choose the payload, from a run recorded before summary.json named it."""
+    return {"delta": bool(run.cfg("update.delta", False)), "wire_dtype": run.cfg("update.wire_dtype")}
 
 
 def table_row(run: Run) -> dict[str, Any]:
@@ -51,6 +58,7 @@ def table_row(run: Run) -> dict[str, Any]:
         "engine": setup.get("engine") or run.cfg("rollout.engine", "hf"),
         "scheme": setup.get("scheme") or run.cfg("update.scheme"),  # scheme=NAME (rlsync/conf/scheme/): group by it
         "transport": setup.get("transport") or run.cfg("update.transport"),
+        "payload": setup.get("payload") or payload_name(SimpleNamespace(**run_update_keys(run))),  # full, delta, fp8
         "flat_engine_weights": setup.get("flat_engine_weights", run.cfg("update.flat_engine_weights")),  # as resolved
         "strategy": setup.get("strategy") or run.cfg("update.strategy"),
         "bucket_mb": setup.get("bucket_mb", run.cfg("update.bucket_mb")),  # None for per_tensor, below
@@ -70,7 +78,10 @@ def table_row(run: Run) -> dict[str, Any]:
     row["update_efficiency_median"] = run.stat("perf/update_weights_efficiency")
     row["update_limit_time_median"] = run.stat("perf/update_weights_limit_time")
     row["update_gbps_median"] = run.stat("perf/update_weights_gbps")
-    row["update_bytes"] = run.stat("perf/update_weights_bytes") or model.get("update_bytes")
+    sent = run.stat("perf/update_weights_bytes")  # 0 from a delta that had nothing to send
+    row["update_bytes"] = sent if sent is not None else model.get("update_bytes")
+    row["update_full_bytes"] = run.stat("perf/update_weights_full_bytes")  # a payload other than full: beside its bytes
+    row["update_changed_ratio_median"] = run.stat("perf/update_weights_changed_ratio")  # a delta's
     row["update_buckets_median"] = run.stat("perf/update_weights_buckets")
     row["update_peak_bytes_max"] = run.stat("perf/update_weights_peak_bytes", "max")
     row["update_staging_bytes_max"] = run.stat("perf/update_weights_staging_bytes", "max")

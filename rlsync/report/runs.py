@@ -132,6 +132,7 @@ SUMMARY_TYPES = {
     "model.update_bytes": NUMBER,
     "setup.bucket_mb": NUMBER,
     "setup.transport": TEXT,
+    "setup.payload": TEXT,
     "setup.strategy": TEXT,
     "setup.device": TEXT,
     "setup.engine": TEXT,
