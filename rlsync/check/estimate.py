@@ -424,8 +424,9 @@ def bench_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
     )
     if host_source:
         est.process["host_source"] = host_source
-    if payload_bytes(cfg, shapes):
-        where["payload"] = payload_bytes(cfg, shapes)
+    payload = payload_bytes(cfg, shapes)  # plans the buckets: once
+    if payload:
+        where["payload"] = payload
     if not transport_class(cfg.update.transport).engine_in_process and not cfg.update.engine_address and not cuda:
         est.engine_process = {"runtime": runtime_bytes, "step_workspace": STEP_WORKSPACE}
     return est
