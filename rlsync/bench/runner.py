@@ -32,6 +32,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from rlsync.bench.offload import OffloadTarget
+from rlsync.bench.pause import PauseTarget
 from rlsync.check.duration import dry_run
 from rlsync.check.fit import memory_fit
 from rlsync.check.record import memory_record
@@ -165,6 +166,7 @@ class UpdateTarget:
 TARGETS = {
     "update": UpdateTarget,
     "offload": OffloadTarget,
+    "pause": PauseTarget,
 }  # bench.target's choices (its rule in rlsync/config/schema.py)
 
 
@@ -313,6 +315,8 @@ def target_table(target: str):
     """The closing table of a target: its own where it has one."""
     if target == "offload":
         return OffloadTarget.table
+    if target == "pause":
+        return PauseTarget.table
     return update_table
 
 

@@ -407,6 +407,8 @@ def bench_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
     est = Estimate()
     est.process = {"runtime": runtime_bytes, "step_workspace": STEP_WORKSPACE}
     where = est.device if cuda else est.process
+    if getattr(cfg, "bench", None) is not None and cfg.bench.target == "pause":
+        return pause_bench_estimate(cfg, est, shapes, runtime_bytes)
     if getattr(cfg, "bench", None) is not None and cfg.bench.target == "offload":
         state = params * t * ((2 + ADAM_MOMENTS) if cfg.bench.offload_state == "trainer" else 1)
         where.update({"trainer_state": state, "probe": probe_bytes(state, params * t)})
@@ -429,4 +431,47 @@ def bench_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
         where["payload"] = payload
     if not transport_class(cfg.update.transport).engine_in_process and not cfg.update.engine_address and not cuda:
         est.engine_process = {"runtime": runtime_bytes, "step_workspace": STEP_WORKSPACE}
+    return est
+
+
+# ----------------------------------------------------------------------------------------------
+# The standalone engine's staged copy (serve.update_policy=stage), and bench.target=pause
+# ----------------------------------------------------------------------------------------------
+
+
+def staged_copy_bytes(cfg: Config, policy: str | None = None) -> int:
+    """The side copy a standalone engine under serve.update_policy=stage (or `policy`) receives each update
+    into while it generates: one more copy of the engine's weights, in rollout.dtype (the pointer swap
+    trades it with the live weights, the local copy keeps it beside them; rlsync/serve/streams.py). 0 under pause."""
+    policy = policy or getattr(getattr(cfg, "serve", None), "update_policy", "pause")
+    if policy != "stage":
+        return 0
+    return sum(numel(s) for _, s in param_shapes(cfg.model)) * DTYPE_BYTES[cfg.rollout.dtype]
+
+
+def pause_bench_estimate(cfg: Config, est: Estimate, shapes, runtime_bytes: int) -> Estimate:
+    """bench.target=pause: this process holds the two models it alternates between (trainer.dtype), an
+    engine that scores the answers and the update's trainer-side staging per policy; each policy's
+    standalone engine is a process of its own (its runtime, weights, receive staging and, under stage,
+    the staged copy), counted in `engine_process` by policy."""
+    params = sum(numel(s) for _, s in shapes)
+    t, e = DTYPE_BYTES[cfg.trainer.dtype], DTYPE_BYTES[cfg.rollout.dtype]
+    remote = dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, transport="broadcast"))
+    staging_trainer, staging_engine = staging_bytes(remote, shapes)
+    policies = list(cfg.bench.policies)
+    est.process.update(
+        {
+            "trainer_weights": 2 * params * t,  # two random models, the updates alternate between them
+            "scorer_weights": params * e,
+            "staging": staging_trainer * len(policies),
+            "probe": probe_bytes(params * t, params * e),
+        }
+    )
+    for policy in policies:
+        est.engine_process[f"{policy}_runtime"] = runtime_bytes + STEP_WORKSPACE
+        est.engine_process[f"{policy}_engine_weights"] = params * e
+        est.engine_process[f"{policy}_staging"] = staging_engine
+        staged = staged_copy_bytes(cfg, policy)
+        if staged:
+            est.engine_process[f"{policy}_staged_copy"] = staged
     return est

@@ -17,11 +17,22 @@ from rlsync.config.rules import (
     choices,
     key,
     node,
+    one_of,
     or_null,
 )
 from rlsync.config.schema import COUNT, SECONDS, Config
 from rlsync.errors import ConfigError
 from rlsync.fmt import is_number
+
+POLICIES = ("pause", "stage")  # serve.update_policy: how a standalone engine takes an update while it streams
+
+
+def engine_overrides_ok(v) -> bool:
+    return isinstance(v, list) and all(isinstance(o, str) and o.startswith("serve.") and "=" in o for o in v)
+
+
+def policies_ok(v) -> bool:
+    return isinstance(v, list) and bool(v) and len(set(v)) == len(v) and all(p in POLICIES for p in v)
 
 
 @dataclass
@@ -29,7 +40,7 @@ class BenchConfig:
     target: str = key(
         "update",
         choices("rlsync.bench.runner:TARGETS"),
-        "what is timed: update (the weight update alone) | offload (trainer sleep + wake-up, trainer.offload)",
+        "what is timed: update (the weight update alone) | offload (trainer sleep + wake-up, trainer.offload) | pause (the gap streaming clients of a standalone engine see during an update)",
     )
     offload_state: str = key(
         "trainer",
@@ -44,7 +55,39 @@ class BenchConfig:
         "before each repeat, change this share of every weight's elements (sign flips: their engine-dtype values change), as a training step would; what update.delta=true is timed against",
     )
 
+    clients: int = key(
+        2, between(1, 64, "streaming clients"), "bench.target=pause: streaming clients kept busy on the engine"
+    )
+    policies: list[str] = key(
+        ["pause", "stage"],
+        Rule(policies_ok, "a non-empty list of pause, stage, each once"),
+        "bench.target=pause: the serve.update_policy values compared, one engine each, every repeat one update under each",
+    )
+    before_s: float = key(
+        2.0,
+        between(0.2, 600, "seconds"),
+        "bench.target=pause: the measured window of steady streaming before each update",
+    )
+    after_s: float = key(
+        1.0, between(0.2, 600, "seconds"), "bench.target=pause: how long streaming is measured after each update's swap"
+    )
+    engine_overrides: list[str] = key(
+        [],
+        Rule(engine_overrides_ok, "a list of serve.KEY=VALUE overrides"),
+        "bench.target=pause: more overrides for each standalone engine it starts, e.g. [serve.stage_nice=0]",
+    )
+    answer_tokens: int = key(
+        16, between(1, 4096, "tokens"), "bench.target=pause: each client's answer length (a new request after each)"
+    )
+
     def check(self, root: BenchAppConfig) -> None:
+        if self.target == "pause" and root.rollout.engine != "hf":
+            raise ConfigError(
+                "rollout.engine",
+                root.rollout.engine,
+                "hf (bench.target=pause streams tokens from the standalone engine, which the HF engine serves)",
+                "not allowed with bench.target=pause",
+            )
         if self.target == "offload" and root.trainer.offload == "none":
             raise ConfigError(
                 "trainer.offload", "none", "full, drop_grads (the offload benchmark needs something to move)"
@@ -80,6 +123,24 @@ class ServeConfig:
         30.0,
         between(3, 86400, "seconds; trainers send a heartbeat every second"),
         "a session whose trainer sent nothing (no request, no heartbeat) for this long is ended and its work cancelled",
+    )
+    update_policy: str = key(
+        "pause",
+        one_of(POLICIES),
+        "how an update meets streaming clients: pause (stop generating, receive, go on) | stage (receive into a side copy while generating, swap it in inside a short pause)",
+    )
+    stage_swap: str = key(
+        "auto",
+        one_of(("auto", "copy")),
+        "update_policy=stage: auto (a pointer swap where the engine's weights allow it, the HF engine's; else a local copy) | copy (always the local copy)",
+    )
+    stage_nice: int = key(
+        10,
+        between(0, 19, "a nice increment"),
+        "update_policy=stage: how much lower the receive's threads run than generation (Linux nice; 0: alike), so the cores go to the clients first",
+    )
+    max_streams: int = key(
+        8, between(1, 1024, "answers at once"), "streaming answers (POST /v1/stream) served at once; more: 503, refused"
     )
 
 

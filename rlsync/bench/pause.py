@@ -1,0 +1,465 @@
+"""`bench.target=pause`: the pause streaming clients of a standalone engine see while it takes an update.
+
+    python -m rlsync.bench bench.target=pause
+    python -m rlsync.bench bench.target=pause model=qwen3_0p6b bench.repeats=5 bench.warmup=1
+
+For each policy in `bench.policies` (serve.update_policy: pause, stage) a standalone engine is started
+as a process of its own, `python -m rlsync.serve ... serve.update_policy=P` on 127.0.0.1 (port 0), and
+this process joins it as its trainer (the broadcast transport, update.engine_address: the weights in
+a gloo group, the control over HTTP). The first update fills it. Then each repeat is, for each policy
+in turn (their order alternating from repeat to repeat):
+
+1. `bench.clients` client threads stream answers (`POST /v1/stream`, rlsync/sync/stream.py) of
+   `bench.answer_tokens` tokens each, one after another, for a ramp of half a second (left out), then
+   `bench.before_s` measured seconds;
+2. the trainer sends an update (its weights alternate between two random models, seeds run.seed and
+   run.seed + 1, so every update changes every weight);
+3. the clients go on for `bench.after_s` after the engine's swap, then finish their answers.
+
+Every token's arrival is stamped with time.perf_counter() as its line arrives (CLOCK_MONOTONIC on
+Linux: the engine's own stamps of its pause, read from `GET /v1/serving`, are on the same clock). A
+client waits from sending a request to its first token, then from each token to the next: those are
+the gaps. Per policy and update: the longest gap that ends from the update's start to after_s past
+the swap (`max_gap`), p50 and p99 of every gap of the measured window, the time from the engine's
+pause to the first token after it (`pause_to_token`), tokens per second during the update (from its
+start to the swap's end) against the before window's, the engine's pause and receive times, and the
+staged copy's bytes. Then the check (untimed): every answer started after the swap is scored by
+teacher forcing with the new weights and with the old ones, in an engine of this process; its log-
+probs must match the new weights' (within LOGPROB_TOL) and be farther from the old ones'.
+
+`bench.warmup` repeats are left out of the summary; the table gives medians with min to max.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from rlsync.config.compose import to_dict
+from rlsync.engines.base import engine_spec, token_logprobs
+from rlsync.fmt import fmt_bytes, fmt_seconds, fmt_spread, markdown_table
+from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
+from rlsync.sync.side import open_update_side
+from rlsync.sync.stream import StreamFailed, StreamRequest, serving_state, stream_answer
+
+RAMP_S = 0.5  # streaming before each measured window, left out (first requests, caches)
+PROMPT_TOKENS = 8
+LOGPROB_TOL = 0.05  # an answer's largest |streamed - teacher-forced| log-prob under the weights that made it
+START_S = 300  # an engine process's start (imports, model build) on two busy cores
+REQUEST_S = 120  # a client's longest wait on one line (a pause lasts an update at most)
+POLICY_ORDER = ("pause", "stage")
+
+
+def override_value(value) -> str:
+    """A config value as a Hydra command-line override writes it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(override_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{override_value(v)}" for k, v in value.items()) + "}"
+    return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def engine_overrides(cfg, policy: str) -> list[str]:
+    """The standalone engine's command line: this benchmark's model, rollout and device, the policy."""
+    tree = to_dict(cfg)
+    flat = [f"{group}.{k}={override_value(v)}" for group in ("model", "rollout") for k, v in tree[group].items()]
+    return [
+        *flat,
+        f"run.device={override_value(cfg.run.device)}",
+        f"update.strategy={cfg.update.strategy}",
+        "update.engine_address=127.0.0.1:0",
+        f"serve.update_policy={policy}",
+        "serve.sessions=0",
+        "serve.max_wait_s=120",
+        *cfg.bench.engine_overrides,
+    ]
+
+
+class EngineServe:
+    """`python -m rlsync.serve` for one policy, in a process of its own; its output lines collected."""
+
+    def __init__(self, cfg, policy: str):
+        self.dir = tempfile.mkdtemp(prefix=f"rlsync-pause-{policy}-")
+        args = [sys.executable, "-m", "rlsync.serve", *engine_overrides(cfg, policy), f"hydra.run.dir={self.dir}"]
+        env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
+        self.proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.errors: list[str] = []
+        self.readers = [
+            threading.Thread(target=lambda s=s, d=d: d.extend(iter(s.readline, "")), daemon=True)
+            for s, d in ((self.proc.stdout, self.lines), (self.proc.stderr, self.errors))
+        ]
+        for reader in self.readers:
+            reader.start()
+        deadline = time.monotonic() + START_S
+        while not any(" listening on " in ln for ln in self.lines):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                tail = "".join(self.errors[-5:]).strip() or "(no output)"
+                raise RuntimeError(f"the {policy} engine did not start: {tail}")
+            time.sleep(0.05)
+        line = next(ln for ln in self.lines if " listening on " in ln)
+        self.address = line.split(" listening on ", 1)[1].split()[0]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        for reader in self.readers:
+            reader.join(5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@dataclass
+class Answer:
+    prompt: list[int]
+    sent: float  # perf_counter before the request went out
+    arrivals: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    reason: str = ""
+    failed: str = ""
+
+    def waits(self) -> list[tuple[float, float]]:
+        """(start, end) of every wait of this answer's client: the request to its first token, then token to token."""
+        stamps = [self.sent, *self.arrivals]
+        return list(zip(stamps, stamps[1:]))
+
+
+class Clients:
+    """`count` threads, each streaming answers one after another until stopped."""
+
+    def __init__(self, address: str, count: int, *, tokens: int, allowed: list[int], seed: int):
+        self.address, self.tokens, self.allowed = address, tokens, allowed
+        self.answers: list[Answer] = []
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._client, args=(random.Random(seed * 1000 + i),), daemon=True)
+            for i in range(count)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _client(self, rng: random.Random) -> None:
+        while not self.stop.is_set():
+            prompt = [rng.choice(self.allowed) for _ in range(PROMPT_TOKENS)]
+            request = StreamRequest(
+                prompt=prompt, max_new_tokens=self.tokens, temperature=1.0, seed=rng.randrange(1 << 31)
+            )
+            stamps: list[float] = []
+            answer = Answer(prompt, 0.0)
+            try:
+                for arrived, line in stream_answer(self.address, request, timeout_s=REQUEST_S, stamps=stamps):
+                    if line.kind == "token":
+                        answer.arrivals.append(arrived)
+                        answer.tokens.append(line.token)
+                        answer.logprobs.append(line.logprob)
+                        answer.versions.append(line.version)
+                    else:
+                        answer.reason = line.reason or ""
+                        answer.failed = line.error or ("" if line.reason in ("eos", "length") else line.reason or "")
+            except StreamFailed as err:
+                answer.failed = str(err)
+            answer.sent = stamps[0] if stamps else time.perf_counter()
+            with self.lock:
+                self.answers.append(answer)
+
+    def finish(self, timeout_s: float) -> list[Answer]:
+        """Stop after the answers in progress; every thread joined within `timeout_s` (or RuntimeError)."""
+        self.stop.set()
+        deadline = time.monotonic() + timeout_s
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self.threads):
+            raise RuntimeError(f"a streaming client did not finish within {timeout_s:g} s")
+        return self.answers
+
+
+def process_cpu_s() -> float:
+    """CPU seconds this process has used, every thread (the trainer's side: the pack, gloo, the clients)."""
+    times = os.times()
+    return times.user + times.system
+
+
+def quantile(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+class PauseTarget:
+    """`bench.target=pause`: one repeat = one update under streaming load, for each policy."""
+
+    name = "pause"
+
+    def __init__(self, cfg, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.engines: dict[str, EngineServe] = {}
+        self.sides: dict = {}
+        t0 = time.perf_counter()
+        dtype = torch_dtype(cfg.trainer.dtype)
+        self.models = [
+            named_weights(build_model(cfg.model, dtype=dtype, device=device, seed=cfg.run.seed + k)) for k in (0, 1)
+        ]
+        tokenizer = build_tokenizer(cfg.model)
+        self.allowed = [int(i) for i in tokenizer.allowed_ids(cfg.model.vocab_size).nonzero().flatten()]
+        self.scorer = engine_spec(cfg.model, cfg.rollout, device=device, tokenizer=tokenizer).build()
+        self.scored = -1  # which model the scorer holds
+        self.current = 0  # which model the engines hold
+        self.repeats = 0
+        self.scorer_names = set(self.scorer.weights)
+        self.totals: dict[str, int] = {}  # counts over the timed repeats, reported as running totals
+        try:
+            for policy in cfg.bench.policies:
+                self.engines[policy] = EngineServe(cfg, policy)
+                remote = replace(
+                    cfg, update=replace(cfg.update, transport="broadcast", engine_address=self.engines[policy].address)
+                )
+                side = open_update_side(remote, self.models[0], device=device, tokenizer=tokenizer)
+                side.transport.update_weights(side.weights)  # the first update fills the engine
+                self.sides[policy] = side
+        except BaseException:
+            self.close()
+            raise
+        side = next(iter(self.sides.values()))
+        self.setup = {
+            "build_time": time.perf_counter() - t0,
+            "update_bytes": side.update_bytes,
+            **side.info,
+            "buckets": len(side.buckets),
+            "resolved": side.resolved,
+            "pause": {"policies": list(cfg.bench.policies), "clients": cfg.bench.clients},
+        }
+
+    def repeat(self) -> dict[str, float]:
+        self.repeats += 1
+        new = 1 - self.current
+        order = list(self.cfg.bench.policies)
+        if self.repeats % 2 == 0:
+            order.reverse()  # neither policy always runs first (a shared machine drifts)
+        row: dict[str, float] = {}
+        for policy in order:
+            row.update(self.event(policy, new))
+        self.current = new
+        if "pause/pause/max_gap_time" in row and "pause/stage/max_gap_time" in row:
+            row["pause/gap_ratio"] = row["pause/stage/max_gap_time"] / row["pause/pause/max_gap_time"]
+        return row
+
+    def event(self, policy: str, new: int) -> dict[str, float]:
+        cfg, side, engine = self.cfg.bench, self.sides[policy], self.engines[policy]
+        weights = {name: self.models[new][name] for name in side.weights}
+        clients = Clients(
+            engine.address, cfg.clients, tokens=cfg.answer_tokens, allowed=self.allowed, seed=self.repeats
+        )
+        try:
+            time.sleep(RAMP_S)
+            start = serving_state(engine.address, timeout_s=30)  # the engine's CPU counters, before
+            w0, t_cpu0 = time.perf_counter(), process_cpu_s()
+            time.sleep(max(0.0, w0 + cfg.before_s - time.perf_counter()))
+            at_update = serving_state(engine.address, timeout_s=30)
+            cpu0, u0 = process_cpu_s(), time.perf_counter()
+            side.transport.update_weights(weights)
+            u1, trainer_cpu = time.perf_counter(), process_cpu_s() - cpu0
+            after = serving_state(engine.address, timeout_s=30)
+            swap = after.last_update
+            time.sleep(max(0.0, swap.pause_end + cfg.after_s - time.perf_counter()))
+        finally:
+            answers = clients.finish(REQUEST_S)
+        window = (u0 - cfg.before_s, swap.pause_end + cfg.after_s)
+        waits = [w for a in answers for w in a.waits() if window[0] <= w[1] <= window[1]]
+        during = [end - start for start, end in waits if end >= u0]
+        before = [end - start for start, end in waits if end < u0]
+        arrivals = sorted(t for a in answers for t in a.arrivals)
+        swap_end = max(u1, swap.pause_end)
+        tokens_before = sum(1 for t in arrivals if u0 - cfg.before_s <= t < u0) / cfg.before_s
+        tokens_during = sum(1 for t in arrivals if u0 <= t <= swap_end) / max(swap_end - u0, 1e-9)
+        resumed = [t for t in arrivals if t >= swap.pause_end]
+        checked, worst, failures = self.verify(answers, swap, new)
+        p = f"pause/{policy}"
+        receive_s = max(swap.receive_end - swap.receive_start, 1e-9)
+        counts = {"answers": len(answers), "answers_failed": sum(1 for a in answers if a.failed) + failures}
+        counts["answers_verified"] = checked
+        if self.repeats > self.cfg.bench.warmup:  # running totals over the timed repeats: their max is the total
+            for name, count in counts.items():
+                self.totals[f"{p}/{name}_total"] = self.totals.get(f"{p}/{name}_total", 0) + count
+        return {
+            **{f"{p}/{name}": count for name, count in counts.items()},
+            **{k: v for k, v in self.totals.items() if k.startswith(p + "/")},
+            f"{p}/max_gap_time": max(during, default=math.nan),
+            f"{p}/max_gap_before_time": max(before, default=math.nan),
+            f"{p}/gap_p50_time": quantile(before + during, 0.5),
+            f"{p}/gap_p99_time": quantile(before + during, 0.99),
+            f"{p}/pause_time": swap.pause_end - swap.pause_start,
+            f"{p}/receive_time": swap.receive_end - swap.receive_start,
+            f"{p}/pause_to_token_time": (resumed[0] - swap.pause_start) if resumed else math.nan,
+            f"{p}/update_time": u1 - u0,
+            # how the cores were shared, in CPU seconds per second of wall time: before the update (the
+            # engine's decoder thread, the rest of the engine process, this process: the clients), and
+            # during the receive (the rest of the engine: the receive, gloo, the decoder's OpenMP workers)
+            f"{p}/cores_before_decoder": (at_update.decoder_cpu_s - start.decoder_cpu_s) / (u0 - w0),
+            f"{p}/cores_before_engine_other": (
+                (at_update.engine_cpu_s - start.engine_cpu_s) - (at_update.decoder_cpu_s - start.decoder_cpu_s)
+            )
+            / (u0 - w0),
+            f"{p}/cores_before_trainer": (cpu0 - t_cpu0) / (u0 - w0),
+            f"{p}/cores_decoder": swap.decoder_cpu_s / receive_s,
+            f"{p}/cores_engine_other": (swap.engine_cpu_s - swap.decoder_cpu_s) / receive_s,
+            f"{p}/cores_trainer": trainer_cpu / max(u1 - u0, 1e-9),
+            f"{p}/tokens_per_s_before": tokens_before,
+            f"{p}/tokens_per_s_during": tokens_during,
+            f"{p}/tokens_ratio": tokens_during / tokens_before if tokens_before else math.nan,
+            f"{p}/staged_bytes": swap.staged_bytes,
+            f"{p}/verify_max_diff": worst,
+            f"{p}/swap_pointer": 1.0 if swap.swap == "pointer swap" else 0.0,
+        }
+
+    # -- the check: answers started after the swap come from the new weights -----------------------
+
+    @torch.no_grad()
+    def teacher_forced(self, which: int, answer: Answer) -> torch.Tensor:
+        if self.scored != which:
+            self.scorer.load_weights((n, t) for n, t in self.models[which].items() if n in self.scorer_names)
+            self.scored = which
+        ids = torch.tensor([answer.prompt + answer.tokens], device=self.device)
+        logits = self.scorer.model(input_ids=ids).logits[0, len(answer.prompt) - 1 : -1]
+        tokens = torch.tensor(answer.tokens, device=self.device)
+        return token_logprobs(logits, tokens, allowed=self.scorer.allowed, temperature=1.0).cpu()
+
+    def verify(self, answers: list[Answer], swap, new: int) -> tuple[int, float, int]:
+        """(answers checked, the largest |streamed - new weights'| log-prob, answers that failed the check)."""
+        after = [a for a in answers if a.sent > swap.pause_end and a.tokens and not a.failed]
+        worst, failures = 0.0, 0
+        scores = {}
+        for which in (new, 1 - new):  # one weight load each
+            scores[which] = [self.teacher_forced(which, a) for a in after]
+        for k, answer in enumerate(after):
+            streamed = torch.tensor(answer.logprobs)
+            to_new = float((streamed - scores[new][k]).abs().max())
+            to_old = float((streamed - scores[1 - new][k]).abs().max())
+            worst = max(worst, to_new)
+            if to_new > LOGPROB_TOL or to_old <= to_new or set(answer.versions) != {swap.version}:
+                failures += 1
+        return len(after), worst, failures
+
+    def breakdown(self) -> list[dict]:
+        return []
+
+    def close(self) -> None:
+        for side in self.sides.values():
+            side.transport.close()
+        self.sides = {}
+        for engine in self.engines.values():
+            engine.close()
+        self.engines = {}
+
+    # -- the table -----------------------------------------------------------------------------
+
+    @staticmethod
+    def table(result: dict) -> str:
+        m = result["metrics"]
+        policies = [p for p in POLICY_ORDER if f"pause/{p}/max_gap_time" in m]
+
+        def get(key: str, which: str = "median"):
+            return m.get(key, {}).get(which)
+
+        def spread(key: str) -> str:
+            return fmt_spread(*(get(key, w) for w in ("median", "min", "max")))
+
+        def rate(key: str) -> str:
+            v = get(key)
+            return "n/a" if v is None or math.isnan(v) else f"{v:.1f}"
+
+        head = [
+            "policy",
+            "swap",
+            "longest gap (median, min to max)",
+            "gap p50",
+            "gap p99",
+            "pause",
+            "pause to first token",
+            "tokens/s before",
+            "tokens/s during update",
+            "during / before",
+            "staged copy",
+            "answers checked (failed)",
+        ]
+        rows = []
+        for p in policies:
+            k = f"pause/{p}"
+            swap = "paused receive" if p == "pause" else ("pointer swap" if get(f"{k}/swap_pointer") else "local copy")
+            ratio = get(f"{k}/tokens_ratio")
+            staged = get(f"{k}/staged_bytes")
+            rows.append(
+                [
+                    p,
+                    swap,
+                    spread(f"{k}/max_gap_time"),
+                    fmt_seconds(get(f"{k}/gap_p50_time")),
+                    fmt_seconds(get(f"{k}/gap_p99_time")),
+                    fmt_seconds(get(f"{k}/pause_time")),
+                    fmt_seconds(get(f"{k}/pause_to_token_time")),
+                    rate(f"{k}/tokens_per_s_before"),
+                    rate(f"{k}/tokens_per_s_during"),
+                    "n/a" if ratio is None or math.isnan(ratio) else f"{ratio:.2f}",
+                    fmt_bytes(staged) if staged else "0 (none)",
+                    f"{int(sum_of(result, f'{k}/answers_verified'))} ({int(sum_of(result, f'{k}/answers_failed'))})",
+                ]
+            )
+        clients = (result.get("config") or {}).get("bench", {}).get("clients")
+        out = [
+            f"\nClient-seen pause, {result['model']['name']}: {result['measured_steps']} updates per policy after "
+            f"{result['warmup_steps']} warm-up, {clients} streaming clients",
+            markdown_table(head, rows),
+        ]
+        if get("pause/gap_ratio") is not None:
+            out.append(
+                f"stage / pause, longest gap: {get('pause/gap_ratio'):.3f} (median; {get('pause/gap_ratio', 'min'):.3f} "
+                f"to {get('pause/gap_ratio', 'max'):.3f} over the updates)"
+            )
+        for p in policies:
+            k = f"pause/{p}"
+            if get(f"{k}/cores_decoder") is not None:
+                out.append(
+                    f"Cores under {p} (CPU s per s, median), before the update -> during the receive: the engine's "
+                    f"decoder thread {get(f'{k}/cores_before_decoder'):.2f} -> {get(f'{k}/cores_decoder'):.2f}, "
+                    f"the engine's other threads (receive, gloo, the decoder's OpenMP workers) "
+                    f"{get(f'{k}/cores_before_engine_other'):.2f} -> {get(f'{k}/cores_engine_other'):.2f}, "
+                    f"the trainer's process (clients; pack, send) {get(f'{k}/cores_before_trainer'):.2f} -> "
+                    f"{get(f'{k}/cores_trainer'):.2f}"
+                )
+        failed = sum(sum_of(result, f"pause/{p}/answers_failed") for p in policies)
+        checked = sum(sum_of(result, f"pause/{p}/answers_verified") for p in policies)
+        out.append(
+            f"Verified: {int(checked)} answers started after a swap, each scored with the new and the old weights: "
+            + ("all came from the new weights." if not failed else f"{int(failed)} FAILED (or failed requests).")
+        )
+        return "\n".join(out)
+
+
+def sum_of(result: dict, key: str) -> float:
+    """A count summed over the timed repeats: the largest of its running total."""
+    stats = result["metrics"].get(key + "_total")
+    return stats["max"] if stats else 0.0
