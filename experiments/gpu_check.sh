@@ -22,9 +22,9 @@
 #      shares, the ipc transport's mechanism: without it the ipc steps read "skipped (no CUDA IPC: why)"
 #      (GPU_CHECK_NO_IPC=why declares that without probing);
 #   2. tiny model, 3 steps, update.verify=true, per transport (direct, ipc, broadcast); then the risky
-#      options on tiny: update.source=host, rollout.release_weights, the two-copy path
+#      options on tiny: update.source=host, rollout.sleep_level=2, the two-copy path
 #      (update.flat_engine_weights=false), tiny_moe's per-expert views over ipc;
-#   3. Qwen3-0.6B: the update bench per transport (verify on), source=host, release_weights and the
+#   3. Qwen3-0.6B: the update bench per transport (verify on), source=host, rollout.sleep_level=2 and the
 #      two-copy path in 3 runner steps, the offload bench;
 #   4. while the deadline has room: Qwen3-1.7B update and offload benches, the transports study and its report.
 # The memory check is off (run.memory_check=false: the machine's RAM grows as it is used); each run's
@@ -295,8 +295,8 @@ step tiny_broadcast "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" update.
   "hydra.run.dir=$work/tiny_broadcast/run"
 over_ipc step tiny_ipc_source_host "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" update.transport=ipc \
   update.source=host update.verify=true "hydra.run.dir=$work/tiny_ipc_source_host/run"
-on_gpu tiny_release_weights "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" rollout.release_weights=true update.verify=true \
-  "hydra.run.dir=$work/tiny_release_weights/run"
+on_gpu tiny_sleep_level2 "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" rollout.sleep_level=2 update.verify=true \
+  "hydra.run.dir=$work/tiny_sleep_level2/run"
 on_gpu tiny_two_copy "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" update.flat_engine_weights=false update.verify=true \
   "hydra.run.dir=$work/tiny_two_copy/run"
 over_ipc on_gpu tiny_moe_ipc "$t_tiny" "$m_tiny" "${runner[@]}" model=tiny_moe "${tiny_runs[@]:1}" update.transport=ipc \
@@ -309,8 +309,8 @@ for transport in direct ipc broadcast; do
 done
 step "${small_step}_bench_source_host" "$t_small" "$m_small" "${benchmark[@]}" model=$small update.source=host update.verify=true \
   "hydra.run.dir=$work/${small_step}_bench_source_host/run"
-on_gpu "${small_step}_release_weights" "$t_small" "$m_small" "${runner[@]}" model=$small "${runs[@]}" rollout.release_weights=true \
-  update.verify=true "hydra.run.dir=$work/${small_step}_release_weights/run"
+on_gpu "${small_step}_sleep_level2" "$t_small" "$m_small" "${runner[@]}" model=$small "${runs[@]}" rollout.sleep_level=2 \
+  update.verify=true "hydra.run.dir=$work/${small_step}_sleep_level2/run"
 on_gpu "${small_step}_two_copy" "$t_small" "$m_small" "${runner[@]}" model=$small "${runs[@]}" update.flat_engine_weights=false \
   update.verify=true "hydra.run.dir=$work/${small_step}_two_copy/run"
 step "${small_step}_offload" "$t_small" "$m_small" "${benchmark[@]}" model=$small bench.target=offload \

@@ -98,7 +98,7 @@ def test_the_encoding_is_positions_then_values():
     [
         (["update.strategy=per_tensor"], "update.strategy"),
         (["update.flat_engine_weights=true"], "update.flat_engine_weights"),
-        (["rollout.release_weights=true"], "rollout.release_weights"),
+        (["rollout.sleep_level=2"], "rollout.sleep_level"),
         (["update.transport=broadcast", "update.engine_address=127.0.0.1:1"], "update.engine_address"),
     ],
 )

@@ -1,5 +1,6 @@
-"""The rollout engine's release/resume: the KV-cache-only round trip is bit-exact; released weights hold
-no memory and, after resume + the weight update, equal the trainer's (cast to the engine dtype)."""
+"""The rollout engine's release/resume at each rollout.sleep_level (vLLM's levels): 0 and 1 on a CPU keep
+the weights where they are, bit-exact; 1 with a host apart (CUDA) frees them and copies them back; 2 frees
+them, and after resume + the weight update they equal the trainer's (cast to the engine dtype)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ PROMPTS = [[256, 72, 105], [256, 50, 43, 50, 61]]
 IDS = Ids(torch.ones(TINY.vocab_size, dtype=torch.bool), eos_id=257, pad_id=258)  # every id may be sampled
 
 
-def spec(release_weights: bool):
-    return Tiny().spec(model=TINY, rollout=RolloutConfig(release_weights=release_weights), tokenizer=IDS)
+def spec(sleep_level: int):
+    return Tiny().spec(model=TINY, rollout=RolloutConfig(sleep_level=sleep_level), tokenizer=IDS)
 
 
 def trainer_weights(seed: int) -> dict[str, torch.Tensor]:
@@ -41,26 +42,56 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-def test_release_resume_without_weight_release_is_bit_exact():
-    engine = spec(release_weights=False).build()
-    weights = trainer_weights(0)
-    engine.load_weights((name, t.to(engine.dtype)) for name, t in weights.items())
+def loaded(level: int):
+    engine = spec(level).build()
+    engine.load_weights((name, t.to(engine.dtype)) for name, t in trainer_weights(0).items())
+    return engine
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_levels_0_and_1_on_a_cpu_keep_the_weights_where_they_are_bit_exact(level):
+    """Level 0 releases nothing; level 1 offloads the weights to host memory, which on a CPU is where
+    they are: both keep every weight in place, and the round trip generates the same answers."""
+    engine = loaded(level)
     before = {name: t.clone() for name, t in engine.weights.items()}
+    where = {name: p.data_ptr() for name, p in engine.model.named_parameters()}
     first = generate(engine)
     engine.release()
     assert all(p.untyped_storage().nbytes() > 0 for p in engine.model.parameters())  # only the KV cache went
+    assert {name: p.data_ptr() for name, p in engine.model.named_parameters()} == where and not engine.host_copies
     engine.resume()
     assert all(same_bits(engine.weights[name], t) for name, t in before.items())
     again = generate(engine)
     assert torch.equal(first.sequences, again.sequences) and torch.equal(first.logprobs, again.logprobs)
 
 
+def test_level_1_with_a_host_apart_offloads_the_weights_and_copies_them_back():
+    """Level 1 where the host is not the device (CUDA), its copy path run on a CPU: the weights' storage
+    is freed while asleep, its bytes held in host copies made once, and resume brings them back."""
+    engine = loaded(1)
+    engine.host_is_device = False  # as on CUDA: the copies go to (unpinned, here) host storages
+    before = {name: t.clone() for name, t in engine.weights.items()}
+    first = generate(engine)
+    for _ in range(2):  # the host copies are made at the first release and reused
+        engine.release()
+        assert all(p.untyped_storage().nbytes() == 0 for p in engine.model.parameters())
+        copies = [id(h) for h in engine.host_copies]
+        assert sum(h.nbytes() for h in engine.host_copies) == sum(t.nbytes for t in before.values())
+        engine.resume()
+        engine.resume()  # idempotent: the loop resumes before the update and again before the rollout
+        assert all(same_bits(engine.weights[name], t) for name, t in before.items())
+    assert [id(h) for h in engine.host_copies] == copies
+    assert engine.model.lm_head.weight.data_ptr() == engine.model.model.embed_tokens.weight.data_ptr()  # still tied
+    again = generate(engine)
+    assert torch.equal(first.sequences, again.sequences) and torch.equal(first.logprobs, again.logprobs)
+
+
 @pytest.mark.parametrize("strategy", ["bucketed", "per_tensor"])
-def test_released_weights_free_their_memory_and_the_update_refills_them(strategy):
+def test_level_2_frees_the_weights_and_the_update_refills_them(strategy):
     weights = trainer_weights(0)
     cfg = UpdateConfig(strategy=strategy, bucket_mb=0.05)  # several buckets
-    handle, buckets = Tiny().open(cfg, weights, spec=spec(release_weights=True))
-    reference = spec(release_weights=False).build()  # never released: what the same weights generate
+    handle, buckets = Tiny().open(cfg, weights, spec=spec(2))
+    reference = spec(0).build()  # never released: what the same weights generate
     try:
         handle.update_weights(weights)
         reference.load_weights((name, t.to(reference.dtype)) for name, t in weights.items())
@@ -87,23 +118,33 @@ def test_released_weights_free_their_memory_and_the_update_refills_them(strategy
         handle.close()
 
 
-def test_release_refuses_weights_it_does_not_own():
-    engine = spec(release_weights=True).build()
+def test_level_2_refuses_weights_it_does_not_own_and_level_1_leaves_them():
+    engine = spec(2).build()
     for p in engine.model.parameters():
         p.data.share_memory_()  # as a transport's shared flat buffers would be
-    with pytest.raises(RuntimeError, match="rollout.release_weights=false"):
+    with pytest.raises(RuntimeError, match=r"rollout.sleep_level=2: .*set rollout.sleep_level=1 or 0"):
         engine.release()
+    engine.sleep_level, engine.host_is_device = 1, False  # level 1 as on CUDA: the trainer side's memory stays
+    engine.release()
+    assert all(p.untyped_storage().nbytes() > 0 for p in engine.model.parameters()) and not engine.released
 
 
-def test_runner_with_released_engine_weights_trains_and_generates_the_same(tmp_path):
-    """Same seed, release_weights on and off: the same samples, losses and log-prob agreement,
-    with the pre-update resume timed as part of perf/engine_resume_time."""
+def test_which_levels_take_the_weights_before_an_update():
+    """The loop wakes the engine before the update where its release took the weights off the device."""
+    from rlsync.engines.hf import HFEngine
+
+    assert [HFEngine.release_takes_weights(level, "cpu") for level in (0, 1, 2)] == [False, False, True]
+    assert [HFEngine.release_takes_weights(level, "cuda") for level in (0, 1, 2)] == [False, True, True]
+
+
+@pytest.mark.slow
+def test_every_sleep_level_trains_and_generates_the_same(tmp_path):
+    """Same seed, sleep levels 0, 1 and 2: the same samples, losses and log-prob agreement, with level 2's
+    pre-update resume timed as part of perf/engine_resume_time."""
     from test_offload import run_in_process
 
-    rows = {
-        flag: run_in_process(tmp_path / flag, f"rollout.release_weights={flag}", "update.source=host")[0]
-        for flag in ("true", "false")
-    }
+    rows = {level: run_in_process(tmp_path / str(level), f"rollout.sleep_level={level}", "update.source=host")[0]
+            for level in (0, 1, 2)}  # fmt: skip
     for key in (
         "train/loss",
         "train/grad_norm",
@@ -111,14 +152,26 @@ def test_runner_with_released_engine_weights_trains_and_generates_the_same(tmp_p
         "rollout/reward_mean",
         "rollout/response_len_mean",
     ):
-        assert [r[key] for r in rows["true"]] == [r[key] for r in rows["false"]], key
-    assert all(r["train/logprob_abs_diff"] < 0.05 for r in rows["true"])  # the engine really has the trainer's weights
-    assert all(r["perf/engine_resume_time"] > 0 and r["perf/engine_release_time"] > 0 for r in rows["true"])
+        assert [r[key] for r in rows[2]] == [r[key] for r in rows[1]] == [r[key] for r in rows[0]], key
+    assert all(r["train/logprob_abs_diff"] < 0.05 for r in rows[2])  # the engine really has the trainer's weights
+    assert all(r["perf/engine_resume_time"] > 0 and r["perf/engine_release_time"] > 0 for r in rows[2])
 
 
-def test_release_weights_needs_the_update(compose):
+def test_sleep_level_2_needs_the_update(compose):
     from rlsync.config.validate import validate
     from rlsync.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="rollout.release_weights=true.*update.enabled=false"):
-        validate(compose("rollout.release_weights=true", "update.enabled=false"))
+    with pytest.raises(ConfigError, match="rollout.sleep_level=2.*update.enabled=false"):
+        validate(compose("rollout.sleep_level=2", "update.enabled=false"))
+    validate(compose("rollout.sleep_level=1", "update.enabled=false"))  # level 1 brings the weights back itself
+
+
+@pytest.mark.parametrize("value", ["3", "-1"])
+def test_a_sleep_level_outside_0_to_2_is_refused_in_one_line(tmp_path, value):
+    from conftest import run_main
+
+    proc = run_main(f"rollout.sleep_level={value}", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"rlsync: config error: rollout.sleep_level={value}: out of range"), line
+    assert "0 to 2" in line, line

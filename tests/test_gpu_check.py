@@ -22,12 +22,12 @@ NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 SMOKE_SKIPS = {
     "small_tiny_bench_direct",
     "small_tiny_bench_broadcast",
-    "small_tiny_release_weights",
+    "small_tiny_sleep_level2",
     "small_tiny_two_copy",
     "tiny_moe_ipc",
     "large_tiny_offload",  # small_tiny_offload exactly: both models are tiny under --smoke
     "large_tiny_bench_direct",
-    "tiny_release_weights",
+    "tiny_sleep_level2",
     "tiny_two_copy",
 }  # tiny_* steps exactly, on the CPU (or suite runs)
 
@@ -90,7 +90,7 @@ def test_the_smoke_runs_every_step_and_brings_back_three_files(tmp_path):
         "tiny_ipc",
         "tiny_broadcast",
         "tiny_ipc_source_host",
-        "tiny_release_weights",
+        "tiny_sleep_level2",
         "tiny_two_copy",
         "small_tiny_bench_ipc",
         "small_tiny_offload",

@@ -96,21 +96,21 @@ def test_each_scheme_runs_a_benchmark_repeat_on_the_tiny_model(scheme, tmp_path)
 
 
 @pytest.mark.parametrize(
-    "engine, transport, strategy, release, want",
+    "engine, transport, strategy, level, want",
     [
-        ("hf", "direct", "bucketed", False, True),
-        ("hf", "ipc", "bucketed", False, True),
-        ("hf", "broadcast", "bucketed", False, True),
-        ("hf", "direct", "bucketed", True, True),  # the direct engine frees its flat buffers itself
-        ("hf", "ipc", "bucketed", True, False),  # shared memory the engine cannot free
-        ("hf", "direct", "per_tensor", False, False),
-        ("vllm", "direct", "bucketed", False, False),
-        ("vllm", "ipc", "bucketed", False, False),
+        ("hf", "direct", "bucketed", 1, True),
+        ("hf", "ipc", "bucketed", 1, True),
+        ("hf", "broadcast", "bucketed", 1, True),
+        ("hf", "direct", "bucketed", 2, True),  # the direct engine frees its flat buffers itself
+        ("hf", "ipc", "bucketed", 2, False),  # shared memory the engine cannot free
+        ("hf", "direct", "per_tensor", 1, False),
+        ("vllm", "direct", "bucketed", 1, False),
+        ("vllm", "ipc", "bucketed", 1, False),
     ],
 )
-def test_flat_engine_weights_auto_is_on_wherever_the_engine_can_hold_them(engine, transport, strategy, release, want):
+def test_flat_engine_weights_auto_is_on_wherever_the_engine_can_hold_them(engine, transport, strategy, level, want):
     update = UpdateConfig(transport=transport, strategy=strategy)
-    on, why = flat_engine_weights_choice(update, RolloutConfig(engine=engine, release_weights=release))
+    on, why = flat_engine_weights_choice(update, RolloutConfig(engine=engine, sleep_level=level))
     assert on is want and why.startswith("auto: " + ("on" if want else "off"))
 
 

@@ -371,7 +371,7 @@ def test_validation_rejects_released_flat_ipc_weights_before_building_anything()
     from rlsync.errors import ConfigError
 
     cfg = Config()
-    cfg.update.transport, cfg.update.flat_engine_weights, cfg.rollout.release_weights = "ipc", True, True
+    cfg.update.transport, cfg.update.flat_engine_weights, cfg.rollout.sleep_level = "ipc", True, 2
     with pytest.raises(ConfigError, match="update.flat_engine_weights"):
         validate(cfg)
     cfg.update.transport = "direct"  # there the engine's own buffers can be freed and refilled

@@ -270,21 +270,21 @@ class FakeLLM:
         self.calls.append(("wake_up", tuple(tags)))
 
 
-def fake_cuda_engine(release_weights: bool):
+def fake_cuda_engine(sleep_level: int):
     """A VLLMEngine's release/resume logic around a recording LLM, as on CUDA (no vLLM started)."""
     from rlsync.engines.vllm import VLLMEngine
 
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.device, engine.llm, engine.asleep, engine.native = torch.device("cuda"), FakeLLM(), set(), False
-    engine.sleep_level = 2 if release_weights else 1
+    engine.sleep_level = sleep_level
     return engine
 
 
-@pytest.mark.parametrize("release_weights, level", [(True, 2), (False, 1)])
-def test_sleep_levels_and_the_wake_before_the_update(release_weights, level):
-    """release sleeps at level 2 when the update refills every weight (release_weights), else 1; the
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_levels_and_the_wake_before_the_update(level):
+    """release sleeps at rollout.sleep_level (vLLM's level: 2 when the update refills every weight); the
     runner's resume before the update wakes everything, so the update itself wakes nothing."""
-    engine = fake_cuda_engine(release_weights)
+    engine = fake_cuda_engine(level)
     engine.release()
     engine.release()  # asleep already: once
     assert engine.llm.calls == [("sleep", level)]
@@ -293,6 +293,23 @@ def test_sleep_levels_and_the_wake_before_the_update(release_weights, level):
     engine._wake_weights()  # inside the update: nothing left to wake
     engine.resume()  # the rollout's resume: nothing either
     assert len(engine.llm.calls) == 2
+
+
+def test_sleep_level_0_never_sleeps_and_the_cpu_backend_never_does():
+    from rlsync.engines.vllm import VLLMEngine
+
+    engine = fake_cuda_engine(0)
+    engine.release()
+    engine._wake_weights()
+    engine.resume()
+    assert engine.llm.calls == [] and not engine.asleep
+    for level in (1, 2):  # vLLM's CPU backend has no sleep mode: a no-op at every level
+        cpu = fake_cuda_engine(level)
+        cpu.device = torch.device("cpu")
+        cpu.release()
+        cpu.resume()
+        assert cpu.llm.calls == []
+    assert [VLLMEngine.release_takes_weights(level, "cuda") for level in (0, 1, 2)] == [False, True, True]
 
 
 def test_a_second_sleep_mode_engine_in_one_process_is_refused(monkeypatch):

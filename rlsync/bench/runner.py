@@ -47,12 +47,13 @@ from rlsync.measure.limits import cache_resident_elements, llc_bytes
 from rlsync.measure.threads import pooled
 from rlsync.model.architecture import update_tensors
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
+from rlsync.model.lora import adapted
 from rlsync.record.recorder import Recorder, machine_info
 from rlsync.record.summary import payload_line, stats_over
 from rlsync.shell import cli, job_errors
 from rlsync.sync import timed_update
 from rlsync.sync.auto import resolved_setup
-from rlsync.sync.payload import payload_name
+from rlsync.sync.payload import payload_name, payload_of
 from rlsync.sync.side import open_update_side
 from rlsync.trainer.offload import Offloader
 
@@ -81,6 +82,7 @@ class UpdateTarget:
         self.engine = self.offloader = None
         t0 = time.perf_counter()
         model = build_model(cfg.model, dtype=torch_dtype(cfg.trainer.dtype), device=device, seed=cfg.run.seed)
+        model = adapted(model, cfg.trainer.lora)  # trainer.lora.rank > 0: the update sends or merges its adapters
         params = named_weights(model)
         # the weights as built: detached, they keep their storage whatever the offload below does to the parameters
         weights = {name: p.detach() for name, p in params.items()}
@@ -101,7 +103,8 @@ class UpdateTarget:
             probe=(lambda weights: source) if source is not None else None,  # the auto knobs time what is read
         )  # update.*=null (auto) resolved before the engine opens
         self.weights = side.weights  # by the update's names (per-expert views in the checkpoint layout)
-        self.source = source if source is not None else self.weights
+        self.changed = source if source is not None else self.weights  # what bench.changed_ratio flips
+        self.source = payload_of(cfg.update).source(self.changed, cfg)  # update.lora=merged: merged as read
         self.buckets, self.limits, self.engine = side.buckets, side.limits, side.transport
         self.update_cfg, self.resolved = side.update_cfg, side.resolved
         update_bytes, read_bytes = side.update_bytes, side.read_bytes
@@ -139,7 +142,7 @@ class UpdateTarget:
     def repeat(self) -> dict[str, float]:
         if self.cfg.bench.changed_ratio:  # untimed: what a training step would have changed since the last repeat
             self.repeats += 1
-            change_elements(self.source, self.cfg.bench.changed_ratio, seed=self.cfg.run.seed + self.repeats)
+            change_elements(self.changed, self.cfg.bench.changed_ratio, seed=self.cfg.run.seed + self.repeats)
         return timed_update(
             self.engine,
             self.source,
@@ -158,7 +161,7 @@ class UpdateTarget:
             self.engine.close()
             self.engine = None
         if self.offloader is not None:  # source=host: its pinned twin goes back before the next sweep job
-            self.source = None
+            self.source = self.changed = None
             self.offloader.close()
             self.offloader = None
 
@@ -381,7 +384,7 @@ def update_table(result: dict) -> str:
             f"{fmt_bytes(result['model'].get('update_bytes'))} (model.update_layout={s.get('layout')})."
         )
     if other:  # update.delta, update.wire_dtype: what crossed, against the full update
-        out.append(payload_line(m))
+        out.append(payload_line(m, s.get("payload")))
     auto = [f"{k}={show(s[k])} ({s[k + '_why']})" for k in ("flat_engine_weights", "copy_threads") if s.get(k + "_why")]
     if auto:
         out.append("update: " + "; ".join(auto))

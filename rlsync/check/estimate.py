@@ -42,8 +42,9 @@ from rlsync.fmt import GIB, MIB
 from rlsync.measure.limits import GatherFloor
 from rlsync.model.architecture import model_shapes, update_shapes
 from rlsync.model.build import torch_dtype
+from rlsync.model.lora import adapter_shapes
 from rlsync.sync.base import transport_class
-from rlsync.sync.buckets import TensorMeta, largest_bucket_bytes, plan_buckets
+from rlsync.sync.buckets import TensorMeta, largest_bucket_bytes
 from rlsync.sync.payload import payload_name, payload_of
 from rlsync.trainer.data_parallel import split_evenly as split_groups
 from rlsync.trainer.offload import plan_pin_chunks, plan_segments, resolve_memory
@@ -85,6 +86,19 @@ def param_shapes(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     experts one tensor per expert and projection in the checkpoint layout). Read off a meta-device
     build of the architecture (rlsync.model.architecture.update_shapes, once per model): nothing is allocated."""
     return _cached("update", m, update_shapes)
+
+
+def adapter_shapes_of(cfg: Config) -> list[tuple[str, tuple[int, ...]]]:
+    """The LoRA adapters' (name, shape) with trainer.lora.rank > 0 (rlsync.model.lora), else none."""
+    if not cfg.trainer.lora.rank:
+        return []
+    return adapter_shapes(_cached("model", cfg.model, model_shapes), cfg.trainer.lora)
+
+
+def sent_shapes(cfg: Config) -> list[tuple[str, tuple[int, ...]]]:
+    """What the engine holds and the update plans: the model's tensors, and with update.lora=adapter its adapters."""
+    shapes = param_shapes(cfg.model)
+    return shapes + adapter_shapes_of(cfg) if payload_name(cfg.update) == "lora_adapter" else shapes
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -186,7 +200,8 @@ def pinned_bytes(nbytes: int) -> int:
 def planned_largest_bucket(cfg: Config, shapes: list[tuple[str, tuple[int, ...]]]) -> int:
     """The update's largest bucket, planned by the planner the update uses (rlsync.sync.buckets)."""
     dtype = torch_dtype(cfg.rollout.dtype)
-    return largest_bucket_bytes(plan_buckets([TensorMeta(n, s, dtype) for n, s in shapes], bucket_bytes(cfg.update)))
+    metas = [TensorMeta(n, s, dtype) for n, s in shapes]
+    return largest_bucket_bytes(payload_of(cfg.update).plan(metas, bucket_bytes(cfg.update)))
 
 
 def staging_bytes(cfg: Config, shapes) -> tuple[int, int]:
@@ -316,11 +331,15 @@ def rank_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int, ranks: Ranks, 
     """One rank's peak memory by part (a single process is rank 0 of one)."""
     world = ranks.world
     sharded = world > 1 and cfg.trainer.parallel == "fsdp2"
-    shapes = param_shapes(cfg.model)
+    shapes = sent_shapes(cfg)  # update.lora=adapter: the adapters too
     held = sharded_shapes(shapes, world) if sharded else shapes  # what this rank's trainer holds of each tensor
     params = sum(numel(s) for _, s in shapes)
     t, e = DTYPE_BYTES[cfg.trainer.dtype], DTYPE_BYTES[cfg.rollout.dtype]
     trainer = sum(numel(s) for _, s in held) * t * (2 + ADAM_MOMENTS)  # weights, grads, AdamW moments
+    adapters = adapter_shapes_of(cfg)
+    if adapters:  # LoRA: the base weights alone, frozen; the adapters with grads and moments
+        base = sum(numel(s) for _, s in param_shapes(cfg.model))
+        trainer = (base + sum(numel(s) for _, s in adapters) * (2 + ADAM_MOMENTS)) * t
     reference = params * t if cfg.trainer.kl_coef > 0 else 0  # a whole frozen copy on every rank
     has_engine = rank == 0 or cfg.rollout.placement == "every_rank"
     groups = split_groups(cfg.rollout.prompts_per_step, world)[rank]  # this rank's share of the prompt groups
@@ -331,7 +350,7 @@ def rank_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int, ranks: Ranks, 
     prompt = prompt_tokens()
     train_act, _ = activation_bytes(with_prompts(cfg, groups), prompt)
     _, rollout_act = activation_bytes(with_prompts(cfg, engine_groups), prompt) if has_engine else (0, 0)
-    train_act += optimizer_bytes(cfg, held, cuda)
+    train_act += optimizer_bytes(cfg, adapters or held, cuda)  # over what trains
     if sharded:
         train_act += fsdp_unsharded_bytes(cfg, shapes)
     if not cuda:  # on CUDA transformers' grouped expert matmul gathers no weights
@@ -383,6 +402,9 @@ def rank_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int, ranks: Ranks, 
         )
         if not own_engine and not remote and has_engine:
             est.engine_process = {"runtime": runtime_bytes}
+        if cfg.rollout.sleep_level == 1 and has_engine and not remote:  # the engine's weights sleep on the host
+            host_copy = sum(pinned_bytes(numel(s) * e) for _, s in shapes)  # pinned, one block per storage
+            (est.process if own_engine else est.engine_process)["engine_weights_asleep"] = host_copy
         est.device = {
             "trainer_state": trainer,
             "reference": reference,
@@ -401,7 +423,7 @@ def rank_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int, ranks: Ranks, 
 def bench_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
     """`python -m rlsync.bench`'s peak: the trainer's weights (no optimizer, no step), the engine, the
     update's staging and the copy-floor probe; the offload target adds the state it moves and its twin."""
-    shapes = param_shapes(cfg.model)
+    shapes = sent_shapes(cfg)  # update.lora=adapter: the adapters too
     params = sum(numel(s) for _, s in shapes)
     t, e = DTYPE_BYTES[cfg.trainer.dtype], DTYPE_BYTES[cfg.rollout.dtype]
     est = Estimate()

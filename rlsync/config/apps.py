@@ -207,6 +207,11 @@ class PlanConfig:
         or_null(above(0, "GB/s")),
         "the all-gather's bus bandwidth (GB/s each rank receives) the fsdp2 gather is predicted at; null: the calibration's (plan.calibrate=true measures 2 gloo ranks here)",
     )
+    changed_ratio: float = key(
+        0.05,
+        between(0, 1, "a share of the elements"),
+        "the share of engine-dtype elements one step changes, for the delta's predicted bytes (verl #7060: 4-8 % for Qwen3-0.6B)",
+    )
     calibrate_repeats: int = key(3, COUNT, "calibration: timed repeats per benchmark job (after one warm-up)")
     calibrate_quick: bool = key(
         False,

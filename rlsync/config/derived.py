@@ -25,7 +25,7 @@ def flat_engine_weights_choice(
 
     Auto is on wherever the engine can hold its weights as views into bucket-shaped flat buffers (one
     copy per update); off where it cannot: the engine says why (Engine.flat_weights_refusal), strategies
-    other than bucketed send no buckets, and with ipc plus rollout.release_weights the buffers would be shared
+    other than bucketed send no buckets, and with ipc plus rollout.sleep_level=2 the buffers would be shared
     memory the engine cannot free (UpdateConfig.check refuses an explicit true there).
     """
     if update.flat_engine_weights is not None:
@@ -35,13 +35,13 @@ def flat_engine_weights_choice(
         return False, f"auto: off, {refusal}"
     if update.strategy != "bucketed":
         return False, f"auto: off, update.strategy={update.strategy} sends no buckets"
-    if update.delta or update.wire_dtype:
-        which = "update.delta=true" if update.delta else f"update.wire_dtype={update.wire_dtype}"
-        return False, f"auto: off, {which} sends through a staging buffer (the engine decodes it into its weights)"
-    if rollout.release_weights and resolve("rlsync.sync.base:transport_class")(update.transport).flat_weights_shared:
+    payload = resolve("rlsync.sync.payload.base:payload_of")(update)
+    if not payload.whole:
+        return False, f"auto: off, the {payload.name} payload sends through a staging buffer (the engine decodes it)"
+    if rollout.sleep_level == 2 and resolve("rlsync.sync.base:transport_class")(update.transport).flat_weights_shared:
         return (
             False,
-            f"auto: off, with {update.transport} and rollout.release_weights=true the weights would be shared memory "
+            f"auto: off, with {update.transport} and rollout.sleep_level=2 the weights would be shared memory "
             "the engine cannot free",
         )
     if (

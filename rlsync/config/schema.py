@@ -43,6 +43,7 @@ SECONDS = above(0, "seconds")
 COUNT = at_least(1)
 VERDICT_THRESHOLD = 0.03  # run.verdict_threshold: the update share of the step above which tuning it pays
 ENGINE_PLACEMENTS = ("rank0", "every_rank")  # rollout.placement: where data parallel's engines live
+SLEEP_LEVEL_MAX = 2  # rollout.sleep_level: 0 keeps, 1 offloads the weights to host, 2 frees them
 KL_COEF_MAX = 1000.0  # trainer.kl_coef: typical weights are 1e-3 to 1; 1e308 turns the loss into inf
 COPY_THREADS_MAX = 1024  # update.copy_threads: torch.set_num_threads(100000) crashes the process
 # Plausible model sizes: 8x the largest published (126 layers, 53k wide, 256k vocabulary), so a typo is
@@ -154,6 +155,11 @@ class UpdateConfig:
         or_null(one_of(("float8_e4m3fn",))),
         "null: the engine's dtype | float8_e4m3fn: 2-D weights in FP8 with a scale per 128x128 block (embeddings, lm_head, norms kept)",
     )
+    lora: Optional[str] = key(
+        None,
+        or_null(one_of(("adapter", "merged"))),
+        "with trainer.lora.rank > 0: adapter: the engine holds base and adapters and receives the adapters only (the first update sends all) | merged: W + alpha/rank*BA merged in fp32, the whole model sent | null: adapter",
+    )
     flat_engine_weights: Optional[bool] = key(
         None,
         ANY,
@@ -196,7 +202,19 @@ class UpdateConfig:
         "label of the framework scheme these knobs follow (set by scheme=NAME, rlsync/conf/scheme/); reports group by it",
     )
 
+    def fill(self, root: Config) -> None:
+        """Before any rule across keys: update.lora=null resolved (adapter when the trainer has adapters)."""
+        if self.lora is None and root.trainer.lora.rank > 0:
+            self.lora = "adapter"
+
     def check(self, root: Config) -> None:
+        if self.lora is not None and root.trainer.lora.rank == 0:
+            raise ConfigError(
+                "update.lora",
+                self.lora,
+                "null while trainer.lora.rank=0 (there are no adapters to send or merge: set trainer.lora.rank=16, say)",
+                "not allowed without LoRA",
+            )
         if self.source == "host" and root.trainer.offload == "none":
             raise ConfigError(
                 "update.source",
@@ -241,10 +259,10 @@ class RolloutConfig:
     )
     temperature: float = key(1.0, at_least(0, "0 is greedy"), "sampling temperature (0: greedy)")
     dtype: str = key("bfloat16", DTYPE, "engine weights dtype")
-    release_weights: bool = key(
-        False,
-        ANY,
-        "engine frees its weights after generation (KV cache always); re-allocated before the update, which refills them",
+    sleep_level: int = key(
+        1,
+        between(0, SLEEP_LEVEL_MAX, "vLLM's sleep levels"),
+        "after generation, as vLLM's sleep: 0 keeps everything | 1 frees the KV cache, weights to host memory (back before the update) | 2 frees both (the update refills the weights)",
     )
     placement: str = key(
         "rank0",
@@ -261,12 +279,56 @@ class RolloutConfig:
                 f"< model.max_position_embeddings={limit}",
                 "out of range",
             )
-        if self.release_weights and not root.update.enabled:
+        if self.sleep_level == 2 and not root.update.enabled:
             raise ConfigError(
-                "rollout.release_weights",
-                True,
-                "false (released weights are refilled only by the weight update, which update.enabled=false skips)",
+                "rollout.sleep_level",
+                2,
+                "0, 1 (level 2 frees the weights, refilled only by the weight update, which update.enabled=false skips)",
                 "not allowed with update.enabled=false",
+            )
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # attention and MLP
+RANK_MAX = 4096
+
+
+def names_ok(v) -> bool:
+    return isinstance(v, (list, tuple)) and len(v) > 0 and all(isinstance(n, str) and n for n in v)
+
+
+@dataclass
+class LoraConfig:
+    rank: int = key(
+        0,
+        between(0, RANK_MAX, "0 is full fine-tuning"),
+        "LoRA rank through PEFT: 0 trains every weight (full fine-tuning) | r > 0 trains rank-r adapters only",
+    )
+    alpha: float = key(32.0, above(0), "LoRA alpha: the adapters' output is scaled by alpha / rank")
+    target_modules: list[str] = key(
+        LORA_TARGETS,
+        Rule(names_ok, "a non-empty list of module names (PEFT matches each against a layer name's end)"),
+        "the linear layers that get an adapter (all attention and MLP projections)",
+    )
+
+    def check(self, root: Config) -> None:
+        if not self.rank:
+            return
+        shapes = resolve("rlsync.model.architecture:model_shapes")(root.model)
+        targeted = resolve("rlsync.model.lora:module_targeted")
+        if not any(targeted(n, shape, list(self.target_modules)) for n, shape in shapes):
+            raise ConfigError(
+                "trainer.lora.target_modules",
+                list(self.target_modules),
+                "names of linear layers of the model (Qwen3: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)",
+                "matches no layer",
+            )
+        world = resolve("rlsync.config.launch:launched")()[1]
+        if world > 1 and root.trainer.parallel == "fsdp2":
+            raise ConfigError(
+                "trainer.parallel",
+                "fsdp2",
+                "ddp with trainer.lora.rank > 0 (the sharded update gathers whole tensors: adapters are not planned for it)",
+                "not allowed with LoRA",
             )
 
 
@@ -312,6 +374,7 @@ class TrainerConfig:
         choices("rlsync.trainer.parallel:parallel_names"),
         "data-parallel launches: ddp: the whole model per rank, gradients all-reduced (accelerate's DDP) | fsdp2: weights, grads, AdamW state sharded (torch fully_shard), the update gathers them | none: one process only",
     )
+    lora: LoraConfig = node(LoraConfig, "LoRA adapters through PEFT: rank 0 (the default) trains every weight")
 
     def check(self, root: Config) -> None:
         world = resolve("rlsync.config.launch:launched")()[1]

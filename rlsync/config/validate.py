@@ -90,6 +90,7 @@ def validate(cfg, *, types: bool = True) -> None:
         if not rule.ok(value):
             allowed = rule.allowed.replace("a number", "an integer") if hint is int else rule.allowed
             raise ConfigError(key, value, allowed, "out of range" if is_number(value) else "not allowed")
+    cfg.update.fill(cfg)  # update.lora=null resolved: the payload below depends on it
     engine = resolve("rlsync.engines.base:engine_class")(cfg.rollout.engine)
     engine.check_config(cfg)  # the engine's own rules across keys (Engine.check_config)
     resolve("rlsync.sync.payload.base:payload_of")(cfg.update).check_config(cfg)  # the payload's (Payload.check_config)

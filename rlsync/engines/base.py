@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import torch
 
-from rlsync.config.schema import ModelConfig, RolloutConfig
+from rlsync.config.schema import LoraConfig, ModelConfig, RolloutConfig
 from rlsync.errors import ConfigError
 from rlsync.model.build import torch_dtype
 from rlsync.registry import Registry
@@ -89,6 +89,7 @@ class EngineSpec:
     eos_id: int
     pad_id: int
     cpu_threads: int | None = None  # torch CPU threads of an engine process (run.cpu_threads as the run chose)
+    lora: LoraConfig | None = None  # adapters the engine holds beside its weights (update.lora=adapter)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -112,10 +113,17 @@ class EngineSpec:
 
 
 def engine_spec(
-    model: ModelConfig, rollout: RolloutConfig, *, device, tokenizer, cpu_threads: int | None = None
+    model: ModelConfig,
+    rollout: RolloutConfig,
+    *,
+    device,
+    tokenizer,
+    cpu_threads: int | None = None,
+    lora: LoraConfig | None = None,
 ) -> EngineSpec:
     """The spec of the engine `rollout.engine` names, for `tokenizer`'s vocabulary (the ids generation may
-    sample, its eos and pad ids): every entry point builds its engine's spec here."""
+    sample, its eos and pad ids): every entry point builds its engine's spec here. `lora`: the adapters
+    the engine holds (the update's payload says: Payload.engine_lora)."""
     return EngineSpec(
         model=model,
         rollout=rollout,
@@ -124,6 +132,7 @@ def engine_spec(
         eos_id=tokenizer.eos_id,
         pad_id=tokenizer.pad_id,
         cpu_threads=cpu_threads,
+        lora=lora,
     )
 
 
@@ -225,9 +234,14 @@ class Engine(Preloaded, Rollout):
     # update.strategy values this engine's own trainer-to-engine transfer offers (`native_update`),
     # beside the transports' bucketed and per_tensor; such a strategy stages nothing of rlsync's.
     own_strategies: ClassVar[tuple[str, ...]] = ()
-    # Whether `release` takes the weights off the device even without rollout.release_weights, so the
-    # step loop resumes the engine before every update (vLLM's sleep always does).
-    release_takes_weights: ClassVar[bool] = False
+
+    @classmethod
+    def release_takes_weights(cls, sleep_level: int, device_type: str) -> bool:
+        """Whether `release` at rollout.sleep_level on a `device_type` device takes the weights off it
+        (1: to host memory, 2: freed), so the step loop resumes the engine before every update, which
+        writes into them (timed as the engine's resume, not inside the update). By default levels 1 and
+        2 do; level 0 keeps everything. `resume` is idempotent: answering true costs one call."""
+        return sleep_level >= 1
 
     # What an engine accepts is asked of its class, before any model is built (rlsync.config.validate).
     @classmethod

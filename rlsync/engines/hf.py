@@ -13,10 +13,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from rlsync.config.schema import ModelConfig
+from rlsync.config.schema import LoraConfig, ModelConfig
 from rlsync.engines.base import Engine, EngineSpec, Generation, check_cancelled, left_pad, position_ids
 from rlsync.measure.devices import copy_into
 from rlsync.model.architecture import build_empty, update_tensors
+from rlsync.model.lora import inject, update_names
 
 
 def sample_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -28,6 +29,12 @@ def sample_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tens
     of the tensor's device type. On a CPU both are the same draw.
     """
     return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
+
+
+def owns(storage: torch.UntypedStorage) -> bool:
+    """Whether the engine can free `storage`: not shared memory (CPU) nor memory opened from a CUDA IPC
+    handle, which belong to the trainer's side."""
+    return storage.resizable() and not (storage.device.type == "cpu" and storage.is_shared())
 
 
 def cache_kwarg(model: nn.Module) -> str:
@@ -50,18 +57,24 @@ class HFEngine(Engine):
         allowed_ids: torch.Tensor,
         eos_id: int,
         pad_id: int,
-        release_weights: bool = False,
+        sleep_level: int = 1,
+        lora: LoraConfig | None = None,
     ):
         # storage only: the first weight update fills it (rlsync.model.architecture: any causal LM, Qwen3 from the keys)
         model = build_empty(model_cfg, dtype=dtype, device=device)
+        if lora is not None:  # update.lora=adapter: the trainer's PEFT adapters, one adapter name for every update
+            model = inject(model, lora)
         self.model = model.eval().requires_grad_(False)
         self.device, self.dtype = device, dtype
         self.allowed = allowed_ids.to(device)
         self.eos_id, self.pad_id = eos_id, pad_id
         self._cache_kw = cache_kwarg(model)
-        self.release_weights = release_weights
+        self.sleep_level = sleep_level  # rollout.sleep_level: what release() gives back, as vLLM's sleep levels
+        self.host_is_device = device.type == "cpu"  # level 1 offloads the weights to host memory: here they are
         self.layout = model_cfg.update_layout  # the names the update arrives in (the trainer's, the same plan)
-        self.released: list[tuple[torch.UntypedStorage, int]] = []  # weight storages freed by release(), their sizes
+        # weight storages freed by release(): (storage, its size, its host copy at level 1 or None)
+        self.released: list[tuple[torch.UntypedStorage, int, torch.UntypedStorage | None]] = []
+        self.host_copies: list[torch.UntypedStorage] = []  # level 1: the weights' host copies, made once, reused
 
     @classmethod
     def from_spec(cls, spec: EngineSpec, *, strategy: str) -> HFEngine:
@@ -72,49 +85,88 @@ class HFEngine(Engine):
             allowed_ids=spec.allowed_ids,
             eos_id=spec.eos_id,
             pad_id=spec.pad_id,
-            release_weights=spec.rollout.release_weights,
+            sleep_level=spec.rollout.sleep_level,
+            lora=spec.lora,
         )
 
-    def release(self) -> None:
-        """Give the memory back after generation, wherever the engine runs (this process or its own).
+    @classmethod
+    def release_takes_weights(cls, sleep_level: int, device_type: str) -> bool:
+        """Level 2 frees the weights; level 1 moves them to host memory, except on a CPU (host == device)."""
+        return sleep_level == 2 or (sleep_level == 1 and device_type != "cpu")
 
-        The KV cache lives only inside `generate`, so it is already free: emptying the allocator's
-        cache hands it to the driver. With `release_weights` the weights' storage is freed too (each
-        parameter keeps its shape and identity, holding no memory); `resume` re-allocates it and the
-        next weight update refills it, so in between the engine must not generate.
+    def release(self) -> None:
+        """Give the memory back after generation as vLLM's sleep level `rollout.sleep_level` does,
+        wherever the engine runs (this process or its own). Nothing here is timed: the loop times the
+        release and the resume (perf/engine_release_time, perf/engine_resume_time).
+
+        0: nothing; the allocator keeps its cache (the next rollout finds its blocks).
+        1: the KV cache, which lives only inside `generate`, so it is already free: emptying the
+           allocator's cache hands it to the driver; and the weights offloaded to host memory: each
+           storage copied to its host copy (pinned on CUDA, made once and reused), then its device
+           storage freed; `resume` copies them back. On a CPU device the host is the device: the
+           weights stay where they are and only the KV cache goes (levels 0 and 1 then differ little).
+        2: the KV cache and the weights' storage (each parameter keeps its shape and identity, holding
+           no memory); `resume` re-allocates it and the next weight update refills it, so in between
+           the engine must not generate.
+
+        Weights in memory shared with the trainer (ipc's flat weights) are the trainer side's: level 2
+        refuses them, level 1 leaves them in place.
         """
-        if self.release_weights and not self.released:
-            storages = {}
-            for param in self.model.parameters():
-                storage = param.untyped_storage()
-                storages.setdefault(storage.data_ptr(), storage)  # views of one flat buffer: freed once
-            for storage in storages.values():
-                # shared memory (CPU) or memory opened from a CUDA IPC handle belongs to the trainer's side
-                if not storage.resizable() or (storage.device.type == "cpu" and storage.is_shared()):
-                    raise RuntimeError(
-                        "rollout.release_weights=true: the engine's weights live in memory shared with "
-                        "the trainer and cannot be freed by the engine; set rollout.release_weights=false"
-                    )
-            for storage in storages.values():
-                self.released.append((storage, storage.nbytes()))
+        offload = self.sleep_level == 1 and not self.host_is_device
+        if (self.sleep_level == 2 or offload) and not self.released:
+            storages = list(self.weight_storages().values())
+            owned = [s for s in storages if owns(s)]
+            if self.sleep_level == 2 and len(owned) < len(storages):
+                raise RuntimeError(
+                    "rollout.sleep_level=2: the engine's weights live in memory shared with the trainer "
+                    "and cannot be freed by the engine; set rollout.sleep_level=1 or 0"
+                )
+            hosts = self.host_copy(owned) if offload else [None] * len(owned)
+            for storage, host in zip(owned, hosts):
+                if host is not None:
+                    host.copy_(storage, non_blocking=host.is_pinned())
+            if offload and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # every copy landed before its device storage goes
+            for storage, host in zip(owned, hosts):
+                self.released.append((storage, storage.nbytes(), host))
                 storage.resize_(0)
-        if self.device.type == "cuda":
+        if self.sleep_level >= 1 and self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def weight_storages(self) -> dict[int, torch.UntypedStorage]:
+        """Each storage the weights live in, once (views of one flat buffer share it), by address."""
+        storages: dict[int, torch.UntypedStorage] = {}
+        for param in self.model.parameters():
+            storage = param.untyped_storage()
+            storages.setdefault(storage.data_ptr(), storage)
+        return storages
+
+    def host_copy(self, storages: list[torch.UntypedStorage]) -> list[torch.UntypedStorage]:
+        """Level 1: a host storage per weight storage (pinned on CUDA), allocated at the first release."""
+        if [h.nbytes() for h in self.host_copies] != [s.nbytes() for s in storages]:
+            pin = self.device.type == "cuda"
+            self.host_copies = [
+                torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=pin).untyped_storage() for s in storages
+            ]
+        return self.host_copies
+
     def resume(self) -> None:
-        """Take the memory back: re-allocate released weights (contents undefined until the next update).
+        """Take the memory back: re-allocate released weights, copied back from the host at level 1
+        (contents undefined at level 2 until the next update).
 
         Idempotent: the loop calls it before the weight update and again before the rollout.
         """
-        for storage, nbytes in self.released:
+        for storage, nbytes, host in self.released:
             storage.resize_(nbytes)
+            if host is not None:
+                storage.copy_(host, non_blocking=host.is_pinned())  # the device's stream orders what reads it
         self.released = []
 
     @property
     def weights(self) -> dict[str, torch.Tensor]:
         """The engine's weights by the update's names (tied ones once): its parameters, or in the
         checkpoint layout of a MoE model per-expert views of its fused expert parameters."""
-        return update_tensors(dict(self.model.named_parameters()), self.layout)
+        return update_tensors(update_names(dict(self.model.named_parameters())), self.layout)
 
     @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -31,10 +31,13 @@ trainer-to-engine weight transfer as `update.strategy=vllm_ipc` (see the end).
   utils.py, request_memory), and the trainer's state is on the device already, so the utilization is
   computed from `torch.cuda.mem_get_info()` (`gpu_memory_utilization`); the KV cache is sized by
   `kv_cache_memory_bytes`, which vLLM then uses instead of the utilization.
-- Sleep: level 2 (drop the weights) with `rollout.release_weights=true`, which the validation allows
-  only when every update refills every weight; level 1 otherwise (weights kept on the host). Either
-  way the weights are asleep after `release`, so the runner wakes them before the update and times
-  that as `engine_resume` (level 1 copies the old weights back there, not inside the update).
+- Sleep: `rollout.sleep_level` is vLLM's level, passed to `LLM.sleep(level=...)` after each rollout:
+  1 (the default) offloads the weights to host memory and discards the KV cache, 2 discards both
+  (the validation allows it only when every update refills every weight), 0 does not sleep (vLLM's
+  own level 0 would only pause its scheduler, which a synchronous loop has no use for). At 1 and 2
+  the weights are asleep after `release`, so the runner wakes them before the update
+  (`wake_up(tags=["weights"])`) and times that as `engine_resume` (level 1 copies the old weights
+  back there, not inside the update); the rest (`kv_cache`) wakes before the next rollout.
 - Sleep mode holds one engine per process (vLLM's CuMem allocator: "can only be used for one
   instance per process"): a second in-process engine on CUDA is refused in one line
   (`check_sleep_mode`); a sweep runs each job in its own process (hydra/launcher=local) or uses ipc.
@@ -312,7 +315,6 @@ class VLLMEngine(Engine):
     loads_trainer_tensors = True  # the reload path copies (and casts) what it is handed; each call costs a model walk
     passive_cpu_threads = False  # vLLM's CPU worker binds and sets up its own threads
     own_strategies = NATIVE_STRATEGIES
-    release_takes_weights = True  # vLLM's sleep takes the weights off the device (level 1 keeps a host copy)
     title = "vLLM"
 
     @classmethod
@@ -343,6 +345,14 @@ class VLLMEngine(Engine):
                 update.transport,
                 "direct, ipc (vLLM takes the engine process's "
                 "default torch.distributed group, which broadcast needs for its own)",
+                "not supported with rollout.engine=vllm",
+            )
+        if getattr(update, "lora", None) == "adapter":
+            raise ConfigError(
+                "update.lora",
+                "adapter",
+                "merged with rollout.engine=vllm (vLLM loads an adapter from a directory through a LoRARequest; "
+                "rlsync does not write one per update yet), or rollout.engine=hf",
                 "not supported with rollout.engine=vllm",
             )
         if update.strategy in NATIVE_STRATEGIES and update.transport != "direct":
@@ -400,7 +410,7 @@ class VLLMEngine(Engine):
         self.allowed_list = None if bool(self.allowed.all()) else self.allowed.nonzero().flatten().tolist()
         self.native = strategy in NATIVE_STRATEGIES
         self.asleep: set[str] = set()  # vLLM sleep tags currently released: "weights", "kv_cache"
-        self.sleep_level = 2 if rollout_cfg.release_weights else 1  # 2 drops the weights, the update refills
+        self.sleep_level = rollout_cfg.sleep_level  # vLLM's: 1 weights to host, 2 dropped (the update refills), 0 none
         check_sleep_mode(device.type, self.native)
         if device.type == "cuda" and device.index not in (None, 0):
             raise ValueError(
@@ -513,9 +523,10 @@ class VLLMEngine(Engine):
     # -- memory ------------------------------------------------------------------------------
 
     def release(self) -> None:
-        """CUDA: vLLM's sleep (level 1 keeps the weights on the host, 2 drops them). CPU: a no-op,
-        vLLM has no sleep mode on the CPU backend (its KV cache stays allocated)."""
-        if self.device.type != "cuda" or self.asleep:
+        """CUDA: vLLM's sleep at rollout.sleep_level (1 keeps the weights on the host, 2 drops them, 0
+        does not sleep). CPU: a no-op at every level, vLLM has no sleep mode on the CPU backend (its KV
+        cache and weights stay allocated), so on a CPU the levels time the same release."""
+        if self.device.type != "cuda" or self.asleep or self.sleep_level == 0:
             return
         self.llm.sleep(level=self.sleep_level)
         self.asleep = {"weights", "kv_cache"}

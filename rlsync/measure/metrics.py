@@ -94,6 +94,40 @@ OTHER = Phase("other", "other", "other", "#dddddd")  # the step's time outside i
 HEADLINE = ("update_weights", "sleep", "wake_up", "step")
 
 
+@dataclass(frozen=True)
+class IdlePart:
+    """A part of perf/engine_idle_time and the row that carries it: 0 the idle's own row, -1 the row
+    before it (the step whose rollout's last token started the idle)."""
+
+    metric: str
+    row: int
+
+
+# perf/engine_idle_time in step N's row runs from step N-1's last token to step N's first. Its parts,
+# in the order they run: step N-1's engine release, its trainer phases (that row's perf/<phase>_time,
+# timed once), the time between the two steps (the record, the floors' probe), and the engine's resumes (step N-1's before its update,
+# step N's before its rollout). What no part holds: scoring the rollout, making the prompts, update.verify.
+IDLE_PARTS: tuple[IdlePart, ...] = (
+    IdlePart("perf/engine_idle_release_time", 0),
+    *(  # perf/update_weights_time is the update's own clock (without update.verify's checksums)
+        IdlePart(f"perf/{name}_time", -1)
+        for name in (
+            "batch_scatter",
+            "wake_up",
+            "log_probs",
+            "ref_log_probs",
+            "train",
+            "update_layout",
+            "update_weights",
+            "sleep",
+        )
+    ),
+    IdlePart("perf/engine_idle_between_time", 0),
+    IdlePart("perf/engine_idle_probe_time", 0),  # rlsync's own floors, probed again (run.limit_probe=every_step)
+    IdlePart("perf/engine_idle_resume_time", 0),
+)
+
+
 def moved(phase: str) -> tuple[Metric, ...]:
     """What a phase that copies bytes logs beside its time: bytes, GB/s, its copy floor, floor / time."""
     p = f"perf/{phase}"
@@ -131,6 +165,11 @@ METRICS: tuple[Metric, ...] = (
     # from the previous rollout's last token to this one's first: release, onload, log-probs, train, update,
     # offload, what runs between steps, resume (each its own metric); from the second step on
     Metric("perf/engine_idle_time", "engine idle", "s", Merge.SLOWEST),  # update.verify: one per rank's engine
+    # its parts that no phase of the step times (IDLE_PARTS), in the idle's row
+    Metric("perf/engine_idle_release_time", "engine release", "s", Merge.SLOWEST),  # the last step's release
+    Metric("perf/engine_idle_resume_time", "engine resume", "s", Merge.SLOWEST),  # before the last update and now
+    Metric("perf/engine_idle_between_time", "between steps", "s", Merge.SLOWEST),  # the step's record
+    Metric("perf/engine_idle_probe_time", "rlsync's floor probe", "s", Merge.SLOWEST),  # run.limit_probe=every_step
     *moved("sleep"),
     *moved("wake_up"),
     # this process's peak resident set so far (VmHWM): data parallel's merge is the largest rank's

@@ -18,6 +18,7 @@ from torch import nn
 from rlsync.config.schema import ModelConfig
 from rlsync.errors import ConfigError, show
 from rlsync.model.architecture import ARCHITECTURE_KEYS, build_empty, hf_config  # noqa: F401 - hf_config: the engines' import
+from rlsync.model.lora import update_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INIT_STD = 0.02
@@ -138,8 +139,9 @@ def _tile_(flat: torch.Tensor, period: torch.Tensor) -> None:
 
 
 def named_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters by name, tied ones once (named_parameters already skips shared tensors)."""
-    return dict(model.named_parameters())
+    """Parameters by the update's names, tied ones once (named_parameters already skips shared tensors);
+    a PEFT adapter's as PEFT saves them (rlsync.model.lora.update_names)."""
+    return update_names(dict(model.named_parameters()))
 
 
 def model_bytes(model: nn.Module, dtype: torch.dtype) -> int:

@@ -158,7 +158,7 @@ def bench_config(
         verify=False,
         engine_address=None,
     )
-    keep["rollout"]["release_weights"] = False
+    keep["rollout"]["sleep_level"] = 1  # a bench never sleeps the engine; level 2 would refuse flat ipc weights
     merged = OmegaConf.merge(
         base,
         keep,

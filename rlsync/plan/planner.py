@@ -25,6 +25,7 @@ from rlsync.model.build import torch_dtype
 from rlsync.plan import cost, profiles
 from rlsync.plan.calibrate import calibrate_hint
 from rlsync.plan.flags import flags
+from rlsync.plan.kinds import kinds
 from rlsync.plan.ranks import collective_of, gather_plan, per_rank_memory
 from rlsync.sync.base import STRATEGIES
 from rlsync.sync.buckets import TensorMeta, plan_buckets
@@ -293,6 +294,7 @@ def make_plan(
         },
         "gather": gathered,
     }
+    plan["kinds"] = kinds(cfg, p.plan(u.bucket_mb), model_shapes(cfg.model), p.floor_gbps)  # full, fp8, delta, LoRA
     plan["flags"] = flags(plan, configured)
     return plan
 
@@ -311,7 +313,10 @@ PLAN_KEYS = {  # plan.json's schema: key -> type, checked by tests and by rlsync
 }
 
 
-OPTIONAL_PLAN_KEYS = {"gather": dict}  # added since schema 1 was first written: absent from older plan.json files
+OPTIONAL_PLAN_KEYS = {
+    "gather": dict,
+    "kinds": dict,
+}  # added since schema 1 was first written: absent from older plan.json files
 
 
 def check_plan(plan: dict) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rlsync.fmt import fmt_bytes, fmt_seconds, fmt_share, markdown_table
 from rlsync.plan import cost
+from rlsync.plan.kinds import kinds_lines
 
 
 def gather_lines(plan: dict) -> list[str]:
@@ -165,6 +166,7 @@ def render(plan: dict) -> str:
             + ")"
         )
     lines += gather_lines(plan)
+    lines += kinds_lines(plan)
     peak_dev = f", device {fmt_bytes(mem['run_peak_device_bytes'])}" if mem["run_peak_device_bytes"] else ""
     lines.append(
         f"Memory: staging {fmt_bytes(mem['staging_bytes'])}; the update alone (rlsync.bench: trainer and "

@@ -20,6 +20,56 @@ def stats_over(rows: list[dict], warmup_steps: int) -> dict[str, dict[str, float
     return out
 
 
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def engine_idle(rows: list[dict], warmup_steps: int) -> dict | None:
+    """perf/engine_idle_time over the measured steps with its parts, each part read from the row that
+    carries it for the same interval (metrics.IDLE_PARTS: the engine's in the idle's row, the trainer's
+    phases in the row before): per part, and for what no part holds ("unaccounted"), the median, min
+    and max over the intervals. None where no measured step logged an idle time."""
+    by_step = {r["step"]: r for r in rows if isinstance(r.get("step"), int)}
+    intervals = []
+    for step, row in by_step.items():
+        idle, before = row.get("perf/engine_idle_time"), by_step.get(step - 1)
+        if step < warmup_steps or not isinstance(idle, (int, float)) or before is None:
+            continue
+        parts = {}
+        for part in metrics.IDLE_PARTS:
+            value = (row if part.row == 0 else before).get(part.metric)
+            if isinstance(value, (int, float)):
+                parts[part.metric] = value
+        intervals.append((idle, parts))
+    if not intervals:
+        return None
+    names = [p.metric for p in metrics.IDLE_PARTS if any(p.metric in parts for _, parts in intervals)]
+    return {
+        "time": spread([idle for idle, _ in intervals]),
+        "parts": {name: spread([parts.get(name, 0.0) for _, parts in intervals]) for name in names},
+        "unaccounted": spread([idle - sum(parts.values()) for idle, parts in intervals]),
+        "intervals": len(intervals),
+    }
+
+
+IDLE_PARTS_SHOWN = 3  # the closing table's and the report's largest parts of the idle time
+
+
+def idle_parts_phrase(idle: dict, shown: int = IDLE_PARTS_SHOWN) -> str:
+    """The idle time's largest parts by median: "training 0.14 s, log-probs 44 ms, trainer onload 3.1 ms"."""
+    labels = metrics.declared()
+    parts = sorted(idle["parts"].items(), key=lambda kv: -kv[1]["median"])[:shown]
+    return ", ".join(
+        f"{labels[name].label if name in labels else name} {fmt_seconds(st['median'])}" for name, st in parts
+    )
+
+
+def idle_update_share(idle: dict) -> float | None:
+    """The weight update's median part of the median idle time."""
+    update = idle["parts"].get("perf/update_weights_time")
+    return update["median"] / idle["time"]["median"] if update and idle["time"]["median"] else None
+
+
 def shares(stats: dict[str, dict[str, float]]) -> dict[str, float]:
     """Each phase's median over the median step."""
     step = stats.get("perf/step_time", {}).get("median")
@@ -61,10 +111,18 @@ def verdict(share: dict[str, float], stats: dict, *, threshold: float, setup: di
     return f"{share_verdict(update, threshold)}. This run used transport={setup['transport']}, {how}{at_limit}.{sent}"
 
 
-def payload_line(stats: dict) -> str | None:
-    """A payload other than full (update.delta, update.wire_dtype): the bytes that crossed against the full
-    update's, the share of elements that changed (a delta) and the encoding's time (medians over the
-    measured updates); None for a full update."""
+PAYLOAD_PHRASES = {  # what the closing line calls each payload other than full
+    "delta": "Delta (update.delta=true)",
+    "fp8": "FP8 on the wire (update.wire_dtype=float8_e4m3fn)",
+    "lora_adapter": "LoRA adapters only (update.lora=adapter; the first update also sent the base)",
+    "lora_merged": "LoRA merged in fp32 (update.lora=merged)",
+}
+
+
+def payload_line(stats: dict, payload: str | None) -> str | None:
+    """A payload other than full (update.delta, update.wire_dtype, update.lora): the bytes that crossed
+    against the full update's, the share of elements that changed (a delta) and the encoding's time
+    (medians over the measured updates); None for a full update."""
     full = stats.get("perf/update_weights_full_bytes", {}).get("median")
     if not full:
         return None
@@ -72,18 +130,39 @@ def payload_line(stats: dict) -> str | None:
     changed = stats.get("perf/update_weights_changed_ratio")
     encode = stats.get("perf/update_weights_encode_time", {}).get("median")
     took = f"; encoding took {fmt_seconds(encode)} of the update" if encode is not None else ""
-    what = (
-        f"Delta (update.delta=true): {fmt_share(changed['median'])} of the elements changed per update (median), "
-        if changed
-        else "FP8 on the wire (update.wire_dtype=float8_e4m3fn): "
-    )
-    return f"{what}{fmt_bytes(sent)} sent of the full {fmt_bytes(full)} ({fmt_share(sent / full)}){took}."
+    what = PAYLOAD_PHRASES.get(payload or "", f"The {payload} payload")
+    if changed:
+        what += f": {fmt_share(changed['median'])} of the elements changed per update (median),"
+    else:
+        what += ":"
+    line = f"{what} {fmt_bytes(sent)} sent of the full {fmt_bytes(full)} ({fmt_share(sent / full)}){took}."
+    floor = stats.get("perf/update_weights_sent_limit_time", {}).get("median")
+    seconds = stats.get("perf/update_weights_time", {}).get("median")
+    if floor and seconds:
+        line += (
+            f" The copy floor of what crossed: {fmt_seconds(floor)} (time / that floor: {fmt_sig(seconds / floor)}x)."
+        )
+    merge = stats.get("update/lora_merge_error", {}).get("median")
+    if merge is not None:
+        low = stats["update/lora_merge_error_in_dtype"]["median"]
+        differ = stats["update/lora_merge_differ_ratio"]["median"]
+        line += (
+            f" The engine's weights against the exact W + s*BA (median, ||error|| / ||s*BA||): {fmt_sig(merge)}"
+            f" merged in fp32 then cast (the nearest engine-dtype weights), {fmt_sig(low)} merged in the"
+            f" engine's dtype ({fmt_share(differ)} of the merged elements differ)."
+        )
+    return line
 
 
 def sent_phrase(setup: dict) -> str:
     """What the update sent: how many tensors, in which layout (a MoE model's differ by 35x)."""
     if setup.get("update_tensors") is None:
         return ""
+    if setup.get("adapter_tensors"):
+        return (
+            f" The first update sent {setup['update_tensors']:,} tensors (model.update_layout={setup['update_layout']}),"
+            f" each later one the {setup['adapter_tensors']:,} adapter tensors."
+        )
     return f" Each update sent {setup['update_tensors']:,} tensors (model.update_layout={setup['update_layout']})."
 
 
@@ -111,14 +190,31 @@ def setup_phrase(setup: dict) -> str:
     return ", ".join(str(p) for p in parts if p)
 
 
-def closing_table(model: str, stats: dict, share: dict, setup: dict | None = None) -> str:
+def closing_table(model: str, stats: dict, share: dict, setup: dict | None = None, idle: dict | None = None) -> str:
     """The run's closing table: the setup, each headline phase's median with its range over the measured
-    steps, and the update's share."""
+    steps, and the update's share; then the engine's idle time (`engine_idle`), its largest parts and
+    the update's share of it."""
     headline = [metrics.phase_named(name) for name in metrics.HEADLINE]
     cells = []
     for p in headline:
         st = stats.get(p.metric.name)
         cells.append(fmt_spread(st["median"], st["min"], st["max"]) if st else "n/a")
     update = fmt_share(share.get("update_weights"))
-    header = ["model", "update setup", *(f"{p.label} median (range)" for p in headline), "update share of step"]
-    return markdown_table(header, [[model, setup_phrase(setup or {}) or "n/a", *cells, update]])
+    idle_cells = ["n/a", "n/a", "n/a"]
+    if idle:
+        t = idle["time"]
+        idle_cells = [
+            fmt_spread(t["median"], t["min"], t["max"]),
+            idle_parts_phrase(idle),
+            fmt_share(idle_update_share(idle)),
+        ]
+    header = [
+        "model",
+        "update setup",
+        *(f"{p.label} median (range)" for p in headline),
+        "update share of step",
+        "engine idle median (range)",
+        "largest idle parts (median)",
+        "update share of idle",
+    ]
+    return markdown_table(header, [[model, setup_phrase(setup or {}) or "n/a", *cells, update, *idle_cells]])

@@ -31,7 +31,7 @@ from typing import Optional
 from rlsync.errors import WriteFailed
 from rlsync.fmt import plural
 from rlsync.report import sizing
-from rlsync.report.cells import rows_markdown
+from rlsync.report.cells import idle_table, rows_markdown
 from rlsync.report.fits import fit_by_setup, update_fit_lines
 from rlsync.report.markdown import write_csv, write_markdown
 from rlsync.report.plots import write_plots
@@ -164,6 +164,8 @@ def print_result(result: ReportResult) -> None:
     print(f"rlsync report: {result.group} ({plural(len(result.runs), 'run')}, {len(result.failures)} failed)")
     if result.rows:
         print(result.table_markdown)
+        if idle := idle_table(result.rows):  # runs of the step loop: the engine's idle time beside the update
+            print(f"\nEngine idle per step (its largest parts beside the update):\n{idle}\n")
         for best in best_settings(result.rows):  # the same sentences as report.md's "Best setting"
             print(f"best: {best.describe()}")
         print("\n".join(update_fit_lines(result.fits)))

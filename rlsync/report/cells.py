@@ -21,6 +21,7 @@ from rlsync.fmt import (
     markdown_table,
 )
 from rlsync.measure import metrics
+from rlsync.record.summary import idle_parts_phrase
 from rlsync.report.runs import MIN_MEASURED, Run
 
 PER_TENSOR = "per_tensor"  # the strategy to which a bucket size does not apply
@@ -111,6 +112,35 @@ def phase_table(rows: list[dict[str, Any]]) -> str:
     common = common_overrides(rows)
     cells = [[run_label(r, common), *(cell(r, p) for p in timed), fmt_seconds(r["step_time_median"])] for r in rows]
     return markdown_table(["run", *(p.label for p in timed), "step (median)"], cells)
+
+
+IDLE_NOTE = (
+    "From one rollout's last token to the next one's first (perf/engine_idle_time): median (min to max) over "
+    "the measured steps; its largest parts by median, each from the same intervals (docs/metrics.md); the "
+    "weight update's median beside it, and its share of the median idle."
+)
+
+
+def idle_table(rows: list[dict[str, Any]]) -> Optional[str]:
+    """Per run of the step loop that logged it: the engine's idle time, its largest parts and the
+    update's share of it (None when no run did: a bench, or a single step)."""
+    rows = [r for r in rows if r.get("engine_idle")]
+    if not rows:
+        return None
+    common = common_overrides(rows)
+    cells = [
+        [
+            run_label(r, common),
+            "n/a" if r.get("sleep_level") is None else str(r["sleep_level"]),
+            fmt_spread(r["engine_idle_time_median"], r["engine_idle_time_min"], r["engine_idle_time_max"]),
+            idle_parts_phrase(r["engine_idle"]),
+            fmt_seconds(r["update_time_median"]) if is_number(r.get("update_time_median")) else "n/a",
+            fmt_share(r.get("update_idle_share")),
+        ]
+        for r in rows
+    ]
+    header = ["run", "sleep level", "engine idle", "largest parts (median)", "update", "update share of idle"]
+    return markdown_table(header, cells)
 
 
 def machine_line(runs: list[Run]) -> str:

@@ -9,7 +9,15 @@ from typing import Any
 
 from rlsync.fmt import plural
 from rlsync.report import sizing
-from rlsync.report.cells import TABLE_NOTE, common_overrides, machine_line, phase_table, run_label
+from rlsync.report.cells import (
+    IDLE_NOTE,
+    TABLE_NOTE,
+    common_overrides,
+    idle_table,
+    machine_line,
+    phase_table,
+    run_label,
+)
 from rlsync.report.fits import update_fit_lines
 from rlsync.report.ranking import best_settings
 from rlsync.report.rows import csv_fields
@@ -27,6 +35,7 @@ def write_markdown(path: Path, result: ReportResult, plots: list[Path], sources:
     out += [result.table_markdown if result.rows else "No run measured a step.", ""]
     out += ["## Step by phase", "", "Median per phase (its share of the median step).", ""]
     out += [phase_table(result.rows), ""]
+    out += ["## Engine idle", "", IDLE_NOTE, "", idle_table(result.rows) or "No run logged the engine's idle time.", ""]
     out += ["## Verdicts", ""]
     common = common_overrides(result.rows)
     out += [f"- **{run_label(row, common)}**: {row['verdict']}" for row in result.rows]

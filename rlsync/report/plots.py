@@ -351,6 +351,56 @@ def plot_step_breakdown(rows: list[Row], fits: list[FitGroup], path: Path) -> Op
     return None
 
 
+IDLE_COLORS = {  # the engine's own parts of its idle time in the colours of its release and resume phases
+    "perf/engine_idle_release_time": metrics.phase_named("engine_release").color,
+    "perf/engine_idle_resume_time": metrics.phase_named("engine_resume").color,
+    "perf/engine_idle_between_time": "#bbbbbb",
+    "perf/engine_idle_probe_time": "#e5c494",
+}
+
+
+def plot_engine_idle(rows: list[Row], fits: list[FitGroup], path: Path) -> Optional[str]:
+    """The engine's median idle time by part (summary.json's engine_idle: each part from the same
+    intervals), one bar per run of the step loop, the update's share of it at its end."""
+    bars = [
+        (row, {k: v["median"] for k, v in row["engine_idle"]["parts"].items()})
+        for row in rows
+        if row.get("engine_idle")
+    ]
+    if not bars:
+        why = "the runs are benchmarks, which time no step" if any(r.get("bench") for r in rows) else "no run logged it"
+        return f"{path.name} skipped: {why} (perf/engine_idle_time, from a run's second step)"
+    for row, parts in bars:  # what no part holds: scoring, the prompts, update.verify
+        rest = row["engine_idle"]["time"]["median"] - sum(parts.values())
+        parts["other"] = max(rest, 0.0)
+    scale, unit = axis_unit([row["engine_idle"]["time"]["median"] for row, _ in bars])
+    drawn_rows = [row for row, _ in bars]
+    phases = {p.metric.name: p for p in metrics.PHASES}
+    labels = metrics.declared()
+    order = [
+        (
+            p.metric,
+            labels[p.metric].label,
+            phases[p.metric].color if p.metric in phases else IDLE_COLORS.get(p.metric, ""),
+        )
+        for p in metrics.IDLE_PARTS
+    ]
+    order.append(("other", metrics.OTHER.label, metrics.OTHER.color))
+    entries = sum(any(parts.get(name) for _, parts in bars) for name, _, _ in order)
+    fig, ax = bar_axes("Median engine idle by part (the weight update's share at the end)",
+                       [bar_label(row, drawn_rows) for row in drawn_rows], entries)  # fmt: skip
+    ends = stacked_bars(ax, [parts for _, parts in bars], order, scale)
+    for y, ((row, _parts), end) in enumerate(zip(bars, ends)):
+        share = row.get("update_idle_share")
+        if share is not None:
+            ax.annotate(f" update {fmt.fmt_share(share)}", (end, y), va="center", ha="left", fontsize="small")
+    ax.set_xlim(0, max(ends) * 1.3)
+    ax.set_xlabel(f"{time_label('perf/engine_idle_time')}, median ({unit})")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=LEGEND_AT, title="part")
+    save(fig, path)
+    return None
+
+
 def update_parts(row: Row) -> dict[str, float]:
     """The update's median split (gather, pack, transfer, load: what the transport times), plus
     "unsplit" for the rest of the median update; {} when the run logged no split."""
@@ -542,6 +592,7 @@ PLOTS: dict[str, Callable[[list[Row], list[FitGroup], Path], Optional[str]]] = {
     "update_time_vs_bucket.png": plot_update_time_vs_bucket,
     "update_time_vs_bytes.png": plot_update_time_vs_bytes,
     "step_breakdown.png": plot_step_breakdown,
+    "engine_idle.png": plot_engine_idle,
     "update_phases.png": plot_update_phases,
     "peak_memory_vs_bucket.png": plot_peak_memory_vs_bucket,
     "step_timeline.png": plot_step_timeline,

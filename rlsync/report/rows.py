@@ -9,7 +9,7 @@ from typing import Any, Optional
 from rlsync.config.schema import VERDICT_THRESHOLD
 from rlsync.fmt import fmt_bytes, fmt_seconds, is_number
 from rlsync.measure import metrics
-from rlsync.record.summary import share_verdict
+from rlsync.record.summary import engine_idle, idle_update_share, share_verdict
 from rlsync.report.cells import PER_TENSOR, fmt_bucket
 from rlsync.report.runs import Run
 from rlsync.sync.payload import payload_name
@@ -29,6 +29,7 @@ CSV_HEAD = (
 CSV_TAIL = (
     "update_share", "update_efficiency_median", "update_limit_time_median", "update_gbps_median",
     "update_bytes", "update_full_bytes", "update_changed_ratio_median", "update_buckets_median", "update_peak_bytes_max",
+    "sleep_level", "engine_idle_time_min", "engine_idle_time_median", "engine_idle_time_max", "update_idle_share",
     "verdict",
 )  # fmt: skip
 
@@ -87,11 +88,48 @@ def table_row(run: Run) -> dict[str, Any]:
     row["update_staging_bytes_max"] = run.stat("perf/update_weights_staging_bytes", "max")
     for part in UPDATE_PARTS:  # the update's own split, where the transport times it (the update-phases plot)
         row[f"update_{part}_time_median"] = run.stat(f"perf/update_weights_{part}_time")
+    row["sleep_level"] = run_sleep_level(run)
+    row["engine_idle"] = idle = run_idle(run)  # the idle time and its parts, from the same intervals
+    for which in ("min", "median", "max"):
+        row[f"engine_idle_time_{which}"] = idle["time"][which] if idle else None
+    row["update_idle_share"] = idle_update_share(idle) if idle else None
     row["verdict"] = run_verdict(run, row["update_share"])
     row["bench"] = bench_target(run)  # its measured rows are repeats of the target, not steps
     row["warmup_steps"] = run.warmup_steps
     row["timeline"] = timeline(run)
     return row
+
+
+def run_sleep_level(run: Run) -> Optional[int]:
+    """rollout.sleep_level; from a run recorded before it, its rollout.release_weights (true: level 2,
+    false: what the engine then did, level 1)."""
+    level = (run.summary.get("setup") or {}).get("sleep_level", run.cfg("rollout.sleep_level"))
+    if level is None and run.cfg("rollout.release_weights") is not None:
+        level = 2 if run.cfg("rollout.release_weights") else 1
+    return int(level) if is_number(level) else None
+
+
+def well_formed_idle(idle: Any) -> bool:
+    """summary.json's engine_idle as the runner writes it: a spread for the time and for each part."""
+
+    def is_spread(st: Any) -> bool:
+        return isinstance(st, dict) and all(is_number(st.get(k)) for k in ("median", "min", "max"))
+
+    parts = idle.get("parts") if isinstance(idle, dict) else None
+    return (
+        is_spread(idle.get("time") if isinstance(idle, dict) else None)
+        and isinstance(parts, dict)
+        and all(is_spread(st) for st in parts.values())
+    )
+
+
+def run_idle(run: Run) -> Optional[dict[str, Any]]:
+    """The engine's idle time and its parts: summary.json's, else made from metrics.jsonl as the runner
+    makes it (a run recorded before summary.json held it, or one that left no summary)."""
+    idle = run.summary.get("engine_idle")
+    if well_formed_idle(idle):
+        return idle
+    return engine_idle(run.step_rows, run.warmup_steps) if run.step_rows and not bench_target(run) else None
 
 
 def timeline(run: Run) -> list[dict[str, Any]]:

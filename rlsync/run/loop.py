@@ -37,6 +37,7 @@ from rlsync.measure.threads import RunCpu, cpu_threads
 from rlsync.measure.timing import Stopwatch
 from rlsync.model.architecture import update_tensors
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
+from rlsync.model.lora import adapted, merge_errors, scaling
 from rlsync.record import summary as summaries
 from rlsync.record.recorder import Recorder, machine_info
 from rlsync.run.roles import Roles
@@ -48,7 +49,7 @@ from rlsync.sync import (
 from rlsync.sync.auto import resolved_setup
 from rlsync.sync.base import Transport
 from rlsync.sync.gather import StandIns
-from rlsync.sync.payload import payload_name
+from rlsync.sync.payload import payload_name, payload_of
 from rlsync.sync.side import UpdateSide, open_update_side
 from rlsync.trainer.data_parallel import DataParallel
 from rlsync.trainer.grpo import Trainer, group_advantages
@@ -133,7 +134,9 @@ class Experiment:
             transport = self.setup()
             for step in range(self.cfg.run.steps):
                 if step > 0 and self.cfg.run.limit_probe == "every_step":  # outside the step's timing
+                    probed = time.perf_counter()
                     self.probe_limits()
+                    self.probe_time = time.perf_counter() - probed  # inside the engine's idle time
                 record({"step": step, **self.step(step, transport)})
         return self.recorder.result
 
@@ -151,13 +154,19 @@ class Experiment:
         torch.manual_seed(cfg.run.seed)
         self.rng = random.Random(cfg.run.seed)
         self.generation_ended: float | None = None  # when the last rollout's last token came (perf_counter)
-        self.engine_idle: float | None = None  # from then to this step's first token (perf/engine_idle_time)
+        # From then to this step's first token: perf/engine_idle_time and the parts this step's row carries
+        # (the engine's release and resumes, the time between the steps: docs/metrics.md, "The engine's idle time")
+        self.engine_idle: dict[str, float] | None = None
+        self.idle_release = self.idle_wake = 0.0  # since the last token: the release, the wake before the update
+        self.step_ended: float | None = None  # when the last step's clock stopped (perf_counter)
+        self.probe_time: float | None = None  # the floors' probe before this step (run.limit_probe=every_step)
         # on the engine's device (the same as the trainer's); one engine per rank: each samples its own stream
         self.sampler = sampler(device, cfg.run.seed + (self.dp.rank if self.roles.every_rank else 0))
         self.tokenizer = build_tokenizer(cfg.model)
 
         t0 = time.perf_counter()
         model = build_model(cfg.model, dtype=torch_dtype(cfg.trainer.dtype), device=device, seed=cfg.run.seed)
+        model = adapted(model, cfg.trainer.lora)  # trainer.lora.rank > 0: PEFT's adapters train, the base is frozen
         self.dp.broadcast_weights(model)  # data parallel: every rank starts from rank 0's weights, before any sharding
         self.parallel = parallel_for(cfg.trainer.parallel, world=self.dp.world, device=device)
         self.roles.sharded = self.parallel.sharded
@@ -244,6 +253,7 @@ class Experiment:
         cfg, watch = self.cfg, Stopwatch(self.device)
         metrics: dict[str, float] = {}
         with watch("step"):
+            self.step_started = time.perf_counter()  # the device synchronized: the step's clock runs
             batch = self.roles.rollout(
                 lambda groups: self.rollout(transport, watch, groups),
                 watch,
@@ -278,12 +288,14 @@ class Experiment:
                 self.update(transport, watch, metrics)
             if cfg.update.source == "device":
                 self.trainer_sleep(watch, metrics)
+        self.step_ended = time.perf_counter()  # from here to the next step's start: perf/engine_idle_between_time
 
         mask = gen.response_mask.float()
         # The update's own clock wins over the phase clock: the phase also holds the optional verification.
         metrics = {**watch.totals("perf/{}_time"), **metrics}
         if self.engine_idle is not None:  # this rank's engine, since the previous step's rollout ended
-            metrics["perf/engine_idle_time"], self.engine_idle = self.engine_idle, None
+            metrics.update(self.engine_idle)
+            self.engine_idle = None
         # engine vs trainer log-prob of the same sampled tokens: ~0 iff the last update landed
         metrics["train/logprob_abs_diff"] = ((gen.logprobs - old_logp).abs() * mask).sum().item() / mask.sum().item()
         metrics["perf/host_peak_rss_gb"] = peak_rss_bytes() / 1e9  # ranks: the largest rank's
@@ -296,14 +308,15 @@ class Experiment:
         """The weight update into this rank's engine, if it has one; from shards (fsdp2) every rank gathers."""
         cfg, error = self.cfg, None
         if self.roles.takes_update():
-            # The update writes into the engine's weights: allocate them first (release_weights), or
-            # wake them where the engine's release always takes them off the device (timed as the
-            # engine's resume, not inside the update).
-            if transport is not None and (
-                cfg.rollout.release_weights or engine_class(cfg.rollout.engine).release_takes_weights
+            # The update writes into the engine's weights: wake them first where the engine's release
+            # took them off the device at this rollout.sleep_level (timed as the engine's resume, not
+            # inside the update).
+            if transport is not None and engine_class(cfg.rollout.engine).release_takes_weights(
+                cfg.rollout.sleep_level, self.device.type
             ):
                 with watch("engine_resume"):
                     transport.resume()
+                self.idle_wake += watch.last  # a part of the engine's idle time (the next row's)
             with watch("update_layout"):  # the update's tensors: per-expert views cost ~10 us each
                 source = self.update_source()
             with watch("update_weights"):
@@ -312,6 +325,9 @@ class Experiment:
                 except WeightMismatch as err:
                     error = err
             del source  # no view outlives the update (the offload frees what it points at)
+            if payload_name(cfg.update) == "lora_merged":  # how far a merge in the engine's dtype would land
+                with watch("lora_merge_error"):
+                    metrics.update(merge_errors(self.params, scaling(cfg.trainer.lora), torch_dtype(cfg.rollout.dtype)))
         self.roles.agree(error, verify=cfg.update.verify)
 
     def send(self, transport: Transport | None, source: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -347,6 +363,7 @@ class Experiment:
         prompt_ids = [self.tokenizer.encode(p.text) for p in prompts for _ in range(cfg.rollout.samples_per_prompt)]
         with watch("engine_resume"):
             transport.resume()  # the engine gets its memory (KV cache, released weights) back
+        resumed = watch.last
         started = time.perf_counter()  # the engine resumed (synchronized): generation starts now
         with watch("rollout"):
             gen = transport.generate(
@@ -356,10 +373,18 @@ class Experiment:
                 generator=self.sampler,
             ).to(self.device)
         if self.generation_ended is not None:  # the engine generated nothing since the last rollout's end
-            self.engine_idle = started - self.generation_ended
+            self.engine_idle = {
+                "perf/engine_idle_time": started - self.generation_ended,
+                "perf/engine_idle_release_time": self.idle_release,  # the last step's, after its rollout
+                "perf/engine_idle_resume_time": self.idle_wake + resumed,  # before the last update, and now
+                "perf/engine_idle_between_time": self.step_started - self.step_ended - (self.probe_time or 0.0),
+            }  # the last step's trainer phases in between are its own row's (metrics.IDLE_PARTS)
+            if self.probe_time is not None:
+                self.engine_idle["perf/engine_idle_probe_time"] = self.probe_time
         self.generation_ended = time.perf_counter()
         with watch("engine_release"):
             transport.release()  # ... and hands it to the trainer until the next rollout
+        self.idle_release, self.idle_wake = watch.last, 0.0
         rewards, advantages = score_rollout(
             gen, prompts, self.tokenizer, group_size=cfg.rollout.samples_per_prompt, device=self.device
         )
@@ -372,10 +397,11 @@ class Experiment:
         update's own clock): the offload moves each parameter's `.data`, and a per-expert view
         (model.update_layout=checkpoint) keeps the storage it was made of. `live`: the live weights whatever
         update.source says (the first update, before the trainer ever slept)."""
-        layout = self.cfg.model.update_layout
+        layout, payload = self.cfg.model.update_layout, payload_of(self.cfg.update)
         if self.cfg.update.source == "host" and not live:
-            return update_tensors(self.offloader.host_weights(self.params), layout, self.side.layout)
-        return self.parallel.update_source(  # fsdp2: the shards, gathered bucket by bucket as they are read
+            weights = update_tensors(self.offloader.host_weights(self.params), layout, self.side.layout)
+            return payload.source(weights, self.cfg)  # update.lora=merged: W + s*BA, merged as read
+        weights = self.parallel.update_source(  # fsdp2: the shards, gathered bucket by bucket as they are read
             self.params,
             layout=layout,
             plan=self.side.layout,
@@ -383,6 +409,7 @@ class Experiment:
             gather=self.cfg.update.gather,
             call_bytes=self.gather_floor.call_bytes if self.gather_floor is not None else None,
         )
+        return payload.source(weights, self.cfg)
 
     def device_memory(self, phase: str) -> dict[str, float]:
         """On CUDA, what the trainer's sleep hands the engine, and takes back: this process's reserved
@@ -474,6 +501,7 @@ def run_summary(
         **resolved_setup(setup_info.get("resolved"), cfg.update),
         "device": str(device),
         "engine": cfg.rollout.engine,
+        "sleep_level": cfg.rollout.sleep_level,  # what the engine's release gives back (vLLM's levels)
         "payload": payload_name(cfg.update),  # what each bucket carried: full, delta, fp8 (rlsync/sync/payload)
         "engine_address": cfg.update.engine_address,  # null: the engine ran on this machine, started by the run
         "max_response_len": cfg.rollout.max_response_len,
@@ -485,6 +513,7 @@ def run_summary(
         "limit_probe": cfg.run.limit_probe,
         "update_layout": cfg.model.update_layout,  # checkpoint: per-expert tensors (as published) | fused
         "update_tensors": setup_info.get("tensors") if cfg.update.enabled else None,
+        "adapter_tensors": setup_info.get("adapter_tensors"),  # update.lora=adapter: what each later update sends
     }
     result = {
         "kind": "run",
@@ -495,6 +524,7 @@ def run_summary(
         "build_time": setup_info.get("build_time"),
         "offload": setup_info.get("offload"),  # layout, bytes, the buffers' first-touch cost
         "metrics": stats,
+        "engine_idle": summaries.engine_idle(rows, cfg.run.warmup_steps),  # its parts from the same intervals
         "share": share,
         "verdict": summaries.verdict(share, stats, threshold=cfg.run.verdict_threshold, setup=setup),
         "machine": machine_info(device),
@@ -551,13 +581,17 @@ def print_closing(result: dict) -> None:
     partial = f" of {planned}, {result['status']}" if result["measured_steps"] < planned else ""
     print(f"\nMeasured steps: {result['measured_steps']}{partial} ({warmup})", file=out)
     print(
-        summaries.closing_table(result["model"]["name"], result["metrics"], result["share"], result["setup"]), file=out
+        summaries.closing_table(
+            result["model"]["name"], result["metrics"], result["share"], result["setup"], result.get("engine_idle")
+        ),
+        file=out,
     )
     if "warning" in result:
         print(f"WARNING: {result['warning']}", file=out)
     print(result["verdict"], file=out)
-    if summaries.payload_line(result["metrics"]):
-        print(summaries.payload_line(result["metrics"]), file=out)
+    line = summaries.payload_line(result["metrics"], result["setup"].get("payload"))
+    if line:
+        print(line, file=out)
     if result.get("verification") == "passed":
         fp8 = (
             result["setup"].get("payload") == "fp8"

@@ -39,7 +39,7 @@ from rlsync.sync.base import (  # noqa: F401 - also rlsync.sync's names, for its
     transport_class,
     transport_names,
 )
-from rlsync.sync.buckets import Bucket, metas_of, plan_buckets
+from rlsync.sync.buckets import Bucket, metas_of
 from rlsync.sync.gather import ShardedWeights, full_weights
 from rlsync.sync.payload import payload_name, payload_of
 
@@ -49,7 +49,8 @@ class WeightMismatch(RuntimeError):
 
 
 def plan_for(weights: dict[str, torch.Tensor], cfg: UpdateConfig, engine_dtype: torch.dtype) -> list[Bucket]:
-    return plan_buckets(metas_of(weights, engine_dtype), bucket_bytes(cfg))
+    """The update's buckets over the trainer's `weights`, as the update's payload lays them out."""
+    return payload_of(cfg).plan(metas_of(weights, engine_dtype), bucket_bytes(cfg))
 
 
 def open_transport(cfg: UpdateConfig, *, spec: EngineSpec, buckets: list[Bucket]) -> Transport:
@@ -117,6 +118,8 @@ def timed_update(
     }
     if payload_name(cfg) != "full":
         metrics.update(payload_metrics(result, nbytes, seconds))
+        # the copy floor of what crossed (the limit scales with the bytes): the payload's own time / floor
+        metrics["perf/update_weights_sent_limit_time"] = floor * metrics["perf/update_weights_bytes"] / nbytes
     if sharded:
         metrics.update(gather_metrics(weights, gather_limit_time))
         copy_time = max(seconds - weights.seconds, 1e-12)  # the update without its gather

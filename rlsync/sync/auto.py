@@ -1,7 +1,7 @@
 """The update's `null` (auto) knobs, resolved in one place, each with the reason it took its value.
 
 - `update.flat_engine_weights=null`: `rlsync.config.derived.flat_engine_weights_choice` (config alone: the
-  engine, transport, strategy and rollout.release_weights decide it; the memory estimate reads it too).
+  engine, transport, strategy and rollout.sleep_level decide it; the memory estimate reads it too).
 - `update.copy_threads=null`: the CPU thread count that copies the update's own tensors fastest
   (`fastest_threads`): a sample of them (`sample`, up to SAMPLE_BYTES) copied and cast as the update
   packs them, on one thread, torch's threads and every core, taking turns. Not the copy probe's one

@@ -65,7 +65,7 @@ class Transport(Rollout):
     # What the memory check, the planner and validation know of a transport without naming it.
     engine_in_process: ClassVar[bool] = True  # the engine lives in the trainer's process: its memory is the trainer's
     # with update.flat_engine_weights=true the engine's weights are memory shared with the trainer, which the
-    # engine cannot free (so not with rollout.release_weights=true)
+    # engine cannot free (so not with rollout.sleep_level=2)
     flat_weights_shared: ClassVar[bool] = False
 
     @classmethod

@@ -154,7 +154,7 @@ class BroadcastReceiver(Receiver):
         timer, memory = unit_timer(device), DeviceMemory(device)
         units = units_of(self.buckets, self.strategy)
         rows: list[dict] = [{"load_time": 0.0} for _ in units]  # 0: received into the weights themselves
-        if self.payload is not FullPayload:
+        if not self.payload.whole:
             with cpu_threads(self.copy_threads, device), memory.track():
                 self.receive_encoded(engine, units, rows, timer)
             timer.resolve()
@@ -273,7 +273,7 @@ class BroadcastTransport(ForwardsToEngineProcess):
             rows.append({})
             encoded = self.encoder.encode(k, unit, weights, buffer, timer, rows[-1])  # full: the bucket's elements
             rows[-1].update(encoded.row(unit))
-            if self.payload is FullPayload:  # the same size every time: the engine posts its receives ahead
+            if self.payload.whole:  # the same size every time: the engine posts its receives ahead
                 works = [self.group.broadcast(buffer, root=TRAINER)]
             else:  # a size of its own: what it carries first, then only those bytes
                 self.headers[slot].copy_(torch.tensor(encoded.header()))

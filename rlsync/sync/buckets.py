@@ -58,19 +58,26 @@ def metas_of(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> list[Tenso
 
 
 def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
+    return plan_units([[m] for m in metas], bucket_bytes)
+
+
+def plan_units(units: list[list[TensorMeta]], bucket_bytes: int) -> list[Bucket]:
+    """As plan_buckets, for units of tensors that always travel in one bucket (a LoRA layer's A and B):
+    a unit that would overflow the open bucket starts the next; one larger than the size travels alone."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     buckets: list[Bucket] = []
     slots: list[Slot] = []
     used = 0  # elements in the open bucket
-    for meta in metas:
-        opened = slots and slots[0].meta.dtype
-        overflow = (used + meta.numel) * meta.dtype.itemsize > bucket_bytes
-        if slots and (overflow or opened != meta.dtype):
+    for unit in units:
+        dtype, numel = unit[0].dtype, sum(m.numel for m in unit)
+        overflow = (used + numel) * dtype.itemsize > bucket_bytes
+        if slots and (overflow or slots[0].meta.dtype != dtype):
             buckets.append(Bucket(tuple(slots), used, slots[0].meta.dtype))
             slots, used = [], 0
-        slots.append(Slot(meta, used))
-        used += meta.numel
+        for meta in unit:
+            slots.append(Slot(meta, used))
+            used += meta.numel
     if slots:
         buckets.append(Bucket(tuple(slots), used, slots[0].meta.dtype))
     return buckets

@@ -41,7 +41,7 @@ class DirectTransport(Transport):
         self.staging = None
         self.flat = None  # the engine's weights, one flat buffer per bucket (flat_weights)
         self.pass_through = (
-            strategy == "bucketed" and not flat_weights and engine.loads_trainer_tensors and payload is FullPayload
+            strategy == "bucketed" and not flat_weights and engine.loads_trainer_tensors and payload.whole
         )
         if flat_weights:
             self.flat = flat.allocate(buckets, engine.device)

@@ -96,13 +96,13 @@ class IpcTransport(ForwardsToEngineProcess):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        if cfg.update.flat_engine_weights is True and cfg.rollout.release_weights:
+        if cfg.update.flat_engine_weights is True and cfg.rollout.sleep_level == 2:
             raise ConfigError(
                 "update.flat_engine_weights",
                 True,
-                "false with rollout.release_weights=true (with ipc "
+                "false with rollout.sleep_level=2 (with ipc "
                 "the engine's weights are then shared memory, which the engine cannot free)",
-                "not allowed with rollout.release_weights=true",
+                "not allowed with rollout.sleep_level=2",
             )
 
     def __init__(self, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig):

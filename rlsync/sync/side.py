@@ -19,10 +19,12 @@ from rlsync.measure.devices import explicit_device
 from rlsync.measure.limits import Limits
 from rlsync.model.architecture import Entry, params_layout, update_tensors
 from rlsync.model.build import torch_dtype
+from rlsync.model.lora import is_adapter
 from rlsync.sync import is_out_of_memory, open_transport, out_of_memory, plan_for
 from rlsync.sync.auto import resolve_for_run
 from rlsync.sync.base import Transport
 from rlsync.sync.buckets import Bucket
+from rlsync.sync.payload import payload_of
 
 
 @dataclass
@@ -74,7 +76,10 @@ def open_update_side(
     read_bytes = sum(t.numel() * t.element_size() for t in weights.values())  # fsdp2: the whole tensors'
     buckets = plan_for(weights, cfg.update, torch_dtype(cfg.rollout.dtype))  # every rank: the gather's order
     side = UpdateSide(layout=layout, weights=weights, buckets=buckets, read_bytes=read_bytes, update_cfg=cfg.update)
-    side.info = {"tensors": len(weights), "params": sum(t.numel() for t in weights.values())}
+    planned = [s.meta for b in buckets for s in b.slots]  # update.lora=merged: the adapters merged, not sent
+    side.info = {"tensors": len(planned), "params": sum(m.numel for m in planned)}
+    if payload_of(cfg.update).name == "lora_adapter":  # after the first update, only these cross
+        side.info["adapter_tensors"] = sum(is_adapter(m.name) for m in planned)
     if not engine:
         return side
     side.limits = Limits(
@@ -94,7 +99,12 @@ def open_update_side(
         model=cfg.model,
     )
     spec = engine_spec(
-        cfg.model, cfg.rollout, device=explicit_device(device), tokenizer=tokenizer, cpu_threads=cpu_threads
+        cfg.model,
+        cfg.rollout,
+        device=explicit_device(device),
+        tokenizer=tokenizer,
+        cpu_threads=cpu_threads,
+        lora=payload_of(cfg.update).engine_lora(cfg),  # update.lora=adapter: the engine holds the adapters too
     )
     try:
         side.transport = open_transport(side.update_cfg, spec=spec, buckets=buckets)

@@ -98,8 +98,10 @@ class Trainer:
         on_cuda = self.allowed.device.type == "cuda"
         # foreach (multi-tensor) AdamW is faster on CUDA but holds whole-model temporaries: on a CPU
         # run of Qwen3-0.6B those gigabytes are the difference between fitting 24 GiB and not.
+        # what trains: every weight, or the LoRA adapters alone (trainer.lora.rank > 0 freezes the base)
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), weight_decay=0.0, foreach=on_cuda
+            self.trainable, lr=cfg.lr, betas=(0.9, 0.999), weight_decay=0.0, foreach=on_cuda
         )
 
     @torch.no_grad()
@@ -158,7 +160,7 @@ class Trainer:
                 token_sums[key] = token_sums.get(key, 0.0) + mean * micro_tokens
         own_tokens = max(sum(tokens_per_row), 1)
         metrics = {key: total / own_tokens for key, total in token_sums.items()}
-        grad_norm = self.parallel.clip_grad_norm(list(self.model.parameters()), self.cfg.grad_clip)
+        grad_norm = self.parallel.clip_grad_norm(self.trainable, self.cfg.grad_clip)
         self.optimizer.step()
         self.module.eval()
         return {"train/loss": loss_sum, "train/grad_norm": grad_norm, **metrics}

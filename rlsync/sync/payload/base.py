@@ -4,6 +4,7 @@ and the registry of payloads."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -11,7 +12,7 @@ import torch
 
 from rlsync.engines.base import Engine
 from rlsync.registry import Registry
-from rlsync.sync.buckets import Bucket
+from rlsync.sync.buckets import Bucket, TensorMeta, plan_buckets
 
 FULL, SPARSE = 0, 1  # Encoded.mode: the bucket's every element, or (positions, values) of the changed ones
 
@@ -64,10 +65,28 @@ class Payload(ABC):
     class holds no state: `decode` is a class method, and the engine side needs nothing but the plan."""
 
     name: ClassVar[str]
+    # every bucket whole in the engine's dtype, every update: a transport may post its receives ahead, bind
+    # the engine's weights to the buckets or hand the trainer's tensors to the engine's loader
+    whole: ClassVar[bool] = False
 
     @classmethod  # noqa: B027 - optional: most payloads have no rules of their own
     def check_config(cls, cfg) -> None:
         """This payload's rules across the config's keys: a ConfigError naming the key; none by default."""
+
+    @classmethod
+    def plan(cls, metas: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
+        """The update's buckets over the tensors `metas` names (the trainer's, by the update's names)."""
+        return plan_buckets(metas, bucket_bytes)
+
+    @classmethod
+    def source(cls, weights: Mapping[str, torch.Tensor], cfg) -> Mapping[str, torch.Tensor]:
+        """What the update reads, by the plan's names, from the trainer's `weights`: they themselves by default."""
+        return weights
+
+    @classmethod
+    def engine_lora(cls, cfg):
+        """The LoRA adapters the engine must hold beside its weights (a LoraConfig), or None."""
+        return None
 
     @classmethod
     @abstractmethod
@@ -102,6 +121,8 @@ PAYLOADS: Registry[Payload] = Registry(
         "full": "rlsync.sync.payload.full:FullPayload",  # every element of every bucket
         "delta": "rlsync.sync.payload.delta:DeltaPayload",  # update.delta=true: only the changed elements
         "fp8": "rlsync.sync.payload.fp8:Fp8Payload",  # update.wire_dtype=float8_e4m3fn: 2-D weights in FP8 blocks
+        "lora_adapter": "rlsync.sync.payload.lora:LoraAdapterPayload",  # update.lora=adapter: the adapters only
+        "lora_merged": "rlsync.sync.payload.lora:LoraMergedPayload",  # update.lora=merged: W + s*BA, whole
     },
 )
 register_payload = PAYLOADS.register
@@ -110,7 +131,10 @@ payload_class = PAYLOADS.resolve
 
 
 def payload_name(update) -> str:
-    """Which payload the update config asks for."""
+    """Which payload the update config asks for (update.lora resolved: UpdateConfig.fill)."""
+    lora = getattr(update, "lora", None)  # absent from runs recorded before LoRA
+    if lora:
+        return f"lora_{lora}"
     if update.delta:
         return "delta"
     return "fp8" if update.wire_dtype else "full"

@@ -7,7 +7,7 @@ elements cross: int32 positions within the bucket, then their values (6 bytes pe
 as AReaL-DTE counts). Where that is no smaller than the bucket itself (over a third of it changed in
 bf16), the bucket goes whole. The engine writes the values in place, by trainer name, so it needs
 weights it exposes by trainer name, kept between updates: the HF engine; not vLLM (it fuses and
-re-packs them), not with rollout.release_weights=true (released weights come back empty).
+re-packs them), not with rollout.sleep_level=2 (freed weights come back empty).
 
 Bit-exact with the full update: the engine ends with the trainer's weights cast to its dtype, as
 update.verify's checksums check after every step.
@@ -95,10 +95,10 @@ class DeltaPayload(Payload):
                 "engine's weights in place: there is no transfer for a delta to shrink)",
             ),
             (
-                rollout.release_weights,
-                "rollout.release_weights",
-                True,
-                "false (released weights come back empty: a delta needs the last ones)",
+                rollout.sleep_level == 2,
+                "rollout.sleep_level",
+                2,
+                "0, 1 (level 2 frees the weights, which come back empty: a delta needs the last ones)",
             ),
             (
                 update.wire_dtype is not None,

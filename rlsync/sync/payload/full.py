@@ -19,6 +19,7 @@ class FullEncoder(Encoder):
 
 class FullPayload(Payload):
     name = "full"
+    whole = True
 
     @classmethod
     def encoder(cls, buckets: list[Bucket], device: torch.device) -> Encoder:

@@ -1,0 +1,202 @@
+"""trainer.lora.rank > 0: PEFT's adapters train; the update sends them alone (adapter) or merged (merged)."""
+
+import json
+
+import pytest
+import torch
+from conftest import FAST, read_jsonl, run_main
+
+from rlsync.config.schema import Config, LoraConfig, TrainerConfig, UpdateConfig
+from rlsync.config.validate import validate
+from rlsync.errors import ConfigError
+from rlsync.model.architecture import model_shapes
+from rlsync.model.build import named_weights
+from rlsync.model.lora import (
+    MergedWeights,
+    adapted,
+    adapter_shapes,
+    is_adapter,
+    merge_errors,
+    scaling,
+    update_name,
+)
+from rlsync.sync import plan_for
+from rlsync.sync.buckets import plan_buckets
+
+LORA = LoraConfig(rank=16)
+LR = "trainer.lr=0.01"  # large enough that a stale engine's log-probs move far: the check below can fail
+
+
+def lora_cfg(**update) -> Config:
+    return Config(trainer=TrainerConfig(lora=LoraConfig(rank=16)), update=UpdateConfig(**update))
+
+
+def test_the_update_names_adapters_as_peft_saves_them(tiny):
+    """PEFT's in-memory names (base_layer, the adapter's name) are dropped; only the adapters train."""
+    assert update_name("m.layers.0.self_attn.q_proj.base_layer.weight") == "m.layers.0.self_attn.q_proj.weight"
+    assert update_name("m.layers.0.mlp.up_proj.lora_A.default.weight") == "m.layers.0.mlp.up_proj.lora_A.weight"
+    assert update_name("m.layers.0.input_layernorm.weight") == "m.layers.0.input_layernorm.weight"
+    model = adapted(tiny.build(), LORA)
+    names = named_weights(model)
+    trainable = {update_name(n) for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n in names if is_adapter(n)}
+    assert {n for n in names if not is_adapter(n)} == {n for n, _ in model_shapes(tiny.model)}
+    # the memory check and the planner size the adapters from the model's shapes alone: the same tensors
+    assert adapter_shapes(list(model_shapes(tiny.model)), LORA) == [
+        (n, tuple(t.shape)) for n, t in names.items() if is_adapter(n)
+    ]
+
+
+def test_each_layers_a_and_b_travel_in_one_bucket(tiny):
+    """Buckets smaller than the adapters: a plain plan splits a pair, the adapter plan never does, and no
+    bucket mixes base weights with adapters."""
+    names = named_weights(adapted(tiny.build(), LORA))
+    cfg = lora_cfg(lora="adapter", bucket_mb=0.011)
+    buckets = plan_for(names, cfg.update, torch.bfloat16)
+    for bucket in buckets:
+        kinds = {is_adapter(n) for n in bucket.names}
+        assert len(kinds) == 1, bucket.names
+        layers = [n.rsplit(".lora_", 1)[0] for n in bucket.names if is_adapter(n)]
+        for layer in set(layers):
+            assert layers.count(layer) == 2, (layer, bucket.names)
+    adapter_names = [n for n in names if is_adapter(n)]
+    assert sorted(n for b in buckets for n in b.names) == sorted(names)
+    from rlsync.sync.buckets import metas_of
+
+    plain = plan_buckets(metas_of({n: names[n] for n in adapter_names}, torch.bfloat16), int(0.011 * 2**20))
+    split = [b for b in plain if sum(".lora_A." in n for n in b.names) != sum(".lora_B." in n for n in b.names)]
+    assert split, "this bucket size must split some pair in a plain plan, or the test shows nothing"
+
+
+def test_merged_weights_are_the_base_plus_the_scaled_product(tiny):
+    model = adapted(tiny.build(), LORA)
+    names = named_weights(model)
+    with torch.no_grad():
+        for n, t in names.items():
+            if n.endswith(".lora_B.weight"):
+                t.normal_(0, 0.01)  # PEFT starts B at zero
+    merged = MergedWeights(names, scaling(LORA))
+    assert set(merged) == {n for n in names if not is_adapter(n)}
+    q = "model.layers.0.self_attn.q_proj"
+    want = names[q + ".weight"] + scaling(LORA) * names[q + ".lora_B.weight"] @ names[q + ".lora_A.weight"]
+    assert torch.allclose(merged[q + ".weight"], want, atol=1e-6)
+    assert merged["model.norm.weight"] is names["model.norm.weight"]  # untargeted: itself
+    errors = merge_errors(names, scaling(LORA), torch.bfloat16)
+    assert 0 < errors["update/lora_merge_error"] <= errors["update/lora_merge_error_in_dtype"] * 1.5
+    assert 0 < errors["update/lora_merge_differ_ratio"] < 1
+
+
+def test_the_fp32_merge_is_the_nearest_and_a_large_contribution_lands(tiny):
+    """Cast once, the fp32 merge is the nearest engine-dtype weight: never farther than a bf16 merge;
+    where s*BA is large against bf16's resolution of W, little of it is lost either way."""
+    names = named_weights(adapted(tiny.build(), LORA))
+    for std in (1e-7, 1e-3, 1.0):
+        with torch.no_grad():
+            for n, t in names.items():
+                if n.endswith(".lora_B.weight"):
+                    t.normal_(0, std, generator=torch.Generator().manual_seed(0))
+        errors = merge_errors(names, scaling(LORA), torch.bfloat16)
+        assert errors["update/lora_merge_error"] <= errors["update/lora_merge_error_in_dtype"], (std, errors)
+    assert errors["update/lora_merge_error"] < 0.05, errors  # std 1.0: s*BA dwarfs W's rounding
+
+
+def test_no_merge_error_while_the_adapters_add_nothing(tiny):
+    assert merge_errors(named_weights(adapted(tiny.build(), LORA)), scaling(LORA), torch.bfloat16) == {}
+
+
+def adapter_bytes(model_cfg) -> int:
+    return sum(a * b for _, (a, b) in adapter_shapes(list(model_shapes(model_cfg)), LORA)) * 2  # bf16
+
+
+@pytest.mark.parametrize(
+    "mode, transport",
+    [
+        ("adapter", "direct"),
+        ("merged", "direct"),
+        pytest.param("adapter", "ipc", marks=pytest.mark.slow),
+        pytest.param("merged", "ipc", marks=pytest.mark.slow),
+        pytest.param("adapter", "broadcast", marks=pytest.mark.slow),
+    ],
+)
+def test_a_lora_run_keeps_the_engine_on_the_trainers_log_probs(tmp_path, tiny, mode, transport):
+    """3 steps at a learning rate that moves the adapters far: the engine's log-probs of its own samples stay
+    on the trainer's (a stale engine's are off by 0.1 or more: the control test), every update verified;
+    the adapter mode sends exactly the adapters after the first update, the merged one the whole model."""
+    proc = run_main(
+        *FAST,
+        "trainer.lora.rank=16",
+        f"update.lora={mode}",
+        f"update.transport={transport}",
+        "update.verify=true",
+        LR,
+        f"hydra.run.dir={tmp_path}",
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert len(rows) == 3
+    for row in rows:
+        assert row["train/logprob_abs_diff"] < 0.02, row["train/logprob_abs_diff"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["verification"] == "passed"
+    assert summary["setup"]["payload"] == f"lora_{mode}"
+    if mode == "adapter":
+        assert all(row["perf/update_weights_bytes"] == adapter_bytes(tiny.model) for row in rows)
+        assert "LoRA adapters only" in proc.stdout
+    else:
+        base = sum(2 * torch.Size(s).numel() for _, s in model_shapes(tiny.model))
+        assert all(row["perf/update_weights_bytes"] == base for row in rows)
+        assert all(row["update/lora_merge_error"] > 0 for row in rows[1:])  # once B has moved off zero
+        assert "against the exact W + s*BA" in proc.stdout
+
+
+def test_a_stale_engine_is_caught_at_that_learning_rate(tmp_path):
+    """The control: without updates the engine's log-probs leave the trainer's by far more than the bound."""
+    proc = run_main(*FAST, "trainer.lora.rank=16", "update.enabled=false", LR, f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert max(r["train/logprob_abs_diff"] for r in rows[1:]) > 0.1
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["update.lora=adapter"], "update.lora"),  # no adapters at rank 0
+        (["trainer.lora.rank=16", "update.delta=true"], "update.delta"),
+        (["trainer.lora.rank=16", "update.lora=merged", "update.wire_dtype=float8_e4m3fn"], "update.wire_dtype"),
+        (["trainer.lora.rank=16", "rollout.sleep_level=2"], "rollout.sleep_level"),
+        (["trainer.lora.rank=16", "update.strategy=per_tensor"], "update.strategy"),
+        (["trainer.lora.rank=16", "trainer.lora.target_modules=[nothing_here]"], "trainer.lora.target_modules"),
+        (["trainer.lora.rank=16", "rollout.engine=vllm"], "update.lora"),
+    ],
+)
+def test_what_lora_cannot_do_is_refused_in_one_line(tmp_path, overrides, key):
+    proc = run_main(*overrides, f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"rlsync: config error: {key}="), line
+
+
+def test_update_lora_defaults_to_the_adapters():
+    cfg = Config(trainer=TrainerConfig(lora=LoraConfig(rank=8)))
+    validate(cfg)
+    assert cfg.update.lora == "adapter"
+    with pytest.raises(ConfigError, match="update.lora"):
+        validate(Config(update=UpdateConfig(lora="merged")))
+
+
+def test_the_planner_sizes_each_kind_from_the_config(tiny):
+    """plan.json's kinds: the adapter row is the bytes a LoRA run sends after its first update; a delta at a
+    changed ratio of 0 sends nothing; FP8 is smaller than the full update."""
+    from rlsync.config.apps import PlanAppConfig, PlanConfig
+    from rlsync.plan.planner import make_plan
+
+    cfg = PlanAppConfig(plan=PlanConfig(changed_ratio=0.0))
+    validate(cfg)
+    rows = make_plan(cfg, calibration=None, calibration_where="none", bucket_sizes=[512.0])["kinds"]["rows"]
+    assert rows["lora_adapter"]["bytes"] == adapter_bytes(tiny.model)
+    assert rows["delta"]["bytes"] == 0
+    assert (
+        rows["fp8"]["bytes"]
+        < rows["full"]["bytes"]
+        == sum(2 * torch.Size(s).numel() for _, s in model_shapes(tiny.model))
+    )
