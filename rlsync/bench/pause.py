@@ -247,6 +247,7 @@ class PauseTarget:
         side = next(iter(self.sides.values()))
         self.setup = {
             "build_time": time.perf_counter() - t0,
+            "transport": "broadcast",  # whatever update.transport says: the engine is another process
             "update_bytes": side.update_bytes,
             **side.info,
             "buckets": len(side.buckets),

@@ -256,7 +256,7 @@ class Bench:
             },
             "setup": {
                 "scheme": update.scheme,
-                "transport": update.transport,
+                "transport": self.setup.get("transport") or update.transport,  # pause: always broadcast
                 "payload": payload_name(update),  # what each bucket carried (rlsync/sync/payload)
                 "strategy": update.strategy,
                 "bucket_mb": update.bucket_mb,
@@ -278,6 +278,7 @@ class Bench:
             },
             "limits": self.setup.get("limits"),
             "offload": self.setup.get("offload"),  # bench.target=offload: state, bytes, first-touch cost
+            "pause": self.setup.get("pause"),  # bench.target=pause: the policies and the number of clients
             "metrics": stats_over(recorder.rows, cfg.bench.warmup),
             "buckets": bucket_medians(self.breakdowns),
             "machine": machine_info(self.device),

@@ -31,7 +31,7 @@ from typing import Optional
 from rlsync.errors import WriteFailed
 from rlsync.fmt import plural
 from rlsync.report import sizing
-from rlsync.report.cells import idle_table, rows_markdown
+from rlsync.report.cells import idle_table, pause_table, rows_markdown
 from rlsync.report.fits import fit_by_setup, update_fit_lines
 from rlsync.report.markdown import write_csv, write_markdown
 from rlsync.report.plots import write_plots
@@ -166,6 +166,8 @@ def print_result(result: ReportResult) -> None:
         print(result.table_markdown)
         if idle := idle_table(result.rows):  # runs of the step loop: the engine's idle time beside the update
             print(f"\nEngine idle per step (its largest parts beside the update):\n{idle}\n")
+        if pause := pause_table(result.rows):  # pause benches: what streaming clients saw beside the copy
+            print(f"\nClient-seen pause per policy (beside the engine's receive):\n{pause}\n")
         for best in best_settings(result.rows):  # the same sentences as report.md's "Best setting"
             print(f"best: {best.describe()}")
         print("\n".join(update_fit_lines(result.fits)))

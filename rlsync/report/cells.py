@@ -143,6 +143,64 @@ def idle_table(rows: list[dict[str, Any]]) -> Optional[str]:
     return markdown_table(header, cells)
 
 
+PAUSE_NOTE = (
+    "A standalone engine under streaming load taking an update (`python -m rlsync.bench bench.target=pause`, "
+    "docs/serve.md): per policy, the longest gap between two tokens a client saw from the update's start to "
+    "just after the swap, median (min to max) over the timed updates; the time from the engine's pause to "
+    "the first token after it; tokens/s during the update over before it; the engine's receive (the copy "
+    "itself) and the staged copy's bytes beside them."
+)
+
+
+def pause_table(rows: list[dict[str, Any]]) -> Optional[str]:
+    """Per pause bench and policy: the client-seen pause beside the update's copy (None when no run is one)."""
+    rows = [r for r in rows if r.get("client_pause")]
+    if not rows:
+        return None
+    common = common_overrides(rows)
+
+    def spread(st: Optional[dict]) -> str:
+        return fmt_spread(st["median"], st["min"], st["max"]) if st else "n/a"
+
+    def ratio_spread(st: Optional[dict]) -> str:  # per update, the same repeat: only the stage row has it
+        return f"{st['median']:.2f} ({st['min']:.2f} to {st['max']:.2f})" if st else ""
+
+    def swap(policy: str, figures: dict) -> str:
+        if policy == "pause":
+            return "paused receive"
+        return (
+            "n/a"
+            if figures.get("swap_pointer") is None
+            else ("pointer swap" if figures["swap_pointer"] else "local copy")
+        )
+
+    cells = []
+    for r in rows:
+        for policy, f in r["client_pause"].items():
+            ratio = f.get("tokens_ratio")
+            staged = f.get("staged_bytes")
+            checked, failed = f.get("answers_verified"), f.get("answers_failed")
+            cells.append(
+                [
+                    run_label(r, common),
+                    policy,
+                    swap(policy, f),
+                    spread(f["max_gap"]),
+                    ratio_spread(f.get("gap_ratio")),
+                    fmt_seconds(f["pause_to_token"]["median"]) if f["pause_to_token"] else "n/a",
+                    f"{ratio:.2f}" if is_number(ratio) else "n/a",
+                    spread(f["receive"]),
+                    fmt_mib(staged) if staged else "0 (none)",
+                    "n/a" if checked is None else f"{checked:.0f} ({failed or 0:.0f})",
+                ]
+            )
+    header = [
+        "run", "policy", "swap", "longest gap", "stage / pause gap", "pause to first token",
+        "tokens/s during / before", "engine receive (the copy)", "staged copy (MiB)", "answers checked (failed)",
+    ]  # fmt: skip
+    return markdown_table(header, cells)
+
+
 def machine_line(runs: list[Run]) -> str:
     """Where the runs ran: summary.json's "machine" when the runner wrote it, else this machine."""
     machines = [m for m in (run.summary.get("machine") for run in runs) if isinstance(m, dict)]

@@ -11,10 +11,12 @@ from rlsync.fmt import plural
 from rlsync.report import sizing
 from rlsync.report.cells import (
     IDLE_NOTE,
+    PAUSE_NOTE,
     TABLE_NOTE,
     common_overrides,
     idle_table,
     machine_line,
+    pause_table,
     phase_table,
     run_label,
 )
@@ -36,6 +38,8 @@ def write_markdown(path: Path, result: ReportResult, plots: list[Path], sources:
     out += ["## Step by phase", "", "Median per phase (its share of the median step).", ""]
     out += [phase_table(result.rows), ""]
     out += ["## Engine idle", "", IDLE_NOTE, "", idle_table(result.rows) or "No run logged the engine's idle time.", ""]
+    out += ["## Client-seen pause", "", PAUSE_NOTE, ""]
+    out += [pause_table(result.rows) or "No run measured it (`python -m rlsync.bench bench.target=pause`).", ""]
     out += ["## Verdicts", ""]
     common = common_overrides(result.rows)
     out += [f"- **{run_label(row, common)}**: {row['verdict']}" for row in result.rows]

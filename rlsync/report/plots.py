@@ -401,6 +401,40 @@ def plot_engine_idle(rows: list[Row], fits: list[FitGroup], path: Path) -> Optio
     return None
 
 
+PAUSE_BARS = (  # (figure, label, colour): a policy's two bars, the gap a client saw and the copy under it
+    ("max_gap", "longest client-seen gap", "#c44e52"),
+    ("receive", "the engine's receive (the copy)", "#4c72b0"),
+)
+
+
+def plot_client_pause(rows: list[Row], fits: list[FitGroup], path: Path) -> Optional[str]:
+    """Per pause bench and policy: the longest gap between two tokens a streaming client saw (median,
+    min to max) beside the engine's receive of the update, so it shows which of the two to tune."""
+    bars = [(row, policy, f) for row in rows for policy, f in (row.get("client_pause") or {}).items()]
+    if not bars:
+        return f"{path.name} skipped: no run is a pause bench (python -m rlsync.bench bench.target=pause)"
+    drawn_rows = [row for row, _, _ in bars]
+    labels = [f"{bar_label(row, drawn_rows)}, {policy}" for row, policy, _ in bars]
+    medians = [f[name]["median"] for _, _, f in bars for name, _, _ in PAUSE_BARS if f.get(name)]
+    scale, unit = axis_unit(medians)
+    fig, ax = bar_axes("Client-seen pause beside the update's copy, per policy", labels, len(PAUSE_BARS))
+    height = 0.38
+    for k, (name, label, color) in enumerate(PAUSE_BARS):
+        ys, widths, low, high = [], [], [], []
+        for y, (_, _, f) in enumerate(bars):
+            if f.get(name):
+                st = f[name]
+                ys.append(y + (k - 0.5) * height)
+                widths.append(st["median"] * scale)
+                low.append((st["median"] - st["min"]) * scale)
+                high.append((st["max"] - st["median"]) * scale)
+        ax.barh(ys, widths, height=height, color=color, label=label, xerr=[low, high], capsize=3)
+    ax.set_xlabel(f"time ({unit}): median, whiskers min to max over the timed updates")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=LEGEND_AT)
+    save(fig, path)
+    return None
+
+
 def update_parts(row: Row) -> dict[str, float]:
     """The update's median split (gather, pack, transfer, load: what the transport times), plus
     "unsplit" for the rest of the median update; {} when the run logged no split."""
@@ -593,6 +627,7 @@ PLOTS: dict[str, Callable[[list[Row], list[FitGroup], Path], Optional[str]]] = {
     "update_time_vs_bytes.png": plot_update_time_vs_bytes,
     "step_breakdown.png": plot_step_breakdown,
     "engine_idle.png": plot_engine_idle,
+    "client_pause.png": plot_client_pause,
     "update_phases.png": plot_update_phases,
     "peak_memory_vs_bucket.png": plot_peak_memory_vs_bucket,
     "step_timeline.png": plot_step_timeline,

@@ -30,6 +30,8 @@ CSV_TAIL = (
     "update_share", "update_efficiency_median", "update_limit_time_median", "update_gbps_median",
     "update_bytes", "update_full_bytes", "update_changed_ratio_median", "update_buckets_median", "update_peak_bytes_max",
     "sleep_level", "engine_idle_time_min", "engine_idle_time_median", "engine_idle_time_max", "update_idle_share",
+    "pause_max_gap_time_median", "pause_receive_time_median", "pause_tokens_ratio_median",
+    "stage_max_gap_time_median", "stage_receive_time_median", "stage_tokens_ratio_median", "stage_gap_ratio_median",
     "verdict",
 )  # fmt: skip
 
@@ -93,6 +95,11 @@ def table_row(run: Run) -> dict[str, Any]:
     for which in ("min", "median", "max"):
         row[f"engine_idle_time_{which}"] = idle["time"][which] if idle else None
     row["update_idle_share"] = idle_update_share(idle) if idle else None
+    row["client_pause"] = pauses = client_pause(run)  # bench.target=pause: what streaming clients saw, per policy
+    for policy, f in (pauses or {}).items():  # report.csv's flat columns
+        for name in ("max_gap", "receive", "gap_ratio"):
+            row[f"{policy}_{name}{'' if name == 'gap_ratio' else '_time'}_median"] = (f.get(name) or {}).get("median")
+        row[f"{policy}_tokens_ratio_median"] = f.get("tokens_ratio")
     row["verdict"] = run_verdict(run, row["update_share"])
     row["bench"] = bench_target(run)  # its measured rows are repeats of the target, not steps
     row["warmup_steps"] = run.warmup_steps
@@ -130,6 +137,35 @@ def run_idle(run: Run) -> Optional[dict[str, Any]]:
     if well_formed_idle(idle):
         return idle
     return engine_idle(run.step_rows, run.warmup_steps) if run.step_rows and not bench_target(run) else None
+
+
+PAUSE_POLICIES = ("pause", "stage")  # serve.update_policy, in the order the bench's table gives them
+PAUSE_SPREADS = ("max_gap", "gap_p99", "pause_to_token", "pause", "receive", "update")  # pause/<policy>/<x>_time
+PAUSE_VALUES = ("tokens_ratio", "staged_bytes", "swap_pointer")  # pause/<policy>/<x>, their medians
+
+
+def client_pause(run: Run) -> Optional[dict[str, dict[str, Any]]]:
+    """A pause bench's per-policy figures: policy -> {"max_gap": spread, ..., "tokens_ratio": median,
+    ...} with a spread as {"median", "min", "max"} over the timed updates; None for any other run."""
+    if bench_target(run) != "pause":
+        return None
+    out = {}
+    for policy in PAUSE_POLICIES:
+        stem = f"pause/{policy}"
+        if run.stat(f"{stem}/max_gap_time") is None:
+            continue
+        out[policy] = {name: spread_of(run, f"{stem}/{name}_time") for name in PAUSE_SPREADS}
+        out[policy].update({name: run.stat(f"{stem}/{name}") for name in PAUSE_VALUES})
+        out[policy]["answers_verified"] = run.stat(f"{stem}/answers_verified_total", "max")
+        out[policy]["answers_failed"] = run.stat(f"{stem}/answers_failed_total", "max")
+    if out and run.stat("pause/gap_ratio") is not None:
+        out["stage"]["gap_ratio"] = spread_of(run, "pause/gap_ratio")  # stage's longest gap over pause's
+    return out or None
+
+
+def spread_of(run: Run, metric: str) -> Optional[dict[str, float]]:
+    values = {which: run.stat(metric, which) for which in ("median", "min", "max")}
+    return values if all(is_number(v) for v in values.values()) else None
 
 
 def timeline(run: Run) -> list[dict[str, Any]]:
@@ -207,9 +243,25 @@ def bench_verdict(run: Run, target: str) -> str:
             continue
         ratio = 1 / efficiency if efficiency else seconds / limit
         parts.append(f"{label}: {fmt_seconds(seconds)} median, {ratio:.2f}x the copy floor of {fmt_seconds(limit)}")
+    if target == "pause" and (policies := client_pause(run)):
+        parts = [pause_verdict(policies)]
     if not parts:
         return f"{run.measured_steps} timed repeats, no {target} time measured"
     return f"{'; '.join(parts)} ({bench_setup(run, target)})"
+
+
+def pause_verdict(policies: dict[str, dict[str, Any]]) -> str:
+    """ "longest client-seen gap: pause 0.95 s, stage 0.43 s (0.45x pause's) beside the engine's receive of 1.42 s"."""
+
+    def gap(policy: str) -> str:
+        spread = policies[policy]["max_gap"]
+        return f"{policy} {fmt_seconds(spread['median']) if spread else 'n/a'}"
+
+    line = "longest client-seen gap: " + ", ".join(gap(p) for p in policies)
+    ratio = policies.get("stage", {}).get("gap_ratio")
+    line += f" ({ratio['median']:.2f}x pause's)" if ratio else ""
+    receive = [f"{p} {fmt_seconds(v['receive']['median'])}" for p, v in policies.items() if v["receive"]]
+    return line + (f"; the engine's receive (the copy): {', '.join(receive)}" if receive else "")
 
 
 def bench_setup(run: Run, target: str) -> str:
@@ -233,4 +285,7 @@ def bench_setup(run: Run, target: str) -> str:
     parts += [f"{fmt_bucket(bucket)} MiB"] if strategy == "bucketed" else []
     parts += [f"source {source}"] if source == "host" else []  # device is the default
     parts += [f"engine {engine}"] if engine != "hf" else []
+    if target == "pause":  # the load the gaps were measured under
+        clients = (run.summary.get("pause") or {}).get("clients") or run.cfg("bench.clients")
+        parts.insert(0, f"{clients} streaming clients")
     return ", ".join(parts)
