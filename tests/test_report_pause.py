@@ -119,3 +119,22 @@ def test_the_pause_bench_prints_its_table_and_the_report_reads_its_run(tmp_path)
     assert [line.split(" | ")[1] for line in table.splitlines() if line.startswith("| pause")] == ["pause", "stage"]
     (verdict,) = [line for line in section(md, "Verdicts").splitlines() if line.startswith("- ")]
     assert "longest client-seen gap: pause" in verdict and "transport broadcast" in verdict
+
+
+def test_the_wandb_report_run_holds_the_client_pause_table(pause_runs, tmp_path):
+    from types import SimpleNamespace
+
+    from rlsync.report.cells import PAUSE_HEADER, pause_table
+    from rlsync.report.wandb_report import report_payload
+
+    class Table:  # what wandb.Table was given
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+
+    run, _ = pause_runs
+    result = write_report([run], out_dir=tmp_path / "out", log_wandb=False)
+    payload = report_payload(result, SimpleNamespace(Table=Table, Image=lambda path, caption: path))
+    table = payload["report/pause_table"]
+    assert table.columns == list(PAUSE_HEADER) and [row[1] for row in table.data] == ["pause", "stage"]
+    assert all(" | ".join(row) in pause_table(result.rows) for row in table.data)  # report.md's cells
+    assert payload["report/client_pause"] == str(tmp_path / "out" / "client_pause.png")  # the plot, apart

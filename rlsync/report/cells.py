@@ -152,11 +152,21 @@ PAUSE_NOTE = (
 )
 
 
+PAUSE_HEADER = (
+    "run", "policy", "swap", "longest gap", "stage / pause gap", "pause to first token",
+    "tokens/s during / before", "engine receive (the copy)", "staged copy (MiB)", "answers checked (failed)",
+)  # fmt: skip
+
+
 def pause_table(rows: list[dict[str, Any]]) -> Optional[str]:
     """Per pause bench and policy: the client-seen pause beside the update's copy (None when no run is one)."""
+    cells = pause_cells(rows)
+    return markdown_table(PAUSE_HEADER, cells) if cells else None
+
+
+def pause_cells(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """pause_table's cells, a row per pause bench and policy (W&B's table takes them too)."""
     rows = [r for r in rows if r.get("client_pause")]
-    if not rows:
-        return None
     common = common_overrides(rows)
 
     def spread(st: Optional[dict]) -> str:
@@ -194,11 +204,7 @@ def pause_table(rows: list[dict[str, Any]]) -> Optional[str]:
                     "n/a" if checked is None else f"{checked:.0f} ({failed or 0:.0f})",
                 ]
             )
-    header = [
-        "run", "policy", "swap", "longest gap", "stage / pause gap", "pause to first token",
-        "tokens/s during / before", "engine receive (the copy)", "staged copy (MiB)", "answers checked (failed)",
-    ]  # fmt: skip
-    return markdown_table(header, cells)
+    return cells
 
 
 def machine_line(runs: list[Run]) -> str:
