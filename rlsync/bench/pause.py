@@ -49,6 +49,7 @@ from rlsync.config.compose import to_dict
 from rlsync.engines.base import engine_spec, token_logprobs
 from rlsync.fmt import fmt_bytes, fmt_seconds, fmt_spread, markdown_table
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
+from rlsync.record.summary import swap_phrase
 from rlsync.sync.side import open_update_side
 from rlsync.sync.stream import StreamFailed, StreamRequest, serving_state, stream_answer
 
@@ -410,7 +411,7 @@ class PauseTarget:
         rows = []
         for p in policies:
             k = f"pause/{p}"
-            swap = "paused receive" if p == "pause" else ("pointer swap" if get(f"{k}/swap_pointer") else "local copy")
+            swap = swap_phrase(p, get(f"{k}/swap_pointer"))
             ratio = get(f"{k}/tokens_ratio")
             staged = get(f"{k}/staged_bytes")
             rows.append(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from typing import Optional
 
 from rlsync.fmt import fmt_bytes, fmt_range, fmt_seconds, fmt_share, fmt_sig, fmt_spread, markdown_table
 from rlsync.measure import metrics
@@ -50,6 +51,16 @@ def engine_idle(rows: list[dict], warmup_steps: int) -> dict | None:
         "unaccounted": spread([idle - sum(parts.values()) for idle, parts in intervals]),
         "intervals": len(intervals),
     }
+
+
+def swap_phrase(policy: str, pointer: Optional[float]) -> str:
+    """How an update reached a standalone engine's weights under serve.update_policy (the pause
+    bench's and the report's "swap" column); `pointer` is pause/<policy>/swap_pointer's median."""
+    if policy == "pause":
+        return "paused receive"
+    if pointer is None:
+        return "n/a"
+    return "pointer swap" if pointer else "local copy"
 
 
 IDLE_PARTS_SHOWN = 3  # the closing table's and the report's largest parts of the idle time

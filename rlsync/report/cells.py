@@ -21,7 +21,7 @@ from rlsync.fmt import (
     markdown_table,
 )
 from rlsync.measure import metrics
-from rlsync.record.summary import idle_parts_phrase
+from rlsync.record.summary import idle_parts_phrase, swap_phrase
 from rlsync.report.runs import MIN_MEASURED, Run
 
 PER_TENSOR = "per_tensor"  # the strategy to which a bucket size does not apply
@@ -175,15 +175,6 @@ def pause_cells(rows: list[dict[str, Any]]) -> list[list[str]]:
     def ratio_spread(st: Optional[dict]) -> str:  # per update, the same repeat: only the stage row has it
         return f"{st['median']:.2f} ({st['min']:.2f} to {st['max']:.2f})" if st else ""
 
-    def swap(policy: str, figures: dict) -> str:
-        if policy == "pause":
-            return "paused receive"
-        return (
-            "n/a"
-            if figures.get("swap_pointer") is None
-            else ("pointer swap" if figures["swap_pointer"] else "local copy")
-        )
-
     cells = []
     for r in rows:
         for policy, f in r["client_pause"].items():
@@ -194,7 +185,7 @@ def pause_cells(rows: list[dict[str, Any]]) -> list[list[str]]:
                 [
                     run_label(r, common),
                     policy,
-                    swap(policy, f),
+                    swap_phrase(policy, f.get("swap_pointer")),
                     spread(f["max_gap"]),
                     ratio_spread(f.get("gap_ratio")),
                     fmt_seconds(f["pause_to_token"]["median"]) if f["pause_to_token"] else "n/a",

@@ -97,10 +97,12 @@ def table_row(run: Run) -> dict[str, Any]:
     row["update_idle_share"] = idle_update_share(idle) if idle else None
     row["client_pause"] = pauses = client_pause(run)  # bench.target=pause: what streaming clients saw, per policy
     for policy, f in (pauses or {}).items():  # report.csv's flat columns
-        for name in ("max_gap", "receive", "gap_ratio"):
-            row[f"{policy}_{name}{'' if name == 'gap_ratio' else '_time'}_median"] = (f.get(name) or {}).get("median")
+        row[f"{policy}_max_gap_time_median"] = (f["max_gap"] or {}).get("median")
+        row[f"{policy}_receive_time_median"] = (f["receive"] or {}).get("median")
         row[f"{policy}_tokens_ratio_median"] = f.get("tokens_ratio")
-    row["verdict"] = run_verdict(run, row["update_share"])
+    if pauses and "gap_ratio" in pauses.get("stage", {}):
+        row["stage_gap_ratio_median"] = pauses["stage"]["gap_ratio"]["median"]
+    row["verdict"] = run_verdict(run, row["update_share"], pauses)
     row["bench"] = bench_target(run)  # its measured rows are repeats of the target, not steps
     row["warmup_steps"] = run.warmup_steps
     row["timeline"] = timeline(run)
@@ -116,12 +118,13 @@ def run_sleep_level(run: Run) -> Optional[int]:
     return int(level) if is_number(level) else None
 
 
+def is_spread(st: Any) -> bool:
+    """{"median", "min", "max"}, each a number: a metric's figures over the measured steps."""
+    return isinstance(st, dict) and all(is_number(st.get(k)) for k in ("median", "min", "max"))
+
+
 def well_formed_idle(idle: Any) -> bool:
     """summary.json's engine_idle as the runner writes it: a spread for the time and for each part."""
-
-    def is_spread(st: Any) -> bool:
-        return isinstance(st, dict) and all(is_number(st.get(k)) for k in ("median", "min", "max"))
-
     parts = idle.get("parts") if isinstance(idle, dict) else None
     return (
         is_spread(idle.get("time") if isinstance(idle, dict) else None)
@@ -140,7 +143,7 @@ def run_idle(run: Run) -> Optional[dict[str, Any]]:
 
 
 PAUSE_POLICIES = ("pause", "stage")  # serve.update_policy, in the order the bench's table gives them
-PAUSE_SPREADS = ("max_gap", "gap_p99", "pause_to_token", "pause", "receive", "update")  # pause/<policy>/<x>_time
+PAUSE_SPREADS = ("max_gap", "pause_to_token", "receive")  # pause/<policy>/<x>_time, as spreads
 PAUSE_VALUES = ("tokens_ratio", "staged_bytes", "swap_pointer")  # pause/<policy>/<x>, their medians
 
 
@@ -164,8 +167,8 @@ def client_pause(run: Run) -> Optional[dict[str, dict[str, Any]]]:
 
 
 def spread_of(run: Run, metric: str) -> Optional[dict[str, float]]:
-    values = {which: run.stat(metric, which) for which in ("median", "min", "max")}
-    return values if all(is_number(v) for v in values.values()) else None
+    st = run.stats.get(metric)
+    return st if is_spread(st) else None
 
 
 def timeline(run: Run) -> list[dict[str, Any]]:
@@ -196,16 +199,17 @@ def update_share(run: Run) -> Optional[float]:
     return update / step if update is not None and step else None
 
 
-def run_verdict(run: Run, share: Optional[float]) -> str:
+def run_verdict(run: Run, share: Optional[float], pauses: Optional[dict] = None) -> str:
     """The runner's verdict; for a bench, what it timed against the copy floor (it has no step to
-    share); for a run without either, a line built from the share of the step."""
+    share) or, a pause bench, the client-seen gaps (`pauses`: client_pause's); for a run without
+    either, a line built from the share of the step."""
     warning = run.summary.get("warning")
     if run.summary.get("verdict"):
         return f"{run.summary['verdict']} ({warning})" if warning else str(run.summary["verdict"])
     prefix = "incomplete (no summary.json)" if run.status == "incomplete" else run.status
     target = bench_target(run)
     if target:
-        line = bench_verdict(run, target)
+        line = bench_verdict(run, target, pauses)
         line = line if run.status == "finished" else f"{prefix}: {line}"
         return f"{line} ({warning})" if warning else line
     if share is None:
@@ -226,7 +230,7 @@ def bench_target(run: Run) -> Optional[str]:
     return run.summary.get("target") or run.cfg("bench.target")
 
 
-def bench_verdict(run: Run, target: str) -> str:
+def bench_verdict(run: Run, target: str, pauses: Optional[dict] = None) -> str:
     """ "update alone: 0.18 s median, 1.91x the copy floor of 0.097 s (transport direct, bucketed, 512 MiB)".
 
     The ratio is 1 / the median efficiency, each repeat against the floor probed beside it (as the
@@ -243,8 +247,8 @@ def bench_verdict(run: Run, target: str) -> str:
             continue
         ratio = 1 / efficiency if efficiency else seconds / limit
         parts.append(f"{label}: {fmt_seconds(seconds)} median, {ratio:.2f}x the copy floor of {fmt_seconds(limit)}")
-    if target == "pause" and (policies := client_pause(run)):
-        parts = [pause_verdict(policies)]
+    if pauses:  # a pause bench: no copy floor of its own; its clients' gaps beside the receive
+        parts = [pause_verdict(pauses)]
     if not parts:
         return f"{run.measured_steps} timed repeats, no {target} time measured"
     return f"{'; '.join(parts)} ({bench_setup(run, target)})"
