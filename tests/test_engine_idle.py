@@ -24,7 +24,9 @@ def parts_of(row: dict, before: dict) -> dict[str, float]:
 
 
 def test_the_engine_idle_time_holds_every_phase_between_two_rollouts_and_its_parts_sum_to_it(tmp_path):
-    # the floors probed before every step: the probe is a part of the idle time too
+    # the floors probed before every step: rlsync's own probe, recorded beside the idle time and left out of it
+    # (a framework does not pay it; it was the largest or second part of a default run's idle time: issue 42)
+    assert "perf/engine_idle_probe_time" not in {p.metric for p in IDLE_PARTS}
     proc = run_main(*FAST, "run.limit_probe=every_step", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
     rows = read_jsonl(tmp_path / "metrics.jsonl")
@@ -35,7 +37,7 @@ def test_the_engine_idle_time_holds_every_phase_between_two_rollouts_and_its_par
         assert inside <= idle <= before["perf/step_time"] + 5.0, (row, before)
         parts = parts_of(row, before)
         assert parts["perf/engine_idle_release_time"] == before["perf/engine_release_time"]  # the same release
-        assert parts["perf/engine_idle_probe_time"] > 0 and parts["perf/engine_idle_between_time"] > 0
+        assert row["perf/engine_idle_probe_time"] > TOLERANCE_S and parts["perf/engine_idle_between_time"] > 0
         assert parts["perf/engine_idle_resume_time"] <= row["perf/engine_resume_time"]  # the wake before the rollout
         assert idle - TOLERANCE_S <= sum(parts.values()) <= idle, (idle, parts)
 

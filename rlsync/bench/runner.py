@@ -10,8 +10,10 @@ bucket size. Then `bench.warmup` untimed updates (page faults, thread pools) and
 timed ones, each through the same `rlsync.sync.update_weights` the runner calls.
 
 Written like a run: metrics.jsonl (one row per repeat, warm-up rows included and marked by "step"
-< warmup_steps), summary.json (kind "bench": median/min/max, limits, setup, per-bucket breakdown),
-a W&B run, and a closing table: time, limit, efficiency, bandwidth, peak bytes, pack/transfer/load.
+< warmup_steps), summary.json (kind "bench": median/min/max, limits, the floor's spread, setup,
+per-bucket breakdown, the machine's load and whether the update's times can be trusted), a W&B run,
+and a closing table: time, floor, efficiency, bandwidth, peak bytes, pack/transfer/load. It runs on
+the threads a run would take (`RunCpu`) and warns about a busy machine as a run does.
 What is timed is a target (`bench.target`): each lives in a class with `setup`, `repeat()`,
 `breakdown()` and `close()`, so another (the trainer's offload, say) can sit beside `UpdateTarget`.
 """
@@ -40,19 +42,19 @@ from rlsync.config.apps import BenchAppConfig
 from rlsync.config.compose import CONFIG_PATH, register_configs, to_dict
 from rlsync.config.launch import hydra_job, hydra_record
 from rlsync.config.validate import checked_config
-from rlsync.errors import show
 from rlsync.fmt import MIB, fmt_bytes, fmt_ratio, fmt_seconds, fmt_sig, fmt_spread, markdown_table, plural
 from rlsync.measure.devices import resolve_device, select_device
 from rlsync.measure.limits import cache_resident_elements, llc_bytes
-from rlsync.measure.threads import pooled
+from rlsync.measure.threads import RunCpu, machine_threads, pooled
 from rlsync.model.architecture import update_tensors
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.model.lora import adapted
+from rlsync.record import summary as summaries
 from rlsync.record.recorder import Recorder, machine_info
 from rlsync.record.summary import payload_line, stats_over
 from rlsync.shell import cli, job_errors
 from rlsync.sync import timed_update
-from rlsync.sync.auto import resolved_setup
+from rlsync.sync.auto import copy_threads_used, resolved_setup
 from rlsync.sync.payload import payload_name, payload_of
 from rlsync.sync.side import open_update_side
 from rlsync.trainer.offload import Offloader
@@ -202,18 +204,25 @@ def run_bench(
             overrides=overrides,
             hydra_record=hydra_record,
         ) as recorder:  # one live run per directory, as the runner's
-            memory = memory_fit(
-                cfg, resolve_device(cfg.run.device), bench=True, overrides=list(overrides)
-            )  # before any model is built
+            device = resolve_device(cfg.run.device)
+            memory = memory_fit(cfg, device, bench=True, overrides=list(overrides))  # before any model is built
+            # the cores free now, as a run takes them; on a busy machine said before anything is timed
+            cpu = RunCpu(cfg.run.cpu_threads, device, what="bench")
+            if busy := cpu.start_warning():
+                print(f"WARNING: {busy}", flush=True)
             recorder.start()  # W&B and metrics.jsonl; no per-repeat console lines: the table at the end
-            return Bench(cfg, recorder, memory=memory).run()
+            with cpu.applied(device):  # its threads, and on a busy machine the update's copy on no more
+                return Bench(cfg, recorder, memory=memory, cpu=cpu).run()
     finally:
         gc.collect()  # the next sweep job gets this one's memory back
 
 
 class Bench:
-    def __init__(self, cfg: BenchAppConfig, recorder: Recorder, *, memory: Optional[dict] = None):
+    def __init__(
+        self, cfg: BenchAppConfig, recorder: Recorder, *, memory: Optional[dict] = None, cpu: RunCpu | None = None
+    ):
         self.cfg, self.recorder = cfg, recorder
+        self.cpu = cpu  # the bench's CPU threads and the machine's load (run_bench)
         self.memory = memory  # the estimate (rlsync.check): summary.json puts the measured peak beside it
         self.device = resolve_device(cfg.run.device)
         self.breakdowns: list[list[dict]] = []  # per timed repeat
@@ -243,9 +252,14 @@ class Bench:
     def print_table(self, result: dict) -> None:
         if result["status"] == "finished":
             print(target_table(self.cfg.bench.target)(result))
+            if "warning" in result:  # a busy machine, a floor that moved: as a run says it
+                print(f"WARNING: {result['warning']}")
 
     def summary(self) -> dict:
         cfg, update, recorder = self.cfg, self.cfg.update, self.recorder
+        stats = stats_over(recorder.rows, cfg.bench.warmup)
+        cpu = self.cpu.as_dict() if self.cpu else None
+        floor = summaries.floor_record(stats)
         result = {
             "kind": "bench",
             "target": cfg.bench.target,
@@ -275,11 +289,17 @@ class Bench:
                 "cache_resident_elements": self.setup.get("cache_resident_elements"),
                 "largest_bucket_bytes": self.setup.get("largest_bucket_bytes"),
                 "build_time": self.setup.get("build_time"),
+                "copy_threads_used": copy_threads_used(self.setup.get("resolved"), self.device, cpu),
+                "cores": machine_threads(),  # the CPU threads this process may run on (its affinity)
             },
             "limits": self.setup.get("limits"),
             "offload": self.setup.get("offload"),  # bench.target=offload: state, bytes, first-touch cost
             "pause": self.setup.get("pause"),  # bench.target=pause: the policies and the number of clients
-            "metrics": stats_over(recorder.rows, cfg.bench.warmup),
+            "metrics": stats,
+            "floor": floor,  # the update's copy floor over the timed repeats, with its spread
+            # false: the update ran far below its floor on a busy machine, a broken measurement (no ranking on it)
+            **summaries.trust_record(stats, cpu),
+            "cpu": cpu,  # the bench's threads and why, the cores, the others' busy cores at start and over it
             "buckets": bucket_medians(self.breakdowns),
             "machine": machine_info(self.device),
             "overrides": recorder.overrides,
@@ -287,10 +307,16 @@ class Bench:
         }
         if self.memory is not None:
             result["memory"] = memory_record(self.memory, self.device)
+        warnings = []
         if result["measured_steps"] < cfg.bench.repeats:
-            result["warning"] = (
+            warnings.append(
                 f"only {result['measured_steps']} of {cfg.bench.repeats} timed repeats finished ({recorder.status})"
             )
+        warnings += [w for w in ((cpu or {}).get("warning"), summaries.floor_warning(floor, "timed repeats")) if w]
+        if not result["verdict_trusted"]:
+            warnings.append(f"not trustworthy: {result['verdict_untrusted_reason']} (rerun on a quiet machine)")
+        if warnings:
+            result["warning"] = "; ".join(warnings)
         return result
 
 
@@ -343,7 +369,7 @@ def update_table(result: dict) -> str:
         "bucket",
         "source",
         "time (median, min to max)",
-        "floor",
+        "floor (median, min to max)",
         "time / floor",
         "efficiency",
         "GB/s",
@@ -360,7 +386,7 @@ def update_table(result: dict) -> str:
         f"{s['bucket_mb']:g} MiB x{s['buckets']}" if s["strategy"] == "bucketed" else f"per tensor x{s['tensors']}",
         s["source"],
         fmt_spread(*(med("perf/update_weights_time", w) for w in ("median", "min", "max"))),
-        fmt_seconds(med("perf/update_weights_limit_time")),
+        fmt_spread(*(med("perf/update_weights_limit_time", w) for w in ("median", "min", "max"))),
         fmt_ratio(1 / eff) if eff else "n/a",
         fmt_sig(eff) if eff else "n/a",  # never "0.00" for an update far from its floor
         fmt_sig(med("perf/update_weights_gbps"), decimals=1),
@@ -386,9 +412,8 @@ def update_table(result: dict) -> str:
         )
     if other:  # update.delta, update.wire_dtype: what crossed, against the full update
         out.append(payload_line(m, s.get("payload")))
-    auto = [f"{k}={show(s[k])} ({s[k + '_why']})" for k in ("flat_engine_weights", "copy_threads") if s.get(k + "_why")]
-    if auto:
-        out.append("update: " + "; ".join(auto))
+    if auto := summaries.auto_line(s):
+        out.append(auto)
     buckets = result["buckets"]
     if buckets and s["strategy"] == "bucketed":
         shown = buckets if len(buckets) <= 12 else buckets[:6] + buckets[-6:]

@@ -105,8 +105,9 @@ class IdlePart:
 
 # perf/engine_idle_time in step N's row runs from step N-1's last token to step N's first. Its parts,
 # in the order they run: step N-1's engine release, its trainer phases (that row's perf/<phase>_time,
-# timed once), the time between the two steps (the record, the floors' probe), and the engine's resumes (step N-1's before its update,
+# timed once), the time between the two steps (the record), and the engine's resumes (step N-1's before its update,
 # step N's before its rollout). What no part holds: scoring the rollout, making the prompts, update.verify.
+# rlsync's own floor probe (perf/engine_idle_probe_time) is left out of the idle time: a framework does not pay it.
 IDLE_PARTS: tuple[IdlePart, ...] = (
     IdlePart("perf/engine_idle_release_time", 0),
     *(  # perf/update_weights_time is the update's own clock (without update.verify's checksums)
@@ -123,7 +124,6 @@ IDLE_PARTS: tuple[IdlePart, ...] = (
         )
     ),
     IdlePart("perf/engine_idle_between_time", 0),
-    IdlePart("perf/engine_idle_probe_time", 0),  # rlsync's own floors, probed again (run.limit_probe=every_step)
     IdlePart("perf/engine_idle_resume_time", 0),
 )
 
@@ -169,7 +169,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("perf/engine_idle_release_time", "engine release", "s", Merge.SLOWEST),  # the last step's release
     Metric("perf/engine_idle_resume_time", "engine resume", "s", Merge.SLOWEST),  # before the last update and now
     Metric("perf/engine_idle_between_time", "between steps", "s", Merge.SLOWEST),  # the step's record
-    Metric("perf/engine_idle_probe_time", "rlsync's floor probe", "s", Merge.SLOWEST),  # run.limit_probe=every_step
+    # rlsync's floors probed again between the steps (run.limit_probe=every_step): beside the idle time, not in it
+    Metric("perf/engine_idle_probe_time", "rlsync's floor probe", "s", Merge.SLOWEST),
     *moved("sleep"),
     *moved("wake_up"),
     # this process's peak resident set so far (VmHWM): data parallel's merge is the largest rank's

@@ -145,18 +145,44 @@ def processes_here() -> int:
 
 
 class RunCpu:
-    """The run's torch CPU threads (chosen once, before any model is built) and the machine's load
-    around it: at start, and averaged over the run (summary.json `cpu`)."""
+    """The run's (or a benchmark's: `what`) torch CPU threads, chosen once before any model is built, and
+    the machine's load around it: at start, and averaged over the run (summary.json `cpu`)."""
 
-    def __init__(self, setting: int | None, device: torch.device):
-        self.cores = machine_threads()
+    def __init__(self, setting: int | None, device: torch.device, *, what: str = "run"):
+        self.cores, self.what = machine_threads(), what
         ranks = processes_here()
+        usable = min(self.cores, torch.get_num_threads())  # before the run's count is set
         if ranks > 1 and not setting and device.type == "cpu":  # the ranks start together: split the cores
-            self.threads = max(1, min(self.cores, torch.get_num_threads()) // ranks)
+            self.threads = max(1, usable // ranks)
             self.why, self.others_at_start = f"{self.cores} cores shared by {ranks} ranks", None
         else:
             self.threads, self.why, self.others_at_start = choose_threads(setting, device)
+        # auto on a busy machine: the cores the run left to the other processes
+        self.kept_free = usable - self.threads if not setting and self.others_at_start is not None else 0
         self.load = CpuLoad().start()
+
+    @contextmanager
+    def applied(self, device: torch.device):
+        """Within the block, torch runs on the run's threads, and update.copy_threads=null takes no more than
+        `copy_cap()` (`run_copy_cap`: the update's auto knob reads it, in a run or any benchmark target)."""
+        with cpu_threads(self.threads, device):
+            _COPY_CAPS.append(self.copy_cap())
+            try:
+                yield
+            finally:
+                _COPY_CAPS.pop()
+
+    def copy_cap(self) -> tuple[int, str] | None:
+        """(the most threads the update's copy may take, why) where the run kept cores free for other
+        processes, else None. A copy on more threads than the run has waits at an OpenMP barrier per
+        tensor for cores the others hold: on a busy 2-core machine a 2-thread copy ran 100x slower than a
+        1-thread one (issue 42), and the copy-threads probe, a millisecond long, did not see it."""
+        if self.kept_free <= 0:
+            return None
+        return self.threads, (
+            f"the machine is busy (other processes kept {self.others_at_start:.1f} of its {self.cores} cores "
+            f"busy at start), so the {self.what} kept {self.kept_free} free"
+        )
 
     def start_warning(self) -> str | None:
         """The line printed before the first step when the machine is busy (none with RLSYNC_NO_LOAD_WARNING=1,
@@ -174,5 +200,13 @@ class RunCpu:
             "cores": self.cores,
             "others_busy_cores_at_start": self.others_at_start,
             "others_busy_cores_during_run": during,
-            "warning": load_warning(during, self.cores, "during the run"),
+            "warning": load_warning(during, self.cores, f"during the {self.what}"),
         }
+
+
+_COPY_CAPS: list[tuple[int, str] | None] = []  # the caps of the RunCpu.applied() blocks this process is in
+
+
+def run_copy_cap() -> tuple[int, str] | None:
+    """The innermost `RunCpu.applied()` block's `copy_cap()`: (most threads, why) or None (no cap, or no run)."""
+    return _COPY_CAPS[-1] if _COPY_CAPS else None

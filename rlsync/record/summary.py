@@ -5,8 +5,10 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
+from rlsync.errors import show
 from rlsync.fmt import fmt_bytes, fmt_range, fmt_seconds, fmt_share, fmt_sig, fmt_spread, markdown_table
 from rlsync.measure import metrics
+from rlsync.measure.threads import load_warning
 
 
 def stats_over(rows: list[dict], warmup_steps: int) -> dict[str, dict[str, float]]:
@@ -99,13 +101,81 @@ def share_verdict(update: float, threshold: float) -> str:
     return f"The weight update is {fmt_share(update)} of the step (over {fmt_share(threshold)}): worth tuning"
 
 
-def verdict(share: dict[str, float], stats: dict, *, threshold: float, setup: dict) -> str:
+# An update slower than this share of its own copy floor (efficiency = floor / time) on a machine that was
+# not quiet is taken for a broken measurement, not a finding: on a busy 2-core machine a 2-thread copy ran at
+# 0.00031 of its floor, 100x slower than on 1 thread, and the run called the update "worth tuning" (issue 42).
+# Only with a sign of a busy machine: a quiet machine's per-tensor ipc or broadcast update really runs at
+# 0.001 of a memcpy floor (its hand-offs and sockets are what the floor leaves out), a finding to keep.
+BROKEN_EFFICIENCY = 0.05
+FLOOR_METRIC = "perf/update_weights_limit_time"  # the update's copy floor, timed beside each step or repeat
+
+
+def busy_signs(stats: dict, cpu: dict | None) -> list[str]:
+    """What says the machine was not quiet while the update was timed: other processes' busy cores (at start,
+    during the run: `load_warning`'s bar), the copy floor or the step moving by more than NOISE_SPREAD of its
+    median, or a load that could not be measured (`cpu` None, or no figure)."""
+    signs = []
+    at_start, during = (cpu or {}).get("others_busy_cores_at_start"), (cpu or {}).get("others_busy_cores_during_run")
+    cores = (cpu or {}).get("cores") or 1
+    if at_start is None and during is None:
+        signs.append("the machine's load is unknown here")
+    loads = [
+        (x, when) for x, when in ((at_start, "at start"), (during, "during the run")) if load_warning(x, cores, when)
+    ]
+    if loads:  # "other processes kept 2.0 of the machine's 2 cores busy at start and 1.7 during the run"
+        (first, when), rest = loads[0], "".join(f" and {x:.1f} {w}" for x, w in loads[1:])
+        signs.append(f"other processes kept {first:.1f} of the machine's {cores} cores busy {when}{rest}")
+    for key, what in ((FLOOR_METRIC, "the copy floor"), ("perf/step_time", "the step")):
+        st = stats.get(key)
+        if st and st["median"] and (st["max"] - st["min"]) / st["median"] > NOISE_SPREAD:
+            signs.append(f"{what} moved from {fmt_range(st['min'], st['max'])} around {fmt_seconds(st['median'])}")
+    return signs
+
+
+def distrust(stats: dict, cpu: dict | None) -> str | None:
+    """Why the update's times cannot carry a verdict or a ranking (summary.json `verdict_untrusted_reason`), or
+    None: the update ran at under BROKEN_EFFICIENCY of its copy floor while something says the machine was busy."""
+    efficiency = stats.get("perf/update_weights_efficiency", {}).get("median")
+    if efficiency is None or efficiency >= BROKEN_EFFICIENCY:
+        return None
+    signs = busy_signs(stats, cpu)
+    if not signs:
+        return None
+    return (
+        f"the update ran at {fmt_sig(efficiency)} of its copy floor (under {BROKEN_EFFICIENCY:g}) while "
+        f"{'; '.join(signs)}"
+    )
+
+
+def trust_record(stats: dict, cpu: dict | None) -> dict:
+    """summary.json's `verdict_trusted` (false: the update's times are a broken measurement, `distrust`) and
+    `verdict_untrusted_reason` (why, or null)."""
+    reason = distrust(stats, cpu)
+    return {"verdict_trusted": reason is None, "verdict_untrusted_reason": reason}
+
+
+def verdict(
+    share: dict[str, float], stats: dict, *, threshold: float, setup: dict, untrusted: str | None = None
+) -> str:
+    """The run's verdict on its update's share of the step. `untrusted` (`distrust`): the update's times are
+    a broken measurement, said with what to do instead of a judgement."""
     if "update_weights" not in share:
         return "No measured step timed the weight update: nothing to judge."
     update = share["update_weights"]
     others = {p: s for p, s in share.items() if p != "update_weights"}
     largest = max(others, key=others.get) if others else "update_weights"
     sent = sent_phrase(setup)
+    if untrusted:
+        threads = setup.get("copy_threads_used")
+        todo = "Rerun on a quiet machine"
+        if isinstance(threads, int) and threads > 1:  # the barrier a busy core makes every tensor wait at
+            todo += (
+                f", or with update.copy_threads=1: it copied on {threads} threads, each tensor waiting for the busiest"
+            )
+        return (
+            f"The weight update measured {fmt_share(update)} of the step, but this measurement is not trustworthy: "
+            f"{untrusted}. {todo}.{sent}"
+        )
     if update < threshold:
         return (
             f"{share_verdict(update, threshold)}; the largest phase is {largest} "
@@ -189,6 +259,38 @@ def noise_warning(stats: dict) -> str | None:
         f"the measured steps spread from {fmt_range(step['min'], step['max'])} around a median of "
         f"{fmt_seconds(step['median'])}: these numbers may be noise (a busy machine, or too few steps: raise run.steps)"
     )
+
+
+def floor_record(stats: dict) -> dict | None:
+    """summary.json's `floor`: the update's copy floor over the measured steps or repeats, median, min, max
+    and `spread` ((max - min) / median), so floors of runs compared can be checked against each other (a
+    bench sweep's floor moved 0.44 / 0.73 / 0.21 s between jobs of one model on a busy machine: issue 42);
+    None where no step timed it."""
+    st = stats.get(FLOOR_METRIC)
+    if not st or not st["median"]:
+        return None
+    return {**st, "spread": (st["max"] - st["min"]) / st["median"]}
+
+
+def floor_warning(floor: dict | None, over: str) -> str | None:
+    """A line when the copy floor moved by more than NOISE_SPREAD of its median `over` the steps or repeats."""
+    if not floor or floor["spread"] <= NOISE_SPREAD:
+        return None
+    return (
+        f"the copy floor moved from {fmt_range(floor['min'], floor['max'])} around {fmt_seconds(floor['median'])} "
+        f"over the {over}: the machine's memory bandwidth changed under the measurement, so times against it "
+        f"may be noise (rerun on a quiet machine)"
+    )
+
+
+AUTO_KNOBS = ("flat_engine_weights", "copy_threads")  # update.*=null, resolved with a reason (rlsync.sync.auto)
+
+
+def auto_line(setup: dict, keys: tuple[str, ...] = AUTO_KNOBS) -> str | None:
+    """The auto knobs as the update ran them, with why: "update: copy_threads=1 (auto: within the probe's spread:
+    ...)"; None where none was resolved."""
+    auto = [f"{k}={show(setup[k])} ({setup[k + '_why']})" for k in keys if setup.get(k + "_why")]
+    return "update: " + "; ".join(auto) if auto else None
 
 
 def setup_phrase(setup: dict) -> str:

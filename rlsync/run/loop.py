@@ -33,7 +33,7 @@ from rlsync.measure.devices import (
 )
 from rlsync.measure.limits import GatherFloor, Limits, LinkShare
 from rlsync.measure.memory import peak_rss_bytes
-from rlsync.measure.threads import RunCpu, cpu_threads
+from rlsync.measure.threads import RunCpu, machine_threads
 from rlsync.measure.timing import Stopwatch
 from rlsync.model.architecture import update_tensors
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
@@ -46,7 +46,7 @@ from rlsync.sync import (
     follow_update,
     timed_update,
 )
-from rlsync.sync.auto import resolved_setup
+from rlsync.sync.auto import copy_threads_used, resolved_setup
 from rlsync.sync.base import Transport
 from rlsync.sync.gather import StandIns
 from rlsync.sync.payload import payload_name, payload_of
@@ -91,7 +91,7 @@ def run_experiment(
             if dp.is_main and (busy := cpu.start_warning()):  # with the numbers it is about, as the closing WARNING
                 print(f"WARNING: {busy}", flush=True)
             recorder.start(console_steps=cfg.run.steps, progress=cfg.run.progress, warmup_steps=cfg.run.warmup_steps)
-            with cpu_threads(cpu.threads, device):
+            with cpu.applied(device):  # its threads, and on a busy machine the update's copy on no more
                 return Experiment(cfg, recorder, dp=dp, memory=memory, cpu=cpu).run()
 
 
@@ -136,7 +136,7 @@ class Experiment:
                 if step > 0 and self.cfg.run.limit_probe == "every_step":  # outside the step's timing
                     probed = time.perf_counter()
                     self.probe_limits()
-                    self.probe_time = time.perf_counter() - probed  # inside the engine's idle time
+                    self.probe_time = time.perf_counter() - probed  # left out of the engine's idle time
                 record({"step": step, **self.step(step, transport)})
         return self.recorder.result
 
@@ -373,13 +373,14 @@ class Experiment:
                 generator=self.sampler,
             ).to(self.device)
         if self.generation_ended is not None:  # the engine generated nothing since the last rollout's end
+            # rlsync's own floor probe (run.limit_probe=every_step) is left out: a framework does not pay it
             self.engine_idle = {
-                "perf/engine_idle_time": started - self.generation_ended,
+                "perf/engine_idle_time": started - self.generation_ended - (self.probe_time or 0.0),
                 "perf/engine_idle_release_time": self.idle_release,  # the last step's, after its rollout
                 "perf/engine_idle_resume_time": self.idle_wake + resumed,  # before the last update, and now
                 "perf/engine_idle_between_time": self.step_started - self.step_ended - (self.probe_time or 0.0),
             }  # the last step's trainer phases in between are its own row's (metrics.IDLE_PARTS)
-            if self.probe_time is not None:
+            if self.probe_time is not None:  # beside the idle time, not a part of it
                 self.engine_idle["perf/engine_idle_probe_time"] = self.probe_time
         self.generation_ended = time.perf_counter()
         with watch("engine_release"):
@@ -514,7 +515,11 @@ def run_summary(
         "update_layout": cfg.model.update_layout,  # checkpoint: per-expert tensors (as published) | fused
         "update_tensors": setup_info.get("tensors") if cfg.update.enabled else None,
         "adapter_tensors": setup_info.get("adapter_tensors"),  # update.lora=adapter: what each later update sends
+        "copy_threads_used": copy_threads_used(setup_info.get("resolved"), device, cpu),
+        "cores": machine_threads(),  # the CPU threads this process may run on (its affinity)
     }
+    trust = summaries.trust_record(stats, cpu)
+    floor = summaries.floor_record(stats)
     result = {
         "kind": "run",
         **recorder.progress(steps=cfg.run.steps, warmup_steps=cfg.run.warmup_steps),
@@ -526,7 +531,15 @@ def run_summary(
         "metrics": stats,
         "engine_idle": summaries.engine_idle(rows, cfg.run.warmup_steps),  # its parts from the same intervals
         "share": share,
-        "verdict": summaries.verdict(share, stats, threshold=cfg.run.verdict_threshold, setup=setup),
+        "verdict": summaries.verdict(
+            share,
+            stats,
+            threshold=cfg.run.verdict_threshold,
+            setup=setup,
+            untrusted=trust["verdict_untrusted_reason"],
+        ),
+        **trust,  # verdict_trusted, verdict_untrusted_reason
+        "floor": floor,  # the update's copy floor over the measured steps, with its spread
         "machine": machine_info(device),
         "overrides": recorder.overrides,
         "config": to_dict(cfg),
@@ -547,6 +560,8 @@ def run_summary(
             warnings.append(cpu["warning"])
     if noisy := summaries.noise_warning(stats):
         warnings.append(noisy)
+    if moved := summaries.floor_warning(floor, "measured steps"):
+        warnings.append(moved)
     if warnings:
         result["warning"] = "; ".join(warnings)
     if memory is not None:
@@ -586,6 +601,8 @@ def print_closing(result: dict) -> None:
         ),
         file=out,
     )
+    if auto := summaries.auto_line(result["setup"], ("copy_threads",)):  # the copy's threads and why
+        print(auto, file=out)
     if "warning" in result:
         print(f"WARNING: {result['warning']}", file=out)
     print(result["verdict"], file=out)
