@@ -15,12 +15,22 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_report import PNG_SIGNATURE, REPO, leet, offline_env, run_report, write_bench_job, write_job
+from test_report import (
+    PNG_SIGNATURE,
+    REPO,
+    leet,
+    measured_stats,
+    offline_env,
+    run_report,
+    write_bench_job,
+    write_job,
+)
 
-from rlsync.fmt import fmt_seconds, fmt_share, fmt_spread
+from rlsync.fmt import fmt_seconds, fmt_share, fmt_spread, time_unit
+from rlsync.record.summary import BROKEN_EFFICIENCY
 from rlsync.report import write_report
 from rlsync.report.cells import fmt_efficiency
-from rlsync.report.ranking import best_settings, fmt_lead
+from rlsync.report.ranking import FLOOR_DRIFT, best_settings, fmt_lead
 
 BUCKETS = (1.0, 4.0)  # MiB
 PER_BUCKET_S = 1e-4  # what each bucket adds to a fake update: bigger buckets win
@@ -214,3 +224,217 @@ def test_step_runs_rank_the_step_too_and_equal_medians_tie(tmp_path: Path) -> No
     assert [line.split(":")[0] for line in lines] == ["tiny, fastest update", "tiny, fastest step"]
     assert all("a tie between run 0 (direct, bucket 1 MiB)" in line and "over 4 steps" in line for line in lines)
     assert all("(raise run.steps)" in line for line in lines)  # equal ranges overlap
+
+
+# ----------------------------------------------------------------------------------------------
+# Verdicts that survive the machine (issue 42): broken measurements, moved floors, runs at once
+# ----------------------------------------------------------------------------------------------
+
+
+def reshape_job(job: Path, *, time: float = 1.0, floor: float = 1.0, swing: float = 1.0, **summary: object) -> None:
+    """Rewrite a fake bench job as if its update took `time` times as long and its copy floor, probed beside
+    it, `floor` times as long, every other repeat's `swing` times more (the efficiency follows, as the bench
+    logs it); `summary` keys set on top."""
+    rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        row["perf/update_weights_time"] *= time
+        row["perf/update_weights_limit_time"] *= floor * (swing if row["step"] % 2 else 1.0)
+        row["perf/update_weights_efficiency"] = row["perf/update_weights_limit_time"] / row["perf/update_weights_time"]
+    (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = json.loads((job / "summary.json").read_text())
+    data["metrics"] = measured_stats([r for r in rows if r["step"] >= data["warmup_steps"]])
+    data.update(summary)
+    (job / "summary.json").write_text(json.dumps(data))
+
+
+def bucket_sweep(root: Path, buckets: tuple[float, ...] = (1.0, 4.0, 16.0), per_bucket_s: float = 1e-3) -> Path:
+    """One model and transport over bucket sizes, each bucket costing `per_bucket_s`: the biggest wins."""
+    for num, bucket in enumerate(buckets):
+        write_bench_job(root / str(num), "tiny", bucket_mb=bucket, per_bucket_s=per_bucket_s)
+    return root
+
+
+def best_update_line(sweep: Path) -> str:
+    (line,) = [b.describe() for b in best_settings(write_report([sweep], log_wandb=False).rows) if b.stem == "update"]
+    return line
+
+
+BUSY = {"threads": 1, "why": "2 cores, 1.0 kept busy", "cores": 2, "others_busy_cores_at_start": 1.0}
+QUIET = {
+    **BUSY,
+    "why": "2 cores, 0.0 kept busy",
+    "others_busy_cores_at_start": 0.0,
+    "others_busy_cores_during_run": 0.0,
+}
+
+
+def test_an_update_far_below_its_floor_is_a_broken_measurement_not_a_ranking_entry(tmp_path: Path) -> None:
+    """The 512 MiB job of issue 42 took 0.78 s at 0.00031 of its copy floor (two copy threads on a busy
+    two-core machine): the report called the other job "97.4x faster ... real". A run recorded before its
+    summary judged this itself is judged here by the run's own rule (under BROKEN_EFFICIENCY of its floor
+    on a busy machine): left out of the ranking, and named."""
+    sweep = bucket_sweep(tmp_path / "sweep", (1.0, 4.0))
+    for job in ("0", "1"):
+        reshape_job(sweep / job, cpu=BUSY)
+    reshape_job(sweep / "0", time=2000.0)
+    result = write_report([sweep], log_wandb=False)
+    rows = {r["job"]: r for r in result.rows}
+    assert rows["0"]["update_efficiency_median"] < BROKEN_EFFICIENCY and rows["1"]["broken"] is None
+    line = best_update_line(sweep)
+    assert line.startswith("tiny, fastest update: run 1 (direct, bucket 4 MiB) ") and "the only run" in line
+    assert "faster" not in line and "the difference is real" not in line
+    assert "Not ranked, a broken measurement: run 0 (direct, bucket 1 MiB): the update ran at " in line
+    assert (
+        f"of its copy floor (under {BROKEN_EFFICIENCY:g}) while other processes kept 1.0 of " in line
+    )  # the run's rule
+    md = (sweep / "report.md").read_text()
+    assert f"- {line}" in md
+    assert ", broken |" in next(ln for ln in section(md, "Runs").splitlines() if ln.startswith("| 0: "))
+    assert "**0: update.bucket_mb=1**: broken measurement: the update ran at " in section(md, "Verdicts")
+    assert "Left out of the fit: runs 0 (a broken measurement)." in section(md, "Update time against bytes")
+
+    # every run broken: nothing is ranked, each is named
+    reshape_job(sweep / "1", time=2000.0)
+    line = best_update_line(sweep)
+    assert line.startswith("tiny, fastest update: no run to rank. Not ranked, a broken measurement: run 0 ")
+
+    # the same efficiency on a quiet machine is a finding (a per-tensor update's hand-offs), ranked
+    for job in ("0", "1"):
+        reshape_job(sweep / job, cpu=QUIET)
+    assert not any(r["broken"] for r in write_report([sweep], log_wandb=False).rows)
+
+
+def test_a_run_that_recorded_no_load_is_judged_on_its_own_figures(tmp_path: Path) -> None:
+    """A summary from before rlsync recorded the machine's load: far below its floor is a finding while its
+    own floor held still (a per-tensor update's hand-offs), a broken measurement when its floor swung."""
+    sweep = bucket_sweep(tmp_path / "sweep", (1.0, 4.0))
+    reshape_job(sweep / "0", time=2000.0)
+    assert not any(r["broken"] for r in write_report([sweep], log_wandb=False).rows)
+    reshape_job(sweep / "0", swing=3.0)  # the floor moved 3x between repeats: the machine changed under it
+    rows = {r["job"]: r for r in write_report([sweep], log_wandb=False).rows}
+    assert "the copy floor moved from " in rows["0"]["broken"] and rows["1"]["broken"] is None
+
+
+def test_the_runs_own_flag_decides_where_it_wrote_one(tmp_path: Path) -> None:
+    """summary.json's `verdict_trusted` (the runner's own judgement) wins over the report's: false leaves
+    the run out, in its own words; true keeps it in, even far below its floor on a busy machine."""
+    sweep = bucket_sweep(tmp_path / "sweep")
+    reason = "the update ran at 0.0010 of its copy floor (under 0.05) while the machine was busy"
+    reshape_job(sweep / "2", cpu=BUSY, verdict_trusted=False, verdict_untrusted_reason=reason)  # the fastest
+    reshape_job(sweep / "0", time=2000.0, cpu=BUSY, verdict_trusted=True)
+    rows = {r["job"]: r for r in write_report([sweep], log_wandb=False).rows}
+    assert rows["2"]["broken"] == reason and not rows["0"]["broken"] and not rows["1"]["broken"]
+    line = best_update_line(sweep)
+    assert line.startswith("tiny, fastest update: run 1 (direct, bucket 4 MiB) ")
+    assert f"Not ranked, a broken measurement: run 2 (direct, bucket 16 MiB): {reason}." in line
+    assert "broken measurement:" not in rows["2"]["verdict"]  # the run's own verdict already says what it judged
+
+
+def test_a_copy_floor_that_moved_between_jobs_is_no_real_difference(tmp_path: Path) -> None:
+    """The bench sweep of issue 42: "1024 MiB ... 2.17x faster than 256 MiB ... real" while the copy floor
+    probed beside each job moved 0.44 / 0.73 / 0.21 s. The ranges stand apart, yet it is not called."""
+    sweep = bucket_sweep(tmp_path / "sweep")
+    for job, moved in (("0", 0.44), ("1", 0.73), ("2", 0.21)):
+        reshape_job(sweep / job, floor=moved / 0.44)
+    rows = {r["job"]: r for r in write_report([sweep], log_wandb=False).rows}
+    assert rows["2"]["update_time_max"] < rows["1"]["update_time_min"]  # apart: the old report called it real
+    line = best_update_line(sweep)
+    assert line.startswith("tiny, fastest update: run 2 (direct, bucket 16 MiB) ")
+    floors = [rows[j]["update_limit_time_median"] for j in "012"]
+    scale, unit, decimals = time_unit(max(floors))
+    shown = " / ".join(f"{f * scale:.{decimals}f}" for f in floors)
+    assert (
+        f"Warning: the copy floor moved {shown} {unit} between runs 0 / 1 / 2: the machine changed under them, "
+        "so the difference is not called; rerun on a quiet machine."
+    ) in line
+    assert "the difference is real" not in line
+
+    # floors within their spread: the same sweep is called real again
+    for job, moved in (("0", 0.44), ("1", 0.73), ("2", 0.21)):
+        reshape_job(sweep / job, floor=0.44 / moved)
+    assert "the difference is real" in best_update_line(sweep)
+
+
+def test_time_and_time_over_the_floor_must_rank_alike(tmp_path: Path) -> None:
+    """Floors that agree within FLOOR_DRIFT, yet the faster run is slower over its own floor: the machine
+    was quicker under it, not its setting. Not called."""
+    sweep = bucket_sweep(tmp_path / "sweep", (1.0, 16.0), per_bucket_s=PER_BUCKET_S)  # 13 % apart
+    rows = {r["job"]: r for r in write_report([sweep], log_wandb=False).rows}
+    assert rows["1"]["update_time_max"] < rows["0"]["update_time_min"]  # apart: the old report called it real
+    lead = rows["0"]["update_time_median"] / rows["1"]["update_time_median"]  # run 1 faster by this much
+    drift = lead * 1.05  # run 0's floor this much slower: over its floor, run 0 leads
+    assert drift < FLOOR_DRIFT
+    reshape_job(sweep / "0", floor=drift)
+    line = best_update_line(sweep)
+    assert line.startswith("tiny, fastest update: run 1 (direct, bucket 16 MiB) ")
+    assert "Warning: over its copy floor run 1 is not the faster (" in line
+    assert "time and time / floor rank runs 1 and 0 differently, so the difference is not called" in line
+
+
+def test_runs_that_ran_at_the_same_time_are_never_called_real(tmp_path: Path) -> None:
+    """A hydra/launcher=local sweep: its jobs overlap in time, each timing the other's load. However far
+    apart their ranges, the difference is not called; their overlap is named in the same line."""
+    sweep = bucket_sweep(tmp_path / "sweep", (1.0, 16.0))
+    reshape_job(sweep / "0", started_at=1000.0, ended_at=1060.0)
+    reshape_job(sweep / "1", started_at=1030.0, ended_at=1090.0)
+    line = best_update_line(sweep)
+    assert (
+        "Warning: runs 1 and 0 ran at the same time: each timed the other's load, so their difference is not called"
+        in line
+    )
+    assert "the difference is real" not in line
+    reshape_job(sweep / "1", started_at=1070.0, ended_at=1130.0)  # one after the other
+    assert "the difference is real" in best_update_line(sweep)
+
+
+def test_runs_whose_setups_read_alike_are_labelled_by_what_differs(tmp_path: Path) -> None:
+    """The ddp and fsdp2 runs of a sweep both read "direct, bucket 512 MiB": each is labelled with its own
+    overrides; runs given by path with the same overrides, by the setup keys summary.json resolved."""
+    sweep = tmp_path / "sweep"
+    for num, parallel in enumerate(("ddp", "fsdp2")):
+        job = sweep / str(num)
+        write_bench_job(job, "tiny", per_bucket_s=PER_BUCKET_S * num * 10)
+        data = json.loads((job / "summary.json").read_text())
+        data["overrides"] = [*data["overrides"], f"trainer.parallel={parallel}"]
+        data["setup"]["parallel"] = parallel
+        (job / "summary.json").write_text(json.dumps(data))
+    line = best_update_line(sweep)
+    assert "run 0 (direct, bucket 512 MiB, trainer.parallel=ddp) " in line
+    assert "runner-up run 1 (direct, bucket 512 MiB, trainer.parallel=fsdp2) " in line
+
+    for num in (0, 1):  # the same overrides: what summary.json resolved tells them apart
+        data = json.loads((sweep / str(num) / "summary.json").read_text())
+        data["overrides"] = data["overrides"][:-1]
+        (sweep / str(num) / "summary.json").write_text(json.dumps(data))
+    line = best_update_line(sweep)
+    assert (
+        "run 0 (direct, bucket 512 MiB, parallel ddp) " in line
+        and "run 1 (direct, bucket 512 MiB, parallel fsdp2) " in line
+    )
+
+
+def test_the_table_shows_the_copy_threads_and_the_machine_line_what_its_threads_mean(tmp_path: Path) -> None:
+    """Issue 42: whichever job drew 2 copy threads lost, and neither the console table nor report.md showed
+    the count; report.md said "1 CPU threads" on a 2-CPU machine (torch's threads, read as the machine's)."""
+    sweep = bucket_sweep(tmp_path / "sweep", (1.0, 4.0))
+    why = "2 cores, 1.0 kept busy by other processes at start"
+    for job, threads in (("0", 2), ("1", 1)):
+        data = json.loads((sweep / job / "summary.json").read_text())
+        reshape_job(
+            sweep / job,
+            setup={**data["setup"], "copy_threads": threads},
+            cpu={"threads": 1, "why": why, "cores": 2},
+            machine={"platform": "Linux", "torch": "2.13.0+cpu", "cpus": 1, "device": "cpu"},
+        )
+    proc = run_report(str(sweep), "--no-wandb")
+    assert proc.returncode == 0, proc.stderr
+    md = (sweep / "report.md").read_text()
+    for text in (proc.stdout, md):  # the console's table and report.md's
+        header = next(ln for ln in text.splitlines() if ln.startswith("| run |"))
+        assert "| copy threads |" in header
+        assert "| 2 of 2 cores |" in next(ln for ln in text.splitlines() if ln.startswith("| 0: "))
+        assert "| 1 of 2 cores |" in next(ln for ln in text.splitlines() if ln.startswith("| 1: "))
+    assert f"Machine: Linux, torch on 1 of 2 CPU cores ({why}), torch 2.13.0+cpu, device cpu." in md
+    assert " CPU threads," not in md  # the old line: torch's thread count read as the machine's
+    with (sweep / "report.csv").open() as f:
+        assert {r["job"]: r["copy_threads"] for r in csv.DictReader(f)} == {"0": "2", "1": "1"}

@@ -27,8 +27,9 @@ def test_a_dry_run_prints_the_plan_and_starts_nothing(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     lines = result.stderr.splitlines()
-    assert any(ln.startswith("rlsync: sweep of 4 jobs: 2 fit, 2 refused; estimated ") for ln in lines), lines
-    refused = [ln for ln in lines if "will be refused: does not fit: host memory" in ln]
+    head = "rlsync: sweep of 4 jobs: 2 fit, 2 refused (2 for the memory available now: each checks again as it starts"
+    assert any(ln.startswith(head) for ln in lines), lines
+    refused = [ln for ln in lines if "would be refused now: does not fit: host memory" in ln]
     assert [ln.split("(")[0].strip() for ln in refused] == ["rlsync:   job 2", "rlsync:   job 3"]
     assert f"model={HUGE}" in refused[0]
     assert "rlsync: run.dry_run=true: nothing started" in lines
@@ -106,6 +107,46 @@ def test_the_sweep_ends_with_the_command_that_uploads_its_offline_runs(tmp_path)
     assert sweep_callback.wandb_sync_line(tmp_path) == (
         f"W&B: `wandb sync {tmp_path}/*/wandb/offline-run-*` uploads this sweep's offline runs"
     )
+
+
+def test_the_upload_command_takes_the_reports_own_run_too(tmp_path):
+    """The report logs its own run under the sweep's wandb/ (rlsync.report.wandb_report): one command uploads
+    it with the jobs' runs, and a path with a space stays one argument while its globs still expand."""
+    import glob
+    import shlex
+
+    sweep = tmp_path / "my sweep"
+    for run in ("0/wandb/offline-run-20261202_000000-abc", "1/wandb/offline-run-20261202_000100-def"):
+        (sweep / run).mkdir(parents=True)
+    (sweep / "wandb" / "offline-run-20261202_000200-report-x").mkdir(parents=True)
+    line = sweep_callback.wandb_sync_line(sweep)
+    command = line.split("`")[1]
+    assert command.startswith("wandb sync ") and "its report's included" in line
+    uploaded = {hit for arg in shlex.split(command)[2:] for hit in glob.glob(arg)}  # as the shell expands them
+    assert uploaded == {str(p) for p in sweep.glob("**/offline-run-*")} and len(uploaded) == 3
+
+
+def test_a_job_the_plan_found_short_of_memory_says_what_its_start_finds(compose, monkeypatch):
+    """The plan checks memory at one moment; on a shared machine it frees up before a job starts. The plan
+    says its refusal is the memory of that moment, and the job's start line says what the same check finds then."""
+    from rlsync.check import duration, fit
+
+    monkeypatch.setattr(duration, "_MACHINES", {})
+    monkeypatch.setattr(fit, "host_available_bytes", lambda: 2**20)  # 1 MiB free: nothing fits
+    cfg = compose(*SHORT)
+    refused, _ = duration.preview(cfg)
+    assert refused and refused.startswith("does not fit: host memory")
+    job = sweep_callback.JobPlan(0, ["model=tiny"], refused=refused, short_of_memory=True, cfg=cfg)
+    plan = sweep_callback.SweepPlan(jobs=[job])
+    (head, line) = plan.lines()
+    assert head.startswith("sweep of 1 job: 0 fit, 1 refused (1 for the memory available now: each checks again")
+    assert line.startswith("  job 0 (model=tiny) would be refused now: does not fit: host memory")
+    report = sweep_callback.SweepReport()
+    report.plan = plan
+    assert report.memory_now(0) == "; short of memory at the plan, and still now: its own check refuses it"
+    monkeypatch.setattr(fit, "host_available_bytes", lambda: 8 * 2**30)  # freed: the job's own check passes
+    assert report.memory_now(0) == "; short of memory at the plan, it fits the memory available now: it runs"
+    assert duration.preview(cfg)[0] is None  # the fresh measurement is the one later checks see
 
 
 def test_the_benchmark_dry_run_checks_its_own_estimate(tmp_path):

@@ -103,14 +103,18 @@ def job_seconds(cfg: Config, rates: Rates, *, bench: bool = False) -> float:
 _MACHINES: dict = {}  # device -> Machine, and (device, dtype) -> Rates: measured once per process
 
 
-def preview(cfg: Config, *, bench: bool = False) -> tuple[str | None, float | None]:
-    """(why the job would be refused for memory, or None; its estimated seconds) for a validated `cfg`."""
+def preview(cfg: Config, *, bench: bool = False, fresh: bool = False) -> tuple[str | None, float | None]:
+    """(why the job would be refused for memory now, or None; its estimated seconds) for a validated `cfg`.
+    The memory available is measured once per process (a sweep's plan checks its jobs against one moment);
+    `fresh` measures it again: on a shared machine it moves, and a job checks again when it starts."""
     from rlsync.check.estimate import bench_estimate, estimate
     from rlsync.check.fit import machine_for
     from rlsync.measure.devices import resolve_device
 
     device = resolve_device(cfg.run.device)
-    machine = _MACHINES.setdefault(str(device), machine_for(device))
+    if fresh or str(device) not in _MACHINES:
+        _MACHINES[str(device)] = machine_for(device)
+    machine = _MACHINES[str(device)]
     est = (bench_estimate if bench else estimate)(cfg, cuda=machine.cuda, runtime_bytes=machine.runtime_bytes)
     if cfg.run.memory_check and (short := machine.shortfalls(est, str(device))):
         return f"does not fit: {'; '.join(short)}", None

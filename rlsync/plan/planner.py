@@ -16,7 +16,8 @@ from typing import Optional
 
 from rlsync.check.estimate import DTYPE_BYTES, Ranks, estimate, param_shapes, staging_bytes
 from rlsync.config.derived import flat_engine_weights_choice
-from rlsync.config.schema import Config
+from rlsync.config.schema import VERDICT_THRESHOLD, Config, ModelConfig
+from rlsync.errors import CONF_DIR, BadInput, ConfigError
 from rlsync.fmt import MIB
 from rlsync.measure.limits import cache_resident_elements
 from rlsync.measure.threads import pooled
@@ -27,6 +28,8 @@ from rlsync.plan.calibrate import calibrate_hint
 from rlsync.plan.flags import flags
 from rlsync.plan.kinds import kinds
 from rlsync.plan.ranks import collective_of, gather_plan, per_rank_memory
+from rlsync.readers.frameworks.base import FrameworkMap, framework_class, framework_names
+from rlsync.record.summary import share_verdict
 from rlsync.sync.base import STRATEGIES
 from rlsync.sync.buckets import TensorMeta, plan_buckets
 
@@ -295,8 +298,117 @@ def make_plan(
         "gather": gathered,
     }
     plan["kinds"] = kinds(cfg, p.plan(u.bucket_mb), model_shapes(cfg.model), p.floor_gbps)  # full, fp8, delta, LoRA
+    # the update's share of plan.step_s (with an fsdp2 gather, the gather and the copy), and what the figure spans
+    plan["verdict"] = plan_verdict(cfg, (gathered or {}).get("whole_update") or prediction)
     plan["flags"] = flags(plan, configured)
     return plan
+
+
+# What the predicted time spans, said beside what each framework's update metric spans (their maps' notes)
+PREDICTION_SPANS = (
+    "the transfer alone: the trainer's tensors copied into the engine's weights (every bucket packed, sent "
+    "and loaded), with no pause of the engine, cache flush, offload, wake or barrier around it"
+)
+
+
+def scheme_frameworks(scheme: Optional[str]) -> list[tuple[str, type[FrameworkMap]]]:
+    """The framework maps whose span notes the verdict shows: the one `update.scheme` names (scheme=miles), else
+    every map (rlsync/readers/frameworks/)."""
+    names = [scheme] if scheme in framework_names() else framework_names()
+    return [(name, framework_class(name)) for name in names]
+
+
+def plan_verdict(cfg: Config, prediction: Optional[dict]) -> dict:
+    """plan.json's `verdict`: with plan.step_s, the predicted update's share of that step judged against
+    run.verdict_threshold (record/summary.py's share_verdict, the run's own phrasing), its range's shares;
+    always what the predicted time spans beside what each framework's update metric spans. `prediction`:
+    time_s, low_s, high_s (the copy's, or the fsdp2 gather's and the copy's together)."""
+    step_s = getattr(getattr(cfg, "plan", None), "step_s", None)
+    threshold = getattr(cfg.run, "verdict_threshold", VERDICT_THRESHOLD)
+    out: dict = {
+        "step_s": step_s,
+        "threshold": threshold,
+        "share": None,
+        "low_share": None,
+        "high_share": None,
+        "verdict": None,
+        "spans": PREDICTION_SPANS,
+        "frameworks": [
+            {"name": name, "title": cls.title, "update_keys": list(cls.update), "spans": cls.spans}
+            for name, cls in scheme_frameworks(cfg.update.scheme)
+        ],
+    }
+    if step_s and prediction:
+        share = prediction["time_s"] / step_s
+        out.update(
+            share=share,
+            low_share=prediction["low_s"] / step_s,
+            high_share=prediction["high_s"] / step_s,
+            verdict=share_verdict(share, threshold),
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Another framework's run (python -m rlsync.report): its model's update bytes and their floor on a GPU
+# ----------------------------------------------------------------------------------------------
+
+
+def preset_names() -> list[str]:
+    """The model presets (rlsync/conf/model/*.yaml): what `model=NAME` and the report's --model take."""
+    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+
+
+def preset_model(name: str) -> ModelConfig:
+    """The model preset `name` as the runner composes it (its config.json's keys filled in, for the MoE ones)."""
+    from omegaconf import OmegaConf
+
+    from rlsync.config.compose import conf_file
+
+    if name not in preset_names():
+        raise BadInput(f"--model {name}: not a model preset ({', '.join(preset_names())}) nor a config.json")
+    OmegaConf.register_new_resolver("rlsync_conf", conf_file, replace=True)  # the MoE presets name their JSON so
+    node = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml"))
+    return filled(OmegaConf.to_object(node), f"--model {name}")
+
+
+def config_json_model(path: str) -> ModelConfig:
+    """A transformers config.json (or a folder holding one) as model.config reads it: any causal-LM architecture."""
+    return filled(ModelConfig(config=path), f"--model {path}")
+
+
+def filled(model: ModelConfig, named: str) -> ModelConfig:
+    """`model` with its config.json's keys (model.config), checked as validation checks it; a refusal names `named`."""
+    from rlsync.model.architecture import check_supported, fill_keys
+
+    if model.config:
+        try:
+            check_supported(model)
+            fill_keys(model)
+        except ConfigError as err:
+            raise BadInput(f"{named}: {err.problem} (allowed: {err.allowed})") from None
+    return model
+
+
+def update_floor(model: ModelConfig, device: str, dtype: str = "bfloat16") -> dict:
+    """The update's bytes (every tensor it sends, in `dtype`) and their floor on `device` (a built-in GPU
+    profile: h200, h100, a100): those bytes read once and written once at the profile's copy rate, the least
+    any update of these weights can take on that GPU, whatever else a framework's update does around it."""
+    profile = profiles.PROFILES[device]()
+    per_byte_s = min(c.per_byte_s for c in profiles.coefficients(profile).values())  # seconds per byte read + written
+    elements = sum(math.prod(shape) for _, shape in param_shapes(model))
+    update_bytes = elements * DTYPE_BYTES[dtype]
+    return {
+        "model": model.name,
+        "params": elements,
+        "dtype": dtype,
+        "update_bytes": update_bytes,
+        "device": device,
+        "gpu": profile["machine"]["device"],
+        "copy_gbps": 1 / per_byte_s / 1e9,
+        "floor_s": 2 * update_bytes * per_byte_s,
+        "source": profile["source"],
+    }
 
 
 PLAN_KEYS = {  # plan.json's schema: key -> type, checked by tests and by rlsync.plan.compare when it reads one
@@ -316,6 +428,7 @@ PLAN_KEYS = {  # plan.json's schema: key -> type, checked by tests and by rlsync
 OPTIONAL_PLAN_KEYS = {
     "gather": dict,
     "kinds": dict,
+    "verdict": dict,
 }  # added since schema 1 was first written: absent from older plan.json files
 
 

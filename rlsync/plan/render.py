@@ -166,6 +166,7 @@ def render(plan: dict) -> str:
             + ")"
         )
     lines += gather_lines(plan)
+    lines += verdict_lines(plan, unmeasured)
     lines += kinds_lines(plan)
     peak_dev = f", device {fmt_bytes(mem['run_peak_device_bytes'])}" if mem["run_peak_device_bytes"] else ""
     lines.append(
@@ -177,6 +178,31 @@ def render(plan: dict) -> str:
     for f in plan["flags"]:
         lines.append(f"Flag {f['kind']}: {f['message']}")
     return "\n".join(lines)
+
+
+def verdict_lines(plan: dict, unmeasured: str = "") -> list[str]:
+    """The update's share of plan.step_s and whether to tune it (the run's own phrasing), then what the predicted
+    time spans beside what each framework's update metric spans (their maps' notes)."""
+    v = plan.get("verdict")
+    if not v:
+        return []
+    if v["verdict"]:
+        shares = f"{fmt_share(v['low_share'])} to {fmt_share(v['high_share'])}"
+        crosses = (
+            f"; its range crosses {fmt_share(v['threshold'])}: measure it (python -m rlsync.bench) before deciding"
+            if v["low_share"] < v["threshold"] <= v["high_share"]
+            else ""
+        )
+        lines = [f"Verdict at plan.step_s={v['step_s']:g} s{unmeasured}: {v['verdict']} (its range: {shares}{crosses})"]
+    elif v["step_s"]:
+        lines = [f"Verdict at plan.step_s={v['step_s']:g} s: n/a (no predicted update time to compare with)"]
+    else:
+        lines = [
+            "Verdict: n/a (plan.step_s=SECONDS, your step's time, gives the update's share of it and whether to tune it)"
+        ]
+    lines.append(f"The predicted time is {v['spans']}; what each framework's update metric spans:")
+    lines += [f"  {f['title']}: {f['spans']}" for f in v["frameworks"]]
+    return lines
 
 
 def setup_of_plan(plan: dict) -> str:

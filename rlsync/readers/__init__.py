@@ -5,6 +5,7 @@ that is not an rlsync run or sweep (rlsync/report/imported.py)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +16,12 @@ __all__ = ["Answer", "History", "ReadRefused", "find_sources", "imported_runs"]
 
 
 def find_sources(path: Path) -> list[tuple[str, Path]]:
-    """(reader name, source) for every run any reader finds at or under `path` (a bounded walk)."""
+    """(reader name, source) for every run any reader finds at or under `path` (a bounded walk); a `path` that
+    is no local file but a run's address (W&B's entity/project/run_id), the reader that fetches it."""
+    if not os.path.lexists(path):
+        remote = [name for name in reader_names() if reader_class(name).addresses(str(path))]
+        if remote:
+            return [(remote[0], path)]
     found = walk(path)
     out, claimed = [], set()
     for name in reader_names():

@@ -48,6 +48,7 @@ class History:
     rows: list[dict[str, float]]  # per logged row, in order: key -> finite number; STEP always, CLOCK where known
     config: dict[str, Any] = field(default_factory=dict)  # the run's config, where the format records one
     hints: tuple[str, ...] = ()  # framework names the format itself implies (Miles' dashboard: "miles")
+    device: Optional[str] = None  # the GPU the run recorded, where the format records one ("NVIDIA H200")
 
     def keys(self) -> set[str]:
         return {k for row in self.rows for k in row}
@@ -68,6 +69,11 @@ class Reader(ABC):
     def read(cls, source: Path) -> History:
         """One run's rows; ReadRefused (one line) for anything that cannot be read."""
 
+    @classmethod
+    def addresses(cls, text: str) -> bool:
+        """Whether `text`, no local path, names a run this reader fetches from elsewhere (W&B's entity/project/run_id)."""
+        return False
+
 
 READERS: Registry[Reader] = Registry(
     "source format",
@@ -77,6 +83,7 @@ READERS: Registry[Reader] = Registry(
         "verl_jsonl": "rlsync.readers.verl_jsonl:VerlJsonlReader",
         "miles_phases": "rlsync.readers.miles_phases:MilesPhasesReader",
         "history": "rlsync.readers.history:HistoryExportReader",
+        "wandb_api": "rlsync.readers.wandb_api:WandbApiReader",
     },
 )
 register_reader = READERS.register

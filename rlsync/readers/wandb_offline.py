@@ -7,7 +7,7 @@ last piece), each record one of wandb's own protobuf `Record` messages (wandb.pr
 wandb's generated classes. wandb 0.19+ writes it from its Go core and no longer ships the Python
 reader (wandb.sdk.internal.datastore), so the framing is read here, as its docs specify it; the
 records are wandb's. History rows (`history.item`: a key, or a nested key, and a JSON value) become
-rows; the run record's and config records' updates become the config.
+rows; the run record's and config records' updates become the config; the environment record's GPU the device.
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ class WandbOfflineReader(Reader):
 
         rows: list[dict[str, float]] = []
         config: dict[str, Any] = {}
+        device = None  # the GPU W&B's system record names (environment: gpu_type, gpu_nvidia)
         for raw in payloads(read_file(source, MAX_BYTES), source):
             record = pb.Record()
             try:
@@ -122,6 +123,9 @@ class WandbOfflineReader(Reader):
                     row[STEP] = float(record.history.step.num)
                 if STEP in row:
                     rows.append(row)
+            elif kind == "environment":
+                env = record.environment
+                device = device or env.gpu_type or next((g.name for g in env.gpu_nvidia if g.name), None)
             elif kind in ("run", "config"):
                 updates = record.run.config.update if kind == "run" else record.config.update
                 for item in updates:
@@ -132,4 +136,4 @@ class WandbOfflineReader(Reader):
                 row[CLOCK] = row["_runtime"]
         # the run's directory (wandb/offline-run-<time>-<id>) names it, as W&B does; a lone file its stem
         where = source.parent if source.parent.name.startswith(("offline-run-", "run-")) else source
-        return History(where, "wandb", where.name, bounded(rows, source), config)
+        return History(where, "wandb", where.name, bounded(rows, source), config, device=device)

@@ -45,14 +45,26 @@ def bucket_cell(row: dict[str, Any]) -> str:
 
 TABLE_HEADER = (
     "run", "model", "transport", "bucket (MiB)", "n", "update", "offload (sleep)", "onload (wake_up)",
-    "step", "update share", "efficiency (floor/time)", "peak update (MiB)",
+    "step", "update share", "efficiency (floor/time)", "copy threads", "peak update (MiB)",
 )  # fmt: skip
 TABLE_NOTE = (
     "n: measured steps (a bench: timed repeats; warm-up left out). Update and step: median (min to max over "
     f"the n); offload and onload: min to max. With n under {MIN_MEASURED} a range says little. Update share: "
     "of the median step; efficiency: median of perf/update_weights_efficiency (the copy floor over the update "
-    "time); peak update: max of perf/update_weights_peak_bytes."
+    'time), "broken" under the share of its floor below which an update timed the machine, not the setting; '
+    "copy threads: the CPU threads the update copied with (update.copy_threads as resolved; auto times them "
+    "at start), of the cores the run could use; peak update: max of perf/update_weights_peak_bytes."
 )
+
+
+def copy_threads_cell(row: dict[str, Any]) -> str:
+    """ "2 of 2 cores", "1", "torch's default" (0: not a CPU copy, or left to torch), "n/a" (not recorded)."""
+    threads, cores = row.get("copy_threads"), row.get("cpu_cores")
+    if not is_number(threads):
+        return "n/a"
+    if threads == 0:
+        return "torch's default"
+    return f"{threads:g} of {cores:g} cores" if is_number(cores) else f"{threads:g}"
 
 
 def common_overrides(rows: list[dict[str, Any]]) -> list[str]:
@@ -86,7 +98,8 @@ def table_cells(row: dict[str, Any], common: Iterable[str] = ()) -> list[str]:
         fmt_range(row["wake_up_time_min"], row["wake_up_time_max"]),
         fmt_spread(row["step_time_median"], row["step_time_min"], row["step_time_max"]),
         fmt_share(row["update_share"]),
-        fmt_efficiency(row["update_efficiency_median"]),
+        fmt_efficiency(row["update_efficiency_median"]) + (", broken" if row.get("broken") else ""),
+        copy_threads_cell(row),
         "0 (no staging)" if row["update_peak_bytes_max"] == 0 else fmt_mib(row["update_peak_bytes_max"]),
     ]
 
@@ -94,7 +107,15 @@ def table_cells(row: dict[str, Any], common: Iterable[str] = ()) -> list[str]:
 def rows_markdown(rows: list[dict[str, Any]]) -> str:
     common = common_overrides(rows)
     out = [f"Overrides of every run: {' '.join(common)}", ""] if common else []
+    if any(row.get("framework") for row in rows):  # other frameworks' runs beside rlsync's: which one, read from what
+        cells = [[*table_cells(row, common), source_cell(row)] for row in rows]
+        return "\n".join([*out, markdown_table([*TABLE_HEADER, "source (framework)"], cells)])
     return "\n".join([*out, markdown_table(TABLE_HEADER, [table_cells(row, common) for row in rows])])
+
+
+def source_cell(row: dict[str, Any]) -> str:
+    """ "W&B offline run (verl)"; "rlsync run" for rlsync's own."""
+    return f"{row['source']} ({row['framework']})" if row.get("framework") else "rlsync run"
 
 
 def phase_table(rows: list[dict[str, Any]]) -> str:
@@ -206,7 +227,7 @@ def machine_line(runs: list[Run]) -> str:
         first = machines[0]
         gpus = sorted({str(m["gpu"]) for m in machines if m.get("gpu")})
         line = (
-            f"Machine: {first.get('platform', 'n/a')}, {first.get('cpus', 'n/a')} CPU threads,"
+            f"Machine: {first.get('platform', 'n/a')}, {threads_phrase(runs)},"
             f" torch {first.get('torch', 'n/a')}, device {', '.join(devices)}"
         )
         line += f" ({', '.join(gpus)})" if gpus else ""
@@ -222,6 +243,24 @@ def machine_line(runs: list[Run]) -> str:
         f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, torch {torch_version},"
         f" device {', '.join(devices)} (the runs did not record theirs: this is the machine that wrote the report)."
     )
+
+
+def threads_phrase(runs: list[Run]) -> str:
+    """ "torch on 1 of 2 CPU cores (2 cores, 1.0 kept busy by other processes at start)": the threads the
+    runs' phases used of the cores they could run on (summary.json `cpu`; a run recorded before it: its
+    machine's `cpus`, which is torch's thread count, not the machine's cores)."""
+    cpus = [r.summary["cpu"] for r in runs if isinstance(r.summary.get("cpu"), dict)]
+    threads = sorted({c["threads"] for c in cpus if is_number(c.get("threads"))})
+    cores = sorted({c["cores"] for c in cpus if is_number(c.get("cores"))})
+    if not threads:
+        counts = sorted({m["cpus"] for m in (r.summary.get("machine") or {} for r in runs) if is_number(m.get("cpus"))})
+        shown = " to ".join(f"{n:g}" for n in counts[:: max(1, len(counts) - 1)]) or "n/a"
+        return f"torch on {shown} CPU threads (the machine's cores not recorded)"
+    used = " to ".join(f"{n:g}" for n in threads[:: max(1, len(threads) - 1)])
+    of = f" of {' to '.join(f'{n:g}' for n in cores[:: max(1, len(cores) - 1)])}" if cores else ""
+    whys = list(dict.fromkeys(str(c["why"]) for c in cpus if c.get("why")))
+    why = f" ({whys[0]})" if len(whys) == 1 else " (chosen per run from the cores free at its start)" if whys else ""
+    return f"torch on {used}{of} CPU core{'s' if (cores or threads)[-1] != 1 else ''}{why}"
 
 
 def table_row_device(run: Run) -> Any:

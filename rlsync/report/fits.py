@@ -62,8 +62,13 @@ def fit_update_time(rows: list[dict[str, Any]]) -> Optional[Fit]:
 
 
 def timed_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows with an update time and its bytes: the points of a fit."""
-    return [r for r in rows if is_number(r.get("update_bytes")) and is_number(r.get("update_time_median"))]
+    """The rows with an update time and its bytes: the points of a fit. A broken measurement (row["broken"]:
+    the update timed a busy machine, not the copy) is no point of it, as it is no ranking entry."""
+    return [
+        r
+        for r in rows
+        if is_number(r.get("update_bytes")) and is_number(r.get("update_time_median")) and not r.get("broken")
+    ]
 
 
 def fit_problem(rows: list[dict[str, Any]]) -> Optional[str]:
@@ -129,11 +134,13 @@ def fit_by_setup(rows: list[dict[str, Any]]) -> list[FitGroup]:
     ]
 
 
-def update_fit_lines(groups: list[FitGroup]) -> list[str]:
+def update_fit_lines(groups: list[FitGroup], rows: list[dict[str, Any]] = ()) -> list[str]:
     """The fit section of report.md: one line, or one bullet per transport when the runs differ in it;
-    where no line is meaningful, one line saying why."""
+    where no line is meaningful, one line saying why; the broken measurements among `rows` named as left out."""
+    broken = [str(r["job"]) for r in rows if r.get("broken") and is_number(r.get("update_time_median"))]
+    left_out = [f"Left out of the fit: runs {', '.join(broken)} (a broken measurement)."] if broken else []
     if len(groups) > 1:
-        return [f"- {group.describe()}" for group in groups]
+        return [f"- {group.describe()}" for group in groups] + left_out
     if groups:
-        return [groups[0].describe()]
-    return ["No fit: no run timed the update with its bytes."]
+        return [groups[0].describe(), *left_out]
+    return ["No fit: no run timed the update with its bytes.", *left_out]

@@ -1,15 +1,24 @@
 """Which setting won: per model the fastest update and step against the runner-up, and whether the
-gap stands out of the noise."""
+gap is real. A gap is called real only when it survives the machine the runs ran on: enough samples,
+runs that did not run at the same time, copy floors (the plain copy probed beside each run) that agree,
+min-max ranges apart, and the same order by time over the floor as by time. A run whose update ran far
+below its own floor on a busy machine is a broken measurement (rows.broken_measurement, on the run's own
+threshold record.summary.BROKEN_EFFICIENCY): named, never ranked."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from rlsync.fmt import MIB, fmt_ratio, fmt_seconds, fmt_share, fmt_spread, is_number
+from rlsync.fmt import MIB, fmt_ratio, fmt_seconds, fmt_share, fmt_spread, is_number, time_unit
 from rlsync.report.cells import fmt_bucket
 from rlsync.report.fits import spans_overlap, time_span
+from rlsync.report.rows import update_efficiency
 from rlsync.report.runs import MIN_MEASURED
+
+# Two copy floors within this ratio agree even when each was probed once (run.limit_probe=start: no spread
+# of its own); a quiet machine's probe scatters less, the busy one of issue 42 moved 0.21 to 0.73 s.
+FLOOR_DRIFT = 1.25
 
 
 def model_label(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -52,8 +61,10 @@ class Best:
 
     model: str
     stem: str  # "update" | "step": which <stem>_time_* the runs are ranked by
-    ranked: list[dict[str, Any]]  # the model's rows with that time, fastest median first
-    warning: str = ""  # why the ranking may be noise ("" when the ranges stand apart, with enough samples)
+    ranked: list[dict[str, Any]]  # the model's rows with that time, fastest median first (broken ones left out)
+    warning: str = ""  # why the difference is not called real ("" when it survives every check)
+    broken: list[dict[str, Any]] = field(default_factory=list)  # rows left out: a broken measurement (row["broken"])
+    labels: dict[str, str] = field(default_factory=dict)  # job -> its setup, told apart from runs that read alike
 
     @property
     def best(self) -> dict[str, Any]:
@@ -65,9 +76,12 @@ class Best:
 
     def describe(self) -> str:
         what = f"{self.model}, fastest {'update' if self.stem == 'update' else 'step'}"
+        left_out = self.left_out_text()
+        if not self.ranked:
+            return f"{what}: no run to rank.{left_out}"
         best, other = self.best, self.runner_up
         if other is None:
-            return f"{what}: {self.run_text(best)}; the only run with this time, nothing to compare"
+            return f"{what}: {self.run_text(best)}; the only run with this time, nothing to compare.{left_out}"
         lead, second = best[f"{self.stem}_time_median"], other[f"{self.stem}_time_median"]
         if second == lead:
             line = f"{what}: a tie between {self.run_text(best)} and {self.run_text(other)} (equal medians)."
@@ -76,17 +90,28 @@ class Best:
                 f"{what}: {self.run_text(best)}; {fmt_lead(lead, second)} faster ({fmt_seconds(second - lead)} less) "
                 f"than the runner-up {self.run_text(other)}."
             )
+        if self.warning:
+            return f"{line} Warning: {self.warning}{left_out}"
         return (
-            f"{line} Warning: {self.warning}"
-            if self.warning
-            else f"{line} The ranges do not overlap: the difference is real."
+            f"{line} The ranges do not overlap, time over the copy floor ranks them alike and their copy floors "
+            f"agree: the difference is real.{left_out}"
         )
 
     def run_text(self, row: dict[str, Any]) -> str:
         """ "run 2 (ipc, bucket 512 MiB) 1.21 ms median (1.18 to 1.30 ms over 3 repeats)"."""
         stem = self.stem
         spread = fmt_spread(row[f"{stem}_time_median"], row.get(f"{stem}_time_min"), row.get(f"{stem}_time_max"))
-        return f"run {row['job']} ({setup_label(row)}) {spread} over {row.get('measured_steps')} {measured_unit(row)}"
+        label = self.labels.get(row["job"]) or setup_label(row)
+        return f"run {row['job']} ({label}) {spread} over {row.get('measured_steps')} {measured_unit(row)}"
+
+    def left_out_text(self) -> str:
+        """ " Not ranked, a broken measurement: run 1 (direct, bucket 512 MiB): its update ran at ..."."""
+        if not self.broken:
+            return ""
+        named = "; ".join(
+            f"run {r['job']} ({self.labels.get(r['job']) or setup_label(r)}): {r['broken']}" for r in self.broken
+        )
+        return f" Not ranked, a broken measurement: {named}."
 
 
 def fmt_lead(best: float, other: float) -> str:
@@ -98,23 +123,113 @@ def fmt_lead(best: float, other: float) -> str:
     return fmt_ratio(ratio) if ratio >= 1.1 else fmt_share(ratio - 1)
 
 
-def ranking_warning(best: dict[str, Any], other: dict[str, Any], stem: str) -> str:
-    """Why best may not really beat other: too few samples, or min-max ranges that overlap; "" otherwise."""
+def ran_together(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether the two runs' spans (summary.json's started_at to ended_at) overlap: they shared the machine."""
+    ends = (a.get("started_at"), a.get("ended_at"), b.get("started_at"), b.get("ended_at"))
+    return all(is_number(t) for t in ends) and spans_overlap((ends[0], ends[1]), (ends[2], ends[3]))
+
+
+def floor_span(row: dict[str, Any]) -> Optional[tuple[float, float]]:
+    """The lowest and highest copy floor probed beside the run's measured steps (its median alone when
+    the run probed once); None when it recorded none."""
+    median = row.get("update_limit_time_median")
+    if not is_number(median):
+        return None
+    lo, hi = row.get("update_limit_time_min"), row.get("update_limit_time_max")
+    return (lo if is_number(lo) else median), (hi if is_number(hi) else median)
+
+
+def floors_agree(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The two runs' copy floors agree within their spread (their min-max ranges meet), or within
+    FLOOR_DRIFT of each other: the machine under them was the same machine."""
+    fa, fb, ma, mb = floor_span(a), floor_span(b), a["update_limit_time_median"], b["update_limit_time_median"]
+    return spans_overlap(fa, fb) or (min(ma, mb) > 0 and max(ma, mb) / min(ma, mb) <= FLOOR_DRIFT)
+
+
+def over_floor(row: dict[str, Any], stem: str) -> Optional[float]:
+    """The run's time in units of its copy floor (time / floor): the update's from each step's own ratio,
+    the step's over the floor's median. Lower is better, whatever the machine did between runs."""
+    if stem == "update":
+        eff = update_efficiency(row)
+        return 1 / eff if eff else None
+    floor, seconds = row.get("update_limit_time_median"), row.get(f"{stem}_time_median")
+    return seconds / floor if is_number(floor) and floor > 0 and is_number(seconds) else None
+
+
+def ranking_warning(best: dict[str, Any], other: dict[str, Any], stem: str, ranked: list[dict[str, Any]] = ()) -> str:
+    """Why best is not called faster than other, in one line; "" when the difference is real. `ranked`:
+    every run of the model, whose floors the line lists when the machine moved under them."""
     more = " or ".join(dict.fromkeys("bench.repeats" if r.get("bench") else "run.steps" for r in (best, other)))
     few = [r for r in (best, other) if (r.get("measured_steps") or 0) < MIN_MEASURED]
     if few:
         named = " and ".join(f"run {r['job']} measured {r.get('measured_steps') or 0} {measured_unit(r)}" for r in few)
         return f"{named}, fewer than {MIN_MEASURED}: too few to tell a real difference from noise (raise {more})."
+    if ran_together(best, other):
+        return (
+            f"runs {best['job']} and {other['job']} ran at the same time: each timed the other's load, so their "
+            f"difference is not called (run them one after another: Hydra's default launcher)."
+        )
+    unfloored = [r for r in (best, other) if floor_span(r) is None]
+    if unfloored:
+        named = " and ".join(f"run {r['job']}" for r in unfloored)
+        return (
+            f"{named} recorded no copy floor: a faster setting cannot be told from a faster machine, so the "
+            f"difference is not called."
+        )
+    if not floors_agree(best, other):
+        floored = sorted((r for r in ranked or (best, other) if floor_span(r)), key=job_order)
+        scale, unit, decimals = time_unit(max(r["update_limit_time_median"] for r in floored))
+        floors = " / ".join(f"{r['update_limit_time_median'] * scale:.{decimals}f}" for r in floored)
+        jobs = " / ".join(str(r["job"]) for r in floored)
+        return (
+            f"the copy floor moved {floors} {unit} between runs {jobs}: the machine changed under them, so the "
+            f"difference is not called; rerun on a quiet machine."
+        )
     if spans_overlap(time_span([best], stem), time_span([other], stem)):
         return (
             f"the min-max ranges of runs {best['job']} and {other['job']} overlap: the difference may be noise "
             f"(raise {more})."
         )
+    mine, theirs = over_floor(best, stem), over_floor(other, stem)
+    if mine is None or theirs is None or mine >= theirs:
+        at = f" ({fmt_ratio(mine)} against {fmt_ratio(theirs)} its floor)" if mine and theirs else ""
+        return (
+            f"over its copy floor run {best['job']} is not the faster{at}: time and time / floor rank runs "
+            f"{best['job']} and {other['job']} differently, so the difference is not called; rerun on a quiet machine."
+        )
     return ""
 
 
+def job_order(row: dict[str, Any]) -> tuple:
+    """Runs in the order they were numbered (a sweep's job 2 before job 10)."""
+    job = str(row["job"])
+    return (0, int(job), "") if job.isdigit() else (1, 0, job)
+
+
+def setup_labels(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """Each run's setup_label; where runs share one (ddp and fsdp2 read "direct, bucket 512 MiB" alike),
+    with what differs between them: their own overrides, else the setup keys summary.json resolved."""
+    labels = {r["job"]: setup_label(r) for r in rows}
+    alike: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        alike.setdefault(labels[row["job"]], []).append(row)
+    for label, members in alike.items():
+        if len(members) < 2:
+            continue
+        shared = set.intersection(*(set(m.get("override_list") or []) for m in members))
+        setups = [m.get("setup") if isinstance(m.get("setup"), dict) else {} for m in members]
+        keys = [k for k in dict.fromkeys(k for s in setups for k in s) if not k.endswith("_why")]
+        differing = [k for k in keys if len({repr(s.get(k)) for s in setups}) > 1]
+        for member, setup in zip(members, setups):
+            own = [o for o in member.get("override_list") or [] if o not in shared]
+            own = own or [f"{k} {setup.get(k)}" for k in differing]
+            labels[member["job"]] = f"{label}, {' '.join(own)}" if own else label
+    return labels
+
+
 def best_settings(rows: list[dict[str, Any]]) -> list[Best]:
-    """Per model: the fastest update, and the fastest step where steps ran, each against its runner-up."""
+    """Per model: the fastest update, and the fastest step where steps ran, each against its runner-up;
+    a broken measurement left out of the ranking, and named."""
     out = []
     for stem in ("update", "step"):
         timed = [r for r in rows if is_number(r.get(f"{stem}_time_median"))]
@@ -122,7 +237,9 @@ def best_settings(rows: list[dict[str, Any]]) -> list[Best]:
         for row in timed:
             models.setdefault(model_label(row, timed), []).append(row)
         for model, members in models.items():
-            ranked = sorted(members, key=lambda r: r[f"{stem}_time_median"])  # stable: ties keep the run order
-            warning = ranking_warning(ranked[0], ranked[1], stem) if len(ranked) > 1 else ""
-            out.append(Best(model, stem, ranked, warning))
+            trusted = [r for r in members if not r.get("broken")]
+            ranked = sorted(trusted, key=lambda r: r[f"{stem}_time_median"])  # stable: ties keep the run order
+            warning = ranking_warning(ranked[0], ranked[1], stem, ranked) if len(ranked) > 1 else ""
+            broken = [r for r in members if r.get("broken")]
+            out.append(Best(model, stem, ranked, warning, broken, setup_labels(members)))
     return out

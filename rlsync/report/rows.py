@@ -9,7 +9,14 @@ from typing import Any, Optional
 from rlsync.config.schema import VERDICT_THRESHOLD
 from rlsync.fmt import fmt_bytes, fmt_seconds, is_number
 from rlsync.measure import metrics
-from rlsync.record.summary import engine_idle, idle_update_share, share_verdict
+from rlsync.record.summary import (
+    FLOOR_METRIC,
+    NOISE_SPREAD,
+    distrust,
+    engine_idle,
+    idle_update_share,
+    share_verdict,
+)
 from rlsync.report.cells import PER_TENSOR, fmt_bucket
 from rlsync.report.runs import Run
 from rlsync.sync.payload import payload_name
@@ -32,14 +39,18 @@ CSV_TAIL = (
     "sleep_level", "engine_idle_time_min", "engine_idle_time_median", "engine_idle_time_max", "update_idle_share",
     "pause_max_gap_time_median", "pause_receive_time_median", "pause_tokens_ratio_median",
     "stage_max_gap_time_median", "stage_receive_time_median", "stage_tokens_ratio_median", "stage_gap_ratio_median",
-    "verdict",
+    "update_limit_time_min", "update_limit_time_max", "copy_threads", "cpu_threads", "cpu_cores", "broken",
+    "started_at", "ended_at", "verdict",
 )  # fmt: skip
 
 
 def csv_fields() -> tuple[str, ...]:
     """report.csv's columns: the setup, the headline ranges, the median of every part of the step, the update's."""
     phases = [f"{p.name}_time_median" for p in metrics.step_phases()]
-    return tuple(dict.fromkeys([*CSV_HEAD, *phases, "step_time_median", *CSV_TAIL]))
+    return tuple(dict.fromkeys([*CSV_HEAD, *phases, "step_time_median", *CSV_TAIL, *IMPORTED_FIELDS]))
+
+
+IMPORTED_FIELDS = ("source", "framework")  # another framework's run (rlsync/report/imported.py): its format and map
 
 
 def run_update_keys(run: Run) -> dict[str, Any]:
@@ -79,7 +90,8 @@ def table_row(run: Run) -> dict[str, Any]:
     row["step_time_min"], row["step_time_max"] = run.stat("perf/step_time", "min"), run.stat("perf/step_time", "max")
     row["update_share"] = update_share(run)
     row["update_efficiency_median"] = run.stat("perf/update_weights_efficiency")
-    row["update_limit_time_median"] = run.stat("perf/update_weights_limit_time")
+    for which in ("min", "median", "max"):  # the floor beside each step: how much the machine moved under the run
+        row[f"update_limit_time_{which}"] = run.stat("perf/update_weights_limit_time", which)
     row["update_gbps_median"] = run.stat("perf/update_weights_gbps")
     sent = run.stat("perf/update_weights_bytes")  # 0 from a delta that had nothing to send
     row["update_bytes"] = sent if sent is not None else model.get("update_bytes")
@@ -102,11 +114,62 @@ def table_row(run: Run) -> dict[str, Any]:
         row[f"{policy}_tokens_ratio_median"] = f.get("tokens_ratio")
     if pauses and "gap_ratio" in pauses.get("stage", {}):
         row["stage_gap_ratio_median"] = pauses["stage"]["gap_ratio"]["median"]
+    row["setup"] = setup  # what the update ran with, as resolved: tells apart runs whose labels read alike
+    threads = setup.get("copy_threads_used", setup.get("copy_threads", run.cfg("update.copy_threads")))
+    row["copy_threads"] = threads if is_number(threads) else None  # the update's copies ran on (0: torch's default)
+    cpu = run.summary.get("cpu") if isinstance(run.summary.get("cpu"), dict) else {}
+    row["cpu_threads"] = cpu.get("threads") if is_number(cpu.get("threads")) else None  # the run's torch threads
+    cores = setup.get("cores", cpu.get("cores"))
+    row["cpu_cores"] = cores if is_number(cores) else None  # of the cores the run could run on
+    for end in ("started_at", "ended_at"):  # unix times: runs whose spans overlap ran at the same time
+        row[end] = run.summary.get(end) if is_number(run.summary.get(end)) else None
+    row["broken"] = broken_measurement(run)
     row["verdict"] = run_verdict(run, row["update_share"], pauses)
+    if row["broken"] and "verdict_trusted" not in run.summary:  # a run recorded before it flagged this itself
+        row["verdict"] = f"broken measurement: {row['broken']}; the run said: {row['verdict']}"
     row["bench"] = bench_target(run)  # its measured rows are repeats of the target, not steps
     row["warmup_steps"] = run.warmup_steps
     row["timeline"] = timeline(run)
+    row["source"], row["framework"] = run.summary.get("source"), run.summary.get("framework")  # None: rlsync's own
     return row
+
+
+def update_efficiency(row: dict[str, Any]) -> Optional[float]:
+    """The update's copy floor over its time: the median of each step's own ratio (a drifting machine
+    cancels), else the floor's median over the time's."""
+    eff, limit, seconds = (
+        row.get("update_efficiency_median"),
+        row.get("update_limit_time_median"),
+        row.get("update_time_median"),
+    )
+    if is_number(eff):
+        return float(eff)
+    return limit / seconds if is_number(limit) and is_number(seconds) and seconds > 0 else None
+
+
+def broken_measurement(run: Run) -> Optional[str]:
+    """Why the run's update times are a broken measurement, not a finding (never a ranking entry), or None.
+    The run's own judgement where summary.json holds one (`verdict_trusted`, `verdict_untrusted_reason`);
+    a run recorded before it is judged here by the run's own rule (record.summary.distrust: under
+    BROKEN_EFFICIENCY of its copy floor with a sign of a busy machine; one that recorded no load at all,
+    only on the signs its own figures hold: its floor or step moving by more than NOISE_SPREAD)."""
+    trusted = run.summary.get("verdict_trusted")
+    if trusted is True:
+        return None
+    if trusted is False:
+        reason = run.summary.get("verdict_untrusted_reason")
+        return str(reason) if reason else "its run judged its update times no finding (summary.json verdict_trusted)"
+    cpu = run.summary.get("cpu")
+    if isinstance(cpu, dict):
+        return distrust(run.stats, cpu)
+    # recorded before summary.json held the machine's load: only its own figures can show a busy machine
+    moved = [st for st in (run.stats.get(FLOOR_METRIC), run.stats.get("perf/step_time")) if moved_much(st)]
+    return distrust(run.stats, None) if moved else None
+
+
+def moved_much(st: Optional[dict]) -> bool:
+    """A metric whose measured steps spread by more than NOISE_SPREAD of its median (the run's own noise sign)."""
+    return is_spread(st) and st["median"] > 0 and (st["max"] - st["min"]) / st["median"] > NOISE_SPREAD
 
 
 def run_sleep_level(run: Run) -> Optional[int]:

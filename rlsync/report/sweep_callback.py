@@ -4,7 +4,9 @@ sweep report at the end, however the sweep ended.
 Before the first job: one line with the job count, how many fit in memory (each job's config
 composed, validated and checked as the job itself will be: refused jobs named) and an estimated
 duration (rlsync.check.duration); a warning when the launcher runs jobs side by side (their timings
-then contaminate each other). `run.dry_run=true` prints that plan and starts nothing.
+then contaminate each other). `run.dry_run=true` prints that plan and starts nothing. A bad value
+refuses a job for good; memory is the memory available at the plan, which moves on a shared machine:
+such a job checks again when it starts, and the line that starts it says what that check found.
 
 Hydra skips `on_multirun_end` when a job failed; the sweep's end is then reported from the entry
 point's error handling (rlsync.shell.SWEEP_ENDED), which writes the same report listing the failed
@@ -39,12 +41,15 @@ class JobPlan:
     overrides: list[str]
     refused: Optional[str] = None  # the one line the job would stop with (a bad value, does not fit)
     seconds: Optional[float] = None  # estimated duration
+    short_of_memory: bool = False  # refused for the memory available at the plan: checked again as it starts
+    cfg: Any = None  # the validated config, for that check
 
 
 @dataclass
 class SweepPlan:
     jobs: list[JobPlan] = field(default_factory=list)
     side_by_side: Optional[str] = None  # the launcher, when it runs jobs at once
+    bench: bool = False  # python -m rlsync.bench's jobs (their own estimate)
 
     @property
     def runnable(self) -> list[JobPlan]:
@@ -54,12 +59,22 @@ class SweepPlan:
         n, ok = len(self.jobs), self.runnable
         total = sum(j.seconds or 0 for j in ok)
         refused = [j for j in self.jobs if j.refused is not None]
+        memory = sum(j.short_of_memory for j in refused)
+        moves = (
+            f" ({memory} for the memory available now: each checks again as it starts, and runs if it fits then)"
+            if memory
+            else ""
+        )
         out = [
-            f"sweep of {n} job{'s' if n != 1 else ''}: {len(ok)} fit, {len(refused)} refused; "
+            f"sweep of {n} job{'s' if n != 1 else ''}: {len(ok)} fit, {len(refused)} refused{moves}; "
             f"estimated {fmt_duration(total)} one after another (rough, from the model's size and this "
             f"machine's rates: rlsync.check.duration)"
         ]
-        out += [f"  job {j.num} ({' '.join(j.overrides) or 'defaults'}) will be refused: {j.refused}" for j in refused]
+        out += [
+            f"  job {j.num} ({' '.join(j.overrides) or 'defaults'}) "
+            f"{'would be refused now' if j.short_of_memory else 'will be refused'}: {j.refused}"
+            for j in refused
+        ]
         if self.side_by_side:
             out.append(side_by_side_warning(self.side_by_side))
         return out
@@ -95,7 +110,7 @@ def plan_sweep(config: DictConfig) -> SweepPlan:
 
     bench = config.hydra.job.config_name == "bench"
     schema = BenchAppConfig if bench else Config
-    plan = SweepPlan()
+    plan = SweepPlan(bench=bench)
     launcher = str(config.hydra.launcher.get("_target_", "")).rsplit(".", 1)[-1]
     if launcher and launcher not in SEQUENTIAL_LAUNCHERS:
         plan.side_by_side = str(config.hydra.runtime.choices.get("hydra/launcher", launcher))
@@ -112,14 +127,24 @@ def plan_sweep(config: DictConfig) -> SweepPlan:
                 job.refused = errors.describe(errors.from_hydra(err) or err)
                 continue
             job.refused, job.seconds = preview(cfg, bench=bench)
+            job.short_of_memory, job.cfg = job.refused is not None, cfg
     return plan
 
 
+# where a sweep leaves offline W&B runs: each job's, and the report's own (rlsync.report.wandb_report)
+OFFLINE_RUNS = ("*/wandb/offline-run-*", "wandb/offline-run-*")
+
+
 def wandb_sync_line(sweep_dir: Path) -> Optional[str]:
-    """The command that uploads the sweep's offline W&B runs, when it left any."""
-    if not any(Path(sweep_dir).glob("*/wandb/offline-run-*")):
+    """The one command that uploads every offline W&B run the sweep left (its jobs' and its report's)."""
+    import shlex
+
+    found = [pattern for pattern in OFFLINE_RUNS if any(Path(sweep_dir).glob(pattern))]
+    if not found:
         return None
-    return f"W&B: `wandb sync {sweep_dir}/*/wandb/offline-run-*` uploads this sweep's offline runs"
+    where = shlex.quote(str(sweep_dir))  # the globs stay unquoted: the shell expands them
+    runs = "this sweep's offline runs" + (", its report's included" if OFFLINE_RUNS[1] in found else "")
+    return f"W&B: `wandb sync {' '.join(f'{where}/{p}' for p in found)}` uploads {runs}"
 
 
 class SweepReport(Callback):
@@ -156,7 +181,7 @@ class SweepReport(Callback):
             return
         num, total = config.hydra.job.num, len(self.plan.jobs)
         overrides = " ".join(config.hydra.overrides.task) or "defaults"
-        say(f"sweep job {num} ({num + 1} of {total}: {overrides}){self.eta(num)}")
+        say(f"sweep job {num} ({num + 1} of {total}: {overrides}){self.eta(num)}{self.memory_now(num)}")
 
     def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
         if self.job_started is not None:
@@ -180,6 +205,21 @@ class SweepReport(Callback):
             )
         estimate = sum(j.seconds or 0 for j in left)
         return f": about {fmt_duration(estimate)} left (estimated)" if estimate else ""
+
+    def memory_now(self, num: int) -> str:
+        """For a job the plan found short of memory: what the same check finds now, as the job starts."""
+        job = self.plan.jobs[num] if self.plan and num < len(self.plan.jobs) else None
+        if job is None or not job.short_of_memory:
+            return ""
+        from rlsync.check.duration import preview
+
+        try:
+            still, _ = preview(job.cfg, bench=self.plan.bench, fresh=True)
+        except Exception:  # noqa: BLE001 - advice only: the job's own check decides
+            return ""
+        if still:
+            return "; short of memory at the plan, and still now: its own check refuses it"
+        return "; short of memory at the plan, it fits the memory available now: it runs"
 
     def ended_early(self, how: str) -> None:
         """rlsync.shell calls this when the sweep stopped before Hydra's end: a job failed, or an interruption."""
