@@ -721,10 +721,21 @@ def test_an_output_path_under_a_file_ends_with_one_line_naming_it(sweep: Path, t
     ]
 
 
-def test_a_full_disk_ends_with_one_line_naming_the_file(sweep: Path, tmp_path: Path) -> None:
+def test_a_full_disk_ends_with_one_line_naming_the_file(sweep: Path, tmp_path: Path, monkeypatch) -> None:
+    """The disk fills while report.md is written: the kernel's ENOSPC, from the write that reaches the disk
+    (a symbolic link to /dev/full no longer simulates it: the report refuses to write through a link)."""
+    import errno
+
     out = tmp_path / "out"
     out.mkdir()
-    (out / "report.md").symlink_to("/dev/full")  # every write there fails with ENOSPC
+    fsync = os.fsync
+
+    def full_under_report_md(fd: int) -> None:
+        if Path(os.readlink(f"/proc/self/fd/{fd}")).name.startswith(".report.md."):  # its temporary file
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_under_report_md)
     proc = run_report(str(sweep), "--no-wandb", "--out", str(out))
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [

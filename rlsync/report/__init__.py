@@ -23,24 +23,43 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Optional
 
-from rlsync.errors import WriteFailed
-from rlsync.fmt import plural
-from rlsync.report import sizing
-from rlsync.report.cells import idle_table, pause_table, rows_markdown
-from rlsync.report.fits import fit_by_setup, update_fit_lines
-from rlsync.report.markdown import write_csv, write_markdown
-from rlsync.report.plots import write_plots
-from rlsync.report.ranking import best_settings
-from rlsync.report.rows import table_row
-from rlsync.report.runs import Run, collect, job_label, load_job
-from rlsync.report.table import ReportResult, table_rows
+from rlsync.errors import EARLY, BadInput, Interrupted, RlsyncError, WriteFailed, describe, exit_code
+
+# `python -m rlsync.report` (and `rlsync-report`) imports this package before its __main__ (sys.argv[0] is "-m"
+# while Python locates the module): the stop signals are taken from here, before the imports below (torch,
+# through the run records' modules), and one that arrives during them is acted on as main() starts. Not raised
+# inside them: an exception thrown into numpy's or torch's initialisation leaves a half-imported module
+# ("module 'numpy' has no attribute 'ndarray'", a traceback, exit 1) or aborts the process.
+if sys.argv[:1] == ["-m"] or Path(sys.argv[0]).name == "rlsync-report":
+    EARLY.install()
+
+from rlsync.fmt import plural  # noqa: E402 - this block and the next: after the signals are taken
+from rlsync.readers.base import MAX_DEPTH as READER_DEPTH  # noqa: E402
+from rlsync.report import sizing  # noqa: E402
+from rlsync.report.cells import idle_table, pause_table, rows_markdown  # noqa: E402
+from rlsync.report.fits import fit_by_setup, update_fit_lines  # noqa: E402
+from rlsync.report.imported import DEVICES, collect_all, is_rlsync  # noqa: E402
+from rlsync.report.markdown import write_csv, write_markdown  # noqa: E402
+from rlsync.report.output import check_targets  # noqa: E402
+from rlsync.report.output import write_text as write_file  # noqa: E402
+from rlsync.report.plots import PLOTS, write_plots  # noqa: E402
+from rlsync.report.ranking import best_settings  # noqa: E402
+from rlsync.report.rows import table_row  # noqa: E402
+from rlsync.report.runs import RUN_DEPTH, Run, job_label, load_job, unique_paths  # noqa: E402
+from rlsync.report.table import ReportResult, table_rows  # noqa: E402
+from rlsync.shell import pipe_safe_output  # noqa: E402
 
 __all__ = ["load_job", "main", "print_result", "table_row", "write_report"]
+
+
+IMPORTED_OUT = "rlsync-report"  # where a report of other frameworks' runs alone is written (no --out)
+OUTPUTS = ("report.md", "report.csv", "calibration.json")  # beside the plots (plots.PLOTS)
 
 
 def choose_out_dir(paths: list[Path], sweeps: list[Path], out_dir: Optional[Path]) -> Path:
@@ -95,15 +114,24 @@ def write_report(
     log_wandb: bool = True,
     *,
     side_by_side: Optional[str] = None,
+    framework: Optional[str] = None,
+    warmup: Optional[int] = None,
+    model: Optional[str] = None,
+    device: Optional[str] = None,
 ) -> ReportResult:
     """Read every run under `paths`, write report.md, report.csv and the plots, log to W&B.
 
     Never raises for a bad run or a W&B problem: those end up in `result.failures`, `result.notes`
     and `result.wandb_line`. Nothing is written when no job directory is found at all.
     """
-    paths = [Path(p) for p in paths]
-    runs, failures, sweeps, notes = collect(paths)
-    out = choose_out_dir(paths, sweeps, Path(out_dir) if out_dir is not None else None)
+    paths, repeated = unique_paths(Path(p) for p in paths)  # a path given twice (or by two names) is read once
+    # other frameworks' runs too (rlsync/readers/: `framework` forces their map, `warmup` their warm-up);
+    # the report is never written among them: beside rlsync's own runs, else in ./rlsync-report
+    # `model` (a preset or a config.json) and `device` (h200, h100, a100): their update's floor, where the runs name none
+    runs, failures, sweeps, notes = collect_all(paths, framework=framework, warmup=warmup, model=model, device=device)
+    notes = repeated + notes
+    own = [p for p in paths if is_rlsync(p)] or [Path(IMPORTED_OUT)]
+    out = choose_out_dir(own, sweeps, Path(out_dir) if out_dir is not None else None)
     result = ReportResult(out_dir=out, group=choose_group(runs, out), runs=runs, failures=failures, notes=notes)
     if not runs and not failures:
         return result
@@ -123,12 +151,14 @@ def write_report(
     target = out
     try:  # a full disk, a read-only or missing directory: one line naming the path (WriteFailed)
         out.mkdir(parents=True, exist_ok=True)
+        # a link, a FIFO or a folder at any output's name: refused before anything is written (output.py)
+        check_targets(out / name for name in (*OUTPUTS, *PLOTS))
         plots, plot_notes = write_plots(result.rows, result.fits, out)
         result.notes += plot_notes
         result.calibration = sizing.cost_fit(result.runs)
         if result.calibration is not None:  # the planner's coefficients, fitted to these runs
             target = out / "calibration.json"
-            target.write_text(json.dumps(result.calibration, indent=2) + "\n")
+            write_file(target, json.dumps(result.calibration, indent=2) + "\n")
         target = out / "report.md"
         write_markdown(target, result, plots, paths)
         target = out / "report.csv"
@@ -157,6 +187,27 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None, help="where to write (default: the sweep, or the first PATH)")
     parser.add_argument("--no-wandb", action="store_true", help="do not log the comparison to W&B")
     parser.add_argument("--wandb-report", action="store_true", help="also publish a W&B Report (needs W&B online)")
+    parser.add_argument(
+        "--framework",
+        default=None,
+        help="read other frameworks' runs with this map (docs/report.md; default: detected)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=None, metavar="N", help="other frameworks' runs: logged steps left out first (2)"
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="PRESET|CONFIG_JSON",
+        help="other frameworks' runs: their model, for the update's bytes and floor (default: the Hugging Face id "
+        "their config names, where it matches a preset)",
+    )
+    parser.add_argument(
+        "--device",
+        default=None,
+        metavar="|".join(DEVICES),
+        help="other frameworks' runs: the GPU their update's floor is on (default: the GPU the run recorded)",
+    )
     return parser.parse_args(argv)
 
 
@@ -171,6 +222,9 @@ def print_result(result: ReportResult) -> None:
         for best in best_settings(result.rows):  # the same sentences as report.md's "Best setting"
             print(f"best: {best.describe()}")
         print("\n".join(update_fit_lines(result.fits)))
+        if any(row.get("framework") for row in result.rows):  # other frameworks' runs: each one's answer
+            for row in result.rows:
+                print(f"verdict: {row['job']} ({row.get('framework') or 'rlsync'}): {row['verdict']}")
     for note in result.notes:
         print(f"note: {note}")
     for failure in result.failures:
@@ -183,13 +237,41 @@ def print_result(result: ReportResult) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """The command line: every ending is one line on stderr and an exit code, never a traceback
-    (RLSYNC_DEBUG=1 prints it as well)."""
-    args = parse_args(argv)
+    (RLSYNC_DEBUG=1 prints it as well). Ctrl-C, SIGTERM or SIGHUP stop it with its line and 128 + the signal,
+    at once (rlsync.errors.EARLY raises where the report is; one during the entry's imports as they end); a
+    reader of its output that goes away (`| head`) stops nothing (rlsync.shell's pipe_safe_output, as elsewhere)."""
+    previous = EARLY.install()  # the stop signals, unless the entry took them at its first line (this package's)
+    raising, EARLY.raising = EARLY.raising, True
     try:
-        return report_main(args)
+        with pipe_safe_output():
+            return run_command(argv)
+    finally:
+        EARLY.raising = raising
+        for sig, handler in previous.items():  # in this process's caller (a test): its own handlers back
+            signal.signal(sig, handler)
+
+
+def run_command(argv: Optional[list[str]]) -> int:
+    try:
+        EARLY.check()  # a stop during the imports, recorded there
+        code = report_main(parse_args(argv))
+        EARLY.check()  # one that library code swallowed on the way: the report still ends as it was asked
+        return code
+    except KeyboardInterrupt as err:
+        EARLY.raising = False  # a second signal while the line is printed is not raised inside it
+        stop = Interrupted(err.signum) if isinstance(err, Interrupted) else err
+        print(f"rlsync.report: {describe(stop)}", file=sys.stderr, flush=True)
+        EARLY.reported(err)
+        return exit_code(stop)
     except WriteFailed as err:
         print(f"rlsync.report: {err}", file=sys.stderr)
         return 1
+    except BadInput as err:  # another framework's run that cannot be read or answered: nothing was written
+        print(f"rlsync.report: {err}", file=sys.stderr)
+        return 2
+    except RlsyncError as err:  # an output's name that holds a link or a FIFO (output.RefusedTarget): nothing written
+        print(f"rlsync.report: {err}", file=sys.stderr)
+        return exit_code(err)
     except Exception as err:  # noqa: BLE001 - a bug in the report: one line, the traceback on request
         from rlsync.errors import debug_enabled
 
@@ -206,9 +288,24 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def report_main(args: argparse.Namespace) -> int:
-    result = write_report(args.paths, out_dir=args.out, log_wandb=not args.no_wandb)
+    if args.warmup is not None and args.warmup < 0:
+        raise BadInput(f"--warmup {args.warmup}: out of range (allowed: 0 or more logged steps)")
+    result = write_report(
+        args.paths,
+        out_dir=args.out,
+        log_wandb=not args.no_wandb,
+        framework=args.framework,
+        warmup=args.warmup,
+        model=args.model,
+        device=args.device,
+    )
     if not result.runs and not result.failures:
-        print(f"rlsync.report: no run directories found under {' '.join(map(str, args.paths))}", file=sys.stderr)
+        print(
+            f"rlsync.report: no run directories found within {plural(RUN_DEPTH, 'level')} under "
+            f"{' '.join(map(str, args.paths))} (nor another framework's run within {READER_DEPTH} levels; "
+            f"docs/report.md, Finding the runs)",
+            file=sys.stderr,
+        )
         return 1
     print_result(result)
     if failed_plots := [n for n in result.notes if " failed: " in n]:  # a plot that could not be drawn or written

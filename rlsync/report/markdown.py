@@ -21,6 +21,7 @@ from rlsync.report.cells import (
     run_label,
 )
 from rlsync.report.fits import update_fit_lines
+from rlsync.report.output import replacing, write_text
 from rlsync.report.ranking import best_settings
 from rlsync.report.rows import csv_fields
 from rlsync.report.table import ReportResult
@@ -48,17 +49,17 @@ def write_markdown(path: Path, result: ReportResult, plots: list[Path], sources:
     out += ["", "## Cost model (the planner's coefficients, fitted to these runs)", ""]
     out += sizing.cost_fit_lines(result.calibration)
     out += ["", "## Update time against bytes", ""]
-    out += [*update_fit_lines(result.fits), ""]
+    out += [*update_fit_lines(result.fits, result.rows), ""]
     out += ["## Plots", ""]
     out += [f"![{p.stem.replace('_', ' ')}]({p.name})" for p in plots]
     out += [f"- {note}" for note in result.notes]
     out += ["", "## Failed runs", ""]
     out += [f"- **{f.job}** ({' '.join(f.overrides) or 'defaults'}): {f.error}" for f in result.failures] or ["None."]
-    path.write_text("\n".join(out) + "\n")
+    write_text(path, "\n".join(out) + "\n")  # whole or not at all, never through a link (output.py)
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    with path.open("w", newline="") as f:
+    with replacing(path, newline="") as f:
         fields = csv_fields()
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()

@@ -25,8 +25,10 @@ from rlsync.fmt import MIB
 from rlsync.measure import metrics
 from rlsync.report.cells import PER_TENSOR, common_overrides, fmt_bucket
 from rlsync.report.fits import Fit, FitGroup
+from rlsync.report.output import RefusedTarget, check_targets, replacing
 from rlsync.report.ranking import model_label
 from rlsync.report.rows import UPDATE_PARTS
+from rlsync.report.runs import importing, stop_point
 
 Row = dict[str, Any]
 TIMELINE_MAX_RUNS = 8  # more lines than this no longer read apart in one panel
@@ -123,10 +125,11 @@ def per_tensor_levels(
 
 def pyplot():
     """matplotlib.pyplot on the Agg backend: the report is written where no display is."""
-    import matplotlib
+    with importing():  # a stop signal meanwhile: acted on after the import, not inside its C extensions
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
 
     return plt
 
@@ -139,11 +142,15 @@ def new_axes(title: str, size: tuple[float, float] = (7, 4.5)):
 
 
 def save(fig, path: Path) -> None:
+    """The figure as a PNG at `path`, whole or not at all, never through a link (rlsync/report/output.py)."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
+    try:
+        fig.tight_layout()
+        with replacing(path, "wb") as f:
+            fig.savefig(f, format="png")
+    finally:
+        plt.close(fig)
 
 
 def bucket_axis(ax, buckets: list[float]) -> None:
@@ -640,14 +647,18 @@ def write_plots(rows: list[Row], fits: list[FitGroup], out_dir: Path) -> tuple[l
     if importlib.util.find_spec("matplotlib") is None:  # an optional dependency (pip install rlsync[report])
         return [], ["plots skipped: matplotlib is not installed (pip install 'rlsync[report]')"]
     written, notes = [], []
+    check_targets(out_dir / name for name in PLOTS)  # a link or a FIFO at a plot's name: refused, nothing written
     for name, plot in PLOTS.items():
         path = out_dir / name
         path.unlink(missing_ok=True)  # no stale plot from an earlier report
         try:
             note = plot(rows, fits, path)
+        except RefusedTarget:  # planted while the report ran: the report's one line, not a plot's note
+            raise
         except Exception as exc:  # a plotting bug must not cost the table
             path.unlink(missing_ok=True)
             note = f"{name} failed: {type(exc).__name__}: {exc}"
+        stop_point()  # a stop signal a library swallowed (matplotlib's weakref callbacks) ends the report here
         if path.exists():
             written.append(path)
         if note:

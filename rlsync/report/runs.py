@@ -4,17 +4,42 @@ and finding the runs under the paths given: the sweeps and the job directories i
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import os
+import stat
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from rlsync.config.files import SUMMARY_MAX, UnreadableFile, read_bytes
-from rlsync.fmt import is_number
+from rlsync.config.files import SUMMARY_MAX, UnreadableFile, kind_of, read_bytes
+from rlsync.errors import EARLY
+from rlsync.fmt import fmt_bytes, is_number, plural
 from rlsync.record.summary import stats_over
 
 DEFAULT_WARMUP_STEPS = 2
 MIN_MEASURED = 3  # fewer measured steps (or bench repeats) than this and a min-max range says little
+RUN_DEPTH = 1  # where rlsync's runs are looked for: the path given, or its subdirectories (a sweep's jobs)
+
+
+def stop_point() -> None:
+    """Between two runs read, two plots drawn: a stop signal that library code swallowed on its way (an
+    exception in a weakref callback or a `__del__` is printed and dropped) ends the report here. Only the
+    report's entry installs the handler (rlsync.errors.EARLY) that records one."""
+    if EARLY.pending is not None:
+        raise EARLY.interrupted()
+
+
+@contextmanager
+def importing() -> Iterator[None]:
+    """Around a first import of C extensions (matplotlib, wandb): a stop signal within it is acted on after it
+    (stop_point), not raised inside their initialisation, which can leave a half-imported module or abort."""
+    raising, EARLY.raising = EARLY.raising, False
+    try:
+        yield
+    finally:
+        EARLY.raising = raising
+    stop_point()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -38,6 +63,7 @@ class Run:
     sweep: Optional[Path] = None
     warmup_steps: int = DEFAULT_WARMUP_STEPS
     step_rows: list[dict] = field(default_factory=list)  # metrics.jsonl, warm-up rows included
+    notes: list[str] = field(default_factory=list)  # what reading it left out (metrics.jsonl's lines that are no step)
 
     def cfg(self, dotted: str, default: Any = None) -> Any:
         return dig(self.config, dotted, default)
@@ -55,6 +81,7 @@ class FailedRun:
     overrides: list[str]
     error: str
     sweep: Optional[Path] = None
+    notes: list[str] = field(default_factory=list)
 
 
 def dig(tree: Any, dotted: str, default: Any = None) -> Any:
@@ -68,6 +95,7 @@ def dig(tree: Any, dotted: str, default: Any = None) -> Any:
 
 
 METRICS_MAX = 1 << 30  # a run's metrics.jsonl: ~2 KiB a step
+LINE_MAX = 1 << 20  # one line of it: a longer one is no step rlsync wrote, and is skipped unread
 
 
 def read_text(path: Path, max_bytes: int = SUMMARY_MAX) -> str:
@@ -205,20 +233,68 @@ def read_yaml(path: Path) -> Any:
         return None
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """metrics.jsonl rows; a torn last line (an interrupted write) is skipped."""
-    rows = []
+def metrics_lines(path: Path) -> Iterator[bytes | int]:
+    """metrics.jsonl's lines, each up to LINE_MAX bytes, the whole file up to METRICS_MAX; a longer line is
+    consumed without being kept and yielded as its length. Opened only if it is a regular file (a FIFO would
+    block a read): UnreadableFile, FileNotFoundError or OSError otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with open(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UnreadableFile(f"{path} is {kind_of(info.st_mode)}, not a regular file")
+        left = METRICS_MAX
+        while left > 0:
+            line = f.readline(min(LINE_MAX + 1, left))
+            if not line:
+                return
+            left -= len(line)
+            if len(line) <= LINE_MAX:
+                yield line
+                continue
+            size = len(line)
+            while left > 0 and not line.endswith(b"\n"):  # the rest of the long line, a chunk at a time
+                line = f.readline(min(1 << 20, left))
+                if not line:
+                    break
+                size += len(line)
+                left -= len(line)
+            yield size
+
+
+def is_step(row: dict) -> bool:
+    """A line rlsync wrote for a step (or a bench repeat): it times something (perf/step_time, a bench's
+    perf/update_weights_time, a pause bench's pause/<policy>/max_gap_time), as a finite number."""
+    return any(key.endswith("_time") and is_number(value) for key, value in row.items())
+
+
+def read_metrics(path: Path, notes: Optional[list[str]] = None) -> list[dict]:
+    """metrics.jsonl's steps; a torn last line (an interrupted write) is skipped, and so is a line that is no
+    step (no time in it, or over LINE_MAX), which `notes` (when given) then names."""
+    rows, long_lines, not_steps = [], [], 0
     try:
-        lines = read_text(path, max_bytes=METRICS_MAX).splitlines()
+        for line in metrics_lines(path):
+            if isinstance(line, int):
+                long_lines.append(line)
+                continue
+            try:
+                row = json.loads(line)
+            except (ValueError, RecursionError):
+                continue
+            if not isinstance(row, dict):
+                continue
+            if is_step(row):
+                rows.append(row)
+            else:
+                not_steps += 1
     except (OSError, ValueError):
         return rows
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
+    if notes is not None and long_lines:
+        notes.append(
+            f"{path}: {plural(len(long_lines), 'line')} over {fmt_bytes(LINE_MAX)} skipped unread "
+            f"(the longest {fmt_bytes(max(long_lines))}; a step's line is a few KiB)"
+        )
+    if notes is not None and not_steps:
+        notes.append(f"{path}: {plural(not_steps, 'line')} with no time in it skipped (not a step)")
     return rows
 
 
@@ -264,13 +340,14 @@ def load_job(run_dir: Path, sweep: Optional[Path] = None) -> Run | FailedRun:
 
 def read_job(run_dir: Path, sweep: Optional[Path] = None) -> Run | FailedRun:
     summary = read_summary(run_dir / "summary.json")
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    notes: list[str] = []
+    rows = read_metrics(run_dir / "metrics.jsonl", notes)
     config = summary.get("config") or read_yaml(run_dir / ".hydra" / "config.yaml") or {}
     config = config if isinstance(config, dict) else {}
     overrides = summary.get("overrides") or read_yaml(run_dir / ".hydra" / "overrides.yaml") or []
     overrides = [str(o) for o in overrides] if isinstance(overrides, list) else []
     if not summary and not rows:
-        return FailedRun(run_dir, run_dir.name, overrides, failure_line(run_dir), sweep)
+        return FailedRun(run_dir, run_dir.name, overrides, failure_line(run_dir), sweep, notes)
 
     warmup = summary.get("warmup_steps", dig(config, "run.warmup_steps", DEFAULT_WARMUP_STEPS))
     stats, measured = step_stats(rows, int(warmup))
@@ -281,7 +358,7 @@ def read_job(run_dir: Path, sweep: Optional[Path] = None) -> Run | FailedRun:
     error = summary.get("error")
     if not stats:  # nothing to put in the table: it failed, or stopped within the warm-up
         reason = error or (failure_line(run_dir) if status == "failed" else f"{status} before any measured step")
-        return FailedRun(run_dir, run_dir.name, overrides, reason, sweep)
+        return FailedRun(run_dir, run_dir.name, overrides, reason, sweep, notes)
     measured = summary.get("measured_steps", measured)
     return Run(
         run_dir,
@@ -296,6 +373,7 @@ def read_job(run_dir: Path, sweep: Optional[Path] = None) -> Run | FailedRun:
         sweep,
         warmup_steps=int(warmup),
         step_rows=rows,
+        notes=notes,
     )
 
 
@@ -325,12 +403,29 @@ def job_dirs(sweep: Path) -> list[Path]:
     return numbered + named
 
 
+def unique_paths(paths: Iterable[Path]) -> tuple[list[Path], list[str]]:
+    """`paths` with each one that names the same file or folder as an earlier one (given twice, `a` and `./a`,
+    a link to it) left out, and a note for each left out."""
+    kept: dict[Path, Path] = {}
+    notes = []
+    for path in paths:
+        key = path.resolve()
+        if key in kept:
+            alias = f" (as {kept[key]})" if str(kept[key]) != str(path) else ""
+            notes.append(f"{path}: given twice{alias}, read once")
+        else:
+            kept[key] = path
+    return list(kept.values()), notes
+
+
 def collect(paths: Iterable[Path]) -> tuple[list[Run], list[FailedRun], list[Path], list[str]]:
-    """Runs, failures, the sweep directories seen, and notes on paths that held nothing."""
+    """Runs, failures, the sweep directories seen, and notes on paths that held nothing. A run directory
+    reached twice (given twice, by another name, or alone and inside its sweep) is read once."""
     runs: list[Run] = []
     failures: list[FailedRun] = []
     sweeps: list[Path] = []
     notes: list[str] = []
+    seen: dict[Path, Path] = {}  # resolved job directory -> the path it was first read as
     for path in paths:
         if is_sweep_dir(path):
             sweeps.append(path)
@@ -341,7 +436,14 @@ def collect(paths: Iterable[Path]) -> tuple[list[Run], list[FailedRun], list[Pat
             notes.append(f"{path}: not a run or sweep directory, skipped")
             continue
         for job_dir, sweep in jobs:
+            stop_point()
+            key = job_dir.resolve()
+            if key in seen:
+                notes.append(f"{job_dir}: the same run as {seen[key]}, reported once")
+                continue
+            seen[key] = job_dir
             loaded = load_job(job_dir, sweep)
+            notes += loaded.notes
             if isinstance(loaded, FailedRun):
                 failures.append(loaded)
                 continue

@@ -33,6 +33,7 @@ from rlsync.measure import metrics
 from rlsync.report.cells import PAUSE_HEADER, TABLE_HEADER, common_overrides, pause_cells, table_cells
 from rlsync.report.ranking import best_settings
 from rlsync.report.rows import csv_fields
+from rlsync.report.runs import importing
 from rlsync.report.table import ReportResult
 
 REPORT_JOB_TYPE = "report"
@@ -69,7 +70,8 @@ def wandb_settings(result: ReportResult) -> dict[str, Any]:
 
 def has_credentials() -> bool:
     """Whether an API key is configured, without prompting or printing."""
-    import wandb
+    with importing():  # a stop signal meanwhile: acted on after the import, not inside its extensions
+        import wandb
 
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
         try:
@@ -108,7 +110,8 @@ def log_report_run(result: ReportResult) -> str:
     if settings["mode"] == "disabled" or os.environ.get("WANDB_MODE") == "disabled":
         return "W&B: not logged (wandb.mode=disabled)"
     try:
-        import wandb  # only when logging: --no-wandb and wandb.mode=disabled need no wandb
+        with importing():  # only when logging: --no-wandb and wandb.mode=disabled need no wandb
+            import wandb
 
         mode = os.environ.get("WANDB_MODE") or settings["mode"]
         note = ""
@@ -200,8 +203,9 @@ def build_report_blocks(
     panels read the group's runs from W&B (the runs, not this report's own job_type=report run).
     `entity` must be given: wandb-workspaces would otherwise ask the server for a default.
     """
-    import wandb_workspaces.reports.v2 as wr
-    from wandb_workspaces import expr
+    with importing():
+        import wandb_workspaces.reports.v2 as wr
+        from wandb_workspaces import expr
 
     def grid(*panels) -> Any:
         runset = wr.Runset(
