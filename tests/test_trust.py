@@ -140,7 +140,7 @@ def test_a_busy_run_far_below_its_floor_gives_no_verdict(tmp_path, monkeypatch, 
     thread, the verdict a broken measurement, summary.json's flag and figures for the report."""
     update_time = Limits.update_time
     monkeypatch.setattr(Limits, "update_time", lambda self, r, w: update_time(self, r, w) / 1000)
-    proc = run_main(*FAST, "wandb.mode=disabled", f"hydra.run.dir={tmp_path}")
+    proc = run_main(*FAST, "wandb.mode=disabled", f"hydra.run.dir={tmp_path}", RLSYNC_NO_LOAD_WARNING="0")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     setup = summary["setup"]
@@ -180,3 +180,11 @@ def test_the_bench_warns_about_a_busy_machine_and_records_its_floor(tmp_path, bu
     efficiency = summary["metrics"]["perf/update_weights_efficiency"]["median"]  # a busy machine: the pace decides
     assert summary["verdict_trusted"] is (efficiency >= summaries.BROKEN_EFFICIENCY)
     assert "| floor (median, min to max) |" in proc.stdout
+
+
+def test_the_suites_quiet_switch_turns_the_busy_signs_off(monkeypatch):
+    """The test suite's runs (RLSYNC_NO_LOAD_WARNING=1) must not change their output with the other worker's load."""
+    monkeypatch.setenv(threads.QUIET_ENV, "1")
+    assert summaries.distrust(stats_at(0.001), None) is None
+    monkeypatch.setenv(threads.QUIET_ENV, "0")
+    assert "the machine's load is unknown here" in summaries.distrust(stats_at(0.001), None)
