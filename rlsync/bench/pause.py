@@ -28,28 +28,41 @@ teacher forcing with the new weights and with the old ones, in an engine of this
 probs must match the new weights' (within LOGPROB_TOL) and be farther from the old ones'.
 
 `bench.warmup` repeats are left out of the summary; the table gives medians with min to max.
+
+What a standalone engine cannot do is refused before anything starts (rlsync.config.apps.check_pause_target).
+A failed request, or an answer the check finds not to be the new weights', ends the bench (RequestsFailed,
+exit 1): no figure comes from them. Each engine runs in a process group of its own, ended however the bench
+ends (EngineServe.close), and on Linux dies with the bench even when it is SIGKILLed (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
+from rlsync.config.apps import PAUSE_ENGINE_HOST, standalone_trainer
 from rlsync.config.compose import to_dict
 from rlsync.engines.base import engine_spec, token_logprobs
+from rlsync.errors import RlsyncError
 from rlsync.fmt import fmt_bytes, fmt_seconds, fmt_spread, markdown_table
+from rlsync.model.architecture import update_tensors
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.record.summary import swap_phrase
+from rlsync.sync.engine_process import exit_description
 from rlsync.sync.side import open_update_side
 from rlsync.sync.stream import StreamFailed, StreamRequest, serving_state, stream_answer
 
@@ -84,7 +97,7 @@ def engine_overrides(cfg, policy: str) -> list[str]:
         *flat,
         f"run.device={override_value(cfg.run.device)}",
         f"update.strategy={cfg.update.strategy}",
-        "update.engine_address=127.0.0.1:0",
+        f"update.engine_address={PAUSE_ENGINE_HOST}:0",
         f"serve.update_policy={policy}",
         "serve.sessions=0",
         "serve.max_wait_s=120",
@@ -92,43 +105,134 @@ def engine_overrides(cfg, policy: str) -> list[str]:
     ]
 
 
+class EngineDidNotStart(RlsyncError):
+    """A pause bench's engine exited, or did not listen in time: the line carries the engine's own reason."""
+
+
+class RequestsFailed(RlsyncError):
+    """Streaming requests failed, or answers did not come from the weights they should: nothing was measured."""
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def die_with_this_process():
+    """The engine's preexec_fn on Linux (None elsewhere): PR_SET_PDEATHSIG, so the kernel SIGKILLs the engine when
+    the thread that started it (the bench's main thread) ends, even when this process is SIGKILLed."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the forked child only calls it
+    parent = os.getpid()
+
+    def setup() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # this process died before the prctl took: no signal will come
+            os._exit(1)
+
+    return setup
+
+
+@contextmanager
+def signals_held():
+    """Within the block (the main thread's Popen) SIGINT, SIGTERM and SIGHUP wait, so a stop cannot land between
+    the engine's fork and its Popen being known to close(); they are delivered once the block ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in STOPPING_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(pending):
+            os.kill(os.getpid(), sig)  # the run's own handler takes it now (StopOnSignals: Interrupted)
+
+
+def engine_reason(errors: list[str]) -> str:
+    """The engine's own reason from its stderr: its `rlsync:` line (every entry point's error convention), else
+    its last line (a crash before that convention: an import, the interpreter); "" without output."""
+    lines = [ln.strip() for ln in errors if ln.strip()]
+    own = [ln for ln in lines if ln.startswith("rlsync:")]
+    if own:
+        return own[-1].removeprefix("rlsync:").strip()
+    return lines[-1] if lines else ""
+
+
 class EngineServe:
-    """`python -m rlsync.serve` for one policy, in a process of its own; its output lines collected."""
+    """`python -m rlsync.serve` for one policy, in a process of its own; its output lines collected.
+
+    However the bench ends (an error, a signal, a failed start) `close()` ends the engine's process group and
+    removes its directory; a bench killed outright takes the engine with it (PR_SET_PDEATHSIG, on Linux)."""
 
     def __init__(self, cfg, policy: str):
-        self.dir = tempfile.mkdtemp(prefix=f"rlsync-pause-{policy}-")
-        args = [sys.executable, "-m", "rlsync.serve", *engine_overrides(cfg, policy), f"hydra.run.dir={self.dir}"]
-        env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
-        self.proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.policy = policy
+        self.proc: subprocess.Popen | None = None
+        self.readers: list[threading.Thread] = []
         self.lines: list[str] = []
         self.errors: list[str] = []
-        self.readers = [
-            threading.Thread(target=lambda s=s, d=d: d.extend(iter(s.readline, "")), daemon=True)
-            for s, d in ((self.proc.stdout, self.lines), (self.proc.stderr, self.errors))
-        ]
-        for reader in self.readers:
+        self.dir = tempfile.mkdtemp(prefix=f"rlsync-pause-{policy}-")
+        try:
+            self.address = self._start(cfg)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, cfg) -> str:
+        args = [sys.executable, "-m", "rlsync.serve", *engine_overrides(cfg, self.policy), f"hydra.run.dir={self.dir}"]
+        env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
+        with signals_held():
+            self.proc = subprocess.Popen(
+                args,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,  # its own process group: close() ends it whole; a Ctrl-C reaches the bench
+                preexec_fn=die_with_this_process(),
+            )
+        for stream, sink in ((self.proc.stdout, self.lines), (self.proc.stderr, self.errors)):
+            reader = threading.Thread(target=lambda s=stream, d=sink: d.extend(iter(s.readline, "")), daemon=True)
             reader.start()
+            self.readers.append(reader)
         deadline = time.monotonic() + START_S
         while not any(" listening on " in ln for ln in self.lines):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                tail = "".join(self.errors[-5:]).strip() or "(no output)"
-                raise RuntimeError(f"the {policy} engine did not start: {tail}")
+            if self.proc.poll() is not None:
+                for reader in self.readers:  # its last lines, read to the end of its pipes
+                    reader.join(5)
+                raise self._failed(exit_description(self.proc.returncode))
+            if time.monotonic() > deadline:
+                raise self._failed(f"not listening after {START_S} s")
             time.sleep(0.05)
         line = next(ln for ln in self.lines if " listening on " in ln)
-        self.address = line.split(" listening on ", 1)[1].split()[0]
+        return line.split(" listening on ", 1)[1].split()[0]
+
+    def _failed(self, how: str) -> EngineDidNotStart:
+        reason = engine_reason(self.errors) or "no output"
+        return EngineDidNotStart(f"the {self.policy} engine (python -m rlsync.serve) did not start: {reason} ({how})")
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)  # its group: start_new_session made the engine its leader
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        for reader in self.readers:
-            reader.join(5)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        """The engine's process group ended (SIGTERM, then SIGKILL), its output read, its directory removed; once."""
+        try:
+            if self.proc is not None and self.proc.poll() is None:
+                self._signal_group(signal.SIGTERM)
+                try:
+                    self.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    self._signal_group(signal.SIGKILL)
+                    self.proc.wait(10)
+            for reader in self.readers:
+                reader.join(5)
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @dataclass
@@ -236,9 +340,7 @@ class PauseTarget:
         try:
             for policy in cfg.bench.policies:
                 self.engines[policy] = EngineServe(cfg, policy)
-                remote = replace(
-                    cfg, update=replace(cfg.update, transport="broadcast", engine_address=self.engines[policy].address)
-                )
+                remote = standalone_trainer(cfg, self.engines[policy].address)  # as bench.target=pause's rule checked
                 side = open_update_side(remote, self.models[0], device=device, tokenizer=tokenizer)
                 side.transport.update_weights(side.weights)  # the first update fills the engine
                 self.sides[policy] = side
@@ -272,7 +374,7 @@ class PauseTarget:
 
     def event(self, policy: str, new: int) -> dict[str, float]:
         cfg, side, engine = self.cfg.bench, self.sides[policy], self.engines[policy]
-        weights = {name: self.models[new][name] for name in side.weights}
+        weights = update_tensors(self.models[new], self.cfg.model.update_layout, side.layout)  # the update's names
         clients = Clients(
             engine.address, cfg.clients, tokens=cfg.answer_tokens, allowed=self.allowed, seed=self.repeats
         )
@@ -299,10 +401,17 @@ class PauseTarget:
         tokens_before = sum(1 for t in arrivals if u0 - cfg.before_s <= t < u0) / cfg.before_s
         tokens_during = sum(1 for t in arrivals if u0 <= t <= swap_end) / max(swap_end - u0, 1e-9)
         resumed = [t for t in arrivals if t >= swap.pause_end]
+        failed_requests(answers, policy, self.repeats)
         checked, worst, failures = self.verify(answers, swap, new)
+        if failures:
+            raise RequestsFailed(
+                f"{failures} of {checked} answers the {policy} engine started after its swap in repeat {self.repeats} "
+                f"did not come from the new weights (largest |streamed - teacher-forced| log-prob {worst:.3g}, "
+                f"allowed {LOGPROB_TOL}; or a token of another version): the engine served wrong weights"
+            )
         p = f"pause/{policy}"
         receive_s = max(swap.receive_end - swap.receive_start, 1e-9)
-        counts = {"answers": len(answers), "answers_failed": sum(1 for a in answers if a.failed) + failures}
+        counts = {"answers": len(answers), "answers_failed": failures}  # 0: a failure ends the bench above
         counts["answers_verified"] = checked
         if self.repeats > self.cfg.bench.warmup:  # running totals over the timed repeats: their max is the total
             for name, count in counts.items():
@@ -343,7 +452,8 @@ class PauseTarget:
     @torch.no_grad()
     def teacher_forced(self, which: int, answer: Answer) -> torch.Tensor:
         if self.scored != which:
-            self.scorer.load_weights((n, t) for n, t in self.models[which].items() if n in self.scorer_names)
+            named = update_tensors(self.models[which], self.cfg.model.update_layout)  # the engine's names (MoE)
+            self.scorer.load_weights((n, t) for n, t in named.items() if n in self.scorer_names)
             self.scored = which
         ids = torch.tensor([answer.prompt + answer.tokens], device=self.device)
         logits = self.scorer.model(input_ids=ids).logits[0, len(answer.prompt) - 1 : -1]
@@ -370,12 +480,17 @@ class PauseTarget:
         return []
 
     def close(self) -> None:
-        for side in self.sides.values():
-            side.transport.close()
-        self.sides = {}
-        for engine in self.engines.values():
-            engine.close()
-        self.engines = {}
+        """Every transport, then every engine, closed, each whatever the one before raised (the first is raised)."""
+        closing = [side.transport.close for side in self.sides.values()] + [e.close for e in self.engines.values()]
+        self.sides, self.engines = {}, {}
+        first = None
+        for close in closing:
+            try:
+                close()
+            except Exception as err:  # noqa: BLE001 - the next engine must still be ended
+                first = first or err
+        if first is not None:
+            raise first
 
     # -- the table -----------------------------------------------------------------------------
 
@@ -437,10 +552,7 @@ class PauseTarget:
             markdown_table(head, rows),
         ]
         if get("pause/gap_ratio") is not None:
-            out.append(
-                f"stage / pause, longest gap: {get('pause/gap_ratio'):.3f} (median; {get('pause/gap_ratio', 'min'):.3f} "
-                f"to {get('pause/gap_ratio', 'max'):.3f} over the updates)"
-            )
+            out.append(gap_ratio_line(get))
         for p in policies:
             k = f"pause/{p}"
             if get(f"{k}/cores_decoder") is not None:
@@ -452,13 +564,46 @@ class PauseTarget:
                     f"the trainer's process (clients; pack, send) {get(f'{k}/cores_before_trainer'):.2f} -> "
                     f"{get(f'{k}/cores_trainer'):.2f}"
                 )
-        failed = sum(sum_of(result, f"pause/{p}/answers_failed") for p in policies)
-        checked = sum(sum_of(result, f"pause/{p}/answers_verified") for p in policies)
-        out.append(
-            f"Verified: {int(checked)} answers started after a swap, each scored with the new and the old weights: "
-            + ("all came from the new weights." if not failed else f"{int(failed)} FAILED (or failed requests).")
-        )
+        out.append(verified_line(result, policies))
         return "\n".join(out)
+
+
+def gap_ratio_line(get) -> str:
+    """stage's longest gap against pause's: the ratio of the two medians the table shows, then the median of
+    the per-update ratios (each repeat's stage over the same repeat's pause), which may differ from it."""
+    stage, pause = get("pause/stage/max_gap_time"), get("pause/pause/max_gap_time")
+    return (
+        f"stage / pause, longest gap: {stage / pause:.2f} (the medians above, {fmt_seconds(stage)} / "
+        f"{fmt_seconds(pause)}); per update, stage's over pause's in the same repeat: median "
+        f"{get('pause/gap_ratio'):.2f} ({get('pause/gap_ratio', 'min'):.2f} to {get('pause/gap_ratio', 'max'):.2f})"
+    )
+
+
+def verified_line(result: dict, policies: list[str]) -> str:
+    """What the check found: a failed request or answer ends the bench (RequestsFailed), so a finished one
+    either verified answers or had none to verify, which is said, not called verified."""
+    checked = int(sum(sum_of(result, f"pause/{p}/answers_verified") for p in policies))
+    if not checked:
+        return (
+            "Not verified: no answer started after a swap within bench.after_s, so none was scored (a longer "
+            "bench.after_s or a shorter bench.answer_tokens lets some start)"
+        )
+    return (
+        f"Verified: {checked} answers started after a swap, each scored with the new and the old weights: "
+        f"all came from the new weights."
+    )
+
+
+def failed_requests(answers: list[Answer], policy: str, repeat: int) -> None:
+    """RequestsFailed if any streaming request failed (refused, broken, ended by an error): its gaps and rates
+    would be a failing engine's, not a pause's. The line counts them and gives the most common reason."""
+    failed = [a.failed for a in answers if a.failed]
+    if failed:
+        reason, times = Counter(failed).most_common(1)[0]
+        raise RequestsFailed(
+            f"{len(failed)} of {len(answers)} streaming requests to the {policy} engine failed in repeat {repeat} "
+            f"({times} of them: {reason[:300]}): no pause is measured from failed requests"
+        )
 
 
 def sum_of(result: dict, key: str) -> float:

@@ -356,8 +356,9 @@ class EngineProcess:
         while not done():
             if watch_pipe and not self._early and self.conn.poll(0):
                 message = self._recv(what)
-                if message[0] == "error":
-                    raise EngineFailed(f"{self.who} failed while the trainer waited for {what}:\n{message[2]}")
+                if message[0] == "error":  # its reason, the traceback's last line, on the first line
+                    last = (message[2].strip().splitlines() or ["no reason given"])[-1]
+                    raise EngineFailed(f"{self.who} failed while the trainer waited for {what}: {last}\n{message[2]}")
                 self._early.append(message)
             self.check_alive(what)
             if time.monotonic() - start > self.timeout_s:
