@@ -12,6 +12,7 @@ from rlsync.config.schema import UpdateConfig
 from rlsync.sync import plan_for
 from rlsync.sync.broadcast import BroadcastReceiver
 from rlsync.sync.messages import (
+    VOCAB_SIZE,
     WIRE_DTYPES,
     GenerateRequest,
     Plan,
@@ -22,6 +23,7 @@ from rlsync.sync.messages import (
     request_args,
     request_body,
 )
+from rlsync.sync.stream import StreamRequest
 
 
 @pytest.mark.parametrize("dtype", list(WIRE_DTYPES.values()), ids=list(WIRE_DTYPES))
@@ -115,3 +117,44 @@ def test_generate_request_and_reply_round_trip():
     assert torch.equal(out_state, state)
     with pytest.raises(ValidationError):
         GenerateRequest.model_validate({**body.model_dump(), "generator_device": "cuda; rm -rf /"})
+
+
+def generate_body(prompts: str) -> str:
+    state = TensorData.of(torch.Generator().get_state()).model_dump_json()
+    return (
+        f'{{"prompts": {prompts}, "max_new_tokens": 4, "temperature": 1.0, "generator_state": {state}, '
+        '"generator_device": "cpu"}'
+    )
+
+
+BAD_IDS = [  # N02: (the prompt as sent, what the refusal says)
+    pytest.param("[1, 512]", "token id 512 is outside the vocabulary: 0 to 511", id="the-vocab-size"),
+    pytest.param("[1000000000]", "token id 1000000000 is outside the vocabulary: 0 to 511", id="1e9"),
+    pytest.param(f"[{2**70}]", f"token id {2**70} is outside the vocabulary: 0 to 511", id="2^70"),
+    pytest.param("[-5]", "token id -5 is outside the vocabulary: 0 to 511", id="negative"),
+    pytest.param("[true]", "valid integer", id="true"),
+    pytest.param('["4"]', "valid integer", id="a-string"),
+    pytest.param("[4.0]", "valid integer", id="a-float"),
+]
+
+
+@pytest.mark.parametrize("prompt,why", BAD_IDS)
+def test_a_token_id_outside_the_engines_vocabulary_or_not_an_integer_is_refused(prompt, why):
+    """Both requests that carry token ids (a stream's prompt, a session's prompts), validated as the
+    engine validates them (its vocabulary as context): refused with the field and the range."""
+    context = {VOCAB_SIZE: 512}
+    stream = f'{{"prompt": {prompt}, "max_new_tokens": 4}}'
+    with pytest.raises(ValidationError, match=why) as caught:
+        StreamRequest.model_validate_json(stream, context=context)
+    assert caught.value.errors()[0]["loc"][0] == "prompt"
+    with pytest.raises(ValidationError, match=why) as caught:
+        GenerateRequest.model_validate_json(generate_body(f"[[3], {prompt}]"), context=context)
+    assert caught.value.errors()[0]["loc"][:2] == ("prompts", 1)
+    within = StreamRequest.model_validate_json('{"prompt": [0, 511], "max_new_tokens": 4}', context=context)
+    assert within.prompt == [0, 511]
+
+
+@pytest.mark.parametrize("field,value", [("max_new_tokens", '"4"'), ("seed", "true"), ("temperature", '"1"')])
+def test_a_streams_numbers_are_not_coerced(field, value):
+    with pytest.raises(ValidationError, match=field):
+        StreamRequest.model_validate_json(f'{{"prompt": [1], "max_new_tokens": 4, "{field}": {value}}}')

@@ -15,12 +15,15 @@ import asyncio
 import dataclasses
 import http.client
 import json
+import re
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import torch
-from conftest import Tiny, run_main
+from conftest import ROOT, Tiny, cli_env, run_main
 from test_standalone_engine import StandaloneEngine, remote_update
 from test_transports import Trainer
 
@@ -28,10 +31,12 @@ import rlsync.sync.flat as flat
 from rlsync.check.estimate import bench_estimate, staged_copy_bytes
 from rlsync.config.apps import BenchAppConfig, EngineAppConfig
 from rlsync.engines.base import token_logprobs
-from rlsync.serve.streams import Decoder, NotPaused, PausePolicy, StagePolicy
+from rlsync.serve.app import Control, Session
+from rlsync.serve.streams import Decoder, NotPaused, PausePolicy, StagePolicy, UpdateCut
 from rlsync.sync import plan_for
+from rlsync.sync.messages import SESSION_HEADER, request_body
 from rlsync.sync.remote import parse_address
-from rlsync.sync.stream import StreamFailed, StreamRequest, serving_state, stream_answer
+from rlsync.sync.stream import StreamFailed, StreamLine, StreamRequest, serving_state, stream_answer
 
 BF16 = torch.bfloat16
 LOGPROB_TOL = 0.05  # as rlsync/bench/pause.py checks: streamed against teacher-forced, same weights
@@ -160,6 +165,151 @@ def test_the_decoder_pauses_between_tokens_a_pause_is_bounded_and_a_leaving_clie
     assert decoder.open(request, loop) is not None
     decoder.stop()
     loop.call_soon_threadsafe(loop.stop)
+
+
+class CutReceiver(FakeReceiver):
+    """A receive whose trainer goes away after `landed` buckets: the rest never arrives."""
+
+    def __init__(self, buckets, *, flat_weights: bool, landed: int):
+        super().__init__(buckets, flat_weights=flat_weights)
+        self.landed = landed
+
+    def handle(self, engine, request) -> dict:
+        for k, bucket in enumerate(self.buckets[: self.landed]):
+            if self.flat is not None:
+                flat.pack(bucket, self.next, self.flat[k])
+            else:
+                engine.load_weights((s.meta.name, self.next[s.meta.name]) for s in bucket.slots)
+        if self.landed < len(self.buckets):
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:4242")
+        return {"load_times": [0.0] * len(self.buckets), "peak_extra": 0}
+
+
+def serving_app(engine, policy: str = "pause"):
+    """The standalone engine's app over `engine` (this process, no socket): its Control, and a client."""
+    import httpx
+
+    cfg = EngineAppConfig()
+    cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, update_policy=policy, max_wait_s=5))
+    control = Control(engine, cfg, token=None, log_line=lambda line: None)
+
+    async def ask(method: str, path: str, body: dict | str | None = None, headers=None) -> tuple[int, dict | list]:
+        transport = httpx.ASGITransport(app=control.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://engine") as client:
+            sent = {"content": body} if isinstance(body, str) else {"json": body}
+            response = await client.request(method, path, headers=headers, **sent)
+        lines = [json.loads(ln) for ln in response.text.splitlines() if ln]
+        return response.status_code, (lines if len(lines) != 1 else lines[0])
+
+    return control, lambda *a: asyncio.run(ask(*a))
+
+
+STREAM = {"prompt": [1, 2, 3], "max_new_tokens": 3, "temperature": 0.0, "seed": 0}
+LONG = {"prompt": [4, 5], "max_new_tokens": 30_000, "temperature": 0.0, "seed": 0}
+
+
+@pytest.mark.parametrize("flat_weights", [False, True], ids=["through-load_weights", "in-place-flat"])
+def test_a_pause_update_cut_midway_serves_no_torn_weights_until_a_complete_one_lands(flat_weights):
+    """N26: under `pause` the update lands in the live weights; cut off midway (its trainer killed), the
+    engine serves nothing from them and claims no version until a complete update lands."""
+    tiny = Tiny()
+    old, new = tiny.weights(seed=1), tiny.weights(seed=2)
+    engine = engine_with(old)
+    control, ask = serving_app(engine)
+    policy = PausePolicy(control.decoder, wait_s=5)
+    buckets = plan_for(old, dataclasses.replace(tiny.cfg.update, bucket_mb=0.05), BF16)
+    assert len(buckets) > 2
+    cut = CutReceiver(buckets, flat_weights=flat_weights, landed=len(buckets))
+    server = FakeServer(engine, cut)
+    policy.open(server)
+    cut.next = old
+    policy.update(server, "update")  # version 1: the old weights, whole
+    status, before = ask("POST", "/v1/stream", STREAM)
+    assert status == 200 and before[-1]["reason"] in ("eos", "length")
+
+    open_answer: list = []  # an answer streaming when the update is cut (its client reads it to the end)
+    reader = threading.Thread(target=lambda: open_answer.append(ask("POST", "/v1/stream", LONG)), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 60
+    while not any(s.generated > 1 for s in list(control.decoder.streams)) and time.monotonic() < deadline:
+        time.sleep(0.01)  # a few of its tokens are out
+    cut.next, cut.landed = new, 2
+    with pytest.raises(UpdateCut, match="cut off with .*generation is refused until a complete update lands"):
+        policy.update(server, "update")
+    assert not all(torch.equal(engine.weights[n], t.to(BF16)) for n, t in old.items())  # cut midway: torn
+    tensors = sum(len(b.slots) for b in buckets)
+    landed = f"{sum(len(b.slots) for b in buckets[:2])} of {tensors} tensors landed"
+    assert (f"part of its {tensors} tensors landed" if flat_weights else landed) in control.decoder.torn
+
+    status, state = ask("GET", "/v1/serving")
+    assert status == 200 and state["version"] is None and state["torn"].startswith("Torn: the last update was cut")
+    status, refused = ask("POST", "/v1/stream", STREAM)
+    assert status == 503 and refused["error"] == state["torn"] and "waiting for a complete update" in refused["error"]
+    control.session = Session(1, "127.0.0.1:1", server=server)  # a trainer's session: its generate is refused alike
+    generate = request_body("generate", ([[1, 2]], 2, 1.0, torch.Generator().get_state(), "cpu")).model_dump_json()
+    status, refused = ask("POST", "/v1/generate", generate, {SESSION_HEADER: control.session.key})
+    assert status == 409 and refused["error"] == state["torn"]
+    control.session = None
+    reader.join(60)
+    status, lines = open_answer[0]
+    end = StreamLine.model_validate(lines[-1])  # the answer open at the cut ends with why, as its client reads it
+    assert status == 200 and end.reason == "error" and end.error == state["torn"] and end.version is None
+    assert {ln["version"] for ln in lines[:-1]} == {1}  # every token before it from the old weights, none after
+
+    cut.landed = len(buckets)  # a complete update: service again, as the next version
+    policy.update(server, "update")
+    for name, tensor in new.items():
+        assert torch.equal(engine.weights[name], tensor.to(BF16))
+    status, state = ask("GET", "/v1/serving")
+    assert state["version"] == 2 and state.get("torn") is None
+    status, after = ask("POST", "/v1/stream", STREAM)
+    assert status == 200 and {ln["version"] for ln in after} == {2}
+    control.decoder.stop()
+
+
+@pytest.mark.parametrize("policy_cls", [PausePolicy, StagePolicy], ids=["pause-before-any", "stage"])
+def test_an_update_cut_that_left_the_live_weights_whole_serves_the_old_version_on(policy_cls):
+    """Under `pause` cut before any tensor landed, and under `stage` wherever (only the side copy was
+    written, N27): the old weights serve on, under their own version."""
+    tiny = Tiny()
+    old, new = tiny.weights(seed=1), tiny.weights(seed=2)
+    engine = engine_with(old)
+    control, ask = serving_app(engine, policy_cls.name)
+    policy = policy_cls(control.decoder, wait_s=5)
+    buckets = plan_for(old, dataclasses.replace(tiny.cfg.update, bucket_mb=0.05), BF16)
+    cut = CutReceiver(buckets, flat_weights=False, landed=len(buckets))
+    server = FakeServer(engine, cut)
+    policy.open(server)
+    cut.next = old
+    policy.update(server, "update")  # version 1: the old weights
+    cut.next, cut.landed = new, (0 if policy_cls is PausePolicy else 2)
+    with pytest.raises(UpdateCut, match="version 1 serves on"):
+        policy.update(server, "update")
+    for name, tensor in old.items():
+        assert torch.equal(engine.weights[name], tensor.to(BF16))
+    status, state = ask("GET", "/v1/serving")
+    assert state["version"] == 1 and state.get("torn") is None
+    status, lines = ask("POST", "/v1/stream", STREAM)
+    assert status == 200 and {ln["version"] for ln in lines} == {1}
+    control.decoder.stop()
+
+
+@pytest.mark.parametrize("prompt", [[1, 512], [10**9], [2**70], [-5]], ids=["vocab-size", "1e9", "2^70", "negative"])
+def test_a_stream_with_a_token_id_outside_the_vocabulary_is_refused_up_front(prompt, capfd):
+    """N02: 422 before the answer starts (not 200 then an IndexError end line), naming the field and the range."""
+    engine = engine_with(Tiny().weights(seed=1))
+    control, ask = serving_app(engine)
+    control.decoder.version = 1
+    status, refused = ask("POST", "/v1/stream", {**STREAM, "prompt": prompt})
+    bad = len(prompt) - 1
+    assert status == 422, refused
+    assert refused["error"] == (
+        f"BadRequest: malformed 'stream' request: prompt[{bad}]: token id {prompt[bad]} is outside the vocabulary: "
+        "0 to 511 (this engine's model.vocab_size=512)"
+    )
+    assert control.decoder.state().served == 0  # no answer was started
+    assert f"prompt[{bad}]: token id {prompt[bad]} is outside the vocabulary" in capfd.readouterr().err  # its drop line
+    control.decoder.stop()
 
 
 def test_the_memory_check_counts_the_staged_copy():
@@ -313,3 +463,83 @@ def test_a_client_that_leaves_mid_answer_frees_its_slot(tmp_path):
     finally:
         done = server.stop()
     assert done.returncode in (0, 143)
+
+
+CUT_TRAINER = """
+import sys, time
+sys.path.insert(0, "tests")
+from conftest import Tiny
+from test_standalone_engine import Trainer, remote_update
+trainer = Trainer()
+engine, _ = trainer.open(remote_update(sys.argv[1], strategy="per_tensor", verify=False))
+engine.update_weights(trainer.weights)
+print("updated", flush=True)
+sys.stdin.readline()  # the test's answer from these weights is in: the next update may start
+
+
+class Stalls:  # the group: its first tensors go, then the trainer stalls (until it is killed)
+    def __init__(self, group):
+        self.group, self.sent = group, 0
+
+    def __getattr__(self, name):
+        return getattr(self.group, name)
+
+    def broadcast(self, *args, **kwargs):
+        if self.sent == 5:
+            print("cut", flush=True)
+            time.sleep(600)
+        self.sent += 1
+        return self.group.broadcast(*args, **kwargs)
+
+
+engine.group = Stalls(engine.group)
+engine.update_weights(Tiny().weights(seed=7))
+"""
+
+
+@pytest.mark.slow
+def test_a_trainer_killed_mid_update_leaves_a_pause_engine_refusing_until_a_complete_update(tmp_path):
+    """N26: serve.update_policy=pause, the trainer SIGKILLed after a few of its update's tensors landed in
+    the live weights: the engine says so, reports no version, refuses answers (503 Torn) instead of serving
+    torn weights; the next trainer's complete update brings the same greedy answer back as the next version."""
+    server = StandaloneEngine(tmp_path, "serve.update_policy=pause", "serve.max_wait_s=20")
+    greedy = StreamRequest(prompt=[3, 5, 7, 9], max_new_tokens=8, temperature=0.0)
+    killed = subprocess.Popen(
+        [sys.executable, "-c", CUT_TRAINER, server.address],
+        cwd=ROOT,
+        env=cli_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert killed.stdout.readline().strip() == "updated"
+        before = list(stream_answer(server.address, greedy, timeout_s=60))
+        assert before[-1][1].reason == "length"
+        killed.stdin.write("go\n")
+        killed.stdin.flush()
+        assert killed.stdout.readline().strip() == "cut"
+    finally:
+        killed.kill()
+        killed.wait()
+    try:
+        line = server.wait_for("the update was cut off with", timeout=60)
+        landed, total = map(int, re.search(r"with (\d+) of (\d+) tensors landed", line).groups())
+        assert 0 < landed < total and "generation is refused until a complete update lands" in line
+        state = serving_state(server.address, timeout_s=10)
+        assert state.version is None and state.torn.startswith(f"Torn: the last update was cut off with {landed} of")
+        with pytest.raises(StreamFailed, match="503.*Torn: .*waiting for a complete update"):
+            list(stream_answer(server.address, greedy, timeout_s=60))
+        trainer = Trainer()  # the killed trainer's first weights (its seed): a complete update of them
+        engine, _ = trainer.open(remote_update(server.address, verify=True))
+        try:
+            engine.update_weights(trainer.weights)
+        finally:
+            engine.close()
+        state = serving_state(server.address, timeout_s=10)
+        assert state.version == 2 and state.torn is None
+        after = list(stream_answer(server.address, greedy, timeout_s=60))
+        assert [ln.token for _, ln in after] == [ln.token for _, ln in before]  # the same weights' greedy answer
+        assert {ln.version for _, ln in before} == {1} and {ln.version for _, ln in after} == {2}
+    finally:
+        server.stop()

@@ -462,9 +462,45 @@ def test_an_open_with_an_unreachable_store_frees_the_engine_within_its_own_limit
     health(engine_server.address, until=lambda h: h["op"] == "open")
     assert until_free(engine_server.address, timeout=MAX_WAIT_S + SESSION_TIMEOUT_S + 20) >= 0
     assert time.monotonic() - start < MAX_WAIT_S + SESSION_TIMEOUT_S + 20
-    assert answer(opened).startswith(b"HTTP/1.1 500")  # the open failed within the engine's limit
+    failed = answer(opened)
+    assert failed.startswith(b"HTTP/1.1 500")  # the open failed within the engine's limit, once (E17r)
+    assert f"did not answer within {MAX_WAIT_S} s (Connection refused)".encode() in failed
     engine_server.wait_for(f"(serve.session_timeout_s={SESSION_TIMEOUT_S})")
     client.leave()
+    assert not [ln for ln in engine_server.errors if "frame #" in ln or "c10d" in ln]  # no C++ frames on its console
+
+
+def test_a_store_nobody_listens_on_fails_the_open_once_within_its_bound_in_one_line(capfd):
+    """E17r: torch's store client retries once past its timeout (twice the wait) and logs about 40 lines
+    of C++ stack frames; the engine's open asks the store itself, within join_timeout_s counted once."""
+    from rlsync.sync.broadcast import BroadcastReceiver
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    trainer = Trainer()
+    buckets = plan_for(trainer.weights, UpdateConfig(transport="broadcast", bucket_mb=SMALL_BUCKET_MB), BF16)
+    bound_s = 3
+    receiver = BroadcastReceiver(
+        buckets,
+        strategy="bucketed",
+        inflight=1,
+        flat_weights=False,
+        port=closed_port,
+        timeout_s=60,
+        join_timeout_s=bound_s,
+        copy_threads=0,
+    )
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as caught:
+        receiver.open(trainer.tiny.spec().build())
+    waited = time.monotonic() - start
+    assert str(caught.value) == (
+        f"the trainer's store at 127.0.0.1:{closed_port} did not answer within {bound_s} s (Connection refused)"
+    )
+    assert bound_s <= waited < 2 * bound_s  # its bound, once (torch's own client: twice and a retry delay)
+    err = capfd.readouterr().err
+    assert "frame #" not in err and "c10d" not in err, err
 
 
 @slow_server

@@ -52,13 +52,14 @@ from pydantic import ValidationError
 from rlsync.engines.base import Cancelled, cancelled_by, check_cancelled
 from rlsync.fmt import MIB
 from rlsync.serve.http import BodyLimit, drop_line
-from rlsync.serve.streams import Decoder, PausePolicy, policy_for
+from rlsync.serve.streams import Decoder, PausePolicy, UpdateCut, policy_for
 from rlsync.sync.broadcast import BroadcastReceiver
 from rlsync.sync.engine_process import EngineServer
 from rlsync.sync.messages import (
     OPS,
     REQUESTS,
     SESSION_HEADER,
+    VOCAB_SIZE,
     Failure,
     Health,
     Plan,
@@ -146,6 +147,7 @@ class Control:
         self.work = WorkThread(engine.device)
         self.decoder = Decoder(engine, max_streams=cfg.serve.max_streams)
         self.decoder.policy = cfg.serve.update_policy
+        self.wire = {VOCAB_SIZE: cfg.model.vocab_size}  # what requests are validated against: token ids in range
         self.session: Optional[Session] = None
         self.served = 0  # sessions let in (a refused plan counts: it was this engine's answer to a trainer)
         self.finished = 0
@@ -183,7 +185,7 @@ class Control:
             if refused is not None:
                 return refused
             try:
-                body = StreamRequest.model_validate_json(await request.body())
+                body = StreamRequest.model_validate_json(await request.body(), context=self.wire)
             except ValidationError as err:
                 return bad_request(request, "stream", err)
             problem = generate_problem(([body.prompt], body.max_new_tokens), self.cfg)
@@ -226,11 +228,13 @@ class Control:
                 return no_session(op)
             session.last_seen = time.monotonic()
             try:
-                body = REQUESTS[op].model_validate_json(await request.body() or b"{}")
+                body = REQUESTS[op].model_validate_json(await request.body() or b"{}", context=self.wire)
                 args = request_args(op, body)
             except (ValidationError, WireError) as err:
                 return bad_request(request, op, err)
             if op == "generate":
+                if self.decoder.torn is not None:  # the trainer's generation is refused as every client's is
+                    return json_response(409, Failure(op=op, error=self.decoder.torn))
                 problem = generate_problem(args, self.cfg)
                 if problem is not None:  # refused before it starts: the engine never takes on the work
                     self.log(f"session {session.number}: refused a generate request: {problem}")
@@ -355,9 +359,7 @@ class Control:
                 try:
                     line: StreamLine = await asyncio.wait_for(stream.queue.get(), idle_s)
                 except asyncio.TimeoutError:
-                    line = StreamLine(
-                        kind="end", version=self.decoder.version, reason="error", error="no token in time"
-                    )
+                    line = StreamLine(kind="end", version=self.decoder.held, reason="error", error="no token in time")
                 yield line.model_dump_json(exclude_none=True).encode() + b"\n"
                 if line.kind == "end":
                     return
@@ -393,7 +395,11 @@ class Control:
             with cancelled_by(session.cancel, client_left):
                 check_cancelled()  # queued behind work that ended the session, or its client left
                 if op in ("open", "update"):  # the policy meets the streaming clients around them
-                    result = getattr(session.policy, op)(session.server, *args)
+                    try:
+                        result = getattr(session.policy, op)(session.server, *args)
+                    except UpdateCut as cut:  # what the engine serves now, whether or not its trainer hears it
+                        self.log(f"session {session.number}: {cut}")
+                        raise
                 else:
                     result = getattr(session.server, op)(*args)
             if op == "close":
@@ -495,11 +501,19 @@ def bad_request(request: Request, op: str, err: Exception) -> Response:
     """A typed message that does not validate: the client is dropped (one line), told why in its answer."""
     if isinstance(err, ValidationError):
         first = err.errors()[0]
-        why = f"{'.'.join(map(str, first['loc'])) or 'body'}: {first['msg']}"
+        why = f"{field_name(first['loc'])}: {first['msg']}"
     else:
         why = str(err)
     drop_line(request.client, f"sent a malformed {op!r} request ({why[:200]})")
     return json_response(422, Failure(op=op, error=f"BadRequest: malformed {op!r} request: {why[:500]}"), close=True)
+
+
+def field_name(loc: tuple) -> str:
+    """A validation error's location as a field: ("prompts", 0, 3) -> "prompts[0][3]"."""
+    name = ""
+    for part in loc:
+        name += f"[{part}]" if isinstance(part, int) else (f".{part}" if name else str(part))
+    return name or "body"
 
 
 def plan_mismatch(buckets, weights: dict) -> str | None:

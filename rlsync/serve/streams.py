@@ -21,6 +21,13 @@ thread, under the policy the engine was started with:
 Answers in flight at the swap go on with the new weights (their KV cache was computed with the old
 ones: each token line says which version made it); every answer started after the swap is the new
 weights' alone.
+
+An update that does not complete (its trainer killed, its connection or group broken) never leaves
+weights that are neither old nor new being served under the old version. Under `stage` the live
+weights were never touched: the old version serves on. Under `pause` the update lands in the live
+weights themselves: if any of it may have landed, the weights are torn (`Decoder.tear`): every open
+answer ends with the reason, new ones are refused (503 Torn), `GET /v1/serving` reports no version,
+until a complete update lands. An update cut off before anything landed leaves the old version serving.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import asyncio
 import concurrent.futures
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -114,6 +122,10 @@ class NotPaused(RuntimeError):
     """The decoder did not reach a point between two tokens within the wait's bound."""
 
 
+class UpdateCut(RuntimeError):
+    """An update that did not complete: what it left the engine serving, in one line (its cause chained)."""
+
+
 @dataclass
 class Stream:
     """One answer being generated for one client."""
@@ -146,6 +158,7 @@ class Decoder:
         self.pause_wanted = 0
         self.parked = True  # not between a turn's tokens (no stream, or paused)
         self.version = 0  # updates swapped in; 0: no weights yet (streams are refused)
+        self.torn: Optional[str] = None  # why the weights are neither a version nor the next (streams refused)
         self.served = 0
         self.stopping = False
         self.last_update: Optional[SwapRecord] = None
@@ -173,6 +186,8 @@ class Decoder:
         with self.cond:
             if self.stopping:
                 return 503, "EngineStopping: this engine is shutting down"
+            if self.torn is not None:
+                return 503, self.torn
             if self.version == 0:
                 return 409, "NoWeights: no update has reached this engine yet (a trainer's first update fills it)"
             busy = sum(not s.cancel.is_set() for s in self.streams)
@@ -186,7 +201,8 @@ class Decoder:
     def state(self) -> ServingState:
         with self.cond:
             return ServingState(
-                version=self.version,
+                version=self.held,
+                torn=self.torn,
                 policy=self.policy,
                 streams=sum(not s.cancel.is_set() for s in self.streams),
                 max_streams=self.max_streams,
@@ -195,6 +211,11 @@ class Decoder:
                 engine_cpu_s=process_cpu_s(),
                 decoder_cpu_s=thread_cpu_s(self.native_id),
             )
+
+    @property
+    def held(self) -> Optional[int]:
+        """The version of the weights the engine holds; None while they are torn."""
+        return None if self.torn is not None else self.version
 
     def stop(self) -> None:
         """Every open answer ends ("cancelled"); no new one starts."""
@@ -237,7 +258,17 @@ class Decoder:
         """(inside `paused`) The new weights are in: the next tokens carry the next version."""
         with self.cond:
             self.version += 1
+            self.torn = None  # a complete update: every weight is the new version's
             self.last_update = record(self.version)
+
+    def tear(self, why: str) -> None:
+        """(inside `paused`) An update was cut off in the live weights: every open answer ends with `why`
+        (no token of torn weights reaches a client), and none starts until `swapped`."""
+        with self.cond:
+            self.torn = why
+            for stream in list(self.streams):
+                self._end(stream, "error", why)
+            self.cond.notify_all()
 
     # -- the thread ------------------------------------------------------------------------------
 
@@ -270,7 +301,7 @@ class Decoder:
             self.streams.remove(stream)
         if not stream.ended:
             stream.ended, stream.cache = True, None
-            stream.emit(StreamLine(kind="end", version=self.version, t=time.perf_counter(), reason=reason, error=error))
+            stream.emit(StreamLine(kind="end", version=self.held, t=time.perf_counter(), reason=reason, error=error))
 
     def _step(self, stream: Stream) -> None:
         if stream.cancel.is_set():
@@ -343,6 +374,36 @@ class SideCopy:
         return sum(t.numel() * t.element_size() for t in self._weights.values())
 
 
+class Landing:
+    """The engine as the pause policy's receive sees it: counts the tensors handed to its `load_weights`,
+    so that an update cut off says how much of it may have landed in the live weights."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.loaded = engine, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        named = list(named)
+        self.loaded += len(named)  # counted before the copy: a copy that fails midway may have written
+        self.engine.load_weights(named)
+
+    def touched(self, receiver) -> str | None:
+        """How much of the update may be in the live weights ("N of M tensors landed"), or None if nothing is."""
+        total = sum(len(b.slots) for b in getattr(receiver, "buckets", ()))
+        if getattr(receiver, "flat", None) is not None and not getattr(receiver, "slots", None):
+            return f"part of its {total} tensors landed (flat engine weights receive in place)"
+        return f"{self.loaded} of {total} tensors landed" if self.loaded else None
+
+
+def cause_line(err: BaseException) -> str:
+    """An exception as a short line: its name and its message's first sentence, less the source location
+    gloo's errors start with ("[.../pair.cc:537] Read error ...: Connection reset by peer. This is ...")."""
+    first = re.sub(r"^\[[^\]]*\]\s*", "", (str(err).strip().splitlines() or [""])[0]).split(". ", 1)[0]
+    return f"{type(err).__name__}: {first}"[:300] if first else type(err).__name__
+
+
 class PausePolicy:
     """`serve.update_policy=pause`: generation stops for the whole receive."""
 
@@ -359,10 +420,28 @@ class PausePolicy:
     def update(self, server, request) -> dict:
         with self.decoder.paused(self.wait_s) as stopped:
             cpu = CpuSplit(self.decoder)
-            result = server.update(request)
+            landing = Landing(server.engine)
+            try:
+                result = server.receiver.handle(landing, request)
+            except BaseException as err:
+                raise self.cut(err, landing.touched(server.receiver)) from err
             done, split = time.perf_counter(), cpu.done()
             self.decoder.swapped(lambda v: self.record(v, stopped, done, stopped, done, split))
         return result
+
+    def cut(self, err: BaseException, touched: str | None) -> UpdateCut:
+        """(inside `paused`) The update into the live weights failed: tear them if any of it may have
+        landed (`touched`: how much), else the old version serves on."""
+        version, cause = self.decoder.version, cause_line(err)
+        if touched is None:
+            return UpdateCut(f"the update was cut off before any tensor landed ({cause}); version {version} serves on")
+        self.decoder.tear(
+            f"Torn: the last update was cut off with {touched}; this engine's weights are neither version "
+            f"{version} nor the next: waiting for a complete update"
+        )
+        return UpdateCut(
+            f"the update was cut off with {touched} ({cause}): generation is refused until a complete update lands"
+        )
 
     def record(self, version: int, r0: float, r1: float, p0: float, p1: float, split: dict) -> SwapRecord:
         return SwapRecord(
@@ -396,6 +475,10 @@ class StagePolicy(PausePolicy):
     def open(self, server) -> dict:
         engine, receiver = server.engine, server.receiver
         live = engine.weights
+        if self.pointer and not all(isinstance(t, torch.nn.Parameter) for t in live.values()):
+            # views of fused parameters (a MoE's experts, checkpoint layout): rebinding a view's data would leave
+            # the parameter as it was, so the swap copies
+            self.pointer, self.swap = False, "local copy"
         self.side = SideCopy(live, engine.device, engine.dtype)
         # on the receive's thread: the group's threads start there and inherit its nice value
         result = self.receiving.run(lambda: receiver.open(self.side), self.bound(receiver))
@@ -411,10 +494,18 @@ class StagePolicy(PausePolicy):
     def update(self, server, request) -> dict:
         r0, cpu = time.perf_counter(), CpuSplit(self.decoder)
         receiver = server.receiver
-        result = self.receiving.run(lambda: receiver.handle(self.side, request), self.bound(receiver))
+        try:
+            result = self.receiving.run(lambda: receiver.handle(self.side, request), self.bound(receiver))
+        except BaseException as err:  # only the side copy was written: the live weights are untouched
+            raise UpdateCut(
+                f"the staged update was cut off ({cause_line(err)}); version {self.decoder.version} serves on"
+            ) from err
         r1, split = time.perf_counter(), cpu.done()
         with self.decoder.paused(self.wait_s) as stopped:
-            self._swap(server)
+            try:
+                self._swap(server)
+            except BaseException as err:
+                raise self.cut(err, "part of its tensors swapped in") from err
             done = time.perf_counter()
             self.decoder.swapped(lambda v: self.record(v, r0, r1, stopped, done, split))
         return result

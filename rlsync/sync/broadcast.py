@@ -29,6 +29,7 @@ NCCL would need the engine on another GPU than the trainer's; rlsync colocates t
 from __future__ import annotations
 
 import socket
+import time
 from collections import deque
 from datetime import timedelta
 
@@ -49,6 +50,7 @@ from rlsync.sync.payload.full import FullPayload
 HOST = "127.0.0.1"  # an engine process started here: the store and both ends of the group listen on loopback only
 TRAINER, ENGINE = 0, 1  # ranks
 STORE_PREFIX = "rlsync/update"  # the group's keys in the store
+STORE_RETRY_S = 0.1  # between attempts to reach a store that is not listening yet
 
 
 def join_group(store: dist.Store, rank: int, timeout: timedelta, host: str) -> dist.ProcessGroupGloo:
@@ -79,6 +81,23 @@ def listen_store(host: str, timeout: timedelta) -> dist.TCPStore:
         )
     finally:
         sock.close()  # after detach(): a no-op; on an error before it: frees the socket
+
+
+def reach_store(host: str, port: int, deadline: float, bound_s: float) -> None:
+    """Wait until the store at host:port accepts a connection, until `deadline` (monotonic); one-line
+    TimeoutError past it. Asked here rather than by torch's client, which retries once past its own
+    timeout (twice the wait) and logs C++ stack frames on stderr for each try."""
+    why = "nothing answered"
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"the trainer's store at {host}:{port} did not answer within {bound_s:g} s ({why})")
+        try:
+            socket.create_connection((host, port), timeout=remaining).close()
+            return
+        except OSError as err:
+            why = err.strerror or str(err) or type(err).__name__
+        time.sleep(min(STORE_RETRY_S, max(deadline - time.monotonic(), 0)))
 
 
 def resolve_backend(name: str) -> str:
@@ -128,10 +147,16 @@ class BroadcastReceiver(Receiver):
         self.group = None
 
     def open(self, engine: Engine) -> dict:
-        store = dist.TCPStore(
-            self.host, self.port, world_size=2, is_master=False, timeout=timedelta(seconds=self.join_timeout_s)
-        )
-        self.group = join_group(store, ENGINE, timedelta(seconds=self.timeout_s), self.bind_host)
+        # reaching the store and the group's rendezvous share one bound, join_timeout_s, counted once
+        deadline = time.monotonic() + self.join_timeout_s
+        reach_store(self.host, self.port, deadline, self.join_timeout_s)
+        left = timedelta(seconds=max(deadline - time.monotonic(), STORE_RETRY_S))
+        store = dist.TCPStore(self.host, self.port, world_size=2, is_master=False, timeout=left)
+        each = timedelta(seconds=self.timeout_s)  # each broadcast's own wait, once the group is joined
+        settable = hasattr(dist.ProcessGroupGloo, "_set_default_timeout")  # (a torch without it: the rendezvous too)
+        self.group = join_group(store, ENGINE, min(left, each) if settable else each, self.bind_host)
+        if settable:
+            self.group._set_default_timeout(each)
         device, dtype = engine.device, self.buckets[0].dtype
         if self.flat_weights:
             self.flat = flat.allocate(self.buckets, device)

@@ -18,10 +18,20 @@ from __future__ import annotations
 
 import base64
 import math
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from rlsync.config.schema import COPY_THREADS_MAX
 from rlsync.engines.base import Generation
@@ -48,6 +58,25 @@ SESSION_HEADER = "X-Rlsync-Session"  # names the session a request belongs to (f
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+VOCAB_SIZE = "vocab_size"  # the validation context's key: the engine's vocabulary, which token ids must fall in
+
+
+def in_vocabulary(token: int, info: ValidationInfo) -> int:
+    """A token id is 0 or more, and below the engine's vocabulary size where the engine validates it
+    (`model_validate_json(body, context={VOCAB_SIZE: n})`): refused up front, not at the embedding."""
+    vocab = (info.context or {}).get(VOCAB_SIZE)
+    if token < 0 or (vocab is not None and token >= vocab):
+        allowed = f"0 to {vocab - 1} (this engine's model.vocab_size={vocab})" if vocab is not None else "0 or more"
+        raise PydanticCustomError(
+            "token_id", "token id {token} is outside the vocabulary: {allowed}", {"token": token, "allowed": allowed}
+        )
+    return token
+
+
+# A token id: a JSON integer (never true, "4" or 4.0, which a lax int would take), in the vocabulary
+TokenId = Annotated[StrictInt, AfterValidator(in_vocabulary)]
 
 
 class WireError(ValueError):
@@ -188,9 +217,9 @@ class Empty(Message):
 
 
 class GenerateRequest(Message):
-    prompts: list[list[int]] = Field(min_length=1)
-    max_new_tokens: int = Field(ge=1)
-    temperature: float = Field(ge=0, allow_inf_nan=False)
+    prompts: list[list[TokenId]] = Field(min_length=1)
+    max_new_tokens: StrictInt = Field(ge=1)
+    temperature: StrictFloat = Field(ge=0, allow_inf_nan=False)
     generator_state: TensorData
     generator_device: str = Field(pattern=r"^(cpu|cuda(:[0-9]{1,3})?)$")
 

@@ -11,7 +11,7 @@ Time stamps are `time.perf_counter()` on both sides: CLOCK_MONOTONIC on Linux, o
 process of the machine, so a load generator on loopback can place the engine's pause among its own
 token arrivals.
 
-    POST /v1/stream   StreamRequest -> 200 + StreamLine lines | 409 Failure (NoWeights) | 422 | 503 (Busy)
+    POST /v1/stream   StreamRequest -> 200 + StreamLine lines | 409 Failure (NoWeights) | 422 | 503 (Busy, Torn)
     GET  /v1/serving                -> ServingState
 
 This module sits in rlsync.sync (below rlsync.serve and rlsync.bench), so that both the engine and the
@@ -25,8 +25,9 @@ import time
 from collections.abc import Iterator
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
+from rlsync.sync.messages import TokenId
 from rlsync.sync.remote import parse_address, token_headers
 
 MAX_LINE_BYTES = 4096  # one line of a stream
@@ -37,10 +38,13 @@ class StreamMessage(BaseModel):
 
 
 class StreamRequest(StreamMessage):
-    prompt: list[int] = Field(min_length=1, max_length=65536)
-    max_new_tokens: int = Field(ge=1, le=1 << 20)
-    temperature: float = Field(default=1.0, ge=0, le=100, allow_inf_nan=False)
-    seed: int = Field(default=0, ge=0, lt=1 << 63)
+    """Strict numbers (no `true` or `"4"` taken for an int); token ids within the engine's vocabulary
+    (validated with its size as context, messages.py `TokenId`)."""
+
+    prompt: list[TokenId] = Field(min_length=1, max_length=65536)
+    max_new_tokens: StrictInt = Field(ge=1, le=1 << 20)
+    temperature: StrictFloat = Field(default=1.0, ge=0, le=100, allow_inf_nan=False)
+    seed: StrictInt = Field(default=0, ge=0, lt=1 << 63)
 
 
 class StreamLine(StreamMessage):
@@ -49,7 +53,8 @@ class StreamLine(StreamMessage):
     kind: Literal["token", "end"]
     token: Optional[int] = None
     logprob: Optional[float] = None
-    version: int = Field(ge=0)  # the weights' version this token was generated with (at "end": the version then)
+    # the weights' version this token was generated with (at "end": the version then; None: torn weights)
+    version: Optional[int] = Field(default=None, ge=0)
     t: float = 0.0  # the engine's perf_counter when it produced the line
     reason: Optional[Literal["eos", "length", "cancelled", "error"]] = None
     error: Optional[str] = None
@@ -73,7 +78,8 @@ class SwapRecord(StreamMessage):
 
 
 class ServingState(StreamMessage):
-    version: int
+    version: Optional[int]  # updates swapped in; None while the weights are torn (an update cut off midway)
+    torn: Optional[str] = None  # why no answer is served until a complete update lands
     policy: Literal["pause", "stage"]
     streams: int  # answers being generated now
     max_streams: int
