@@ -147,6 +147,15 @@ def test_a_run_deeper_than_the_search_names_the_depth(tmp_path: Path) -> None:
     assert "Finding the runs" in (ROOT / "docs" / "report.md").read_text()
 
 
+def test_an_rlsync_run_below_another_folder_is_read_as_rlsyncs_not_as_an_export(tmp_path: Path) -> None:
+    """rlsync's metric names match Miles' map: the readers' deeper walk hands rlsync's runs to the report."""
+    write_job(tmp_path / "top" / "a" / "b", "tiny", 4)
+    result = run_report(str(tmp_path / "top"), "--no-wandb", "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    assert "(1 run, 0 failed)" in result.stdout, result.stdout
+    assert "Miles" not in result.stdout and "history export" not in result.stdout
+
+
 # ----------------------------------------------------------------------------------------------
 # Its output's reader goes away; a stop signal anywhere (H05, G15, G16)
 # ----------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Optional
 
 from rlsync.config.files import UnreadableFile, read_bytes
 from rlsync.errors import BadInput
+from rlsync.record.run_lock import LOCK_NAME
 from rlsync.registry import Registry
 
 STEP = "_step"  # every reader's row holds the writer's own step under this key
@@ -96,9 +97,16 @@ reader_class = READERS.resolve
 # ----------------------------------------------------------------------------------------------
 
 
-def walk(path: Path) -> list[Path]:
+def is_rlsync_run(folder: Path) -> bool:
+    """An rlsync run's directory (its run lock, or Hydra's record beside a summary.json): rlsync's own metric
+    names match Miles' map, so the readers leave such a folder to the report's own reading."""
+    return (folder / LOCK_NAME).exists() or ((folder / ".hydra").is_dir() and (folder / "summary.json").exists())
+
+
+def walk(path: Path, rlsync_runs: Optional[list[Path]] = None) -> list[Path]:
     """Every regular file at or under `path`: symlinks are not followed (a loop cannot trap the walk),
-    at most MAX_DEPTH folders down, and a tree of more than MAX_ENTRIES entries is refused."""
+    at most MAX_DEPTH folders down, and a tree of more than MAX_ENTRIES entries is refused. An rlsync run's
+    folder below `path` (is_rlsync_run) is not walked into: it is added to `rlsync_runs` instead."""
     try:
         info = os.stat(path)  # follows the path the user named, once: ELOOP for a loop
     except FileNotFoundError:
@@ -122,6 +130,10 @@ def walk(path: Path) -> list[Path]:
                             f"directory or file"
                         )
                     if entry.is_dir(follow_symlinks=False) and depth < MAX_DEPTH:
+                        if is_rlsync_run(Path(entry.path)):
+                            if rlsync_runs is not None:
+                                rlsync_runs.append(Path(entry.path))
+                            continue
                         stack.append((Path(entry.path), depth + 1))
                     elif entry.is_file(follow_symlinks=False):
                         found.append(Path(entry.path))

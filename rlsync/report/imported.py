@@ -180,18 +180,21 @@ def collect_all(
     names nothing, before anything is written. Imported runs without a floor are named in one note."""
     sizing = sizing_of(model, device)
     own = [p for p in paths if is_rlsync(p)]
-    runs, failures, sweeps, notes = collect(own)
+    deeper: list[Path] = []  # rlsync's runs the readers met below a path that is not itself rlsync's
+    found_by_path = {
+        path: imported_runs(path, framework=framework, warmup=warmup, rlsync_runs=deeper)
+        for path in paths
+        if path not in own
+    }
+    runs, failures, sweeps, notes = collect(own + [d for d in deeper if d not in own])
     unfloored: dict[str, list[str]] = {}
-    for path in paths:
-        if path in own:
-            continue
-        found = imported_runs(path, framework=framework, warmup=warmup)
+    for path, found in found_by_path.items():
         for answered in found:
             run, why = as_run(answered, sizing)
             runs.append(run)
             if why:
                 unfloored.setdefault(why, []).append(run.job)
-        if not found:
+        if not found and not any(path in d.parents for d in deeper):
             notes.append(f"{path}: not a run or sweep directory, nor another framework's run, skipped")
     for why, jobs in unfloored.items():  # once per reason, naming the runs
         notes.append(f"{', '.join(jobs)}: floor: n/a ({why})")
