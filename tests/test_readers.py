@@ -253,6 +253,8 @@ def test_report_side_by_side(wandb_runs, tmp_path, capsys):
     with (out / "report.csv").open() as f:
         table = list(csv.DictReader(f))
     assert sorted(r["framework"] for r in table) == ["", "Miles / slime", "verl"]
+    best = [line for line in printed.splitlines() if line.startswith("best:")]
+    assert best and not [line for line in best if "offline-run" in line or "run verl" in line]  # not ranked
     assert all(fingerprint(p) == before for p, before in inputs.items())
 
 

@@ -229,10 +229,12 @@ def setup_labels(rows: list[dict[str, Any]]) -> dict[str, str]:
 
 def best_settings(rows: list[dict[str, Any]]) -> list[Best]:
     """Per model: the fastest update, and the fastest step where steps ran, each against its runner-up;
-    a broken measurement left out of the ranking, and named."""
+    a broken measurement left out of the ranking, and named. Another framework's runs are not ranked: their
+    update and step keys span other work than rlsync's (each answers with its own verdict instead)."""
     out = []
+    own = [r for r in rows if not r.get("framework")]
     for stem in ("update", "step"):
-        timed = [r for r in rows if is_number(r.get(f"{stem}_time_median"))]
+        timed = [r for r in own if is_number(r.get(f"{stem}_time_median"))]
         models: dict[str, list[dict[str, Any]]] = {}
         for row in timed:
             models.setdefault(model_label(row, timed), []).append(row)
