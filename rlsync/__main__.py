@@ -7,6 +7,11 @@ closed). In a sweep a failed job fails alone: the others run, and the sweep exit
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # python -m rlsync: the stop signals from the first line; one that arrives during
+    from rlsync.errors import EARLY  # the imports below is acted on as cli starts (one line, 128 + the signal)
+
+    EARLY.install()
+
 import sys
 
 import hydra
@@ -61,7 +66,14 @@ def rank_main() -> None:
     """Hydra in this process; under `accelerate launch` or `torchrun`, ranks > 0 keep Hydra's output away
     (under the submitit launcher each task is started by submitit and runs hydra_main alone)."""
     sys.argv = rank_argv(sys.argv)
+    if not any(a.startswith(("-", "hydra.mode=")) for a in sys.argv[1:]):  # a run: no -m, --help, --cfg, -sc
+        sys.argv = [*sys.argv, SINGLE_RUN]
     hydra_main()
+
+
+# A single run has no sweep to report: without the sweep's callback (rlsync.report, which imports torch), a value
+# refused by validation is answered before torch, transformers or wandb is imported
+SINGLE_RUN = "~hydra.callbacks.sweep_report"
 
 
 if __name__ == "__main__":

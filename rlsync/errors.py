@@ -4,7 +4,8 @@ The entry points (rlsync.shell) print an error as one line on stderr and exit wi
 traceback (RLSYNC_DEBUG=1 shows it): a bad value exits 2, a run that failed exits 1, a run
 stopped by SIGINT, SIGTERM or SIGHUP exits 128 + the signal (130, 143, 129), as shells report it.
 Hydra's own composition errors (unknown key, wrong type, unknown group choice) are translated
-here into the same one-line `ConfigError`.
+here into the same one-line `ConfigError`. This module imports nothing heavy (Hydra only when an error is
+translated): each entry point's first line installs its signal handlers from here (`signals_from_here`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ from contextlib import contextmanager
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
-
-from hydra.errors import HydraException, MissingConfigException, OverrideParseException
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from rlsync.fmt import error_line, first_line
 
@@ -133,12 +131,230 @@ class WriteFailed(RlsyncError):
         super().__init__(f"cannot write {path}: {os_error_text(err)} ({err.strerror or err}){then}")
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGINT, SIGTERM or SIGHUP: the run stops, keeps its finished steps, and exits 128 + signal."""
+# ----------------------------------------------------------------------------------------------
+# What the system refused, anywhere: a full disk, out of memory, a process limit -> one line naming it
+# ----------------------------------------------------------------------------------------------
 
-    def __init__(self, signum: int):
-        self.signum, self.exit_code = signum, 128 + signum
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)  # the file system refused a write
+MEMORY_WORDS = ("failed to map segment", "cannot allocate memory", "out of memory")  # dlopen's, mmap's words
+LIMIT_WORDS = ("resource temporarily unavailable", "can't start new thread", "thread creation failed", "pthread_create")
+
+
+def causes(err: BaseException) -> list[BaseException]:
+    """`err` and what it was raised from or during, outermost first (each once)."""
+    found: list[BaseException] = []
+    while err is not None and err not in found:
+        found.append(err)
+        err = err.__cause__ or err.__context__
+    return found
+
+
+def file_being_written(err: BaseException) -> Optional[str]:
+    """The file an OSError without a file name was writing: an open file, or the Path written, in the frames
+    it was raised through, innermost first (`Path.write_text`, `json.dump(obj, fh)`, `fh.write(...)`)."""
+    frames, tb = [], err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        for name, value in frame.f_locals.items():
+            if isinstance(value, Path) and name == "self" and frame.f_code.co_name.startswith(("write", "open")):
+                return str(value)
+            mode = getattr(value, "mode", None)
+            if hasattr(value, "write") and isinstance(getattr(value, "name", None), str) and isinstance(mode, str):
+                if any(c in mode for c in "wax+"):
+                    return value.name
+    return None
+
+
+def write_failure(err: BaseException) -> Optional[RlsyncError]:
+    """A write the file system refused (full, over quota, past `ulimit -f`, read-only), wherever it happened:
+    one line naming the file (exit 1), as rlsync's own writers say it."""
+    for e in causes(err):
+        if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:
+            path = e.filename or file_being_written(e)
+            if path:
+                return WriteFailed(path, e)
+            return RlsyncError(f"cannot write a file: {os_error_text(e)} ({e.strerror or e})")
+    return None
+
+
+class OutOfMemory(RlsyncError):
+    """The process ran out of (address-space) memory where Python could still say so (exit 1)."""
+
+
+def memory_limit() -> str:
+    """What bounds this process's memory, for the advice: `ulimit -v` when it is set."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return "free host memory, or run a smaller model"
+    return (
+        f"this process's address space is limited to {soft / 2**30:.2g} GiB (ulimit -v {soft // 1024}): raise the limit"
+    )
+
+
+def importing(err: BaseException) -> Optional[str]:
+    """The package an ImportError was raised in (its innermost frame's module), e.g. numpy for its C library."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    name = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+    return name.split(".")[0] or getattr(err, "name", None)
+
+
+def out_of_memory(err: BaseException) -> Optional[OutOfMemory]:
+    """A MemoryError, or a shared library that could not be mapped, anywhere in `err`'s chain: out of memory,
+    not the bad config or the failed import it surfaced as (Hydra: "Error locating target ...")."""
+    chain = causes(err)
+    for e in reversed(chain):  # innermost first: the library that could not be mapped
+        text = str(e).lower()
+        if isinstance(e, MemoryError) or (
+            isinstance(e, (ImportError, OSError))
+            and (getattr(e, "errno", None) == errno.ENOMEM or any(w in text for w in MEMORY_WORDS))
+        ):
+            where = importing(e) if isinstance(e, ImportError) else None
+            what = f"while importing {where} " if where else ""
+            return OutOfMemory(f"out of memory {what}({error_line(e)}): {memory_limit()}")
+    return None
+
+
+def process_limit(err: BaseException) -> Optional[RlsyncError]:
+    """A thread or process that could not be started (EAGAIN), anywhere in `err`'s chain: one line naming the
+    limit on this user's processes and threads (`ulimit -u`) when one is set."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    for e in causes(err):
+        if isinstance(e, BlockingIOError):  # EAGAIN of a non-blocking socket or pipe: no limit of ours
+            continue
+        text = str(e).lower()
+        spawning = any(w in text for w in LIMIT_WORDS[1:])  # says a thread could not be made
+        if soft != resource.RLIM_INFINITY and (spawning or any(w in text for w in LIMIT_WORDS[:1])):
+            limit = f"this user may run {soft} processes and threads (ulimit -u {soft}): raise the limit or stop some"
+        elif spawning:
+            limit = "the machine's limit on processes and threads (kernel.threads-max, pid_max) was reached"
+        else:
+            continue
+        return RlsyncError(f"cannot start a thread or process ({error_line(e)}): {limit}")
+    return None
+
+
+def translate(err: BaseException) -> Optional[BaseException]:
+    """The one-line error `err` stands for (out of memory, a Hydra composition error, a refused write, a process
+    limit); None when it is to be shown as it is."""
+    if isinstance(err, (RlsyncError, KeyboardInterrupt)):
+        return None
+    return out_of_memory(err) or from_hydra(err) or write_failure(err) or process_limit(err)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP (SIGUSR1, SIGUSR2 where nothing else claims them): the run stops, keeps its
+    finished steps, and exits 128 + signal. `detail` ends the phrase ("before the run started")."""
+
+    def __init__(self, signum: int, detail: str = ""):
+        self.signum, self.exit_code, self.detail = signum, 128 + signum, detail
+        super().__init__(f"stopped by {signal.Signals(signum).name}" + (f" {detail}" if detail else ""))
+
+    def __reduce__(self):
+        return type(self), (self.signum, self.detail)
+
+
+def stop_signals() -> tuple[int, ...]:
+    """The signals that stop a run with its line and summary: SIGINT, SIGTERM, SIGHUP (a closed terminal), and
+    SIGUSR1 / SIGUSR2 where nothing else claimed them (their default would end the process without a word; a
+    batch system sends them before its time limit). SIGQUIT keeps its default: a core dump, asked for."""
+    found = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        if signal.getsignal(sig) in (signal.SIG_DFL, None) or getattr(signal.getsignal(sig), "_rlsync", False):
+            found.append(sig)
+    return tuple(found)
+
+
+def exit_now(signum: int) -> None:
+    """A second stop signal while the first is handled: out at once (the finished steps are on disk already)."""
+    print(
+        f"rlsync: {signal.Signals(signum).name} again: exiting now without the summary "
+        f"(metrics.jsonl keeps the finished steps)",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(128 + signum)
+
+
+class EarlySignals:
+    """The stop signals from an entry point's first line until the run's own handling (StopOnSignals) begins.
+
+    A signal here is kept (`pending`) and, while `raising` (inside rlsync.shell.cli, or an entry's imports
+    under `signals_from_here`), raised as `Interrupted` at once. Library code may swallow that exception
+    (a `__del__`, a weakref callback, a broad `except`): the signal stays pending until its line is printed
+    (`reported`), and is raised again at the next safe point (`check`: a job's start, StopOnSignals' entry,
+    the end of cli), so no stop is lost. A handler a library put in place of ours is replaced there too.
+    """
+
+    def __init__(self) -> None:
+        self.pending: Optional[int] = None  # the stop signal received and not yet reported
+        self.raising = False
+        self.started = False  # the command holds its run directory: no longer "before the run started"
+        self.stops = 0  # StopOnSignals blocks open: their handlers are in place, ours wait
+        self.handler = self._handle
+
+    def install(self) -> dict:
+        """Our handler for each stop signal not already ours; returns what was there (main thread only)."""
+        if threading.current_thread() is not threading.main_thread() or self.stops:
+            return {}
+        previous = {}
+        for sig in stop_signals():
+            current = signal.getsignal(sig)
+            if current is not self.handler:
+                previous[sig] = signal.signal(sig, self.handler)
+        return previous
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.pending is not None:
+            exit_now(signum)
+        self.pending = signum
+        if self.raising:
+            raise self.interrupted()
+
+    def interrupted(self) -> Interrupted:
+        return Interrupted(self.pending, "" if self.started else "before the run started")
+
+    def check(self) -> None:
+        """A safe point: a signal that arrived (and was swallowed on the way) raised now; within a command
+        (rlsync.shell.cli) our handlers are put back first, should a library have replaced them."""
+        if self.raising:
+            self.install()
+        if self.pending is not None:
+            raise self.interrupted()
+
+    def reported(self, err: BaseException) -> None:
+        """`err`'s line is printed: a pending signal it stands for is dealt with."""
+        if isinstance(err, KeyboardInterrupt):
+            self.pending = None
+
+
+EARLY = EarlySignals()
+
+
+@contextmanager
+def signals_from_here():
+    """An entry point's first lines (`python -m rlsync...`): the stop signals are handled from here on, and one
+    that arrives while the block imports the entry (torch, transformers, ...) ends the process with its line
+    and 128 + the signal, no traceback. A signal that arrives after the block is acted on by rlsync.shell.cli."""
+    EARLY.install()
+    EARLY.raising = True
+    try:
+        yield
+    except KeyboardInterrupt:
+        stop = (
+            EARLY.interrupted() if EARLY.pending is not None else Interrupted(signal.SIGINT, "before the run started")
+        )
+        print(f"rlsync: {describe(stop)}", file=sys.stderr, flush=True)
+        os._exit(stop.exit_code)  # half-imported modules: nothing to clean up, nothing written yet
+    finally:
+        EARLY.raising = False
 
 
 class StopOnSignals:
@@ -152,30 +368,34 @@ class StopOnSignals:
     steps are on disk already, only the summary is lost.
     """
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
     def __enter__(self) -> StopOnSignals:
         self.pending: Optional[int] = None
         self.raised = False
         self.deferring = False
         self.previous = {}
+        EARLY.started = True  # the run is under way: its own handling from here
+        EARLY.stops += 1
         if threading.current_thread() is threading.main_thread():
-            self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+            self.previous = {s: signal.signal(s, self._handle) for s in stop_signals()}
+        self.carried, EARLY.pending = EARLY.pending, None  # a signal before the run, swallowed on the way
         return self
 
+    def check(self) -> None:
+        """The owner's first line inside the block: a signal carried over from before the run stops it here."""
+        if self.carried is not None:
+            signum, self.carried, self.raised = self.carried, None, True
+            raise Interrupted(signum)
+
     def __exit__(self, *exc) -> None:
+        EARLY.stops -= 1
+        if self.raised or exc[:1] != (None,):  # the run is stopping: a signal during the teardown (a launcher's
+            EARLY.raising = False  # SIGTERM) is kept, not raised in place of the error that stopped it
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame) -> None:
         if self.raised or self.pending is not None:
-            print(
-                f"rlsync: {signal.Signals(signum).name} again: exiting now without the summary "
-                f"(metrics.jsonl keeps the finished steps)",
-                file=sys.stderr,
-                flush=True,
-            )
-            os._exit(128 + signum)
+            exit_now(signum)
         if self.deferring:
             self.pending = signum
             return
@@ -196,12 +416,15 @@ class StopOnSignals:
         try:
             yield
         finally:
-            self.deferring = False
+            self.deferring = absorb  # the stop is under way: a signal after the block still waits (or exits at once)
             if self.pending is not None and absorb:
                 self.raised = True
         if self.pending is not None and not self.raised:
             self.raised = True
             raise Interrupted(self.pending)
+
+
+EarlySignals._handle._rlsync = StopOnSignals._handle._rlsync = True  # stop_signals(): SIGUSR1/2 are ours already
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,6 +435,9 @@ class StopOnSignals:
 def from_hydra(err: BaseException) -> Optional[RlsyncError]:
     """The ConfigError (or BadInput) a Hydra/OmegaConf composition error stands for, BrokenInstall when the
     install lacks its configs; None for anything else."""
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
     if (
         isinstance(err, MissingConfigException)
         and "primary config" in str(err).lower()

@@ -9,8 +9,11 @@ same, writing the traceback to the run directory's error.log.
 
 from __future__ import annotations
 
+import atexit
 import json
+import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -19,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
-from rlsync.errors import DEBUG_ENV, BadInput, debug_enabled, describe, exit_code, from_hydra, unusable_dir
+from rlsync.errors import DEBUG_ENV, EARLY, BadInput, debug_enabled, describe, exit_code, translate, unusable_dir
 from rlsync.record.run_lock import LOCK_NAME
 
 
@@ -78,11 +81,13 @@ def job_errors(
     """
     started = time.time()
     try:
+        EARLY.check()  # the job starts: a signal since the command started (swallowed on the way) stops it here
         yield
     except SystemExit:
         raise
     except BaseException as err:  # noqa: BLE001 - every way a job ends gets its line
-        shown = from_hydra(err) or err
+        shown = translate(err) or err
+        EARLY.reported(shown)
         ran = run_dir is not None and not isinstance(shown, BadInput)  # a run that may have kept finished steps
         line = describe(shown) + (kept(run_dir, since=started) if ran else "")
         if run_dir is not None and getattr(shown, "writes_error_log", True):  # not in a directory another run holds
@@ -202,8 +207,28 @@ def cli(app: Callable[[], Any]) -> None:
     the one line. RLSYNC_DEBUG=1 (or HYDRA_FULL_ERROR=1 set by the user) prints the traceback too.
     A reader of stdout or stderr that goes away (`| head`) stops nothing (PipeSafe).
     """
-    with pipe_safe_output():
-        _run_app(app)
+    previous = EARLY.install()  # the signals from here on, if the entry did not take them at its first line
+    EARLY.started = False  # until this command holds its run directory
+    raising, EARLY.raising = EARLY.raising, True
+    try:
+        with pipe_safe_output():
+            _run_app(app)
+    finally:
+        EARLY.raising = raising
+        for sig, handler in previous.items():  # in this process's caller (a test): its own handlers back
+            signal.signal(sig, handler)
+        if quiet_after_the_last_line not in QUIET:
+            QUIET.append(quiet_after_the_last_line)
+            atexit.register(quiet_after_the_last_line)
+
+
+QUIET: list[Callable[[], None]] = []  # registered once per process, after the libraries' own exit hooks
+
+
+def quiet_after_the_last_line() -> None:
+    """At exit, after rlsync's last line: no library's INFO log (torch's 'FakeTensor cache stats', printed by
+    an atexit hook through Hydra's logging when torch's own logging setup was cut short by a signal)."""
+    logging.disable(logging.INFO)
 
 
 def _run_app(app: Callable[[], Any]) -> None:
@@ -211,7 +236,9 @@ def _run_app(app: Callable[[], Any]) -> None:
         os.environ[DEBUG_ENV] = "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
+        EARLY.check()  # a signal during the entry's imports
         app()
+        EARLY.check()  # one that something swallowed after all: the command still ends as it asked
     except SystemExit as stop:
         if stop.code in INTERRUPTED_CODES:
             end_sweep("interrupted")
@@ -222,7 +249,10 @@ def _run_app(app: Callable[[], Any]) -> None:
         end_sweep("failed")
         sys.exit(err.exit_code)
     except BaseException as err:  # noqa: BLE001 - composition errors, Ctrl-C before the run
-        shown = from_hydra(err) or unusable_dir(err) or err
+        shown = translate(err) or unusable_dir(err) or err
+        EARLY.reported(shown)
+        if isinstance(shown, KeyboardInterrupt):
+            end_sweep("interrupted")
         if debug_enabled():
             traceback.print_exc()
         print(f"rlsync: {describe(shown)}", file=sys.stderr, flush=True)

@@ -15,6 +15,8 @@ from rlsync.config.apps import SCHEMAS
 from rlsync.config.help import key_comment
 from rlsync.config.validate import leaves
 
+HANG_S = 1800  # a child's time limit catches a hang only, never a slow (loaded) machine
+
 STEP_METRICS = [
     "perf/step_time",
     "perf/rollout_time",
@@ -123,7 +125,10 @@ def test_wandb_offline_run_holds_the_same_numbers(tmp_path):
     assert "Run summary" not in proc.stderr and "Run history" not in proc.stderr  # no W&B footer after the verdict
     wandb_dir = next((run_dir / "wandb").glob("offline-run-*"))
     inspect = subprocess.run(
-        ["wandb", "leet", "inspect", "--summary", "--json", str(wandb_dir)], capture_output=True, text=True, timeout=60
+        ["wandb", "leet", "inspect", "--summary", "--json", str(wandb_dir)],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
     )
     state = json.loads(inspect.stdout)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -137,7 +142,7 @@ def test_wandb_offline_run_holds_the_same_numbers(tmp_path):
     records = [
         json.loads(x)
         for x in subprocess.run(
-            ["wandb", "leet", "inspect", "--json", str(wandb_dir)], capture_output=True, text=True, timeout=60
+            ["wandb", "leet", "inspect", "--json", str(wandb_dir)], capture_output=True, text=True, timeout=HANG_S
         ).stdout.splitlines()
     ]
     run_record = next(r for r in records if r.get("type") == "run")
@@ -188,3 +193,29 @@ def test_completion_offers_the_keys_of_the_schema():
     assert proc.stdout.split() == ["update.transport="]
     proc = run_main("--shell-completion", "install=bash")
     assert "complete -o nospace -o default -F hydra_bash_completion" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "module,overrides", [("rlsync.plan", []), ("rlsync.serve", ["update.engine_address=127.0.0.1:0"])]
+)
+def test_every_command_takes_the_run_lock_before_anything_is_written(tmp_path, module, overrides):
+    """F10: the planner and the engine pointed at a live run's directory are refused, its .hydra/ untouched (they
+    take the run lock, as the runner and the bench do, before Hydra's record is written)."""
+    from rlsync.record.run_lock import RunLock
+
+    run_dir = tmp_path / "live"
+    with RunLock(run_dir):  # held as a live run holds it, its record written
+        (run_dir / ".hydra").mkdir()
+        (run_dir / ".hydra" / "overrides.yaml").write_text("- the live run's\n")
+        proc = run_main("wandb.mode=disabled", *overrides, f"hydra.run.dir={run_dir}", module=module)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().startswith(f"rlsync: run directory {run_dir} is in use by another run"), proc.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", ".rlsync.lock"]
+    assert [p.name for p in (run_dir / ".hydra").iterdir()] == ["overrides.yaml"]
+    assert (run_dir / ".hydra" / "overrides.yaml").read_text() == "- the live run's\n"
+
+
+def test_every_entry_points_config_leaves_hydras_record_to_the_run_lock():
+    for name in ("config", "bench", "plan", "engine"):
+        text = (ROOT / "rlsync" / "conf" / f"{name}.yaml").read_text()
+        assert "\n  output_subdir: null\n" in text, f"conf/{name}.yaml: Hydra would write .hydra/ before the lock"

@@ -579,3 +579,51 @@ def test_the_cost_model_has_a_gather_term_and_per_rank_state():
     assert gather_seconds(8_000_000_000, 2, 100.0) == pytest.approx(0.04)  # half the bytes arrive, at 100 GB/s
     assert gather_seconds(8_000_000_000, 8, 100.0) == pytest.approx(0.07)  # 7/8 of them
     assert per_rank_state_bytes(10, 4, "fsdp2") == 3 and per_rank_state_bytes(10, 4, "ddp") == 10
+
+
+RANK_1_SIGNALS_ITSELF = """
+import os, runpy, signal
+
+from rlsync.trainer.grpo import Trainer
+
+if os.environ.get("RANK") == "1":
+    original, calls = Trainer.train_step, []
+
+    def signalled_train_step(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIG{sig})
+        return original(self, *args, **kwargs)
+
+    Trainer.train_step = signalled_train_step
+runpy.run_module("rlsync", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sig,status,line",
+    [
+        (
+            "KILL",
+            "failed",
+            "data-parallel rank 1 died (its process ended without a word: killed by SIGKILL, the out-of-memory killer, "
+            "or a crash)",
+        ),
+        ("INT", "interrupted", "interrupted: stopped by SIGINT (sent to data-parallel rank 1)"),
+    ],
+)
+def test_a_rank_killed_or_stopped_is_named_not_taken_for_the_launchers_sigterm(tmp_path, sig, status, line):
+    """D02/D08: rank 1 SIGKILLed (or Ctrl-C'd alone) in its second step; rank 0, stopped by torchrun's SIGTERM or
+    a closed collective, names rank 1 and writes its summary with the finished step."""
+    script, run_dir = tmp_path / "signalled_rank.py", tmp_path / "run"
+    script.write_text(RANK_1_SIGNALS_ITSELF.replace("{sig}", sig))
+    proc = torchrun(
+        *DP_RUN, "trainer.parallel=ddp", "run.steps=4", f"hydra.run.dir={run_dir}", cwd=ROOT, script=str(script)
+    )
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("rlsync:")]
+    kept = f"; 1 finished step(s) kept in {run_dir} (summary.json status {status})"
+    assert f"rlsync: {line}{kept}" in lines, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == status and summary["steps_finished"] == 1

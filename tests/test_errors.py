@@ -7,6 +7,7 @@ model, so they are cheap), then each parametrized test reads its own result; a f
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ from typing import Optional
 
 import pytest
 import torch
-from conftest import ROOT, cli_env, read_jsonl, run_main
+from conftest import FAST, ROOT, cli_env, read_jsonl, run_main
 
 from rlsync.config.apps import BenchAppConfig, EngineAppConfig
 from rlsync.config.rules import ANY, Choices, Rule
@@ -26,6 +27,7 @@ from rlsync.errors import ConfigError, Interrupted, StopOnSignals, UpdateOutOfMe
 from rlsync.shell import JobFailed, job_errors
 
 CUDA = torch.cuda.is_available()
+HANG_S = 1800  # a child's time limit catches a hang only, never a slow (loaded) machine
 
 # (overrides, what the line must name): every kind of bad input the runner rejects, one case each.
 BAD_INPUTS = [
@@ -121,7 +123,7 @@ def cli_results(tmp_path_factory):
 def test_bad_input_from_a_fresh_interpreter(tmp_path, module, overrides, names):
     """The same as the in-process cases below, from a plain `python -m` (no warmed-up parent)."""
     args = [sys.executable, "-m", module, "wandb.mode=disabled", f"hydra.run.dir={tmp_path}", *overrides]
-    check_one_line(subprocess.run(args, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=180), names)
+    check_one_line(subprocess.run(args, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=HANG_S), names)
 
 
 def check_one_line(result: subprocess.CompletedProcess, names: str) -> None:
@@ -440,7 +442,7 @@ def test_wandb_failing_falls_back_and_keeps_the_files(tmp_path, mode, env, expec
         env=full_env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert result.returncode == 0, result.stderr
     ours = [ln for ln in result.stderr.splitlines() if ln.startswith("rlsync:")]
@@ -456,7 +458,7 @@ def test_wandb_failing_falls_back_and_keeps_the_files(tmp_path, mode, env, expec
                 ["wandb", "leet", "inspect", "--summary", "--json", str(offline_runs[0])],
                 capture_output=True,
                 text=True,
-                timeout=60,
+                timeout=HANG_S,
             ).stdout
         )
         assert state["summary"]["perf/step_time"] == 1.5
@@ -600,3 +602,133 @@ def test_a_checkpoint_of_another_model_type_is_refused(tmp_path):
     cfg.model.pretrained = str(tmp_path)
     with pytest.raises(ConfigError, match="model.pretrained=.*: its config.json has model_type=llama"):
         validate(cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# Signals from the first instant; what the system refused (disk, memory, processes), named
+# ----------------------------------------------------------------------------------------------
+
+
+def swallowing_checked_config(monkeypatch, sig: int, *, swallow: bool) -> None:
+    """The runner's validation sends `sig` to this process, as a Ctrl-C during Hydra's or torch's start would
+    arrive; `swallow`: library code on the way catches the KeyboardInterrupt and goes on (G01: a run that ran
+    all its steps after a Ctrl-C)."""
+    import rlsync.__main__ as entry
+
+    real = entry.checked_config
+
+    def checked(dcfg):
+        try:
+            os.kill(os.getpid(), sig)
+        except KeyboardInterrupt:
+            if not swallow:
+                raise
+        return real(dcfg)
+
+    monkeypatch.setattr(entry, "checked_config", checked)
+
+
+def test_a_signal_before_the_run_is_one_line_and_128_plus_it(monkeypatch, tmp_path):
+    swallowing_checked_config(monkeypatch, signal.SIGINT, swallow=False)
+    before = signal.getsignal(signal.SIGTERM)
+    proc = run_main("wandb.mode=disabled", *FAST, f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "rlsync: interrupted: stopped by SIGINT before the run started"
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert signal.getsignal(signal.SIGTERM) is before  # this process's handlers back once the command ended
+
+
+def test_a_signal_swallowed_on_the_way_still_stops_the_run(monkeypatch, tmp_path):
+    swallowing_checked_config(monkeypatch, signal.SIGINT, swallow=True)
+    proc = run_main("wandb.mode=disabled", *FAST, f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 130, proc.stdout[-2000:] + proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"rlsync: interrupted: stopped by SIGINT; 0 finished step(s) kept in {tmp_path} (summary.json status interrupted)"
+    )
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "interrupted"
+
+
+def test_sigusr1_stops_a_run_as_sigterm_does_unless_something_else_claimed_it():
+    from rlsync.errors import stop_signals
+
+    assert signal.SIGUSR1 in stop_signals() and signal.SIGQUIT not in stop_signals()
+    with pytest.raises(Interrupted) as caught, StopOnSignals():
+        os.kill(os.getpid(), signal.SIGUSR1)
+    assert caught.value.exit_code == 128 + signal.SIGUSR1 and str(caught.value) == "stopped by SIGUSR1"
+    before = signal.signal(signal.SIGUSR2, lambda *_: None)  # a launcher's own (submitit requeues on SIGUSR2)
+    try:
+        assert signal.SIGUSR2 not in stop_signals()
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+
+
+@pytest.fixture
+def file_size_limit():
+    """This process may write files of at most 1 KiB (ulimit -f 1): a write past it fails with EFBIG."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_write_past_the_file_size_limit_names_the_file(capsys, tmp_path, file_size_limit):
+    target = tmp_path / "plan.json"
+    with pytest.raises(SystemExit) as exited, job_errors(tmp_path / "run"):
+        target.write_text("x" * 4096)  # the OSError names no file: the line still does
+    assert exited.value.code == 1
+    assert capsys.readouterr().err.strip() == (
+        f"rlsync: cannot write {target}: the file is too large for this file system or its size limit "
+        f"(ulimit -f) (File too large)"
+    )
+
+
+def test_the_planner_past_the_file_size_limit_names_the_file(tmp_path, file_size_limit):
+    proc = run_main("wandb.mode=disabled", f"hydra.run.dir={tmp_path}", module="rlsync.plan")
+    assert proc.returncode == 1, proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("rlsync:")]
+    assert line.startswith(f"rlsync: cannot write {tmp_path}/") and "(ulimit -f)" in line, line
+    assert not (tmp_path / "plan.tmp").exists()
+
+
+def test_out_of_memory_while_importing_is_not_a_bad_config(tmp_path, monkeypatch):
+    """M07: under `ulimit -v` a library's shared object cannot be mapped; Hydra reports the callback it was
+    importing as "Error locating target" (was: exit 2, "bad config")."""
+    from hydra.utils import instantiate
+
+    from rlsync.errors import exit_code, translate
+
+    pkg = tmp_path / "mappedlib"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "raise ImportError('libgfortran.so.5: failed to map segment from shared object')\nclass Thing: pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(Exception) as caught:
+        instantiate({"_target_": "mappedlib.Thing"})
+    shown = translate(caught.value)
+    assert exit_code(shown) == 1
+    assert str(shown).startswith(
+        "out of memory while importing mappedlib (ImportError: libgfortran.so.5: failed to map segment from shared "
+        "object): "
+    )
+
+
+def test_a_thread_that_cannot_start_names_the_process_limit(monkeypatch):
+    import resource
+
+    from rlsync.errors import translate
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (40, 40))
+    try:
+        raise RuntimeError("the engine failed") from RuntimeError("Resource temporarily unavailable")
+    except RuntimeError as err:
+        shown = translate(err)
+    assert str(shown) == (
+        "cannot start a thread or process (RuntimeError: Resource temporarily unavailable): this user may run 40 "
+        "processes and threads (ulimit -u 40): raise the limit or stop some"
+    )
+    assert translate(BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")) is None  # a socket's

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from conftest import FAST, ROOT, cli_env, read_jsonl, run_main
 
+HANG_S = 1800  # a child's time limit catches a hang only, never a slow (loaded) machine
+
 # Cheap steps, and many of them: the test stops the run long before the end.
 LONG = [
     "run.steps=1000",
@@ -145,7 +147,7 @@ def test_sigterm_stops_the_run_and_keeps_the_finished_steps(outcomes):
                 ["wandb", "leet", "inspect", "--summary", "--json", str(wandb_dir)],
                 capture_output=True,
                 text=True,
-                timeout=60,
+                timeout=HANG_S,
             ).stdout
         )
         assert (state["state"], state["exit_code"]) == ("failed", code)
@@ -285,7 +287,7 @@ def test_one_live_run_per_directory_then_sighup_keeps_the_steps_and_a_dead_holde
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert dead.returncode == -signal.SIGKILL
     dead_pid = int(dead.stdout.split()[0])
@@ -332,3 +334,29 @@ def test_a_signal_while_the_run_names_its_stop_is_absorbed():
             os.kill(os.getpid(), signal.SIGTERM)
             done = True  # reached: the handler did not raise here
         assert done and stop.raised and stop.pending == signal.SIGTERM
+
+
+def caught_signals(pid: int) -> int:
+    """The signals process `pid` has a handler for (its SigCgt mask)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(ln for ln in status.splitlines() if ln.startswith("SigCgt:")).split()[1], 16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["rlsync", "rlsync.serve"])
+def test_a_signal_from_the_first_instant_is_one_line_and_128_plus_it(tmp_path, module):
+    """G02/G11: SIGTERM as soon as the process handles it (its entry's first lines, before Hydra, torch or
+    uvicorn is imported): one line and 143, no traceback, nothing run or served."""
+    args = [sys.executable, "-m", module, "wandb.mode=disabled", *LONG, f"hydra.run.dir={tmp_path / 'run'}"]
+    if module == "rlsync.serve":
+        args = [sys.executable, "-m", module, "update.engine_address=127.0.0.1:0", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.Popen(args, cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + WAIT_S
+    while not caught_signals(proc.pid) & (1 << (signal.SIGTERM - 1)) and time.time() < deadline:
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == 143, err[-3000:]
+    assert err.strip().splitlines()[-1] == "rlsync: interrupted: stopped by SIGTERM before the run started", err[-3000:]
+    assert "Traceback" not in err and "listening on" not in out
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

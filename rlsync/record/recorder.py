@@ -26,6 +26,7 @@ import torch
 from rlsync.config.schema import WandbConfig
 from rlsync.errors import StopOnSignals, WriteFailed
 from rlsync.fmt import error_line
+from rlsync.measure.threads import machine_threads
 from rlsync.record.run_lock import RunLock
 from rlsync.record.sinks import Console, MetricsFile, WandbRun, wandb_run, write_json
 
@@ -68,20 +69,8 @@ class Recorder:
 
     def __enter__(self) -> Recorder:
         if self.enabled:
-            self._stack.enter_context(RunLock(self.run_dir))
-            self._write_hydra_record()
+            self._stack.enter_context(RunLock(self.run_dir, self.hydra_record))  # then .hydra/ is written
         return self
-
-    def _write_hydra_record(self) -> None:
-        """Hydra's record of the job (rlsync.config.launch.hydra_record), now that this run holds the directory."""
-        for name, text in self.hydra_record.items():
-            path = self.run_dir / ".hydra" / name
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(text, encoding="utf-8")
-            except OSError as err:
-                self._stack.close()  # the directory let go: nothing ran
-                raise WriteFailed(path, err) from None
 
     def __exit__(self, *exc) -> Optional[bool]:
         self.close_files()
@@ -118,28 +107,35 @@ class Recorder:
         """
         with StopOnSignals() as self.stop:
             try:
+                self.stop.check()  # a signal from before the run, swallowed on the way: stopped here, summarized
                 yield self.record
                 self.status = "finished"
             except BaseException as err:
+                self.stop.deferring = True  # first: no signal is raised from here to the summary (no call before)
                 with self.stop.ending():  # the launcher's SIGTERM may follow another rank's exit at once
                     stopped_by = cause(err) if cause is not None else None
-                if stopped_by is not None:
-                    self.status, self.error, self.failure = "failed", str(stopped_by), stopped_by
+                if stopped_by is not None:  # another rank failed, died, or was stopped by a signal
+                    self.status = "interrupted" if isinstance(stopped_by, KeyboardInterrupt) else "failed"
+                    self.error, self.failure = str(stopped_by), stopped_by
                     raise stopped_by from err
                 self.status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
                 self.error, self.failure = error_line(err), err
                 raise
             finally:
-                self.close_files()
-                close_error = None
-                try:
-                    release()
-                except Exception as err:  # noqa: BLE001 - a dead engine's close must not cost the finished steps
-                    close_error = err
-                self.result = summarize()
-                self.write_summary(self.result)
-                if self.enabled:
-                    closing(self.result)
+                self.stop.deferring = True
+                # the summary is written whatever signal arrives meanwhile (a launcher's SIGTERM follows a rank's
+                # end at once): absorbed when the run is stopping anyway, raised after it when it had finished
+                with self.stop.deferred(absorb=self.status != "finished"):
+                    self.close_files()
+                    close_error = None
+                    try:
+                        release()
+                    except Exception as err:  # noqa: BLE001 - a dead engine's close must not cost the finished steps
+                        close_error = err
+                    self.result = summarize()
+                    self.write_summary(self.result)
+                    if self.enabled:
+                        closing(self.result)
             if close_error is not None:
                 raise close_error
             if self.summary_failure is not None:  # every step finished; only the summary is missing
@@ -200,7 +196,7 @@ def machine_info(device: torch.device) -> dict:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "cpus": torch.get_num_threads(),
+        "cpus": machine_threads(),  # the machine's, not the run's torch threads (1 on a busy machine)
         "device": str(device),
     }
     if device.type == "cuda":

@@ -7,6 +7,11 @@ naming the directory and the holder: pid, host, start time). The kernel drops a 
 holder's process dies however it dies (SIGKILL included), so a dead run never blocks the next: the
 lock is free, and the holder it left written inside is named in a note as the next run takes over.
 A run that ends cleanly empties the file, so a later run sees no holder at all.
+
+Every command that writes into a run directory (python -m rlsync, rlsync.bench, rlsync.plan, rlsync.serve)
+takes this lock before anything of it is written: its config sets `hydra.output_subdir: null`, so Hydra
+writes no `.hydra/`, and the lock writes Hydra's record (`record`: config.yaml, hydra.yaml, overrides.yaml)
+once it holds the directory.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from rlsync.errors import BadInput, os_error_text
+from rlsync.errors import EARLY, BadInput, WriteFailed, os_error_text
 
 LOCK_NAME = ".rlsync.lock"  # what a live run holds an flock on (rlsync.shell.held_by_a_live_run tests it too)
 
@@ -65,10 +70,12 @@ def read_holder(fd: int) -> Optional[dict]:
 
 
 class RunLock:
-    """`with RunLock(run_dir):` holds the directory for this process, or raises RunDirBusy."""
+    """`with RunLock(run_dir, record):` holds the directory for this process (then writes Hydra's `record` of
+    the job into its .hydra/), or raises RunDirBusy touching nothing."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, record: Optional[dict[str, str]] = None):
         self.run_dir, self.path = Path(run_dir), Path(run_dir) / LOCK_NAME
+        self.record = record or {}  # .hydra/'s files (rlsync.config.launch.hydra_record)
         self.fd: Optional[int] = None
 
     def __enter__(self) -> RunLock:
@@ -103,7 +110,21 @@ class RunLock:
         except OSError as err:  # a full disk: the lock holds all the same, the holder goes unnamed
             print(f"rlsync: note: cannot write {self.path} ({os_error_text(err)})", file=sys.stderr, flush=True)
         self.fd = fd
+        EARLY.started = True  # a signal from now on stops a run, not a command "before the run started"
+        self.write_record()
         return self
+
+    def write_record(self) -> None:
+        """Hydra's record of the job, now that this process holds the directory (a write it cannot make: the
+        directory is let go, and the line names the file)."""
+        for name, text in self.record.items():
+            path = self.run_dir / ".hydra" / name
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text, encoding="utf-8")
+            except OSError as err:
+                self.__exit__()
+                raise WriteFailed(path, err) from None
 
     def __exit__(self, *exc) -> None:
         if self.fd is None:

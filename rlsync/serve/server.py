@@ -40,18 +40,23 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
+from typing import Optional
 
 import hydra
 import uvicorn
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from rlsync.config.apps import EngineAppConfig
 from rlsync.config.compose import CONFIG_PATH, register_configs
+from rlsync.config.launch import hydra_job, hydra_record
 from rlsync.config.validate import checked_config
 from rlsync.engines.base import engine_spec
 from rlsync.errors import ConfigError, RlsyncError, StopOnSignals
 from rlsync.measure.devices import resolve_device
 from rlsync.model.build import build_tokenizer
+from rlsync.record.run_lock import RunLock
 from rlsync.serve.app import Control, log
 from rlsync.serve.http import guarded_protocol, quiet_uvicorn
 from rlsync.shell import cli, job_errors
@@ -143,11 +148,14 @@ def start_server(app, sock: socket.socket, request_timeout_s: float):
     return server, thread
 
 
-def serve(cfg: EngineAppConfig) -> None:
+def serve(cfg: EngineAppConfig, run_dir: Path, record: Optional[dict[str, str]] = None) -> None:
     address = cfg.update.engine_address or "127.0.0.1"
     host, port = parse_address(address, default_port=DEFAULT_PORT)
     token = engine_token(address, host)  # before anything is built
-    with StopOnSignals():  # Ctrl-C / SIGTERM: stop between (or inside) sessions, exit 130 / 143
+    # the run directory held (a live run's: refused, nothing of it rewritten), then Ctrl-C / SIGTERM stop between
+    # (or inside) sessions, exit 130 / 143
+    with RunLock(run_dir, record), StopOnSignals() as stop:
+        stop.check()  # a signal since the command started
         sock = listen(host, port)  # a taken port fails before the model is built; trainers wait in the backlog
         engine = build_served_engine(cfg)
         control = Control(engine, cfg, token=token)
@@ -174,7 +182,8 @@ def serve(cfg: EngineAppConfig) -> None:
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="engine")
 def hydra_main(dcfg: DictConfig) -> None:
     with job_errors(None):
-        serve(checked_config(dcfg, EngineAppConfig))
+        run_dir, _sweep_dir, _name = hydra_job(HydraConfig.get())
+        serve(checked_config(dcfg, EngineAppConfig), run_dir, hydra_record(dcfg))
 
 
 STUCK: list[str] = []  # the engine's work that did not stop when the engine did

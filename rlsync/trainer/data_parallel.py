@@ -21,8 +21,13 @@ no process group, and every call here returns its input untouched.
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import time
 from dataclasses import fields
 from datetime import timedelta
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -31,12 +36,14 @@ from torch.distributed.rendezvous import rendezvous
 
 from rlsync.config.launch import launched
 from rlsync.engines.base import Generation
-from rlsync.errors import ConfigError, RlsyncError
+from rlsync.errors import ConfigError, Interrupted, RlsyncError
 from rlsync.fmt import error_line
 from rlsync.measure.metrics import Merge, merge_rule
 from rlsync.sync import WeightMismatch, checksum
 
 FAILURES = "rlsync/failed_ranks"  # store prefix: rank -> the error line it failed with
+PF_EXITING = 0x4  # /proc/PID/stat's flags: the process is exiting
+RANKS = "rlsync/ranks"  # store prefix: rank -> its process (pid and host), and whether a signal stopped it
 
 
 class RankFailed(RlsyncError):
@@ -95,6 +102,7 @@ class DataParallel:
         self.rank, self.world, self.local_rank = rank, world, local_rank
         self.object_group = None  # gloo group for pickled objects (the default group is NCCL on CUDA)
         self.failures = None  # the launch's store, under FAILURES: each failed rank's error line
+        self.ranks = None  # the launch's store, under RANKS: each rank's process, and the signal that stopped it
         self.started = False
 
     @classmethod
@@ -130,6 +138,8 @@ class DataParallel:
         # The launch's store, at MASTER_ADDR:MASTER_PORT: torchrun's agent hosts it; in a submitit job, rank 0
         store, _, _ = next(rendezvous("env://", timeout=timeout))
         self.failures = dist.PrefixStore(FAILURES, store)
+        self.ranks = dist.PrefixStore(RANKS, store)
+        self.ranks.set(f"process/{self.rank}", f"{os.getpid()} {socket.gethostname()}")  # rank 0 asks if it lives
         common = {"store": store, "rank": self.rank, "world_size": self.world, "timeout": timeout}
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -139,33 +149,77 @@ class DataParallel:
             dist.init_process_group("gloo", **common)
         self.started = True
 
-    def failed_rank(self, err: BaseException) -> Optional[RankFailed]:
+    def failed_rank(self, err: BaseException) -> Optional[BaseException]:
         """What stopped this rank, if it was another rank's failure; ranks > 0 record their own here.
 
         When one rank fails, the others end with an error of their own that does not say why: a
         collective's "connection closed by peer", or the launcher's SIGTERM (torchrun stops every
         rank once one has exited). So a rank > 0 that fails leaves its error line in the launch's
-        store before it exits, and rank 0, stopped, reports the first such line as the run's error.
+        store before it exits (a signal that stopped it, its name), and rank 0, stopped, reports the
+        first such line as the run's error. A rank that left no word and whose process is gone (on this
+        machine: SIGKILL, the OOM killer, a crash) died: rank 0 says so, rather than the launcher's
+        SIGTERM that followed (the user stopped nothing).
         """
         if self.failures is None:
             return None
         try:
             if not self.is_main:
-                if not isinstance(err, KeyboardInterrupt):  # an interruption is the launcher's, not a failure
+                if isinstance(err, KeyboardInterrupt):  # a signal stopped it: the launcher's, or the user's
+                    self.ranks.set(f"stopped/{self.rank}", str(getattr(err, "signum", signal.SIGINT)))
+                else:
                     self.failures.set(str(self.rank), error_line(err))
                 return None
             for rank in range(1, self.world):
                 if self.failures.check([str(rank)]):
                     line = self.failures.get(str(rank)).decode()
                     return RankFailed(f"data-parallel rank {rank} failed: {line}")
+            for rank in range(1, self.world):
+                if self.ranks.check([f"stopped/{rank}"]):  # a signal to that rank alone stopped the run
+                    signum = int(self.ranks.get(f"stopped/{rank}").decode())
+                    if getattr(err, "signum", None) != signum:  # (one to every rank: this rank's own says it)
+                        return Interrupted(signum, f"(sent to data-parallel rank {rank})")
+                elif self.died(rank):
+                    return RankFailed(
+                        f"data-parallel rank {rank} died (its process ended without a word: killed by SIGKILL, "
+                        f"the out-of-memory killer, or a crash)"
+                    )
         except Exception:  # noqa: BLE001 - the store went with the launch: keep this rank's own error
             return None
         return None
 
+    def died(self, rank: int) -> bool:
+        """Whether rank `rank`'s process, on this machine, is gone (or a zombie its launcher has not reaped yet);
+        False for a rank on another machine, or one that never said which process it is."""
+        if not self.ranks.check([f"process/{rank}"]):
+            return False
+        pid, _, host = self.ranks.get(f"process/{rank}").decode().partition(" ")
+        if host != socket.gethostname():
+            return False
+        if not Path("/proc/self/stat").exists():  # no procfs: alive or a zombie look the same
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                return True
+            except (OSError, ValueError):
+                return False
+            return False
+        deadline = time.monotonic() + 5.0  # a killed process closes its sockets (rank 0's error) as it exits
+        while True:
+            try:
+                fields_ = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                return True  # no such process
+            # ended and not yet reaped, or exiting (PF_EXITING in its flags: its sockets are closing)
+            if fields_[0] in ("Z", "X") or int(fields_[6]) & PF_EXITING:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
     def close(self) -> None:
         if self.started and dist.is_initialized():
             dist.destroy_process_group()
-        self.started, self.failures = False, None
+        self.started, self.failures, self.ranks = False, None, None
 
     def __enter__(self) -> DataParallel:
         return self
