@@ -1,5 +1,6 @@
 import pytest
 import torch
+from conftest import run_main
 
 from rlsync.config.derived import bucket_bytes
 from rlsync.config.schema import Config
@@ -73,3 +74,64 @@ def test_random_build_is_seeded_and_tied():
     assert a.lm_head.weight is a.model.embed_tokens.weight
     w = a.model.layers[0].mlp.up_proj.weight
     assert 0.015 < w.std().item() < 0.025 and torch.isfinite(w).all()
+
+
+def one_config_error(proc) -> str:
+    """The command's one line: a config error, exit 2, nothing else on stderr."""
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("rlsync: config error: "), line
+    return line
+
+
+@pytest.mark.parametrize(
+    "module, override, says",
+    [
+        # C006: 10^23 steps ran until killed
+        (
+            "rlsync",
+            "run.steps=99999999999999999999999",
+            "run.steps=99999999999999999999999: out of range (allowed: 1 to 1000000",
+        ),
+        ("rlsync.bench", "bench.repeats=10000000", "bench.repeats=10000000: out of range (allowed: 1 to 1000000"),
+        ("rlsync.bench", "bench.warmup=10000000", "bench.warmup=10000000: out of range (allowed: 0 to 1000000"),
+    ],
+)
+def test_a_count_no_run_takes_is_refused(tmp_path, module, override, says):
+    assert says in one_config_error(run_main(override, f"hydra.run.dir={tmp_path}", module=module))
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("group", ["model", "rollout", "scheme"])
+def test_a_deleted_group_is_refused_as_null_is(tmp_path, group):
+    """C070: `~model` composed the schema's defaults and ran the tiny model, exit 0, while model=null was refused."""
+    line = one_config_error(run_main(f"~{group}", f"hydra.run.dir={tmp_path}"))
+    assert line.startswith(f"rlsync: config error: {group}=null: deleted by ~{group} (the run needs one) (allowed: ")
+    null = one_config_error(run_main(f"{group}=null", f"hydra.run.dir={tmp_path}"))
+    assert null.split(" (allowed: ")[1] == line.split(" (allowed: ")[1]  # the same choices offered
+
+
+@pytest.mark.parametrize(
+    "target, override, applies_to",
+    [
+        ("offload", "bench.changed_ratio=0.5", "update"),  # P62
+        ("update", "bench.offload_state=params", "offload"),
+        ("update", "bench.clients=4", "pause"),
+        ("offload", "bench.policies=[stage]", "pause"),
+    ],
+)
+def test_a_bench_key_its_target_does_not_read_is_refused(tmp_path, target, override, applies_to):
+    line = one_config_error(
+        run_main(f"bench.target={target}", override, f"hydra.run.dir={tmp_path}", module="rlsync.bench")
+    )
+    assert line.startswith(f"rlsync: config error: {override}: does nothing with bench.target={target} ")
+    assert line.endswith(f"with bench.target={target}; it applies to bench.target={applies_to})"), line
+
+
+def test_a_bench_key_set_to_its_default_is_no_change():
+    from rlsync.config.apps import BenchAppConfig
+    from rlsync.config.validate import validate
+
+    cfg = BenchAppConfig()
+    cfg.bench.target, cfg.bench.changed_ratio, cfg.bench.policies = "offload", 0.0, ["pause", "stage"]
+    validate(cfg)

@@ -167,6 +167,12 @@ def test_a_stale_engine_is_caught_at_that_learning_rate(tmp_path):
         (["trainer.lora.rank=16", "update.strategy=per_tensor"], "update.strategy"),
         (["trainer.lora.rank=16", "trainer.lora.target_modules=[nothing_here]"], "trainer.lora.target_modules"),
         (["trainer.lora.rank=16", "rollout.engine=vllm"], "update.lora"),
+        (["trainer.lora.rank=16", "trainer.lora.alpha=1e308"], "trainer.lora.alpha"),  # P07: inf scale, nan at step 0
+        # P11: PEFT's Embedding LoRA keeps lora_embedding_A/B, which the update neither names nor sends
+        (["trainer.lora.rank=16", "trainer.lora.target_modules=[embed_tokens]"], "trainer.lora.target_modules"),
+        (["trainer.lora.rank=16", "trainer.lora.target_modules=[q_proj,embed_tokens]"], "trainer.lora.target_modules"),
+        (["trainer.lora.rank=16", "trainer.lora.target_modules=[lm_head]"], "trainer.lora.target_modules"),  # tied
+        (["trainer.lora.rank=4096"], "trainer.lora.rank"),  # P33: far above the 256-wide model's layers
     ],
 )
 def test_what_lora_cannot_do_is_refused_in_one_line(tmp_path, overrides, key):
@@ -174,6 +180,43 @@ def test_what_lora_cannot_do_is_refused_in_one_line(tmp_path, overrides, key):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith(f"rlsync: config error: {key}="), line
+
+
+def test_the_lora_refusals_name_the_layer_and_the_widths(tmp_path):
+    def line(*overrides: str) -> str:
+        return run_main("trainer.lora.rank=16", *overrides, f"hydra.run.dir={tmp_path}").stderr.strip()
+
+    assert "embed_tokens names model.embed_tokens (Embedding), which takes no adapter" in line(
+        "trainer.lora.target_modules=[embed_tokens]"
+    )
+    rank = line("trainer.lora.rank=129")  # the tiny model's k_proj and v_proj are 256 -> 128
+    assert "trainer.lora.rank=129: out of range (allowed: 0, or 1 to 128:" in rank
+    assert "model.layers.0.self_attn.k_proj, is 256 -> 128" in rank
+    alpha = line("trainer.lora.alpha=16384.5")
+    assert "trainer.lora.alpha=16384.5: out of range (allowed: a number > 0 and at most 16384" in alpha
+
+
+def test_the_widest_alpha_and_rank_allowed_validate():
+    """The bounds themselves pass: rank min(in, out) of the narrowest targeted layer (k_proj: 128), alpha 2^14."""
+    from rlsync.config.schema import ALPHA_MAX
+
+    validate(Config(trainer=TrainerConfig(lora=LoraConfig(rank=128, alpha=ALPHA_MAX))))
+    validate(Config(trainer=TrainerConfig(lora=LoraConfig(rank=129, target_modules=["q_proj", "down_proj"]))))
+    with pytest.raises(ConfigError, match=r"^trainer.lora.rank=257: out of range"):
+        validate(Config(trainer=TrainerConfig(lora=LoraConfig(rank=257, target_modules=["q_proj", "down_proj"]))))
+
+
+def test_inject_wraps_the_layers_validation_accepts(tiny):
+    """The check and the injection pick the same layers (wrapped_layers): here the tied lm_head is not one."""
+    from rlsync.model.lora import wrapped_layers
+
+    model = tiny.build()
+    names = [name for name, _ in wrapped_layers(model, ["q_proj", "lm_head", "embed_tokens"])]
+    assert names == [f"model.layers.{i}.self_attn.q_proj" for i in range(4)]
+    wrapped = adapted(model, LoraConfig(rank=4, target_modules=["q_proj", "lm_head"]))
+    assert {update_name(n) for n, p in wrapped.named_parameters() if p.requires_grad} == {
+        f"model.layers.{i}.self_attn.q_proj.lora_{ab}.weight" for i in range(4) for ab in "AB"
+    }
 
 
 def test_update_lora_defaults_to_the_adapters():

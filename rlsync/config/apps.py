@@ -4,25 +4,28 @@ the schemas Hydra composes each entry point with (`SCHEMAS`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 from rlsync.config.rules import (
     ANY,
     OPTIONAL_NAME,
     Rule,
-    above,
     at_least,
     between,
     choices,
+    counts,
     key,
+    list_of,
+    mebibytes,
     node,
     one_of,
     or_null,
+    resolve,
 )
-from rlsync.config.schema import COUNT, SECONDS, Config
-from rlsync.errors import ConfigError
-from rlsync.fmt import is_number
+from rlsync.config.schema import SECONDS, STEPS, STEPS_MAX, Config
+from rlsync.errors import ConfigError, show
+from rlsync.fmt import first_line
 
 POLICIES = ("pause", "stage")  # serve.update_policy: how a standalone engine takes an update while it streams
 
@@ -33,6 +36,15 @@ def engine_overrides_ok(v) -> bool:
 
 def policies_ok(v) -> bool:
     return isinstance(v, list) and bool(v) and len(set(v)) == len(v) and all(p in POLICIES for p in v)
+
+
+# bench.* keys one target reads (rlsync/bench: runner.py, offload.py, pause.py); warmup and repeats serve all. Set
+# away from its default under another target, such a key changes nothing: refused, not ignored
+TARGET_KEYS = {
+    "offload_state": ("offload",),
+    "changed_ratio": ("update",),
+    **dict.fromkeys(("clients", "policies", "before_s", "after_s", "engine_overrides", "answer_tokens"), ("pause",)),
+}
 
 
 @dataclass
@@ -47,12 +59,16 @@ class BenchConfig:
         choices("rlsync.bench.offload:STATES"),
         "offload target: trainer (params, grads, AdamW state) | params (weights alone: 1.7B on 24 GiB)",
     )
-    warmup: int = key(2, at_least(0), "untimed repeats first (page faults, allocator, thread pools)")
-    repeats: int = key(10, COUNT, "timed repeats; the summary gives median, min and max over them")
+    warmup: int = key(
+        2,
+        counts(0, STEPS_MAX, "more repeats than any RL run takes steps is a typo"),
+        "untimed repeats first (page faults, allocator, thread pools)",
+    )
+    repeats: int = key(10, STEPS, "timed repeats; the summary gives median, min and max over them")
     changed_ratio: float = key(
         0.0,
         between(0, 1, "a share of the elements"),
-        "before each repeat, change this share of every weight's elements (sign flips: their engine-dtype values change), as a training step would; what update.delta=true is timed against",
+        "bench.target=update: before each repeat, change this share of every weight's elements (sign flips: their engine-dtype values change), as a training step would; what update.delta=true is timed against",
     )
 
     clients: int = key(
@@ -80,7 +96,22 @@ class BenchConfig:
         16, between(1, 4096, "tokens"), "bench.target=pause: each client's answer length (a new request after each)"
     )
 
+    def check_target_keys(self) -> None:
+        """A key another target reads, set while this one runs (bench.changed_ratio=0.5 with bench.target=offload)."""
+        defaults = BenchConfig()
+        for name, targets in TARGET_KEYS.items():
+            value, default = getattr(self, name), getattr(defaults, name)
+            if self.target not in targets and value != default:
+                raise ConfigError(
+                    f"bench.{name}",
+                    value,
+                    f"{show(default)} (its default) with bench.target={self.target}; it applies to "
+                    f"bench.target={', '.join(targets)}",
+                    f"does nothing with bench.target={self.target}",
+                )
+
     def check(self, root: BenchAppConfig) -> None:
+        self.check_target_keys()
         if self.target == "pause" and root.rollout.engine != "hf":
             raise ConfigError(
                 "rollout.engine",
@@ -88,6 +119,8 @@ class BenchConfig:
                 "hf (bench.target=pause streams tokens from the standalone engine, which the HF engine serves)",
                 "not allowed with bench.target=pause",
             )
+        if self.target == "pause":
+            check_pause_target(self, root)
         if self.target == "offload" and root.trainer.offload == "none":
             raise ConfigError(
                 "trainer.offload", "none", "full, drop_grads (the offload benchmark needs something to move)"
@@ -144,6 +177,92 @@ class ServeConfig:
     )
 
 
+# ----------------------------------------------------------------------------------------------
+# bench.target=pause: its engines are standalone ones (python -m rlsync.serve), joined at update.engine_address
+# ----------------------------------------------------------------------------------------------
+
+PAUSE_ENGINE_HOST = "127.0.0.1"  # where the pause bench starts its engines (port 0: each picks a free one)
+# serve.* keys the pause bench sets on each engine itself: what to set instead
+PAUSE_SETS = {
+    "serve.update_policy": "bench.policies (one engine per policy, each labelled by it)",
+    "serve.sessions": "nothing (the bench stops its engines itself)",
+}
+
+
+def standalone_trainer(root, address: str):
+    """`root` as the trainer of a standalone engine at `address`: the broadcast transport, update.engine_address."""
+    return replace(root, update=replace(root.update, transport="broadcast", engine_address=address))
+
+
+def serve_overrides(overrides: list[str]) -> dict:
+    """bench.engine_overrides as {serve key: value, as Hydra parses it}; a ConfigError names the first that is
+    no serve.* key, a value its rule refuses, or a key the bench sets itself (PAUSE_SETS)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    rules = {f"serve.{f.name}": f.metadata["rule"] for f in fields(ServeConfig)}
+    parsed = {}
+    for text in overrides:
+        try:
+            override = OverridesParser.create().parse_override(text)
+            value = override.value()
+        except Exception as err:  # noqa: BLE001 - Hydra's grammar errors: the override named, one line
+            raise ConfigError(
+                "bench.engine_overrides", overrides, "serve.KEY=VALUE in Hydra's grammar", f"{text}: {first_line(err)}"
+            ) from None
+        name = override.key_or_group
+        if name in PAUSE_SETS:
+            raise ConfigError(
+                "bench.engine_overrides",
+                overrides,
+                f"no {name}: set {PAUSE_SETS[name]}",
+                f"{text}: the bench sets {name} itself",
+            )
+        if name not in rules or override.is_sweep_override():
+            raise ConfigError(
+                "bench.engine_overrides", overrides, ", ".join(sorted(rules)), f"{text}: unknown serve key"
+            )
+        if not rules[name].ok(value):
+            raise ConfigError(name, value, rules[name].allowed, "not allowed in bench.engine_overrides")
+        parsed[name] = value
+    return parsed
+
+
+def check_pause_target(bench: BenchConfig, root) -> None:
+    """What each engine of a pause bench is asked to do must be what a standalone engine does, at once: the
+    update's payload and transport under update.engine_address (their rules, asked as a run would), the
+    engine's own keys, the clients within its streams."""
+    trainer = standalone_trainer(root, f"{PAUSE_ENGINE_HOST}:0")
+    try:
+        resolve("rlsync.sync.payload.base:payload_of")(trainer.update).check_config(trainer)
+        resolve("rlsync.sync.base:transport_class")(trainer.update.transport).check_config(trainer)
+        resolve("rlsync.config.validate:check_open_files")(trainer.update)  # the engines' descriptors (ulimit -n)
+    except ConfigError as err:  # the rule names update.engine_address, which the user did not set: the bench did
+        raise ConfigError(
+            "bench.target",
+            "pause",
+            f"update, offload (the pause bench joins standalone engines through update.engine_address and "
+            f"update.transport=broadcast, and there {err.key} takes only {err.allowed})",
+            err.problem,
+        ) from None
+    if root.trainer.lora.rank:  # update.lora=merged passes the rule above, but the bench builds no adapters
+        raise ConfigError(
+            "trainer.lora.rank",
+            root.trainer.lora.rank,
+            "0 with bench.target=pause (its two models are built without adapters: it times full updates)",
+            "not allowed with bench.target=pause",
+        )
+    streams = serve_overrides(list(bench.engine_overrides)).get("serve.max_streams", ServeConfig().max_streams)
+    if bench.clients > streams:
+        raise ConfigError(
+            "bench.clients",
+            bench.clients,
+            f"at most the engines' serve.max_streams={streams} (each client keeps one answer streaming, and an "
+            f"engine refuses more with 503): fewer clients, or 'bench.engine_overrides=[\"serve.max_streams="
+            f"{bench.clients}\"]'",
+            "out of range",
+        )
+
+
 @dataclass
 class EngineAppConfig(Config):
     """`python -m rlsync.serve`: the runner's tree (model, rollout, update.engine_address, run.device) plus `serve.*`."""
@@ -158,16 +277,14 @@ class BenchAppConfig(Config):
     bench: BenchConfig = node(BenchConfig, "the benchmark (python -m rlsync.bench): what is timed, how often")
 
 
-def bucket_sizes_ok(v) -> bool:
-    return isinstance(v, list) and bool(v) and all(is_number(x) and 0 < x <= MEBIBYTES_MAX for x in v)
-
-
-def transports_ok(v) -> bool:
-    return isinstance(v, list) and bool(v) and all(t in ("direct", "ipc", "broadcast") for t in v)
-
-
-MEBIBYTES_MAX = 2**20  # a bucket of up to 1 TiB: the plan of any model's largest tensor
 RANKS_MAX = 1_000_000  # plan.ranks: well past the largest published training clusters (about 10^5 GPUs)
+# The transports plan.calibrate=true benchmarks (rlsync/plan/calibrate.py's grid). broadcast is not among them: its
+# copies cross torch.distributed, whose cost another model would have to describe (the planner predicts none for it)
+CALIBRATED_TRANSPORTS = ("direct", "ipc")
+# plan.copy_gbps, plan.collective_gbps: a copy's or a link's bandwidth. CPUs copy at about 1 to 100 GB/s, an H200's
+# HBM3e 4.8 TB/s, NVLink 5 1.8 TB/s per GPU; 0.01 GB/s (10 MB/s) to 100000 GB/s (20x HBM3e) holds them all with
+# room, and outside it is a typo (1e-300 printed a floor of 0.00 GB/s and a 300-digit time)
+GBPS = or_null(between(0.01, 100_000, "GB/s: from a slow link to 20x the fastest memory"))
 
 
 @dataclass
@@ -189,12 +306,12 @@ class PlanConfig:
     )
     bucket_sizes: list[float] = key(
         [16.0, 64.0, 256.0, 512.0, 1024.0, 2048.0],
-        Rule(bucket_sizes_ok, f"a non-empty list of MiB, each above 0 and at most {MEBIBYTES_MAX}"),
+        list_of(mebibytes("as update.bucket_mb")),
         "bucket sizes (MiB) the plan tabulates, beside update.bucket_mb",
     )
     copy_gbps: Optional[float] = key(
         None,
-        or_null(above(0, "GB/s")),
+        GBPS,
         "the copy floor (GB/s read + written, a bench's limits.update_copy_gbps) the at-floor prediction is at; null: the calibration runs' median",
     )
     ranks: int = key(
@@ -204,7 +321,7 @@ class PlanConfig:
     )
     collective_gbps: Optional[float] = key(
         None,
-        or_null(above(0, "GB/s")),
+        GBPS,
         "the all-gather's bus bandwidth (GB/s each rank receives) the fsdp2 gather is predicted at; null: the calibration's (plan.calibrate=true measures 2 gloo ranks here)",
     )
     changed_ratio: float = key(
@@ -212,7 +329,12 @@ class PlanConfig:
         between(0, 1, "a share of the elements"),
         "the share of engine-dtype elements one step changes, for the delta's predicted bytes (verl #7060: 4-8 % for Qwen3-0.6B)",
     )
-    calibrate_repeats: int = key(3, COUNT, "calibration: timed repeats per benchmark job (after one warm-up)")
+    step_s: Optional[float] = key(
+        None,
+        or_null(SECONDS),
+        "your RL step's time (seconds, e.g. perf/step_time): the plan then gives the update's share of it and whether to tune it",
+    )
+    calibrate_repeats: int = key(3, STEPS, "calibration: timed repeats per benchmark job (after one warm-up)")
     calibrate_quick: bool = key(
         False,
         ANY,
@@ -225,7 +347,12 @@ class PlanConfig:
     )
     calibrate_transports: list[str] = key(
         ["direct", "ipc"],
-        Rule(transports_ok, "a non-empty list of direct, ipc"),
+        list_of(
+            Rule(
+                lambda v: v in CALIBRATED_TRANSPORTS,
+                f"{', '.join(CALIBRATED_TRANSPORTS)} (the transports the calibration benchmarks; broadcast is not one)",
+            )
+        ),
         "calibration: the transports benchmarked",
     )
 
@@ -237,6 +364,8 @@ class PlanConfig:
                 "null with plan.calibrate=true (one source of coefficients)",
                 "not allowed with plan.calibrate=true",
             )
+        if self.calibration is not None:  # a name, or a file to read; with a fit the file it writes (may not exist)
+            resolve("rlsync.plan.profiles:check_choice")(self)
         if self.ranks > 1 and root.trainer.parallel == "none":
             raise ConfigError(
                 "trainer.parallel",

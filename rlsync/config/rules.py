@@ -130,6 +130,19 @@ def mebibytes(why: str) -> Rule:
     )
 
 
+def counts(low: int, high: int, why: str) -> Rule:
+    """A whole count from `low` to `high`, written out in full (`between` would say 1e+06)."""
+    return Rule(lambda v: is_number(v) and low <= v <= high, f"{low} to {high}{note(why)}")
+
+
+def list_of(rule: AnyRule) -> Rule:
+    """A non-empty list whose every item holds to `rule`."""
+    return Rule(
+        lambda v: isinstance(v, (list, tuple)) and bool(v) and all(rule.ok(x) for x in v),
+        f"a non-empty list, each {rule.allowed}",
+    )
+
+
 def size_rule(high: int, what: str) -> Rule:
     return between(1, high, f"{what}; larger is no published model (a typo?)")
 

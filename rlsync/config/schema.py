@@ -23,6 +23,7 @@ from rlsync.config.rules import (
     at_least,
     between,
     choices,
+    counts,
     key,
     mebibytes,
     node,
@@ -46,6 +47,10 @@ ENGINE_PLACEMENTS = ("rank0", "every_rank")  # rollout.placement: where data par
 SLEEP_LEVEL_MAX = 2  # rollout.sleep_level: 0 keeps, 1 offloads the weights to host, 2 frees them
 KL_COEF_MAX = 1000.0  # trainer.kl_coef: typical weights are 1e-3 to 1; 1e308 turns the loss into inf
 COPY_THREADS_MAX = 1024  # update.copy_threads: torch.set_num_threads(100000) crashes the process
+# run.steps, bench.repeats and their warm-ups: more than any published RL run (DeepSeek-R1-Zero: about 10^4 steps)
+# while rlsync times a few, so a larger count is a typo (10^23 ran until killed); each step is a row kept in memory
+STEPS_MAX = 1_000_000
+STEPS = counts(1, STEPS_MAX, "more steps than any RL run takes is a typo")
 # Plausible model sizes: 8x the largest published (126 layers, 53k wide, 256k vocabulary), so a typo is
 # refused at once instead of a memory check that builds 100000 layers on the meta device to count them.
 LAYERS_MAX, WIDTH_MAX, VOCAB_MAX, HEADS_MAX = 1024, 1 << 19, 1 << 21, 1024
@@ -269,6 +274,11 @@ class RolloutConfig:
         one_of(ENGINE_PLACEMENTS),
         "data parallel: rank0: one engine, on rank 0, generates the whole batch | every_rank: one per rank (colocated, verl's layout), each its rank's prompt groups",
     )
+    vllm_reload_mode: Optional[str] = key(
+        None,
+        or_null(one_of(("layerwise", "direct"))),
+        "rollout.engine=vllm on vLLM 0.34+: VLLM_RELOAD_MODE (layerwise | direct: in place, CUDA graphs stay valid); null: vLLM's default",
+    )
 
     def check(self, root: Config) -> None:
         limit = root.model.max_position_embeddings
@@ -290,6 +300,10 @@ class RolloutConfig:
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # attention and MLP
 RANK_MAX = 4096
+# trainer.lora.alpha: the adapters' output is scaled by alpha / rank. Recipes set alpha to 1 to 2x the rank (a scale
+# of 0.5 to 2); 2^14 (a scale of 16384 at rank 1) is past any, while 1e308 makes the scale inf in fp32 and bf16 and
+# the first forward nan (0 x inf: B starts at zero)
+ALPHA_MAX = 16384.0
 
 
 def names_ok(v) -> bool:
@@ -303,7 +317,15 @@ class LoraConfig:
         between(0, RANK_MAX, "0 is full fine-tuning"),
         "LoRA rank through PEFT: 0 trains every weight (full fine-tuning) | r > 0 trains rank-r adapters only",
     )
-    alpha: float = key(32.0, above(0), "LoRA alpha: the adapters' output is scaled by alpha / rank")
+    alpha: float = key(
+        32.0,
+        Rule(
+            lambda v: is_number(v) and 0 < v <= ALPHA_MAX,
+            f"a number > 0 and at most {ALPHA_MAX:g} (alpha / rank scales the adapters' output: "
+            "recipes use 1 to 2x the rank; far larger overflows it)",
+        ),
+        "LoRA alpha: the adapters' output is scaled by alpha / rank",
+    )
     target_modules: list[str] = key(
         LORA_TARGETS,
         Rule(names_ok, "a non-empty list of module names (PEFT matches each against a layer name's end)"),
@@ -313,15 +335,8 @@ class LoraConfig:
     def check(self, root: Config) -> None:
         if not self.rank:
             return
-        shapes = resolve("rlsync.model.architecture:model_shapes")(root.model)
-        targeted = resolve("rlsync.model.lora:module_targeted")
-        if not any(targeted(n, shape, list(self.target_modules)) for n, shape in shapes):
-            raise ConfigError(
-                "trainer.lora.target_modules",
-                list(self.target_modules),
-                "names of linear layers of the model (Qwen3: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)",
-                "matches no layer",
-            )
+        # the layers the targets name, on a meta build: linear ones the adapters wrap, a rank they can hold
+        resolve("rlsync.model.lora:check_layers")(self, root.model)
         world = resolve("rlsync.config.launch:launched")()[1]
         if world > 1 and root.trainer.parallel == "fsdp2":
             raise ConfigError(
@@ -402,7 +417,7 @@ class TrainerConfig:
 
 @dataclass
 class RunConfig:
-    steps: int = key(6, COUNT, "steps to run, warm-up included")
+    steps: int = key(6, STEPS, "steps to run, warm-up included")
     warmup_steps: int = key(2, at_least(0), "left out of every summary")
     seed: int = key(
         0,

@@ -52,16 +52,21 @@ def checked_config(dcfg, schema: type = Config):
 
 
 def check_group_choices() -> None:
-    """`model=null` (or rollout, scheme): a group every run needs, left without a choice."""
+    """`model=null` or `~model` (or rollout, scheme): a group every run needs, left without a choice or deleted
+    (Hydra then composes the schema's defaults alone: the default model would run under no one's choice)."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
         return
-    choices = HydraConfig.get().runtime.choices
+    hydra_cfg = HydraConfig.get()
+    choices = hydra_cfg.runtime.choices
+    deleted = {o[1:].partition("=")[0] for o in hydra_cfg.overrides.task if o.startswith("~")}
     for group in REQUIRED_GROUPS:
+        options = ", ".join(sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")))
         if group in choices and choices[group] is None:
-            options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-            raise ConfigError(group, None, ", ".join(options), "no choice (the run needs one)")
+            raise ConfigError(group, None, options, "no choice (the run needs one)")
+        if group in deleted:
+            raise ConfigError(group, None, options, f"deleted by ~{group} (the run needs one)")
 
 
 def check_known_keys(node, schema: type, prefix: str = "") -> None:
@@ -84,7 +89,8 @@ def check_known_keys(node, schema: type, prefix: str = "") -> None:
 def validate(cfg, *, types: bool = True) -> None:
     """Raise the first ConfigError in `cfg` (a Config, or a tree that extends it); return None if it can run.
     `types=False` skips the type check, for a tree OmegaConf has typed."""
-    for key, value, hint, rule in leaves(cfg):
+    # value rules first, then the choices (these import their providers: torch): a bad value is answered fast
+    for key, value, hint, rule in sorted(leaves(cfg), key=lambda leaf: hasattr(leaf[3], "provider")):
         if types and not type_ok(value, hint):
             raise ConfigError(key, value, hint_phrase(hint), "wrong type")
         if not rule.ok(value):

@@ -19,8 +19,10 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
-from rlsync.config.schema import LoraConfig
+from rlsync.config.schema import LoraConfig, ModelConfig
+from rlsync.errors import ConfigError
 
+LINEAR_EXAMPLES = ("Qwen3: q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER = re.compile(r"\.(lora_[AB])\.[^.]+\.weight$")  # PEFT's X.lora_A.<adapter name>.weight
 A_SUFFIX, B_SUFFIX = ".lora_A.weight", ".lora_B.weight"
 
@@ -48,6 +50,60 @@ def module_targeted(param_name: str, shape: tuple[int, ...], targets: list[str])
     return any(module == t or module.endswith("." + t) for t in targets)
 
 
+def wrapped_layers(model: nn.Module, targets: list[str]) -> list[tuple[str, nn.Linear]]:
+    """(name, module) of the layers `inject` gives an adapter: linear layers named by a target that own their
+    weight. Other kinds (an embedding: PEFT keeps its adapters as lora_embedding_A/B, which the update neither
+    names nor sends) and a tied lm_head (the embedding's weight) get none."""
+    owned = {name for name, _ in model.named_parameters()}  # a tied weight once, under its first owner
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+        and name + ".weight" in owned
+        and module_targeted(name + ".weight", (1, 1), targets)
+    ]
+
+
+def check_layers(lora: LoraConfig, m: ModelConfig) -> None:
+    """trainer.lora against the model's layers, on a meta build (LoraConfig.check): every target that names
+    layers names some `inject` wraps, at least one layer is wrapped, and the rank fits the narrowest of them."""
+    from rlsync.model.architecture import hf_config, meta_model
+
+    model, targets = meta_model(hf_config(m)), list(lora.target_modules)
+    layers = wrapped_layers(model, targets)
+    wrapped = {name for name, _ in layers}
+    for target in targets:
+        named = [(n, mod) for n, mod in model.named_modules() if module_targeted(n + ".weight", (1, 1), [target])]
+        if named and not any(n in wrapped for n, _ in named):
+            name, module = named[0]
+            kind = type(module).__name__ + (", tied to the embedding" if isinstance(module, nn.Linear) else "")
+            raise ConfigError(
+                "trainer.lora.target_modules",
+                targets,
+                f"names of linear layers of the model ({', '.join(LINEAR_EXAMPLES)}): rlsync's adapters wrap "
+                "nn.Linear layers only",
+                f"{target} names {name} ({kind}), which takes no adapter",
+            )
+    if not layers:
+        raise ConfigError(
+            "trainer.lora.target_modules",
+            targets,
+            f"names of linear layers of the model ({', '.join(LINEAR_EXAMPLES)})",
+            "matches no layer",
+        )
+    name, narrowest = min(layers, key=lambda item: min(item[1].in_features, item[1].out_features))
+    most = min(narrowest.in_features, narrowest.out_features)
+    if lora.rank > most:
+        raise ConfigError(
+            "trainer.lora.rank",
+            lora.rank,
+            f"0, or 1 to {most}: B @ A has rank at most min(in, out) of its layer, and the narrowest targeted "
+            f"one, {name}, is {narrowest.in_features} -> {narrowest.out_features} (a larger rank adds "
+            "parameters, not rank)",
+            "out of range",
+        )
+
+
 def adapter_shapes(shapes: list[tuple[str, tuple[int, ...]]], lora: LoraConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of the adapter tensors PEFT adds to a model of `shapes`, in PEFT's order."""
     out = []
@@ -71,11 +127,7 @@ def inject(model: nn.Module, lora: LoraConfig) -> nn.Module:
 
     # By full name, the linear layers alone: given bare names, PEFT also wraps a MoE model's fused 3-D expert
     # tensors (nested wrappers whose adapters the update cannot name apart); those take no adapter here.
-    targets = [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and module_targeted(name + ".weight", (1, 1), list(lora.target_modules))
-    ]
+    targets = [name for name, _ in wrapped_layers(model, list(lora.target_modules))]
     config = PeftLoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,

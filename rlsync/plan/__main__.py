@@ -4,7 +4,11 @@
 
 from __future__ import annotations
 
-import json
+if __name__ == "__main__":  # python -m rlsync.plan: the stop signals from the first line; one that arrives
+    from rlsync.errors import EARLY  # during the imports below is acted on as cli starts (one line, 128 + it)
+
+    EARLY.install()
+
 import sys
 
 import hydra
@@ -13,10 +17,12 @@ from omegaconf import DictConfig
 
 from rlsync.config.apps import PlanAppConfig
 from rlsync.config.compose import CONFIG_PATH, register_configs
-from rlsync.config.launch import hydra_job
+from rlsync.config.launch import hydra_job, hydra_record
 from rlsync.config.validate import checked_config
 from rlsync.errors import ConfigError
 from rlsync.fmt import fmt_path
+from rlsync.record.run_lock import RunLock
+from rlsync.record.sinks import write_json
 from rlsync.shell import cli, job_errors
 
 register_configs()
@@ -50,8 +56,9 @@ def run_plan(cfg: PlanAppConfig, run_dir) -> dict:
                 )
             data = calibrate.calibration_file(observations, device="from runs")
             data["machine"] = {**data["machine"], **fitted_machine(data)}
+        data = calibrate.checked_fit(data, p)  # a fit that determines no setup: refused, nothing written
         where = profiles.save(data, p.calibration)
-        (run_dir / "calibration.json").write_text(json.dumps(data, indent=2) + "\n")
+        write_json(run_dir / "calibration.json", data)  # whole or not at all; a refused write names the file
         took = f", {calibrate.fmt_minutes(data['seconds'])}" if data.get("seconds") else ""
         print(f"Calibration written to {fmt_path(where)} ({len(data['observations'])} runs{took}):")
         print("\n".join(calibrate.coefficient_lines(data)))
@@ -67,9 +74,12 @@ def run_plan(cfg: PlanAppConfig, run_dir) -> dict:
         collective_gbps=p.collective_gbps,
     )
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
+    write_json(run_dir / "plan.json", plan)
     print(render.render(plan))
-    print(f"\nplan.json: {fmt_path(run_dir / 'plan.json')}")
+    print(f"\nplan.json: {fmt_path(run_dir / 'plan.json')}", flush=True)
+    left_out = profiles.left_out_line(data)  # the last line: setups the calibration's runs do not determine
+    if left_out:
+        print(left_out, file=sys.stderr, flush=True)
     return plan
 
 
@@ -103,9 +113,11 @@ def fitted_machine(data: dict) -> dict:
 def hydra_main(dcfg: DictConfig) -> None:
     with job_errors(None):  # an empty hydra.run.dir: one line, nothing written
         run_dir, _sweep_dir, _name = hydra_job(HydraConfig.get())
-    with job_errors(run_dir):
+    record = hydra_record(dcfg)  # .hydra/: written once the plan holds its directory
+    with job_errors(run_dir, hydra_record=record):
         cfg = checked_config(dcfg, PlanAppConfig)
-        run_plan(cfg, run_dir)
+        with RunLock(run_dir, record):  # a live run's directory: refused, nothing of it rewritten
+            run_plan(cfg, run_dir)
 
 
 def main() -> None:

@@ -43,11 +43,13 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from rlsync.check.estimate import DTYPE_BYTES
-from rlsync.config.apps import BenchAppConfig
+from rlsync.config.apps import CALIBRATED_TRANSPORTS, BenchAppConfig
 from rlsync.config.files import SUMMARY_MAX, UnreadableFile, read_json
 from rlsync.config.schema import Config
+from rlsync.errors import ConfigError, RlsyncError
 from rlsync.plan import cost, profiles
 from rlsync.plan.collective import measure_collective
+from rlsync.plan.profiles import underdetermined
 from rlsync.sync.base import STRATEGIES
 
 DEEP = {
@@ -106,7 +108,7 @@ def model_keys(name: str) -> dict:
 # (model, transport, strategy, bucket_mb): the grid; small buckets give many calls for few bytes
 GRID = [
     (model, transport, strategy, bucket_mb)
-    for transport in ("direct", "ipc")
+    for transport in CALIBRATED_TRANSPORTS  # plan.calibrate_transports picks among them
     for model, strategy, bucket_mb in (
         ("tiny", "bucketed", 512),
         ("deep", "bucketed", 512),
@@ -304,6 +306,24 @@ def calibration_file(observations: list[cost.Observation], *, device: str, secon
     }
 
 
+def checked_fit(data: dict, plan) -> dict:
+    """A fit about to become plan.calibration, once the planner could read it: not when its runs determine no
+    setup's coefficients (plan.fit_from over a few runs of one setup), which would predict from guesses.
+    Refused before anything is written; setups left undetermined beside determined ones are left out when read."""
+    problem = profiles.calibration_problem(data)
+    if not problem:
+        return data
+    if plan.fit_from:
+        raise ConfigError(
+            "plan.fit_from",
+            plan.fit_from,
+            "a directory of rlsync.bench update runs that vary calls, tensors and bytes for each setup (python -m "
+            "rlsync.plan plan.calibrate=true runs such a grid)",
+            f"{problem}: nothing written",
+        )
+    raise RlsyncError(f"calibration failed: {problem}: nothing written (see its jobs' lines above)")
+
+
 RETRY_RESIDUAL = 0.3  # a job this far off the fit of the others is run again once: the faster of the two counts
 
 
@@ -407,41 +427,6 @@ def coefficient_lines(data: dict) -> list[str]:
             + (f" (UNDERDETERMINED: {why}; calibrate with plan.calibrate=true)" if why else "")
         )
     return out
-
-
-def design_rows(key: str, observations: list[dict]) -> list[list[float]]:
-    """The fit's design matrix for `key` from a calibration file's observation rows (cost.Work.row)."""
-    per_tensor = cost.Setup.from_key(key).strategy == "per_tensor"
-    return [
-        [r["calls"], (r.get("pooled") or 0) if per_tensor else r["tensors"], r["bytes"]]
-        for r in observations
-        if r.get("setup") == key
-    ]
-
-
-def underdetermined(key: str, observations: list[dict], points: int) -> Optional[str]:
-    """Why `key`'s coefficients are not all determined by its runs, or None: a term no run has (a column
-    of zeros) is left out; the rest needs more runs than terms (else the residual says nothing) and runs
-    that vary the terms independently (a design matrix of full rank, columns scaled to unit norm)."""
-    import numpy as np
-
-    rows = design_rows(key, observations)
-    if not rows:  # a file without its rows (a report's fit, an old file): the count is all there is
-        return f"{points} runs for {coefficient_count(key)} coefficients" if points <= coefficient_count(key) else None
-    a = np.asarray(rows, dtype=float)
-    a = a[:, np.abs(a).sum(axis=0) > 0]
-    a = a / np.linalg.norm(a, axis=0)
-    terms = a.shape[1]
-    if len(rows) <= terms:
-        return f"{len(rows)} runs for {terms} coefficients, so the residual says nothing"
-    if np.linalg.matrix_rank(a, tol=1e-6) < terms:
-        return "its runs do not vary calls, tensors and bytes independently"
-    return None
-
-
-def coefficient_count(key: str) -> int:
-    """Free coefficients of a setup: calls, tensors (per_tensor: the pooled tensors) and bytes."""
-    return 3
 
 
 def estimate_seconds(jobs: list[tuple], reference: Optional[dict]) -> Optional[float]:

@@ -26,7 +26,7 @@ from typing import Optional
 from rlsync.config.files import CALIBRATION_MAX, UnreadableFile, read_json
 from rlsync.errors import ConfigError
 from rlsync.fmt import GIB, fmt_path, is_number
-from rlsync.plan.cost import Coefficients
+from rlsync.plan.cost import Coefficients, Setup
 
 KIND = "rlsync_calibration"
 VERSION = 1
@@ -182,16 +182,57 @@ def reference() -> Optional[dict]:
     return {**data, "reference": True} if not calibration_problem(data) else None
 
 
+def names() -> list[str]:
+    """What plan.calibration takes besides a file: the built-in profiles and the reference."""
+    return [*PROFILES, REFERENCE_NAME]
+
+
+def check_choice(plan) -> None:
+    """plan.calibration, before anything is read or fitted (PlanConfig.check): a built-in name, or a file that
+    exists; with plan.calibrate=true or plan.fit_from, the file the fit writes (that it does not exist yet is
+    fine), never a built-in name."""
+    value, writes = plan.calibration, plan.calibrate or bool(plan.fit_from)
+    if value is None:
+        return
+    if value in names():
+        if writes:
+            raise ConfigError(
+                "plan.calibration",
+                value,
+                "a file path the fitted coefficients are written to, or null (~/.cache/rlsync/calibration.json)",
+                "names a built-in calibration, which a fit cannot write",
+            )
+        return
+    if not writes and not Path(value).expanduser().exists():
+        raise missing(value)
+
+
+def missing(value: str) -> ConfigError:
+    """plan.calibration names neither a built-in calibration nor a file: refused, never a plan of n/a."""
+    path = Path(value).expanduser()
+    what = "a symbolic link to nothing (a loop, or a missing target)" if path.is_symlink() else "no such file"
+    return ConfigError(
+        "plan.calibration",
+        value,
+        f"{', '.join(names())} (built in), a calibration file written by python -m rlsync.plan (plan.calibrate=true "
+        "or plan.fit_from=DIR), or null (~/.cache/rlsync/calibration.json, else the reference)",
+        f"{what}, and not a built-in calibration",
+    )
+
+
 def resolve(value: Optional[str]) -> tuple[str, Optional[dict]]:
     """(where, the calibration or None when there is none) for `plan.calibration`. With none given and
-    none at the default place, the shipped reference calibration (another machine's, marked as such)."""
+    none at the default place, the shipped reference calibration (another machine's, marked as such); a
+    value that names neither a built-in calibration nor a file is refused (`missing`)."""
     if value in PROFILES:
         return f"built-in profile {value}", PROFILES[value]()
     if value == REFERENCE_NAME:
         return f"reference {REFERENCE.name} (shipped with rlsync)", reference()
     path = Path(value).expanduser() if value else default_path()
     if not path.exists():
-        ref = None if value else reference()
+        if value:
+            raise missing(value)
+        ref = reference()
         if ref is not None:
             return f"reference {REFERENCE.name} (shipped with rlsync; none of this machine at {fmt_path(path)})", ref
         return fmt_path(path), None
@@ -237,6 +278,16 @@ def calibration_problem(data) -> Optional[str]:
         and spread["low"] <= 1 <= spread["high"]
     ):
         return f"its range is {spread!r}, not {{low: <= 1, high: >= 1}}"
+    for i, row in enumerate(data.get("observations") or []):  # the fit's runs: the design matrix
+        if not isinstance(row, dict) or not all(is_number(row.get(k)) for k in ("calls", "tensors", "bytes")):
+            return f"its observations[{i}] is not a run with calls, tensors and bytes"
+    left_out = underdetermined_setups(data)
+    if left_out and len(left_out) == len(data.get("coefficients") or {}):
+        return (
+            "its runs determine no setup's coefficients ("
+            + "; ".join(f"{k}: {why}" for k, why in sorted(left_out.items()))
+            + ")"
+        )
     if data.get("floor_gbps") is not None and not is_number(data["floor_gbps"]):
         return f"its floor_gbps is {data['floor_gbps']!r}, not a number"
     collective = data.get("collective")  # the all-gather probe (plan.calibrate=true) or a profile's NVLink figure
@@ -248,6 +299,69 @@ def calibration_problem(data) -> Optional[str]:
     ):
         return f"its collective is {collective!r}, not {{bus_gbps: > 0, latency_s: a number or null}}"
     return None
+
+
+def design_rows(key: str, observations: list[dict]) -> list[list[float]]:
+    """The fit's design matrix for `key` from a calibration file's observation rows (cost.Work.row)."""
+    per_tensor = Setup.from_key(key).strategy == "per_tensor"
+    return [
+        [r["calls"], (r.get("pooled") or 0) if per_tensor else r["tensors"], r["bytes"]]
+        for r in observations
+        if r.get("setup") == key
+    ]
+
+
+def underdetermined(key: str, observations: list[dict], points: int) -> Optional[str]:
+    """Why `key`'s coefficients are not all determined by its runs, or None: a term no run has (a column
+    of zeros) is left out; the rest needs more runs than terms (else the residual says nothing) and runs
+    that vary the terms independently (a design matrix of full rank, columns scaled to unit norm)."""
+    import numpy as np
+
+    rows = design_rows(key, observations)
+    if not rows:  # a file without its rows (a report's fit, an old file): the count is all there is
+        return f"{points} runs for {coefficient_count(key)} coefficients" if points <= coefficient_count(key) else None
+    a = np.asarray(rows, dtype=float)
+    a = a[:, np.abs(a).sum(axis=0) > 0]
+    a = a / np.linalg.norm(a, axis=0)
+    terms = a.shape[1]
+    if len(rows) <= terms:
+        return f"{len(rows)} runs for {terms} coefficients, so the residual says nothing"
+    if np.linalg.matrix_rank(a, tol=1e-6) < terms:
+        return "its runs do not vary calls, tensors and bytes independently"
+    return None
+
+
+def coefficient_count(key: str) -> int:
+    """Free coefficients of a setup: calls, tensors (per_tensor: the pooled tensors) and bytes."""
+    return 3
+
+
+def underdetermined_setups(data: Optional[dict]) -> dict[str, str]:
+    """{setup: why} for the setups of a measured calibration whose runs do not determine their coefficients
+    (`underdetermined`): the planner leaves them out and says so. A published-figure profile is no fit, and a
+    file that records neither its runs nor their count gives nothing to judge by."""
+    if not data or not data.get("measured", True):
+        return {}
+    rows = data.get("observations") or []
+    out = {}
+    for key, c in (data.get("coefficients") or {}).items():
+        if rows or "points" in c:
+            why = underdetermined(key, rows, c.get("points", 0))
+            if why:
+                out[key] = why
+    return out
+
+
+def left_out_line(data: Optional[dict]) -> Optional[str]:
+    """The plan's closing warning when its calibration's runs leave setups undetermined, else None."""
+    left_out = underdetermined_setups(data)
+    if not left_out:
+        return None
+    return (
+        f"rlsync: warning: UNDERDETERMINED: the calibration's runs do not determine {len(left_out)} of its "
+        f"{len(data['coefficients'])} setups ({'; '.join(f'{k}: {why}' for k, why in sorted(left_out.items()))}): "
+        "left out, their predictions n/a; python -m rlsync.plan plan.calibrate=true fits every setup"
+    )
 
 
 def save(data: dict, value: Optional[str]) -> Path:
@@ -262,8 +376,10 @@ def save(data: dict, value: Optional[str]) -> Path:
 
 
 def coefficients(data: Optional[dict], which: str = "coefficients") -> dict[str, Coefficients]:
-    """`coefficients` (absolute bytes/s) or `coefficients_at_floor` (bytes in units of the copy floor)."""
-    return {k: Coefficients.from_dict(v) for k, v in (data or {}).get(which, {}).items()}
+    """`coefficients` (absolute bytes/s) or `coefficients_at_floor` (bytes in units of the copy floor), less the
+    setups its runs do not determine (`underdetermined_setups`: a prediction from them would be a guess)."""
+    left_out = underdetermined_setups(data)
+    return {k: Coefficients.from_dict(v) for k, v in (data or {}).get(which, {}).items() if k not in left_out}
 
 
 def describe_machine(m: dict) -> str:
@@ -292,6 +408,9 @@ def describe(where: str, data: Optional[dict], hint: str = "python -m rlsync.pla
         f"{data.get('dtypes', {}).get('trainer', '?')} -> {data.get('dtypes', {}).get('engine', '?')}, "
         f"{len(data.get('observations', []))} runs"
     )
+    left_out = underdetermined_setups(data)
+    if left_out:
+        line += f"; UNDERDETERMINED, left out: {', '.join(sorted(left_out))}"
     if reference:
         line += f"\n  {hint}"
     return line
