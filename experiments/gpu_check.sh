@@ -26,6 +26,8 @@
 #      (update.flat_engine_weights=false), tiny_moe's per-expert views over ipc;
 #   3. Qwen3-0.6B: the update bench per transport (verify on), source=host, rollout.sleep_level=2 and the
 #      two-copy path in 3 runner steps, the offload bench;
+#   2b. where vLLM imports: its reload path and its own transfer (vllm_ipc; --smoke: vllm_shm) with buckets far
+#      smaller than a layer, and VLLM_RELOAD_MODE layerwise | direct on vLLM 0.34+ (else "unavailable (why)");
 #   4. while the deadline has room: Qwen3-1.7B update and offload benches, the transports study and its report.
 # The memory check is off (run.memory_check=false: the machine's RAM grows as it is used); each run's
 # estimate is still recorded beside its measured peak in summary.json. W&B is disabled (not installed there).
@@ -301,6 +303,34 @@ on_gpu tiny_two_copy "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" update
   "hydra.run.dir=$work/tiny_two_copy/run"
 over_ipc on_gpu tiny_moe_ipc "$t_tiny" "$m_tiny" "${runner[@]}" model=tiny_moe "${tiny_runs[@]:1}" update.transport=ipc \
   update.verify=true "hydra.run.dir=$work/tiny_moe_ipc/run"
+# 2b. vLLM where it imports (GPU_CHECK_VLLM=0 leaves it out; --smoke leaves it out unless GPU_CHECK_VLLM=1):
+# its reload path and its own four-phase transfer with buckets far smaller than a layer (update.verify checks
+# what its loaders read), and on vLLM 0.34+ VLLM_RELOAD_MODE layerwise against direct, each a row.
+# The NCCL engine's use_load_plan has no row: a colocated run has one GPU, where NCCL's two ranks cannot meet.
+run_vllm="${GPU_CHECK_VLLM:-$(( smoke ? 0 : 1 ))}"  # --smoke: the suite runs these paths (tests/test_vllm.py)
+vllm_version="$(python3 -c 'from rlsync.engines.vllm_api import installed_version as v; print(v() or "")' 2>/dev/null)"
+no_vllm=""
+if (( run_vllm )) && ! python3 -c "import vllm" >/dev/null 2>&1; then no_vllm="vllm not importable${vllm_version:+ ($vllm_version)}"; fi
+with_vllm() {  # with_vllm NAME ...: a step that needs vLLM, "unavailable (why)" where it cannot run; no row when off
+  if (( ! run_vllm )); then say "== $1 left out (GPU_CHECK_VLLM=0)"; return; fi
+  if [[ -n "$no_vllm" ]]; then record "$1" "unavailable ($no_vllm)" 0; say "== $1 skipped: $no_vllm"; return; fi
+  step "$@"
+}
+own=vllm_ipc; own_verify=false; (( smoke )) && own=vllm_shm && own_verify=true  # vllm_ipc records no reads
+vllm_runs=(model=$small "${runs[@]}" rollout.engine=vllm update.bucket_mb=0.05)
+with_vllm vllm_reload_small_buckets "$t_small" "$m_small" "${runner[@]}" "${vllm_runs[@]}" update.verify=true \
+  "hydra.run.dir=$work/vllm_reload_small_buckets/run"
+with_vllm "${own}_small_buckets" "$t_small" "$m_small" "${runner[@]}" "${vllm_runs[@]}" update.strategy=$own \
+  update.verify=$own_verify "hydra.run.dir=$work/${own}_small_buckets/run"
+reload_modes="$(python3 -c 'from rlsync.engines.vllm_api import installed_version as v, reload_mode_refusal as r
+print(r(v(), "direct") or "")' 2>/dev/null)"
+for mode in layerwise direct; do
+  if (( run_vllm )) && [[ -z "$no_vllm" && -n "$reload_modes" ]]; then
+    record "vllm_reload_$mode" "unavailable ($reload_modes)" 0; continue
+  fi
+  with_vllm "vllm_reload_$mode" "$t_small" "$m_small" "${runner[@]}" "${vllm_runs[@]}" rollout.vllm_reload_mode=$mode \
+    update.verify=true "hydra.run.dir=$work/vllm_reload_$mode/run"
+done
 # 3. Qwen3-0.6B
 for transport in direct ipc broadcast; do
   run_step=on_gpu; [[ $transport == ipc ]] && run_step="over_ipc step"  # --smoke: the bench entry once, over ipc

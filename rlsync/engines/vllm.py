@@ -56,11 +56,19 @@ import tempfile
 from collections.abc import Iterable, Sequence
 
 import torch
-from packaging.version import InvalidVersion, Version
 
 from rlsync.config.schema import ModelConfig, RolloutConfig
 from rlsync.engines.base import Engine, EngineSpec, Generation, left_pad
-from rlsync.engines.vllm_ipc import vllm_ipc_update
+from rlsync.engines.vllm_api import (
+    RELOAD_MODES,
+    installed_version,
+    reload_mode_refusal,
+    shape_for,
+    supported_range,
+    version_refusal,
+)
+from rlsync.engines.vllm_held import LoadLedger, repack_tied_head
+from rlsync.engines.vllm_ipc import ShmUpdater, vllm_ipc_update
 from rlsync.errors import BadInput, ConfigError, RlsyncError
 from rlsync.model.build import hf_config
 
@@ -72,12 +80,10 @@ PROMPT_ROOM = 1024  # tokens reserved for the prompt in vLLM's max_model_len (rl
 PROMPT_ESTIMATE = 128  # tokens per prompt when sizing the KV cache (the built-in task's are ~30)
 MIN_KV_CACHE_BYTES = 64 << 20  # vLLM needs room for a few blocks even for the tiny model
 SEED = 0  # vLLM's own seed; sampling is seeded per request from rlsync's generator
-NATIVE_STRATEGIES = ("vllm_ipc",)  # update.strategy values that use vLLM's own weight transfer (CUDA)
+# update.strategy values that use vLLM's own four-phase weight transfer: CUDA IPC, the CPU's shared memory
+NATIVE_STRATEGIES = ("vllm_ipc", "vllm_shm")
+NATIVE_DEVICES = {"vllm_ipc": "cuda", "vllm_shm": "cpu"}
 MEMORY_SLACK = 0.95  # of the free device memory, offered to vLLM's start-up check (the rest: what moves meanwhile)
-VLLM_IPC_RANGE = (
-    (0, 32),
-    (0, 33),
-)  # [from, to) vLLM minor versions vllm_ipc's API calls follow (pyproject's gpu extra)
 _sleep_mode_engines = 0  # vLLM engines with sleep mode started in this process (one allowed)
 
 
@@ -127,33 +133,37 @@ def count_sleep_mode(device_type: str, native: bool) -> None:
         _sleep_mode_engines += 1
 
 
-def vllm_ipc_refusal(version: str, missing: Sequence[str]) -> str | None:
-    """Why `update.strategy=vllm_ipc` cannot run with vLLM `version` lacking `missing` API names, or None.
+def api_refusal(version: str, missing: Sequence[str]) -> str | None:
+    """Why vLLM `version`, lacking `missing` API names, cannot run rlsync's vLLM engine, or None (one line).
 
-    vLLM's weight-transfer API changed shape between releases (IPCTrainerInitInfo(packed=...),
-    trainer_init(init_info, client=, source=) are recent); rlsync calls it in the form of
-    VLLM_IPC_RANGE and refuses others rather than fail inside the first update.
+    vLLM's weight-transfer API changed shape between releases; rlsync speaks each shape in
+    vllm_api.SUPPORTED through its own adapter (rlsync/engines/vllm_api.py) and refuses the others
+    rather than fail inside the first update.
     """
-    (lo, hi), wanted = VLLM_IPC_RANGE, "vllm>={}.{},<{}.{}".format(*VLLM_IPC_RANGE[0], *VLLM_IPC_RANGE[1])
-    try:
-        release = Version(version).release[:2]
-    except InvalidVersion:
-        release = None
-    if release is None or not lo <= release < hi:
-        return f"the installed vllm {version} is outside {wanted}, the weight-transfer API rlsync calls"
+    reason = version_refusal(version)
+    if reason:
+        return reason
     if missing:
-        return f"the installed vllm {version} lacks {', '.join(missing)} (rlsync calls vLLM's weight transfer as {wanted} has it)"
+        return (
+            f"the installed vllm {version} lacks {', '.join(missing)} (rlsync speaks it as {supported_range()} has it)"
+        )
     return None
 
 
-def vllm_ipc_api_missing() -> list[str]:
-    """The parts of vLLM's weight-transfer API that `vllm_ipc_update` calls and the installed vLLM lacks."""
+def vllm_api_missing(strategy: str) -> list[str]:
+    """The parts of vLLM's weight-transfer API that `strategy` (vllm_ipc, vllm_shm) calls and the installed vLLM lacks."""
     try:
+        import vllm
         from vllm import LLM, config
-        from vllm.distributed.weight_transfer import base, ipc_engine
+        from vllm.distributed.weight_transfer import base, factory
     except ImportError as err:
         return [f"vllm.distributed.weight_transfer ({type(err).__name__}: {err})"]
-    missing = [] if hasattr(config, "WeightTransferConfig") else ["vllm.config.WeightTransferConfig"]
+    try:
+        shape = shape_for(vllm.__version__)(base)
+    except ValueError:
+        return []  # the version itself is refused (api_refusal)
+    missing = shape.missing()
+    missing += [] if hasattr(config, "WeightTransferConfig") else ["vllm.config.WeightTransferConfig"]
     missing += [
         f"LLM.{m}"
         for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
@@ -161,9 +171,16 @@ def vllm_ipc_api_missing() -> list[str]:
     ]
     missing += [
         f"weight_transfer.base.{n}"
-        for n in ("WeightSource", "ParamMeta", "WeightTransferInitRequest", "WeightTransferUpdateRequest")
+        for n in ("WeightTransferInitRequest", "WeightTransferUpdateRequest")
         if not hasattr(base, n)
     ]
+    for name in ("WeightTransferEngineFactory", "WeightTransferTrainerFactory"):
+        if not hasattr(getattr(factory, name, None), "register_engine"):
+            missing.append(f"weight_transfer.factory.{name}.register_engine")
+    if strategy != "vllm_ipc":
+        return missing
+    from vllm.distributed.weight_transfer import ipc_engine
+
     info = getattr(ipc_engine, "IPCTrainerInitInfo", None)
     fields = (
         {f.name for f in dataclasses.fields(info)} if info is not None and dataclasses.is_dataclass(info) else set()
@@ -179,16 +196,16 @@ def vllm_ipc_api_missing() -> list[str]:
     return missing
 
 
-def check_vllm_ipc_api() -> None:
-    """Refuse `update.strategy=vllm_ipc` with a vLLM whose weight-transfer API is not the one called here."""
+def check_vllm_api(strategy: str) -> None:
+    """Refuse `strategy` (vLLM's own transfer) with a vLLM whose weight-transfer API is not the one called here."""
     import vllm
 
-    reason = vllm_ipc_refusal(vllm.__version__, vllm_ipc_api_missing())
+    reason = api_refusal(vllm.__version__, vllm_api_missing(strategy))
     if reason:
         raise ConfigError(
             "update.strategy",
-            "vllm_ipc",
-            "bucketed, per_tensor (vLLM's reload path), or install the gpu extra: pip install -e '.[gpu]'",
+            strategy,
+            f"bucketed, per_tensor (vLLM's reload path), or install vLLM within {supported_range()}",
             reason,
         )
 
@@ -263,11 +280,13 @@ def _reload_in_worker(worker, named: list[tuple[str, torch.Tensor]]) -> None:
         logging.getLogger(f"vllm.model_executor.model_loader.reload.{name}").setLevel(logging.ERROR)
     logging.getLogger("vllm.model_executor.models.utils").setLevel(logging.ERROR)
     worker.reload_weights(weights_iterator=iter(named))
-    model = worker.model_runner.get_model()
-    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
-    tied = head is not None and embed is not None and head.weight.data_ptr() == embed.weight.data_ptr()
-    if tied and any(name.endswith("embed_tokens.weight") for name, _ in named):
-        head.quant_method.process_weights_after_loading(head)
+    if any(name.endswith("embed_tokens.weight") for name, _ in named):
+        repack_tied_head(worker.model_runner.get_model())
+
+
+def _shm_reads(worker) -> dict[str, int]:
+    """Runs inside vLLM's worker: what the shared-memory engine's loaders read in the last update."""
+    return dict(worker.weight_transfer_engine.ledger.read)
 
 
 def _packed_modules(worker) -> dict[str, list[str]]:
@@ -320,7 +339,8 @@ class VLLMEngine(Engine):
     @classmethod
     def check_config(cls, cfg) -> None:
         """What vLLM's engine cannot do: build a model from a config.json, expose its weights by trainer
-        name (it fuses and re-packs them), share the engine process's default torch.distributed group."""
+        name (it fuses and re-packs them), share the engine process's default torch.distributed group;
+        rollout.vllm_reload_mode only where the installed vLLM has VLLM_RELOAD_MODE (0.34+)."""
         update = cfg.update
         if cfg.model.config:
             raise ConfigError(
@@ -329,14 +349,13 @@ class VLLMEngine(Engine):
                 "null with rollout.engine=vllm (rlsync's vLLM engine builds Qwen3 from the model.* keys)",
                 "not supported with rollout.engine=vllm",
             )
-        for name in ("verify", "flat_engine_weights", "delta"):
+        for name in ("flat_engine_weights", "delta"):
             if getattr(update, name) is True:  # flat_engine_weights=null (auto) resolves to false with vLLM
                 raise ConfigError(
                     f"update.{name}",
                     True,
                     "false (vLLM fuses q/k/v and gate/up and re-packs its "
-                    "weights: they cannot be checked, bound or patched by trainer name; train/logprob_abs_diff "
-                    "checks the update)",
+                    "weights: they cannot be bound or patched by trainer name)",
                     "not supported with rollout.engine=vllm",
                 )
         if update.transport == "broadcast":
@@ -359,13 +378,28 @@ class VLLMEngine(Engine):
             raise ConfigError(
                 "update.transport",
                 update.transport,
-                "direct (vllm_ipc runs vLLM's engine core in its own process already)",
-                "not allowed with update.strategy=vllm_ipc",
+                "direct (vLLM's own transfer is the process boundary it crosses)",
+                f"not allowed with update.strategy={update.strategy}",
+            )
+        if update.verify and update.strategy == "vllm_ipc":
+            raise ConfigError(
+                "update.verify",
+                True,
+                "false with update.strategy=vllm_ipc (vLLM's IPC engine records nothing of what it loads), "
+                "or update.strategy=bucketed, per_tensor, vllm_shm",
+                "not supported with update.strategy=vllm_ipc",
+            )
+        mode = getattr(cfg.rollout, "vllm_reload_mode", None)
+        reason = reload_mode_refusal(installed_version(), mode)
+        if reason:
+            raise ConfigError(
+                "rollout.vllm_reload_mode", mode, f"null, or install vllm>=0.34 for {RELOAD_MODES}", reason
             )
 
     @classmethod
     def check_machine(cls, cfg) -> None:
-        """vLLM installed; for vllm_ipc, the weight-transfer API in the form rlsync calls it, and CUDA."""
+        """vLLM installed, of a release an adapter speaks (vllm_api.SUPPORTED); for vLLM's own transfer, its
+        API in the form rlsync calls it and the device it needs (vllm_ipc: CUDA, vllm_shm: the CPU)."""
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError(
                 "rollout.engine",
@@ -373,15 +407,22 @@ class VLLMEngine(Engine):
                 "hf, or install the extra first: pip install -e '.[vllm]' (see pyproject.toml)",
                 "vllm is not installed",
             )
-        if cfg.update.strategy not in NATIVE_STRATEGIES:
+        version = installed_version()
+        reason = version_refusal(version) if version else None
+        if reason:
+            raise ConfigError("rollout.engine", "vllm", f"hf, or install {supported_range()}", reason)
+        strategy = cfg.update.strategy
+        if strategy not in NATIVE_STRATEGIES:
             return
-        check_vllm_ipc_api()
-        if cfg.run.device == "cpu" or not torch.cuda.is_available():
+        check_vllm_api(strategy)
+        cuda = cfg.run.device != "cpu" and torch.cuda.is_available()
+        if (NATIVE_DEVICES[strategy] == "cuda") != cuda:
+            other = "vllm_shm (the CPU's)" if strategy == "vllm_ipc" else "vllm_ipc (CUDA's)"
             raise ConfigError(
                 "update.strategy",
-                "vllm_ipc",
-                "bucketed, per_tensor (vLLM's own transfer needs CUDA; not available on this machine)",
-                "not available",
+                strategy,
+                f"bucketed, per_tensor, {other}: {strategy} runs on {NATIVE_DEVICES[strategy].upper()} only",
+                "not available on this device",
             )
 
     @classmethod
@@ -399,6 +440,7 @@ class VLLMEngine(Engine):
         eos_id: int,
         pad_id: int,
         strategy: str = "bucketed",
+        verify: bool = False,
     ):
         reason = unavailable_reason()
         if reason:
@@ -408,7 +450,11 @@ class VLLMEngine(Engine):
         self.allowed = allowed_ids.cpu()
         # None = no restriction (cheaper than a vocabulary-long list on every request)
         self.allowed_list = None if bool(self.allowed.all()) else self.allowed.nonzero().flatten().tolist()
-        self.native = strategy in NATIVE_STRATEGIES
+        self.strategy, self.native = strategy, strategy in NATIVE_STRATEGIES
+        self.reload_mode = getattr(rollout_cfg, "vllm_reload_mode", None)
+        # update.verify: what vLLM's loaders read, by trainer name (its CPU linears read back empty by parameter)
+        self.ledger = LoadLedger(dtype, verify=verify)
+        self.shm: ShmUpdater | None = None  # vllm_shm's trainer side, opened by the first update (the init phase)
         self.asleep: set[str] = set()  # vLLM sleep tags currently released: "weights", "kv_cache"
         self.sleep_level = rollout_cfg.sleep_level  # vLLM's: 1 weights to host, 2 dropped (the update refills), 0 none
         check_sleep_mode(device.type, self.native)
@@ -435,11 +481,15 @@ class VLLMEngine(Engine):
             eos_id=spec.eos_id,
             pad_id=spec.pad_id,
             strategy=strategy,
+            verify=getattr(spec, "verify", False),
         )
 
     def _start(self, rollout_cfg: RolloutConfig, *, kv_bytes: int, need_bytes: int):
-        # The transport decides the process boundary; vllm_ipc measures vLLM's own (engine core in its process).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.native else "0"
+        # The transport decides the process boundary; vllm_ipc measures vLLM's own (engine core in its process,
+        # where CUDA IPC handles open); vllm_shm's names cross any boundary, its engine core stays here.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.strategy == "vllm_ipc" else "0"
+        if self.reload_mode is not None:  # vLLM 0.34+ (check_config refuses it on older releases)
+            os.environ["VLLM_RELOAD_MODE"] = self.reload_mode
         # vLLM drops torch to one thread "for serving" unless OMP_NUM_THREADS is set; the trainer shares
         # this process and keeps its threads.
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
@@ -451,10 +501,16 @@ class VLLMEngine(Engine):
             options["enable_sleep_mode"] = True
             free, total = torch.cuda.mem_get_info(self.device)
             options["gpu_memory_utilization"] = gpu_memory_utilization(free, total, need_bytes=need_bytes)
-            if self.native:
-                from vllm.config import WeightTransferConfig
+        if self.native:
+            from vllm.config import WeightTransferConfig
 
-                options["weight_transfer_config"] = WeightTransferConfig(backend="ipc")
+            backend = "ipc"
+            if self.strategy == "vllm_shm":
+                from rlsync.engines.vllm_shm import BACKEND, register
+
+                register()  # vLLM's worker builds the engine from its factory, in this process
+                backend = BACKEND
+            options["weight_transfer_config"] = WeightTransferConfig(backend=backend)
         try:
             return LLM(
                 model=self.model_dir.name,
@@ -550,11 +606,12 @@ class VLLMEngine(Engine):
         """Load (name, tensor) pairs, trainer names, through vLLM's reload path (fused layers whole).
         The tensors may be in any dtype: vLLM's weight loaders cast in their copy."""
         if self.native:
-            raise RuntimeError("update.strategy=vllm_ipc loads through vLLM's own transfer (native_update)")
+            raise RuntimeError(f"update.strategy={self.strategy} loads through vLLM's own transfer (native_update)")
         self._wake_weights()
         ready = self.fused.ready(named, copy=copy_held)
         if ready:
             self.llm.collective_rpc(_reload_in_worker, args=(ready,))
+            self.ledger.loaded(ready)  # each call finalizes every layer it loads: all of `ready` was read
 
     def load_trainer_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The trainer's own tensors (alive until the update ends): parts of a fused layer are held by reference."""
@@ -564,16 +621,35 @@ class VLLMEngine(Engine):
     def weights(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError(
             "rollout.engine=vllm does not expose its weights by trainer name: vLLM fuses q/k/v and gate/up and "
-            "re-packs matrices for its kernels, so update.verify=true and update.flat_engine_weights=true are "
-            "not supported for vllm; check an update with train/logprob_abs_diff instead"
+            "re-packs matrices for its kernels (on the CPU its linear layers read back empty), so "
+            "update.flat_engine_weights=true is not supported for vllm; update.verify checks what its loaders read"
         )
 
+    def checksums(self) -> dict[str, int]:
+        """update.verify: the checksum of the bytes vLLM's loaders read for each trainer tensor, in the engine's
+        dtype, when they read them (not its kernel-format weights: train/logprob_abs_diff checks those)."""
+        if self.strategy == "vllm_shm":
+            return self.llm.collective_rpc(_shm_reads)[0]
+        if self.strategy == "vllm_ipc":
+            raise NotImplementedError("update.verify with update.strategy=vllm_ipc: vLLM's IPC engine records nothing")
+        return dict(self.ledger.read)
+
     def native_update(self, weights: dict[str, torch.Tensor], *, bucket_bytes: int) -> tuple[dict[str, float], int]:
-        """update.strategy=vllm_ipc: vLLM's own transfer (CUDA IPC, packed buckets of `bucket_bytes`)."""
+        """vLLM's own four phases: vllm_ipc (CUDA IPC, packed buckets of `bucket_bytes`), vllm_shm (shared
+        memory of `bucket_bytes`; its init phase runs in the first update, and stays open)."""
         self._wake_weights()
-        return vllm_ipc_update(self, weights, bucket_bytes=bucket_bytes)
+        if self.strategy == "vllm_ipc":
+            return vllm_ipc_update(self, weights, bucket_bytes=bucket_bytes)
+        if self.shm is None or self.shm.bucket_bytes != bucket_bytes:
+            if self.shm is not None:
+                self.shm.close()
+            self.shm = ShmUpdater(self, bucket_bytes=bucket_bytes, verify=self.ledger.verify)
+        return self.shm.update(weights)
 
     def close(self) -> None:
+        shm, self.shm = getattr(self, "shm", None), None
+        if shm is not None:
+            shm.close()
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()

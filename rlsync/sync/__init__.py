@@ -18,6 +18,8 @@ the optional verification.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from rlsync.config.derived import bucket_bytes
@@ -41,7 +43,7 @@ from rlsync.sync.base import (  # noqa: F401 - also rlsync.sync's names, for its
 )
 from rlsync.sync.buckets import Bucket, metas_of
 from rlsync.sync.gather import ShardedWeights, full_weights
-from rlsync.sync.payload import payload_name, payload_of
+from rlsync.sync.payload import payload_floor_metrics, payload_name, payload_of
 
 
 class WeightMismatch(RuntimeError):
@@ -62,6 +64,8 @@ def open_transport(cfg: UpdateConfig, *, spec: EngineSpec, buckets: list[Bucket]
     """
     if cfg.flat_engine_weights is None or cfg.copy_threads is None:
         cfg, _ = resolve_update(cfg, spec.rollout, probe_threads=0, model=spec.model)
+    if cfg.verify and not spec.verify:  # the engine learns it will be checked (EngineSpec.verify)
+        spec = dataclasses.replace(spec, verify=True)
     return transport_class(cfg.transport).open(spec, buckets, cfg)
 
 
@@ -83,8 +87,12 @@ def timed_update(
     device: torch.device,
     limit_time: float,
     gather_limit_time: float = 0.0,
+    copy_bandwidth: float | None = None,
 ) -> dict[str, float]:
     """One timed weight update; the metrics family `perf/update_weights_*`.
+
+    `copy_bandwidth` (bytes read + written per second, the copy probe's: rlsync.sync.payload.payload_bandwidth):
+    a payload other than full is also timed against its own floors, encode and decode (payload_floor_metrics).
 
     Peak bytes: the staging buffers the update holds (the transport's own accounting, both sides of a
     process boundary) plus, on CUDA, what the allocators handed out beyond that during the update
@@ -118,6 +126,7 @@ def timed_update(
     }
     if payload_name(cfg) != "full":
         metrics.update(payload_metrics(result, nbytes, seconds))
+        metrics.update(payload_floor_metrics(result.buckets, result.seconds, copy_bandwidth))
         # the copy floor of what crossed (the limit scales with the bytes): the payload's own time / floor
         metrics["perf/update_weights_sent_limit_time"] = floor * metrics["perf/update_weights_bytes"] / nbytes
     if sharded:
