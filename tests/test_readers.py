@@ -49,8 +49,10 @@ def wandb_runs(tmp_path_factory) -> dict[str, Path]:
     import wandb
 
     root = tmp_path_factory.mktemp("wandb_runs")
-    old = {k: os.environ.get(k) for k in ("WANDB_MODE", "WANDB_SILENT")}
+    old = {k: os.environ.get(k) for k in ("WANDB_MODE", "WANDB_SILENT", "WANDB_SERVICE")}
     os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    # a service another test of this worker started (and may have stopped) is not this fixture's: its own
+    os.environ.pop("WANDB_SERVICE", None)
     try:
         run = wandb.init(project="miles", dir=str(root / "miles"), config={"hf_checkpoint": "Qwen/Qwen3-1.7B"})
         run.define_metric("rollout/step")
@@ -66,8 +68,9 @@ def wandb_runs(tmp_path_factory) -> dict[str, Path]:
             run.log({"train/global_step": i + 1, "train/loss": 0.1})
         run.finish()
     finally:
+        wandb.teardown()  # stops the service this fixture started; the next user starts its own
         for key, value in old.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
     return {name: next((root / name / "wandb").glob("offline-run-*")) for name in ("miles", "trl")}
 
 
