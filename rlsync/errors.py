@@ -485,6 +485,14 @@ def from_hydra(err: BaseException) -> Optional[RlsyncError]:
             "a config group in conf/, or key.subkey=value",
             "unknown config group",
         )
+    if "Error locating target 'rlsync." in str(err):  # rlsync's own class (a callback) failed to import: not input
+        root = err
+        while root.__cause__ is not None or root.__context__ is not None:
+            root = root.__cause__ or root.__context__
+        target = str(err).split("'")[1]
+        return RlsyncError(
+            f"failed: rlsync's own {target} could not be loaded: {type(root).__name__}: {first_line(root)}"
+        )
     if isinstance(err, HydraException) or isinstance(cause, OmegaConfBaseException):
         return BadInput(f"bad config: {message}" + (f": {first_line(cause)}" if cause is not None else ""))
     return None

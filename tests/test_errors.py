@@ -732,3 +732,25 @@ def test_a_thread_that_cannot_start_names_the_process_limit(monkeypatch):
         "processes and threads (ulimit -u 40): raise the limit or stop some"
     )
     assert translate(BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")) is None  # a socket's
+
+
+def test_rlsyncs_own_callback_failing_to_import_is_a_failure_not_bad_config():
+    """A broken import inside rlsync (not the user's input) behind Hydra's 'Error locating target' is exit 1."""
+    from hydra.errors import InstantiationException
+
+    from rlsync.errors import RlsyncError, translate
+
+    try:
+        try:
+            raise ImportError("cannot import name 'X' from 'rlsync.report.rows'")
+        except ImportError as inner:
+            raise InstantiationException(
+                "Error locating target 'rlsync.report.sweep_callback.SweepReport', set env var HYDRA_FULL_ERROR=1"
+            ) from inner
+    except InstantiationException as err:
+        line = translate(err)
+    assert type(line) is RlsyncError and line.exit_code == 1
+    assert str(line) == (
+        "failed: rlsync's own rlsync.report.sweep_callback.SweepReport could not be loaded: "
+        "ImportError: cannot import name 'X' from 'rlsync.report.rows'"
+    )
