@@ -435,7 +435,7 @@ def test_vllms_four_phases_on_the_cpu_match_the_trainer_and_a_reused_buffer_woul
         assert split["perf/update_weights_load_time"] > 0 and split["perf/update_weights_pack_time"] > 0
         detached = engine.llm.collective_rpc(lambda w: w.weight_transfer_engine.ledger.detached_bytes)[0]
         assert detached > 0  # the split layers' parts vLLM held across calls got storage of their own
-        engine.shm.transfer.detach_held = False  # as a receiver that hands vLLM views of a reused buffer
+        engine.sender.transfer.detach_held = False  # as a receiver that hands vLLM views of a reused buffer
         other = trainer_model(42)
         with pytest.raises(WeightMismatch, match=r"engine tensor 'model\.layers\.\d+\.(self_attn|mlp)\."):
             update_and_read(engine, other, "vllm_shm", TINY_BUCKET_MB)

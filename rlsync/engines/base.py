@@ -265,6 +265,13 @@ class Engine(Preloaded, Rollout):
         """What this machine must have for the engine (installed, its API, the device); nothing by default."""
 
     @classmethod
+    def receiver_copies(cls, cfg) -> tuple[str, ...]:
+        """The copies of each update byte, in the engine's dtype, that this engine's receiving side makes on
+        `cfg`'s update path beyond the one every update's floor counts (the trainer's bytes into what the
+        engine reads), by name; the floor counts them too (rlsync.measure.limits). None by default."""
+        return ()
+
+    @classmethod
     def flat_weights_refusal(cls, name: str) -> str | None:
         """Why update.flat_engine_weights=null (auto) is off with this engine (registered as `name`);
         None where it can be on."""

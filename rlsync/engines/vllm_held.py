@@ -1,6 +1,6 @@
 """What vLLM's layerwise reload still holds of the tensors handed to it, and what its loaders read.
 
-vLLM's layerwise reload (model_loader/reload/layerwise.py, 0.32) buffers each weight loader's arguments,
+vLLM's layerwise reload (model_loader/reload/layerwise.py, 0.32 to 0.34) buffers each weight loader's arguments,
 the received tensor among them, until every weight of that layer has arrived, then replays them. Inside
 one `reload_weights` call that is harmless (the call finalizes every layer before it returns), but across
 the four phases' `update_weights` calls a layer split over chunks keeps references into the receive

@@ -6,12 +6,13 @@ the `ipc` or `nccl` backend runs here through this one, over shared memory:
 
 - init (`trainer_init`, once per engine): the trainer maps `SLOTS` files in /dev/shm of the largest
   bucket's size and sends their paths; vLLM's worker maps the same files (`torch.from_file(shared=True)`).
-- start (`start_weight_update`): vLLM's layerwise reload begins (`initialize_layerwise_reload`).
+- start (`start_weight_update`): vLLM's reload begins, as the installed release's own IPC engine begins it
+  (0.32, 0.33: `initialize_layerwise_reload`; 0.34: `start_reload`, which follows VLLM_RELOAD_MODE).
 - update (`update_weights`, once per chunk): the trainer packs a chunk (tensors in metadata order,
   greedy up to the buffer's size, as vLLM's packed producer does) into a slot; the worker hands views of
   it to the model's `load_weights`. Whatever vLLM still holds at the end of the call (a layer split
   across chunks) is detached from the slot before the trainer rewrites it (rlsync/engines/vllm_held.py).
-- finish (`finish_weight_update`): vLLM finalizes the layers still open.
+- finish (`finish_weight_update`): vLLM finalizes the layers still open (0.34: `finish_reload`).
 
 Only the bytes and a few names cross the RPC, so the engine core could live in its own process; rlsync
 runs it in the trainer's (VLLM_ENABLE_V1_MULTIPROCESSING=0), as the reload path does. Importing this
@@ -81,15 +82,16 @@ class SharedMemoryWeightTransferEngine(base.WeightTransferEngine):
     update_info_cls = ShmUpdateInfo
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
+        from rlsync.engines.vllm_api import installed_shape
+
+        self.shape = installed_shape()  # the release's reload calls
         self.slots = [map_file(p, init_info.buffer_bytes) for p in init_info.paths]
         self.ledger = LoadLedger(getattr(torch, init_info.dtype_name), verify=init_info.verify)
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         self.ledger.start()
         self.embedding_loaded = False
-        initialize_layerwise_reload(self.model)
+        self.shape.start_reload(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's base synchronizes torch.accelerator after the receive; a CPU has nothing to wait for
@@ -111,9 +113,7 @@ class SharedMemoryWeightTransferEngine(base.WeightTransferEngine):
         self.ledger.after_call(self.model, handed, reused=known, detach=update_info.detach_held)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
+        self.shape.finish_reload(self.model, self.model_config, self.device)
         self.ledger.finish()
         if self.embedding_loaded:  # vLLM's finalize leaves a tied lm_head packed from the old embedding
             repack_tied_head(self.model)
@@ -128,7 +128,7 @@ class SharedMemoryTrainerEngine(base.TrainerWeightTransferEngine):
     init_info_cls = ShmTrainerInitInfo
 
     def __init__(self, *, client, source, info: ShmTrainerInitInfo, shape) -> None:
-        super().__init__(client=client, source=source, is_sender=info.is_sender)
+        super().__init__(client=client, source=source, **shape.trainer_engine_fields(info))
         self.shape, self.buffer_bytes, self.detach_held = shape, info.buffer_bytes, True
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.paths, self.slots = [], []

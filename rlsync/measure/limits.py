@@ -9,6 +9,10 @@ the path it takes, and report the real transfer as a ratio to it:
 
 On a CPU-only machine the "device" is host memory and both formulas measure memcpy.
 
+Where the engine's receiving side must copy the update's bytes again (vLLM's IPC consumer clones every
+tensor, then loads it: `Engine.receiver_copies`), the floor adds those copies, each a same-dtype copy of
+the update's bytes in the engine's dtype at the bandwidth of such a copy (`receiver_floor_bytes`).
+
 A floor must be a floor: no update may beat it beyond noise. So each probe is the fastest of the
 ways this machine has to do that copy (`copy_candidates`: one CPU thread and all of them, each
 method of `COPY_METHODS`) on the dtypes the update really reads and writes (a converting copy
@@ -239,6 +243,12 @@ def update_floor_bytes(read_bytes: int, written_bytes: int, *, source: str, devi
     return read_bytes + written_bytes
 
 
+def receiver_floor_bytes(written_bytes: int, copies: int) -> int:
+    """The bytes `copies` copies of the update's engine-dtype bytes move on the engine's side (read + write
+    each): what `Engine.receiver_copies` adds to the floor."""
+    return 2 * copies * written_bytes
+
+
 class Limits:
     """Bandwidths measured in the run: the floor every phase is reported against.
 
@@ -246,6 +256,8 @@ class Limits:
       path (device memory, or pinned host -> GPU for `source=host` on a GPU), in bytes per second
       counted as `update_floor_bytes` counts them; `update_probe` says how the fastest copy went;
     - `device_copy`: a same-dtype copy within the device's memory (read + write);
+    - `engine_copy` (with `receiver_copies`, else None): a copy of the engine's dtype into itself on the
+      device at the update's size, the bandwidth of the engine's own copies (read + write);
     - `to_host`, `to_device`: a same-dtype copy each way between host and device (payload; on a CPU,
       half the memcpy bandwidth at the offloaded state's size).
 
@@ -263,8 +275,11 @@ class Limits:
         read_bytes: int | None = None,
         source: str = "device",
         dtypes: tuple[torch.dtype, torch.dtype] = BYTES,
+        receiver_copies: Sequence[str] = (),
     ):
         self.device, self.update_bytes, self.state_bytes = device, update_bytes, state_bytes
+        # the engine's own copies of each byte, by name (Engine.receiver_copies)
+        self.receiver_copies = tuple(receiver_copies)
         self.read_bytes, self.source = read_bytes, source  # the update's: the trainer's bytes, and where they are read
         self.dtypes = dtypes  # the update's: (trainer, engine)
         self.update_probe_how = ""
@@ -276,6 +291,15 @@ class Limits:
         src = host if crosses_host_link(self.source, device.type) else device
         update = copy_bandwidth(update_bytes, src=src, dst=device, dtypes=self.dtypes)
         self.update_copy, self.update_probe_how = update
+        self.engine_copy = None
+        if self.receiver_copies:  # the engine's dtype into itself: the update's probe where that is the same copy
+            same = src == device and self.dtypes[0] == self.dtypes[1]
+            engine = (self.dtypes[1], self.dtypes[1])
+            self.engine_copy = (
+                update.per_second
+                if same
+                else copy_bandwidth(update_bytes, src=device, dst=device, dtypes=engine).per_second
+            )
         if device.type == "cuda":
             self.device_copy = copy_bandwidth(update_bytes, src=device, dst=device).per_second  # read + write
             self.to_host = copy_bandwidth(state_bytes, src=device, dst=host).per_second  # payload, one direction
@@ -292,11 +316,14 @@ class Limits:
 
     def update_time(self, read_bytes: int, written_bytes: int) -> float:
         """Floor of a weight update: `update_floor_bytes` on the update's path over the bandwidth of
-        its own copy there (`update_copy`)."""
-        return (
+        its own copy there (`update_copy`), plus the engine's own copies (`receiver_floor_bytes` over `engine_copy`)."""
+        seconds = (
             update_floor_bytes(read_bytes, written_bytes, source=self.source, device_type=self.device.type)
             / self.update_copy
         )
+        if self.receiver_copies:
+            seconds += receiver_floor_bytes(written_bytes, len(self.receiver_copies)) / self.engine_copy
+        return seconds
 
     @property
     def update_limit(self) -> float:
@@ -311,16 +338,20 @@ class Limits:
             read_bytes=self.read_bytes,
             source=self.source,
             dtypes=self.dtypes,
+            receiver_copies=len(self.receiver_copies),
         )
 
-    def as_dict(self) -> dict[str, float | str]:
-        return {
+    def as_dict(self) -> dict[str, float | str | list[str]]:
+        out = {
             "update_copy_gbps": self.update_copy / 1e9,
             "update_probe": self.update_probe_how,
             "device_copy_gbps": self.device_copy / 1e9,
             "to_host_gbps": self.to_host / 1e9,
             "to_device_gbps": self.to_device / 1e9,
         }
+        if self.receiver_copies:
+            out.update(receiver_copies=list(self.receiver_copies), engine_copy_gbps=self.engine_copy / 1e9)
+        return out
 
 
 class CopyProbe:
@@ -341,6 +372,7 @@ class CopyProbe:
         read_bytes: int | None,
         source: str,
         dtypes: tuple[torch.dtype, torch.dtype] = BYTES,
+        receiver_copies: int = 0,
     ):
         self.device = device
         host_link = crosses_host_link(source, device.type)
@@ -351,13 +383,24 @@ class CopyProbe:
         self.moved = moved_bytes(self.dst, self.src)  # bytes per copy, counted as the floor's
         read_bytes = update_bytes if read_bytes is None else read_bytes
         self.floor_bytes = update_floor_bytes(read_bytes, update_bytes, source=source, device_type=device.type)
+        # the engine's own copies (Limits.engine_copy): its dtype into itself, re-timed beside the update's copy
+        self.receiver_bytes = receiver_floor_bytes(update_bytes, receiver_copies)
+        self.engine_pair = None
+        if receiver_copies:
+            self.engine_pair = probe_buffers(update_bytes, src=device, dst=device, dtypes=(dtypes[1], dtypes[1]))
+            self.engine_pair[1].copy_(self.engine_pair[0])
         self.wins: Counter[str] = Counter()
         self.last: BestCopy | None = None
 
     def limit_time(self, tries: int = 3) -> float:
         self.last = best_copy(self.dst, self.src, tries, budget_s=0.0, warm_up=False)
         self.wins[self.last.describe()] += 1
-        return self.floor_bytes / (self.moved / self.last.seconds)
+        seconds = self.floor_bytes / (self.moved / self.last.seconds)
+        if self.engine_pair is not None:
+            src, dst = self.engine_pair
+            engine = best_copy(dst, src, tries, budget_s=0.0, warm_up=False)
+            seconds += self.receiver_bytes / (moved_bytes(dst, src) / engine.seconds)
+        return seconds
 
 
 class LinkShare:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlsync.config.schema import Config, UpdateConfig
-from rlsync.engines.base import engine_spec
+from rlsync.engines.base import engine_class, engine_spec
 from rlsync.measure.devices import explicit_device
 from rlsync.measure.limits import Limits
 from rlsync.model.architecture import Entry, params_layout, update_tensors
@@ -89,6 +89,7 @@ def open_update_side(
         read_bytes=read_bytes,
         source=cfg.update.source,
         dtypes=(torch_dtype(cfg.trainer.dtype), torch_dtype(cfg.rollout.dtype)),
+        receiver_copies=engine_class(cfg.rollout.engine).receiver_copies(cfg),  # the engine's own, for its floor
     )
     side.update_cfg, side.resolved = resolve_for_run(
         cfg.update,
