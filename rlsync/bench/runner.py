@@ -55,7 +55,7 @@ from rlsync.record.summary import payload_line, stats_over
 from rlsync.shell import cli, job_errors
 from rlsync.sync import timed_update
 from rlsync.sync.auto import copy_threads_used, resolved_setup
-from rlsync.sync.payload import payload_name, payload_of
+from rlsync.sync.payload import payload_bandwidth, payload_floor_line, payload_name, payload_of
 from rlsync.sync.side import open_update_side
 from rlsync.trainer.offload import Offloader
 
@@ -145,13 +145,15 @@ class UpdateTarget:
         if self.cfg.bench.changed_ratio:  # untimed: what a training step would have changed since the last repeat
             self.repeats += 1
             change_elements(self.changed, self.cfg.bench.changed_ratio, seed=self.cfg.run.seed + self.repeats)
+        limit_time = self.probe.limit_time()
         return timed_update(
             self.engine,
             self.source,
             buckets=self.buckets,
             cfg=self.update_cfg,
             device=self.device,
-            limit_time=self.probe.limit_time(),
+            limit_time=limit_time,
+            copy_bandwidth=payload_bandwidth(self.limits, limit_time),  # the same probe: a payload's own floors
         )
 
     def breakdown(self) -> list[dict]:
@@ -412,6 +414,8 @@ def update_table(result: dict) -> str:
         )
     if other:  # update.delta, update.wire_dtype: what crossed, against the full update
         out.append(payload_line(m, s.get("payload")))
+        if floors := payload_floor_line(m):  # its encode and decode against their own floors
+            out.append(floors)
     if auto := summaries.auto_line(s):
         out.append(auto)
     buckets = result["buckets"]

@@ -151,6 +151,13 @@ METRICS: tuple[Metric, ...] = (
     Metric("perf/update_weights_load_time", "load", "s", Merge.SLOWEST),
     # update.delta=true: the compare and encode per bucket, the full update's bytes, the share that changed
     Metric("perf/update_weights_encode_time", "encode", "s", Merge.SLOWEST),
+    # a payload other than full against its own floors: the bytes its class declares (Payload.floor) over the
+    # copy bandwidth probed in the same run; the decode is the engine's side (the transport's load)
+    Metric("perf/update_weights_decode_time", "decode", "s", Merge.SLOWEST),
+    Metric("perf/update_weights_encode_limit_time", "encode floor", "s"),
+    Metric("perf/update_weights_encode_efficiency", "encode efficiency (floor/time)", "ratio"),
+    Metric("perf/update_weights_decode_limit_time", "decode floor", "s"),
+    Metric("perf/update_weights_decode_efficiency", "decode efficiency (floor/time)", "ratio"),
     Metric("perf/update_weights_full_bytes", "full update bytes", "bytes"),
     Metric("perf/update_weights_changed_ratio", "changed share", "ratio"),
     # trainer.parallel=fsdp2: the full tensors gathered from the shards, inside the update (sync/gather.py)

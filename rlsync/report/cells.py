@@ -110,7 +110,40 @@ def rows_markdown(rows: list[dict[str, Any]]) -> str:
     if any(row.get("framework") for row in rows):  # other frameworks' runs beside rlsync's: which one, read from what
         cells = [[*table_cells(row, common), source_cell(row)] for row in rows]
         return "\n".join([*out, markdown_table([*TABLE_HEADER, "source (framework)"], cells)])
-    return "\n".join([*out, markdown_table(TABLE_HEADER, [table_cells(row, common) for row in rows])])
+    out.append(markdown_table(TABLE_HEADER, [table_cells(row, common) for row in rows]))
+    if floors := payload_floor_table(rows, common):
+        out += ["", floors]
+    return "\n".join(out)
+
+
+PAYLOAD_FLOOR_HEADER = ("run", "payload", "changed share", "encode (floor)", "encode efficiency", "decode (floor)", "decode efficiency")  # fmt: skip
+
+
+def payload_floor_table(rows: list[dict[str, Any]], common: Iterable[str] = ()) -> Optional[str]:
+    """The runs whose payload was timed against its own floors (the bytes its class declares over the copy
+    probe's bandwidth): its encode and its decode (the engine's side), median time, floor and floor / time."""
+
+    def side(row, name):
+        took, floor = row.get(f"update_{name}_time_median"), row.get(f"update_{name}_limit_time_median")
+        return "-" if took is None else f"{fmt_seconds(took)} ({fmt_seconds(floor)})"
+
+    cells = [
+        [
+            run_label(row, common),
+            f"{row['transport']}, {row['payload']}",
+            "-" if row.get("update_changed_ratio_median") is None else fmt_share(row["update_changed_ratio_median"]),
+            side(row, "encode"),
+            fmt_efficiency(row.get("update_encode_efficiency_median")),
+            side(row, "decode"),
+            fmt_efficiency(row.get("update_decode_efficiency_median")),
+        ]
+        for row in rows
+        if row.get("update_encode_limit_time_median") is not None or row.get("update_decode_limit_time_median")
+    ]
+    if not cells:
+        return None
+    note = "Each payload against its own floors: the bytes its kernels must read and write over the copy probe."
+    return "\n".join([note, "", markdown_table(PAYLOAD_FLOOR_HEADER, cells)])
 
 
 def source_cell(row: dict[str, Any]) -> str:

@@ -36,6 +36,7 @@ CSV_HEAD = (
 CSV_TAIL = (
     "update_share", "update_efficiency_median", "update_limit_time_median", "update_gbps_median",
     "update_bytes", "update_full_bytes", "update_changed_ratio_median", "update_buckets_median", "update_peak_bytes_max",
+    *(f"update_{side}_{what}_median" for side in ("encode", "decode") for what in ("time", "limit_time", "efficiency")),
     "sleep_level", "engine_idle_time_min", "engine_idle_time_median", "engine_idle_time_max", "update_idle_share",
     "pause_max_gap_time_median", "pause_receive_time_median", "pause_tokens_ratio_median",
     "stage_max_gap_time_median", "stage_receive_time_median", "stage_tokens_ratio_median", "stage_gap_ratio_median",
@@ -97,6 +98,9 @@ def table_row(run: Run) -> dict[str, Any]:
     row["update_bytes"] = sent if sent is not None else model.get("update_bytes")
     row["update_full_bytes"] = run.stat("perf/update_weights_full_bytes")  # a payload other than full: beside its bytes
     row["update_changed_ratio_median"] = run.stat("perf/update_weights_changed_ratio")  # a delta's
+    for side in ("encode", "decode"):  # a payload other than full against its own floors (rlsync/sync/payload)
+        for what in ("time", "limit_time", "efficiency"):
+            row[f"update_{side}_{what}_median"] = run.stat(f"perf/update_weights_{side}_{what}")
     row["update_buckets_median"] = run.stat("perf/update_weights_buckets")
     row["update_peak_bytes_max"] = run.stat("perf/update_weights_peak_bytes", "max")
     row["update_staging_bytes_max"] = run.stat("perf/update_weights_staging_bytes", "max")

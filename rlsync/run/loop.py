@@ -49,7 +49,7 @@ from rlsync.sync import (
 from rlsync.sync.auto import copy_threads_used, resolved_setup
 from rlsync.sync.base import Transport
 from rlsync.sync.gather import StandIns
-from rlsync.sync.payload import payload_name, payload_of
+from rlsync.sync.payload import payload_bandwidth, payload_name, payload_of
 from rlsync.sync.side import UpdateSide, open_update_side
 from rlsync.trainer.data_parallel import DataParallel
 from rlsync.trainer.grpo import Trainer, group_advantages
@@ -345,6 +345,7 @@ class Experiment:
             device=self.device,
             limit_time=side.limits.update_limit,
             gather_limit_time=gather_limit,
+            copy_bandwidth=payload_bandwidth(side.limits),  # a payload's encode and decode against their floors
         )
         if self.cfg.update.verify:
             metrics["update/verified_engines"] = 1

@@ -8,6 +8,28 @@ inside them. `full` (every element, in the engine's dtype) is the default; `delt
 `PAYLOADS` (rlsync/sync/payload/base.py).
 """
 
-from rlsync.sync.payload.base import Encoded, Encoder, Payload, payload_class, payload_name, payload_of
+from rlsync.sync.payload.base import (
+    Encoded,
+    Encoder,
+    Floor,
+    Payload,
+    payload_bandwidth,
+    payload_class,
+    payload_floor_line,
+    payload_floor_metrics,
+    payload_name,
+    payload_of,
+)
 
-__all__ = ["Encoded", "Encoder", "Payload", "payload_class", "payload_name", "payload_of"]
+__all__ = [
+    "Encoded",
+    "Encoder",
+    "Floor",
+    "Payload",
+    "payload_bandwidth",
+    "payload_class",
+    "payload_floor_line",
+    "payload_floor_metrics",
+    "payload_name",
+    "payload_of",
+]

@@ -15,18 +15,26 @@ update.verify's checksums check after every step.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 import rlsync.sync.flat as flat
 from rlsync.engines.base import Engine
 from rlsync.errors import ConfigError
 from rlsync.sync.buckets import Bucket
-from rlsync.sync.payload.base import FULL, SPARSE, Encoded, Encoder, Payload
+from rlsync.sync.payload.base import FULL, SPARSE, Encoded, Encoder, Floor, Payload
 from rlsync.sync.payload.full import FullPayload
+from rlsync.sync.payload.kernels import (
+    CUDA_CHUNK,
+    INDEX_BYTES,
+    SAME_WIDTH_INT,  # noqa: F401 - the bit-for-bit comparison's integer types, by width (kept importable here)
+    Workers,
+    delta_encode,
+    scatter_changed,
+)
 
-INDEX_BYTES = 4  # an int32 position within its bucket
 INDEX_MAX = 2**31 - 1  # a bucket of more elements than an int32 counts goes whole
-SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bit-for-bit comparison
 
 
 def sparse_bytes(changed: int, itemsize: int) -> int:
@@ -39,43 +47,35 @@ class DeltaEncoder(Encoder):
 
     def __init__(self, buckets: list[Bucket]):
         self.last: list[torch.Tensor | None] = [None] * len(buckets)
+        self.workers = Workers()  # the chunks over the update's CPU threads, each with its scratch
 
     @property
     def held_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.last if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.last if t is not None)  # the scratch: transient
 
     @torch.no_grad()
     def encode(self, index, bucket, weights, buffer, timer, row) -> Encoded:
-        new = buffer[: bucket.numel]
-        with timer("pack", row):
-            flat.pack(bucket, weights, new)  # the trainer's weights in the engine's dtype, as a full update packs them
-        last = self.last[index]
-        with timer("encode", row):
-            if last is None or bucket.numel > INDEX_MAX:  # the first update (or an outsized bucket): whole
-                if last is None:
-                    self.last[index] = new.clone()
-                else:
-                    last.copy_(new)
-                return Encoded(FULL, bucket.numel, bucket.nbytes, bucket.numel)
-            bits = SAME_WIDTH_INT[new.element_size()]
-            changed = new.view(bits) != last.view(bits)  # bit for bit: -0.0 against 0.0 and NaNs count as changed
-            count = int(torch.count_nonzero(changed))  # on CUDA a sync: what follows is sized by it
-            nbytes = sparse_bytes(count, new.element_size())
-            if nbytes >= bucket.nbytes:
-                last.copy_(new)
-                return Encoded(FULL, bucket.numel, bucket.nbytes, count)
-            if count:
-                positions = changed.nonzero().view(-1)  # ascending, which the engine side relies on
-                values = new.index_select(0, positions)
-                last.index_copy_(0, positions, values)
-                raw = buffer.view(torch.uint8)  # the values were read out: the buffer can be overwritten
-                raw[: count * INDEX_BYTES].view(torch.int32).copy_(positions)
-                raw[count * INDEX_BYTES : nbytes].view(new.dtype).copy_(values)
-        return Encoded(SPARSE, count, nbytes, count)
+        first = self.last[index] is None
+        with timer("encode", row):  # cast, compare, count, compact and remember: one pass (kernels.delta_encode)
+            if first:  # the first update: whole, and its values kept
+                self.last[index] = torch.empty(bucket.numel, dtype=buffer.dtype, device=buffer.device)
+            if bucket.numel > INDEX_MAX:  # positions an int32 cannot hold: whole, compared and kept
+                whole, count, read = True, bucket.numel, 0
+                flat.pack(bucket, weights, buffer[: bucket.numel])
+                read = sum(weights[n].numel() * weights[n].element_size() for n in bucket.names)
+                self.last[index].copy_(buffer[: bucket.numel])
+            else:
+                whole, count, read = delta_encode(bucket, weights, buffer, self.last[index], self.workers, first=first)
+        if whole:
+            encoded = Encoded(FULL, bucket.numel, bucket.nbytes, count)
+        else:
+            encoded = Encoded(SPARSE, count, sparse_bytes(count, buffer.element_size()), count)
+        return replace(encoded, floor=DeltaPayload.floor(bucket, encoded, read, first=first))
 
 
 class DeltaPayload(Payload):
     name = "delta"
+    workers = Workers()  # the engine side's scatters over its threads (decode is a class method: no instance)
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -137,21 +137,37 @@ class DeltaPayload(Payload):
         bounds = torch.tensor(ends, dtype=torch.int32, device=positions.device)
         cuts = torch.searchsorted(positions, bounds).tolist()  # per tensor, where its positions end
         weights = engine.weights
-        start = 0
+        items, start = [], 0
         for slot, end in zip(bucket.slots, cuts):
-            if end > start:
-                target = weights[slot.meta.name]
-                where = (positions[start:end] - slot.offset).long()
-                if target.is_contiguous():
-                    target.view(-1).index_copy_(0, where, values[start:end])
-                else:  # a view into a fused tensor (per-expert weights of a MoE model)
-                    target[torch.unravel_index(where, target.shape)] = values[start:end]
+            if end > start:  # one scatter per engine tensor, straight into its weights
+                where = positions[start:end] - slot.offset if slot.offset else positions[start:end]
+                items.append((weights[slot.meta.name], where, values[start:end]))
             start = end
+
+        def work(run, scratch):
+            for target, where, changed in run:
+                scatter_changed(target, where, changed)
+
+        cls.workers.run(buffer.device, items, lambda item: item[1].numel(), work)  # the tensors over the threads
+
+    @classmethod
+    def floor(cls, bucket: Bucket, encoded: Encoded, read_bytes: int, *, first: bool = False) -> Floor:
+        """The encode reads the trainer's bucket and, after the first update, the last values; it writes what
+        crosses (the whole bucket, or the positions and values of the changed elements) and the changed last
+        values (the first update: all of them). The decode reads what crossed and writes the engine's changed
+        elements (whole: every one). A bucket that turns whole part-way (over a third changed in bf16) writes
+        more of its last values than changed: its floor stays this one."""
+        n, itemsize = bucket.nbytes, bucket.dtype.itemsize
+        if first:
+            return Floor(read_bytes, 2 * n, n, n)
+        changed = (encoded.changed if encoded.changed is not None else bucket.numel) * itemsize
+        if encoded.mode == FULL:
+            return Floor(read_bytes + n, n + changed, n, n)
+        return Floor(read_bytes + n, encoded.nbytes + changed, encoded.nbytes, changed)
 
     @classmethod
     def memory_bytes(cls, total_bytes: int, largest_bucket_bytes: int, itemsize: int) -> tuple[int, int]:
-        """The last values of every bucket; while one bucket is encoded: its changed mask (1 byte an element),
-        at most a sparse bucket's worth of int64 positions, and its values."""
-        numel = largest_bucket_bytes // itemsize
-        most = largest_bucket_bytes // (INDEX_BYTES + itemsize)  # changed elements a sparse bucket can carry
-        return total_bytes, numel + most * (8 + itemsize)
+        """The last values of every bucket; while one bucket is encoded: one chunk's cast, changed mask (a byte an
+        element), int64 positions and values (kernels.DeltaWriter; a GPU's chunk, the larger, counted)."""
+        chunk = min(largest_bucket_bytes // itemsize, CUDA_CHUNK)
+        return total_bytes, chunk * (2 * itemsize + 1 + 8)

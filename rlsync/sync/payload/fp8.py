@@ -13,18 +13,31 @@ trainer's weights, bit for bit; train/logprob_abs_diff shows what FP8 costs the 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from rlsync.engines.base import Engine
 from rlsync.errors import ConfigError
+from rlsync.measure.devices import copy_into
 from rlsync.sync.buckets import Bucket, Slot
-from rlsync.sync.payload.base import Encoded, Encoder, Payload
+from rlsync.sync.payload.base import Encoded, Encoder, Floor, Payload
+from rlsync.sync.payload.kernels import (
+    BLOCK,
+    E4M3_MAX,
+    FP8,
+    Scratch,
+    Workers,
+    block_row_groups,
+    blocks_of,
+    chunk_elements,
+    dequantize_rows,
+    dequantize_whole,
+    quantize_rows,
+    quantize_whole,
+)
 
-BLOCK = 128  # the scale's block, each way
-E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
-FP8 = torch.float8_e4m3fn
 MIN_QUANTIZED = (
     1024  # smaller tensors stay in the engine's dtype: their scales and alignment would outweigh the bytes saved
 )
@@ -36,10 +49,6 @@ def quantized(slot: Slot) -> bool:
     """Whether this tensor crosses in FP8 (both sides decide it from the plan alone)."""
     meta = slot.meta
     return len(meta.shape) == 2 and meta.numel >= MIN_QUANTIZED and not any(k in meta.name for k in KEPT)
-
-
-def blocks_of(shape: tuple[int, ...]) -> tuple[int, int]:
-    return math.ceil(shape[0] / BLOCK), math.ceil(shape[1] / BLOCK)
 
 
 def layout(bucket: Bucket) -> tuple[list[tuple[Slot, bool, int, int]], int]:
@@ -84,26 +93,68 @@ def reference(slot: Slot, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return dequantize_blocks(*quantize_blocks(tensor), dtype) if quantized(slot) else tensor.to(dtype)
 
 
+def fp8_views(raw: torch.Tensor, meta, values: int, scales: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantized tensor's e4m3 values and float32 block scales inside a bucket's bytes `raw`."""
+    blocks = blocks_of(meta.shape)
+    q = raw[values : values + meta.numel].view(FP8).view(meta.shape)
+    return q, raw[scales : scales + 4 * math.prod(blocks)].view(torch.float32).view(blocks)
+
+
+def row_groups(meta, fp8: bool, device: torch.device) -> list[tuple[int, int]]:
+    """(first row, rows) of each chunk the kernels take of a tensor: whole 128-row blocks where it is quantized."""
+    if fp8:
+        return block_row_groups(meta.shape[0], meta.shape[1], device)
+    rows = meta.shape[0] if meta.shape else 1
+    step = max(1, chunk_elements(device) // max(1, meta.numel // max(rows, 1)))
+    return [(r0, min(step, rows - r0)) for r0 in range(0, rows, step)]
+
+
+def rows_of(t: torch.Tensor, r0: int, h: int) -> torch.Tensor:
+    return (t.reshape(1) if t.dim() == 0 else t)[r0 : r0 + h]
+
+
 class Fp8Encoder(Encoder):
+    def __init__(self):
+        self.workers = Workers()  # the chunks over the update's CPU threads, each with its scratch
+        self.scratch = Scratch()  # the compiled kernel's values and scales (quantize_whole)
+
     @torch.no_grad()
     def encode(self, index, bucket, weights, buffer, timer, row) -> Encoded:
         parts, nbytes = layout(bucket)
         raw = buffer.view(torch.uint8)
-        for slot, fp8, values, scales in parts:
-            source = weights[slot.meta.name]
-            if fp8:
-                with timer("encode", row):
-                    q, scale = quantize_blocks(source)
-                    raw[values : values + slot.meta.numel].copy_(q.view(torch.uint8).view(-1))
-                    raw[scales : scales + 4 * scale.numel()].view(torch.float32).copy_(scale.view(-1))
-            else:
-                with timer("pack", row):
-                    raw[values : values + slot.meta.nbytes].view(bucket.dtype).copy_(source.reshape(-1))
-        return Encoded(QUANTIZED_MODE, bucket.numel, nbytes, None)
+        device = buffer.device
+        with timer("encode", row):  # each quantized tensor a group of block rows at a time (kernels.quantize_rows)
+            items, read = [], 0
+            for slot, fp8, values, scales in parts:
+                source, meta = weights[slot.meta.name], slot.meta
+                read += source.numel() * source.element_size()
+                if fp8:
+                    q, scale = fp8_views(raw, meta, values, scales)
+                    if quantize_whole(source, q, scale, self.scratch):  # the compiled kernel (kernels.Compiled)
+                        continue
+                    dst = (q, scale)
+                else:
+                    dst = raw[values : values + meta.nbytes].view(bucket.dtype).view(meta.shape)
+                width = meta.numel // max(1, meta.shape[0] if meta.shape else 1)  # elements a row
+                items += [(source, dst, fp8, r0, h, h * width) for r0, h in row_groups(meta, fp8, device)]
+
+            def work(run, scratch):
+                for source, dst, fp8, r0, h, _ in run:
+                    if fp8:
+                        q, scale = dst
+                        b0, b1 = r0 // BLOCK, -(-(r0 + h) // BLOCK)
+                        quantize_rows(source[r0 : r0 + h], q[r0 : r0 + h], scale[b0:b1], scratch)
+                    else:
+                        copy_into(rows_of(dst, r0, h), rows_of(source, r0, h))
+
+            self.workers.run(device, items, lambda item: item[-1], work)
+        encoded = Encoded(QUANTIZED_MODE, bucket.numel, nbytes, None)
+        return replace(encoded, floor=Fp8Payload.floor(bucket, encoded, read))
 
 
 class Fp8Payload(Payload):
     name = "fp8"
+    workers = Workers()  # the engine side's chunks over its threads (decode is a class method: no instance)
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -141,19 +192,54 @@ class Fp8Payload(Payload):
     @classmethod
     @torch.no_grad()
     def decode(cls, engine: Engine, bucket: Bucket, buffer: torch.Tensor, encoded: Encoded) -> None:
+        """Each tensor a chunk at a time straight into the engine's weight where the engine holds its weights by
+        trainer name (`holds_flat_weights`: the HF engine), the quantized ones dequantized on the way
+        (kernels.dequantize_rows); else into tensors handed to its loader in one call."""
         parts, _ = layout(bucket)
         raw = buffer.view(torch.uint8)
-        named = []
+        device = buffer.device
+        weights = engine.weights if engine.holds_flat_weights else None
+        items, named = [], []
         for slot, fp8, values, scales in parts:
             meta = slot.meta
-            if fp8:
-                q = raw[values : values + meta.numel].view(FP8).view(meta.shape)
-                scale = raw[scales : scales + 4 * math.prod(blocks_of(meta.shape))].view(torch.float32)
-                tensor = dequantize_blocks(q, scale.view(blocks_of(meta.shape)), bucket.dtype)
+            src = fp8_views(raw, meta, values, scales) if fp8 else raw[values : values + meta.nbytes]
+            if not fp8:
+                src = src.view(bucket.dtype).view(meta.shape)
+                if weights is None:
+                    named.append((meta.name, src))
+                    continue
+            if weights is not None:
+                target = weights[meta.name]
             else:
-                tensor = raw[values : values + meta.nbytes].view(bucket.dtype).view(meta.shape)
-            named.append((meta.name, tensor))
-        engine.load_weights(named)  # one call per bucket, as the full payload's
+                target = torch.empty(meta.shape, dtype=bucket.dtype, device=device)
+                named.append((meta.name, target))
+            if fp8 and dequantize_whole(*src, target):  # the compiled kernel, whole (kernels.Compiled)
+                continue
+            width = meta.numel // max(1, meta.shape[0] if meta.shape else 1)  # elements a row
+            items += [(src, target, fp8, r0, h, h * width) for r0, h in row_groups(meta, fp8, device)]
+
+        def work(run, scratch):
+            for src, target, fp8, r0, h, _ in run:
+                if fp8:
+                    q, scale = src
+                    b0, b1 = r0 // BLOCK, -(-(r0 + h) // BLOCK)
+                    dequantize_rows(q[r0 : r0 + h], scale[b0:b1], target[r0 : r0 + h], scratch)
+                else:
+                    copy_into(rows_of(target, r0, h), rows_of(src, r0, h))
+
+        cls.workers.run(device, items, lambda item: item[-1], work)
+        if named:
+            engine.load_weights(named)  # one call per bucket, as the full payload's
+
+    @classmethod
+    def floor(cls, bucket: Bucket, encoded: Encoded, read_bytes: int, *, first: bool = False) -> Floor:
+        """The encode reads the trainer's tensors once and writes each quantized one's e4m3 values and float32
+        scales, each kept one in the engine's dtype; the decode reads those and writes every engine element."""
+        wire = 0
+        for slot in bucket.slots:
+            meta = slot.meta
+            wire += meta.numel + 4 * math.prod(blocks_of(meta.shape)) if quantized(slot) else meta.nbytes
+        return Floor(read_bytes, wire, wire, bucket.nbytes)
 
     @classmethod
     def expected(cls, buckets: list[Bucket], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 import rlsync.sync.flat as flat
 from rlsync.engines.base import Engine
+from rlsync.measure.devices import copy_into
 from rlsync.sync.buckets import Bucket
-from rlsync.sync.payload.base import FULL, Encoded, Encoder, Payload
+from rlsync.sync.payload.base import FULL, Encoded, Encoder, Floor, Payload
 
 
 class FullEncoder(Encoder):
     def encode(self, index, bucket, weights, buffer, timer, row) -> Encoded:
+        read = 0
         with timer("pack", row):
-            flat.pack(bucket, weights, buffer[: bucket.numel])
-        return Encoded(FULL, bucket.numel, bucket.nbytes, None)
+            for name, view in flat.views(bucket, buffer[: bucket.numel]):  # flat.pack, counting what it reads
+                source = weights[name]
+                copy_into(view, source)
+                read += source.numel() * source.element_size()
+        encoded = Encoded(FULL, bucket.numel, bucket.nbytes, None)
+        return replace(encoded, floor=FullPayload.floor(bucket, encoded, read))
 
 
 class FullPayload(Payload):
@@ -28,3 +36,8 @@ class FullPayload(Payload):
     @classmethod
     def decode(cls, engine: Engine, bucket: Bucket, buffer: torch.Tensor, encoded: Encoded) -> None:
         engine.load_weights(flat.views(bucket, buffer[: bucket.numel]))
+
+    @classmethod
+    def floor(cls, bucket: Bucket, encoded: Encoded, read_bytes: int, *, first: bool = False) -> Floor:
+        """The pack reads the trainer's tensors and writes the bucket; the load reads it and writes the engine's."""
+        return Floor(read_bytes, encoded.nbytes, encoded.nbytes, encoded.nbytes)

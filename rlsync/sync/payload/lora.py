@@ -23,7 +23,7 @@ from rlsync.engines.base import Engine
 from rlsync.errors import ConfigError
 from rlsync.model.lora import MergedWeights, is_adapter, scaling
 from rlsync.sync.buckets import Bucket, TensorMeta, plan_units
-from rlsync.sync.payload.base import FULL, Encoded, Encoder, Payload
+from rlsync.sync.payload.base import FULL, Encoded, Encoder, Floor, Payload
 from rlsync.sync.payload.full import FullEncoder, FullPayload
 
 
@@ -46,8 +46,8 @@ class AdapterEncoder(Encoder):
         self.full = FullEncoder()
 
     def encode(self, index, bucket, weights, buffer, timer, row) -> Encoded:
-        if not self.adapter[index] and self.sent_base:
-            return Encoded(FULL, 0, 0, None)  # nothing crosses: the engine keeps the base it has
+        if not self.adapter[index] and self.sent_base:  # nothing crosses: the engine keeps the base it has
+            return Encoded(FULL, 0, 0, None, floor=Floor())
         if index == len(self.adapter) - 1:
             self.sent_base = True
         return self.full.encode(index, bucket, weights, buffer, timer, row)
@@ -124,6 +124,11 @@ class LoraAdapterPayload(Payload):
     @classmethod
     def engine_lora(cls, cfg: Config):
         return cfg.trainer.lora
+
+    @classmethod
+    def floor(cls, bucket: Bucket, encoded: Encoded, read_bytes: int, *, first: bool = False) -> Floor:
+        """A bucket that crosses costs what the full payload's does; a base bucket left out, nothing."""
+        return FullPayload.floor(bucket, encoded, read_bytes) if encoded.nbytes else Floor()
 
 
 class LoraMergedPayload(FullPayload):

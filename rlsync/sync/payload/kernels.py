@@ -1,0 +1,397 @@
+"""The payloads' kernels: each bucket in one pass over memory, in chunks that stay in cache.
+
+A chunk (`chunk_elements`) is small enough that its intermediates (the engine-dtype cast, the changed
+mask, the fp32 quotients) stay in the CPU's L2 while the chunk's source is read once from memory and its
+result written once; on CUDA, where each op is a kernel launch and a count a sync, the chunk is large
+(a few such per bucket). The same torch ops run on both; nothing here reads a pointer.
+Chosen over torch.compile by measurement (experiments/payloads/kernels.py, docs/payloads.md).
+
+- `DeltaWriter`: cast, compare bit for bit with the last values, count, compact the changed positions
+  and values into the staging buffer and remember them, chunk by chunk; a bucket whose changes would
+  make the sparse form no smaller than the bucket switches to whole mid-way, without a second pass.
+- `scatter_changed`: the delta's apply, one scatter per engine tensor.
+- `quantize_into`, `dequantize_into`: FP8's block amax, scale, divide and e4m3 cast per group of
+  128-row blocks into the staging buffer; the multiply and the engine-dtype cast straight into the
+  engine's weights. Bit for bit the reference block quantization (rlsync/sync/payload/fp8.py).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import torch
+
+from rlsync.measure.devices import copy_into
+
+CPU_CHUNK = 1 << 20  # elements: 4 MiB of fp32 read, its bf16 cast and mask in cache (measured: kernels.py)
+CUDA_CHUNK = 1 << 24  # elements: launches and count syncs few per bucket; the GPU's L2 holds tens of MiB
+BLOCK = 128  # FP8's scale block, each way
+E4M3_MAX = 448.0
+FP8 = torch.float8_e4m3fn
+INDEX_BYTES = 4  # an int32 position within its bucket
+SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bit-for-bit comparison
+
+
+def chunk_elements(device: torch.device) -> int:
+    return CUDA_CHUNK if device.type == "cuda" else CPU_CHUNK
+
+
+def row_chunks(tensor: torch.Tensor, chunk: int):
+    """(first element, rows view) over `tensor` by whole rows of its first dim, about `chunk` elements each
+    (at least one row): a view of any strided or host tensor, so the copy into a scratch casts as it reads."""
+    t = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    rows = t.shape[0]
+    row = t[0].numel() if rows else 0
+    step = max(1, chunk // max(row, 1))
+    for r0 in range(0, rows, step):
+        yield r0 * row, t[r0 : r0 + step]
+
+
+class Scratch:
+    """Per-device chunk buffers, grown on demand and reused across buckets and updates."""
+
+    def __init__(self):
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        have = self.buffers.get((key, dtype, device))
+        if have is None or have.numel() < numel:
+            have = torch.empty(numel, dtype=dtype, device=device)
+            self.buffers[(key, dtype, device)] = have
+        return have[:numel]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers.values())
+
+
+class Workers:
+    """A bucket's chunks over the update's CPU threads, one torch thread each.
+
+    On a CPU each chunk's ops are too short for torch's own parallel regions: every op waits at a barrier
+    for its slowest thread, which a busy machine keeps off a core (measured on this project's loaded 2-core
+    machine: 64 M elements' cast, compare and compaction in 256 Ki chunks took 1.1 s on 2 torch threads,
+    0.03 s on 1). So the chunks are split in contiguous runs, one per thread of `torch.get_num_threads()` (the
+    update's copy threads), each on a Python thread whose torch ops run single-threaded (they release the
+    GIL). On CUDA one run: the kernels queue on the device's stream in order."""
+
+    def __init__(self):
+        self.scratch: list[Scratch] = []
+
+    def run(self, device: torch.device, items: list, size, work) -> None:
+        """`work(run_of_items, scratch)` over `items` split in contiguous runs of about equal `size(item)`."""
+        n = max(1, min(torch.get_num_threads() if device.type == "cpu" else 1, len(items)))
+        while len(self.scratch) < n:
+            self.scratch.append(Scratch())
+        if n == 1:
+            work(items, self.scratch[0])
+            return
+        runs, total, done = [[] for _ in range(n)], sum(size(i) for i in items) or 1, 0
+        for item in items:
+            runs[min(n - 1, done * n // total)].append(item)
+            done += size(item)
+        errors: list[BaseException] = []
+
+        def guarded(run, scratch):
+            try:
+                with torch.no_grad():  # grad mode is per thread
+                    work(run, scratch)
+            except BaseException as err:  # noqa: BLE001 - raised again in the caller's thread
+                errors.append(err)
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)  # a new thread's torch ops take this count at their first op
+        try:
+            threads = [threading.Thread(target=guarded, args=(r, self.scratch[k])) for k, r in enumerate(runs) if r]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            torch.set_num_threads(before)
+        if errors:
+            raise errors[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.scratch)
+
+
+def chunks_of(bucket, weights, device: torch.device) -> tuple[list[tuple[int, int, list]], int]:
+    """The chunks of `bucket` (sized for `device`, where the kernels run): (element offset in the bucket, elements,
+    [(offset in the chunk, rows of a trainer's tensor)]), small tensors side by side in one chunk (a MoE model's
+    thousands of per-expert tensors cost a chunk's ops once, not once each); and the trainer's bytes read."""
+    size = chunk_elements(device)
+    out, read = [], 0
+    for slot in bucket.slots:
+        source = weights[slot.meta.name]
+        read += source.numel() * source.element_size()
+        for at, part in row_chunks(source, size):
+            at, k = slot.offset + at, part.numel()
+            if out and out[-1][0] + out[-1][1] == at and out[-1][1] + k <= size:
+                first, numel, pieces = out[-1]
+                pieces.append((numel, part))
+                out[-1] = (first, numel + k, pieces)
+            else:
+                out.append((at, k, [(0, part)]))
+    return out, read
+
+
+# ----------------------------------------------------------------------------------------------
+# The delta
+# ----------------------------------------------------------------------------------------------
+
+
+def flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """The positions (int64, ascending) of a 1-D bool mask's true elements. On a CPU numpy's scan (2 to 5x
+    faster than torch's, whose loop branches on every element: 0.63 against 0.11 ms for 256 Ki elements at 20 %
+    true, this project's CPU); on CUDA torch's (a sync: the result's size is read back)."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return mask.nonzero().view(-1)
+
+
+def changed_in_chunk(new: torch.Tensor, old: torch.Tensor, scratch: Scratch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where `new` and `old` (one dtype, one chunk) differ bit for bit (-0.0 against 0.0 and NaNs count as
+    changed): (positions in the chunk, int64 ascending; their new values), the changed elements of `old`
+    overwritten. Compared as 8-byte words (4 bf16 elements each: 2.5x faster than element by element on
+    this project's CPU, the mask and its scan 4x smaller), then within the changed words only; element by
+    element where the chunk is not whole aligned words."""
+    k, itemsize = new.numel(), new.element_size()
+    bits = SAME_WIDTH_INT[itemsize]
+    group = 8 // itemsize
+    aligned = group > 1 and k % group == 0 and old.storage_offset() % group == 0 and new.storage_offset() % group == 0
+    if aligned:
+        mask = scratch.get("mask", k // group, torch.bool, new.device)
+        torch.ne(new.view(torch.int64), old.view(torch.int64), out=mask)
+        words = flat_nonzero(mask)
+        fresh = new.view(torch.int64).index_select(0, words)
+        differ = fresh.view(bits) != old.view(torch.int64).index_select(0, words).view(bits)
+        lane = flat_nonzero(differ.view(-1))  # word-major: ascending (gathers below: a boolean index costs 10x)
+        where = words.index_select(0, lane // group).mul_(group).add_(lane % group)
+        values = fresh.view(new.dtype).index_select(0, lane)
+    else:
+        mask = scratch.get("mask", k, torch.bool, new.device)
+        torch.ne(new.view(bits), old.view(bits), out=mask)
+        where = flat_nonzero(mask)
+        values = new.index_select(0, where)
+    if where.numel():
+        old.index_copy_(0, where, values)
+    return where, values
+
+
+@torch.no_grad()
+def delta_encode(bucket, weights, buffer: torch.Tensor, last: torch.Tensor, workers: Workers, *, first: bool):
+    """One bucket's delta into `buffer` against `last`, which it leaves holding the new values: each chunk of
+    the trainer's tensors cast into cache, compared bit for bit with its last values, its changed positions
+    and values compacted there and scattered into `last`; then the positions (int32, ascending) and values
+    written from the buffer's start. Where they would be no smaller than the bucket, the bucket goes whole
+    (the buffer from `last`, now the new values). `first`: nothing kept yet, every element whole and kept.
+
+    Returns (whole, changed elements, the trainer's bytes read)."""
+    n, itemsize = last.numel(), last.element_size()
+    bits = SAME_WIDTH_INT[itemsize]
+    most = (n * itemsize - 1) // (INDEX_BYTES + itemsize)  # sparse below this many changed: smaller
+    items, read = chunks_of(bucket, weights, buffer.device)
+    found: dict[int, tuple | torch.Tensor] = {}  # per chunk: (int32 positions, values), or (whole) a count
+    changed = [0]  # so far, over every run: once past `most` the chunks are counted, not compacted
+
+    def work(run, scratch: Scratch) -> None:
+        for at, k, pieces in run:
+            if not k:
+                continue
+            old = last[at : at + k]
+            new = scratch.get("new", k, last.dtype, last.device)
+            for offset, part in pieces:  # the cast, into cache
+                copy_into(new[offset : offset + part.numel()].view(part.shape), part)
+            if first:
+                buffer[at : at + k].copy_(new)
+                old.copy_(new)
+                continue
+            if changed[0] > most:  # whole anyway: counted, not compacted
+                mask = scratch.get("mask", k, torch.bool, last.device)
+                torch.ne(new.view(bits), old.view(bits), out=mask)
+                found[at] = mask.sum()  # on CUDA kept on the device: no sync per chunk
+                old.copy_(new)
+                continue
+            where, values = changed_in_chunk(new, old, scratch)  # on CUDA a sync: what follows is sized by it
+            if where.numel():
+                found[at] = (torch.add(where, at).to(torch.int32), values)
+                changed[0] += where.numel()
+
+    workers.run(buffer.device, items, lambda item: item[1], work)
+    if first:
+        return True, n, read
+    parts = [found[at] for at, _, _ in items if at in found]
+    count = sum(p[1].numel() if isinstance(p, tuple) else int(p) for p in parts)
+    if count > most:  # no smaller than the bucket: whole, from the last values (now the new ones)
+        buffer[:n].copy_(last)
+        return True, count, read
+    if count:
+        raw = buffer.view(torch.uint8)
+        torch.cat([p[0] for p in parts], out=raw[: count * INDEX_BYTES].view(torch.int32))
+        values = raw[count * INDEX_BYTES : count * (INDEX_BYTES + itemsize)].view(last.dtype)
+        torch.cat([p[1] for p in parts], out=values)
+    return False, count, read
+
+
+def scatter_changed(target: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
+    """`target`'s elements at flat positions `where` (int32 or int64, ascending) set to `values`, in one scatter."""
+    if target.is_contiguous():
+        target.view(-1).index_copy_(0, where.long(), values)
+    else:  # a view into a fused tensor (per-expert weights of a MoE model)
+        target[torch.unravel_index(where.long(), target.shape)] = values
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 blocks
+# ----------------------------------------------------------------------------------------------
+
+
+def blocks_of(shape: tuple[int, ...]) -> tuple[int, int]:
+    return math.ceil(shape[0] / BLOCK), math.ceil(shape[1] / BLOCK)
+
+
+def block_rows(rows: int, cols: int, chunk: int) -> int:
+    """Rows per chunk: whole 128-row blocks, about `chunk` elements (at least one block row)."""
+    return BLOCK * max(1, chunk // (BLOCK * max(cols, 1)))
+
+
+def scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """A block's scale: its largest magnitude over 448 (so it is exact in e4m3), 1 for an all-zero block."""
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def as_blocks(x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+    """`x` (h x w) as (h/128, 128, w/128, 128) where both divide; else padded with zeros into `out`
+    (float32) first. Returns (blocks, padded)."""
+    h, w = x.shape
+    bh, bw = math.ceil(h / BLOCK), math.ceil(w / BLOCK)
+    if h % BLOCK == 0 and w % BLOCK == 0:
+        return x.view(bh, BLOCK, bw, BLOCK), False
+    padded = torch.zeros(bh * BLOCK, bw * BLOCK, dtype=torch.float32, device=x.device)
+    padded[:h, :w] = x
+    return padded.view(bh, BLOCK, bw, BLOCK), True
+
+
+def block_row_groups(rows: int, cols: int, device: torch.device) -> list[tuple[int, int]]:
+    """(first row, rows) of each group of whole 128-row blocks a 2-D tensor's kernels take at a time."""
+    step = block_rows(rows, cols, chunk_elements(device))
+    return [(r0, min(step, rows - r0)) for r0 in range(0, rows, step)]
+
+
+def quantize_blocks_whole(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """`x` (float32, whole 128x128 blocks) as e4m3 values into `q` and its block scales into `scale`: FP8's
+    quantization, one expression for torch.compile to fuse (the amax, the scale, the divide and the e4m3 cast)."""
+    br, bc = x.shape[0] // BLOCK, x.shape[1] // BLOCK
+    blocks = x.view(br, BLOCK, bc, BLOCK)
+    s = scale_of(blocks.abs().amax(dim=(1, 3)))
+    q.copy_((blocks / s[:, None, :, None]).to(FP8).view(x.shape))
+    scale.copy_(s)
+
+
+def dequantize_blocks_whole(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """e4m3 `q` (whole blocks) times its block scales, cast into `out`: one expression for torch.compile."""
+    br, bc = q.shape[0] // BLOCK, q.shape[1] // BLOCK
+    wide = q.view(br, BLOCK, bc, BLOCK).to(torch.float32) * scale[:, None, :, None]
+    out.copy_(wide.view(q.shape).to(out.dtype))
+
+
+class Compiled:
+    """A kernel through torch.compile (dynamic shapes: one compile serves most tensor sizes), where it
+    compiles: inductor's vectorised C++ on a CPU (it needs a C++ compiler), Triton on CUDA. ATen's eager
+    float8 casts are scalar loops on a CPU (3 ns an element for e4m3 -> float32, 0.5 for float32 -> e4m3 on
+    this project's machine, against 0.1 for the float32 <-> bf16 casts), which the compiled kernels vectorise.
+    Called on whole tensors from the caller's thread (inductor's loops take the update's threads): faster
+    than compiled per chunk over Python threads, measured (experiments/payloads/kernels.py). Where the compile
+    fails (no compiler), `failed` says why after the first call and the eager chunks serve. The quantize
+    writes into scratch tensors, then copied into the staging buffer: aot_autograd refuses input mutations on
+    views of one storage with two dtypes (the buffer's values and scales)."""
+
+    enabled = True  # False: the eager chunks only (tests/test_payload_floors.py watches their ops one by one)
+
+    def __init__(self, fn):
+        self.source, self.fn, self.failed = fn, None, None
+
+    def __call__(self, *args):
+        """The compiled kernel's result, or None where it is off or failed (the caller runs its eager path)."""
+        if not self.enabled or self.failed is not None:
+            return None
+        if self.fn is None:
+            self.fn = torch.compile(self.source, dynamic=True)
+        try:
+            return self.fn(*args) or True
+        except Exception as err:  # noqa: BLE001 - no compiler, an unsupported op: the eager chunks serve
+            self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            return None
+
+
+QUANTIZE = Compiled(quantize_blocks_whole)
+DEQUANTIZE = Compiled(dequantize_blocks_whole)
+
+
+def whole_blocks(t: torch.Tensor) -> bool:
+    return t.shape[0] % BLOCK == 0 and t.shape[1] % BLOCK == 0
+
+
+@torch.no_grad()
+def quantize_whole(source: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scratch: Scratch) -> bool:
+    """A whole tensor of whole 128x128 blocks (float32, on `q`'s device) quantized by the compiled kernel into
+    `q` and `scale`, through `scratch` (the kernel cannot write into the staging buffer itself: Compiled's
+    note; reused scratch, not a fresh tensor per call, whose first touch faults its pages in); False where it
+    does not apply or did not compile (the caller's chunks serve)."""
+    if source.dtype != torch.float32 or source.device != q.device or not whole_blocks(source):
+        return False
+    values = scratch.get("q", q.numel(), FP8, q.device).view(q.shape)
+    scales = scratch.get("scale", scale.numel(), torch.float32, q.device).view(scale.shape)
+    if QUANTIZE(source, values, scales) is None:
+        return False
+    q.copy_(values)  # a byte an element, from cache where the tensor fits
+    scale.copy_(scales)
+    return True
+
+
+@torch.no_grad()
+def dequantize_whole(q: torch.Tensor, scale: torch.Tensor, target: torch.Tensor) -> bool:
+    """A whole tensor of whole blocks dequantized by the compiled kernel straight into `target` (the engine's
+    weight); False where it does not apply or did not compile."""
+    if target.device != q.device or not whole_blocks(q) or not target.is_contiguous():
+        return False
+    return DEQUANTIZE(q, scale, target) is not None
+
+
+@torch.no_grad()
+def quantize_rows(source: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scratch: Scratch) -> None:
+    """A group of block rows of a 2-D tensor, `source` (any float dtype and device), as e4m3 values into `q`
+    (float8, its shape) and a float32 scale per 128x128 block into `scale` (its blocks): read from memory once
+    (cast to float32 in cache where it is not float32 on `q`'s device), its amax, the divide and the cast there."""
+    h, cols = source.shape
+    device = q.device
+    if source.dtype != torch.float32 or source.device != device:
+        x = scratch.get("x", h * cols, torch.float32, device).view(h, cols)
+        copy_into(x, source)
+    else:
+        x = source
+    blocks, padded = as_blocks(x)
+    amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg_())  # |x|'s max, no |x| temp
+    s = scale_of(amax)
+    scale.copy_(s)
+    quotient = scratch.get("quotient", blocks.numel(), torch.float32, device).view(blocks.shape)
+    torch.div(blocks, s[:, None, :, None], out=quotient)
+    flat = quotient.view(blocks.shape[0] * BLOCK, blocks.shape[2] * BLOCK)
+    q.copy_(flat[:h, :cols] if padded else flat)
+
+
+@torch.no_grad()
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, target: torch.Tensor, scratch: Scratch) -> None:
+    """A group of block rows: e4m3 `q` times its block scales, cast into `target` (the engine's tensor's rows,
+    its dtype), widened to float32 in cache, multiplied there and written once."""
+    h, cols = q.shape
+    x = scratch.get("wide", h * cols, torch.float32, q.device).view(h, cols)
+    x.copy_(q)  # e4m3 -> float32, exact
+    blocks, padded = as_blocks(x)
+    blocks.mul_(scale[:, None, :, None])
+    flat = blocks.view(blocks.shape[0] * BLOCK, blocks.shape[2] * BLOCK)
+    copy_into(target, flat[:h, :cols] if padded else flat)
