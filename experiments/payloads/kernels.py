@@ -1,0 +1,386 @@
+"""Micro-benchmark of the payloads' kernels on Qwen3-0.6B-sized buffers: each variant against its own floor.
+
+    python experiments/payloads/kernels.py                 # the whole model's 2-D and 1-D tensors, 3 rounds
+    python experiments/payloads/kernels.py --share 0.25 --rounds 5 --no-compile
+
+The trainer's fp32 tensors have Qwen3-0.6B's shapes (model=qwen3_0p6b, its checkpoint layout), packed into
+512 MiB buckets as the bench plans them. Each round times the copy probe first (rlsync.measure.limits: the
+fastest fp32 -> bf16 copy at the update's size, bytes read + written per second) and then every variant once,
+so a drift of a shared machine's load falls on all alike; each variant's time is divided by its floor (the
+bytes its payload class declares, rlsync.sync.payload: Payload.floor, over that round's probe) and the
+median over rounds printed with its spread (min to max).
+
+Variants: `eager` (the kernels before issue 45: whole-bucket ops, each a pass over memory), `chunked`
+(rlsync.sync.payload.kernels at several chunk sizes, FP8's with its eager casts), `payload` (FP8 as the
+payload runs it: whole tensors through its compiled kernels, the kept and padded ones in chunks), `compile` (torch.compile over whole tensors, dynamic shapes, the inductor CPU
+backend: its compile time is printed; the delta's compaction stays eager, inductor cannot size it).
+Results: experiments/payloads/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from rlsync.config.compose import register_configs, to_config  # noqa: E402
+from rlsync.measure.limits import copy_bandwidth  # noqa: E402
+from rlsync.measure.timing import HostTimer  # noqa: E402
+from rlsync.model.architecture import update_shapes  # noqa: E402
+from rlsync.sync import flat  # noqa: E402
+from rlsync.sync.buckets import TensorMeta, plan_buckets  # noqa: E402
+from rlsync.sync.payload import kernels  # noqa: E402
+from rlsync.sync.payload.base import FULL, SPARSE, Encoded  # noqa: E402
+from rlsync.sync.payload.delta import DeltaEncoder, DeltaPayload, sparse_bytes  # noqa: E402
+from rlsync.sync.payload.fp8 import FP8, Fp8Encoder, Fp8Payload, layout, quantize_blocks  # noqa: E402
+
+BF16, CPU = torch.bfloat16, torch.device("cpu")
+
+
+class Engine:
+    """The engine side as the decodes see it: bf16 weights by trainer name, written in place."""
+
+    holds_flat_weights = True
+
+    def __init__(self, weights):
+        self.weights = {n: t.to(BF16) for n, t in weights.items()}
+
+    def load_weights(self, named):
+        for name, tensor in named:
+            self.weights[name].copy_(tensor)
+
+
+def config_dir() -> str:
+    import importlib.resources
+
+    return str(importlib.resources.files("rlsync") / "conf")
+
+
+def model_weights(share: float) -> dict[str, torch.Tensor]:
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = to_config(compose(config_name="config", overrides=["model=qwen3_0p6b"]))
+    shapes = update_shapes(cfg.model)
+    layers = [s for s in shapes if ".layers." in s[0]]
+    others = [s for s in shapes if ".layers." not in s[0]]
+    keep = max(1, round(len(layers) * share))
+    g = torch.Generator().manual_seed(0)
+    return {n: torch.randn(tuple(s), generator=g) * 0.02 for n, s in others + layers[:keep]}
+
+
+def flip(weights: dict[str, torch.Tensor], share: float, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in weights.values():
+        count = round(share * t.numel())
+        if count:
+            v = t.view(-1)
+            idx = torch.randint(t.numel(), (count,), generator=g)
+            v[idx] = -v[idx]
+
+
+# ---- the kernels before issue 45 (the baseline): whole-bucket ops -------------------------------
+
+
+class EagerDelta:
+    def __init__(self, buckets):
+        self.last = [None] * len(buckets)
+
+    def encode(self, index, bucket, weights, buffer):
+        new = buffer[: bucket.numel]
+        flat.pack(bucket, weights, new)
+        last = self.last[index]
+        if last is None:
+            self.last[index] = new.clone()
+            return Encoded(FULL, bucket.numel, bucket.nbytes, bucket.numel)
+        changed = new.view(torch.int16) != last.view(torch.int16)
+        count = int(torch.count_nonzero(changed))
+        nbytes = sparse_bytes(count, 2)
+        if count:
+            positions = changed.nonzero().view(-1)
+            values = new.index_select(0, positions)
+            last.index_copy_(0, positions, values)
+            raw = buffer.view(torch.uint8)
+            raw[: count * 4].view(torch.int32).copy_(positions)
+            raw[count * 4 : nbytes].view(BF16).copy_(values)
+        return Encoded(SPARSE, count, nbytes, count)
+
+
+def eager_fp8_encode(bucket, weights, buffer):
+    parts, nbytes = layout(bucket)
+    raw = buffer.view(torch.uint8)
+    for slot, fp8, values, scales in parts:
+        source = weights[slot.meta.name]
+        if fp8:
+            q, scale = quantize_blocks(source)
+            raw[values : values + slot.meta.numel].copy_(q.view(torch.uint8).view(-1))
+            raw[scales : scales + 4 * scale.numel()].view(torch.float32).copy_(scale.view(-1))
+        else:
+            raw[values : values + slot.meta.nbytes].view(BF16).copy_(source.reshape(-1))
+    return Encoded(2, bucket.numel, nbytes, None)
+
+
+def eager_fp8_decode(engine, bucket, buffer):
+    from rlsync.sync.payload.fp8 import dequantize_blocks
+
+    parts, _ = layout(bucket)
+    raw = buffer.view(torch.uint8)
+    named = []
+    for slot, fp8, values, scales in parts:
+        meta = slot.meta
+        if fp8:
+            q = raw[values : values + meta.numel].view(FP8).view(meta.shape)
+            scale = raw[scales : scales + 4 * kernels.math.prod(kernels.blocks_of(meta.shape))].view(torch.float32)
+            tensor = dequantize_blocks(q, scale.view(kernels.blocks_of(meta.shape)), BF16)
+        else:
+            tensor = raw[values : values + meta.nbytes].view(BF16).view(meta.shape)
+        named.append((meta.name, tensor))
+    engine.load_weights(named)
+
+
+# ---- torch.compile variants ---------------------------------------------------------------------
+
+
+def compiled_variants():
+    @torch.compile(dynamic=True)
+    def cast_compare_count(src, last, out):
+        new = src.to(out.dtype)
+        out.copy_(new)
+        return (new.view(torch.int16) != last.view(torch.int16)).sum()
+
+    @torch.compile(dynamic=True)
+    def quantize(x):  # x: (R*128, C*128) float32; returned, not written in place: the values and scales share
+        br, bc = x.shape[0] // 128, x.shape[1] // 128  # one buffer, and aot_autograd refuses input mutations
+        b = x.view(br, 128, bc, 128)  # on views of one storage with different dtypes
+        amax = b.abs().amax(dim=(1, 3))
+        scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        return (b / scale[:, None, :, None]).to(FP8).view(x.shape), scale
+
+    @torch.compile(dynamic=True)
+    def dequantize(q, s, out):
+        br, bc = q.shape[0] // 128, q.shape[1] // 128
+        out.copy_((q.view(br, 128, bc, 128).float() * s[:, None, :, None]).view(q.shape).to(out.dtype))
+
+    return cast_compare_count, quantize, dequantize
+
+
+class CompiledDelta(EagerDelta):
+    """cast + compare + count fused by inductor per tensor (dynamic shapes), the positions from an eager pass."""
+
+    def __init__(self, buckets, fn):
+        super().__init__(buckets)
+        self.fn = fn
+
+    def encode(self, index, bucket, weights, buffer):
+        last = self.last[index]
+        if last is None:
+            return super().encode(index, bucket, weights, buffer)
+        new = buffer[: bucket.numel]
+        count = 0
+        for slot in bucket.slots:
+            a, k = slot.offset, slot.meta.numel
+            count += int(self.fn(weights[slot.meta.name].view(-1), last[a : a + k], new[a : a + k]))
+        if count:  # the compaction: a second pass (the mask again, then nonzero)
+            changed = new.view(torch.int16) != last.view(torch.int16)
+            positions = changed.nonzero().view(-1)
+            values = new.index_select(0, positions)
+            last.index_copy_(0, positions, values)
+            raw = buffer.view(torch.uint8)
+            raw[: count * 4].view(torch.int32).copy_(positions)
+            raw[count * 4 : count * 6].view(BF16).copy_(values)
+            return Encoded(SPARSE, count, count * 6, count)
+        return Encoded(SPARSE, 0, 0, 0)
+
+
+def compiled_fp8_encode(fn, bucket, weights, buffer):
+    parts, nbytes = layout(bucket)
+    raw = buffer.view(torch.uint8)
+    for slot, fp8, values, scales in parts:
+        meta = slot.meta
+        source = weights[meta.name]
+        if fp8:
+            q = raw[values : values + meta.numel].view(FP8).view(meta.shape)
+            s = raw[scales : scales + 4 * kernels.math.prod(kernels.blocks_of(meta.shape))].view(torch.float32)
+            values, scale = fn(source)
+            q.copy_(values)
+            s.view(kernels.blocks_of(meta.shape)).copy_(scale)
+        else:
+            raw[values : values + meta.nbytes].view(BF16).view(meta.shape).copy_(source)
+    return Encoded(2, bucket.numel, nbytes, None)
+
+
+def compiled_fp8_decode(fn, engine, bucket, buffer):
+    parts, _ = layout(bucket)
+    raw = buffer.view(torch.uint8)
+    for slot, fp8, values, scales in parts:
+        meta = slot.meta
+        if fp8:
+            q = raw[values : values + meta.numel].view(FP8).view(meta.shape)
+            s = raw[scales : scales + 4 * kernels.math.prod(kernels.blocks_of(meta.shape))].view(torch.float32)
+            fn(q, s.view(kernels.blocks_of(meta.shape)), engine.weights[meta.name])
+        else:
+            engine.weights[meta.name].copy_(raw[values : values + meta.nbytes].view(BF16).view(meta.shape))
+
+
+# ---- the benchmark ------------------------------------------------------------------------------
+
+
+def timed(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--share", type=float, default=0.5, help="share of the decoder layers kept (1: the model)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--changed", type=float, default=0.01, help="share of elements flipped per round")
+    parser.add_argument("--chunks", default="65536,262144,1048576", help="chunk sizes (elements)")
+    parser.add_argument("--no-compile", action="store_true")
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    weights = model_weights(args.share)
+    metas = [TensorMeta(n, tuple(t.shape), BF16) for n, t in weights.items()]
+    buckets = plan_buckets(metas, 512 << 20)
+    numel = sum(b.numel for b in buckets)
+    read = sum(t.numel() * t.element_size() for t in weights.values())
+    print(
+        f"{len(weights)} tensors, {numel / 1e6:.0f} M elements, {len(buckets)} buckets; threads {torch.get_num_threads()}"
+    )
+    buffer = torch.empty(max(b.numel for b in buckets), dtype=BF16)
+    buffer.fill_(0)
+    engine = Engine(weights)
+    chunks = [int(c) for c in args.chunks.split(",")]
+    compiled = None
+    if not args.no_compile:
+        start = time.perf_counter()
+        try:
+            compiled = compiled_variants()
+            small = {k: v for k, v in list(weights.items())[:6]}
+            sb = plan_buckets([TensorMeta(n, tuple(t.shape), BF16) for n, t in small.items()], 512 << 20)
+            d = CompiledDelta(sb, compiled[0])
+            d.encode(0, sb[0], small, buffer)
+            d.encode(0, sb[0], small, buffer)
+            compiled_fp8_encode(compiled[1], sb[0], small, buffer)
+            compiled_fp8_decode(compiled[2], Engine(small), sb[0], buffer)
+            print(f"torch.compile: the three kernels compiled in {time.perf_counter() - start:.1f} s")
+        except Exception as err:  # noqa: BLE001 - report and go on without
+            print(f"torch.compile failed here: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+            compiled = None
+
+    def delta_variants():
+        out = {"eager": EagerDelta(buckets)}
+        for c in chunks:
+            out[f"chunked {c // 1024}K"] = (c, DeltaEncoder(buckets))
+        if compiled:
+            out["compile"] = CompiledDelta(buckets, compiled[0])
+        return out
+
+    variants = delta_variants()
+    timer = HostTimer()
+
+    def run_delta(name, v, index, bucket):
+        if isinstance(v, tuple):
+            kernels.CPU_CHUNK = v[0]
+            return v[1].encode(index, bucket, weights, buffer, timer, {})
+        return v.encode(index, bucket, weights, buffer)
+
+    # first updates (untimed): every variant keeps its last values
+    for name, v in variants.items():
+        for i, b in enumerate(buckets):
+            run_delta(name, v, i, b)
+    results: dict[str, list[float]] = {}
+    bw_seen = []
+
+    def record(key, seconds, floor_bytes, bw):
+        results.setdefault(key, []).append(seconds / (floor_bytes / bw))
+        results.setdefault(key + " [s]", []).append(seconds)
+
+    for r in range(args.rounds):
+        bw = copy_bandwidth(read + numel * 2, src=CPU, dst=CPU, dtypes=(torch.float32, BF16)).per_second
+        bw_seen.append(bw)
+        for share, label in ((0.0, "0 %"), (args.changed, f"{args.changed:.0%}")):
+            if share:
+                flip(weights, share, seed=r)
+            for name, v in variants.items():
+                total, floor, dec_floor, dec_total = 0.0, 0, 0, 0.0
+                for i, b in enumerate(buckets):
+                    source = sum(weights[n].numel() * 4 for n in b.names)
+                    t0 = time.perf_counter()
+                    enc = run_delta(name, v, i, b)
+                    total += time.perf_counter() - t0
+                    floor += DeltaPayload.floor(b, enc, source).encode
+                    if isinstance(v, tuple) and v[0] == 1 << 20:  # the apply once per round, after the default chunk
+                        dec_total += timed(DeltaPayload.decode, engine, b, buffer, enc)
+                        dec_floor += DeltaPayload.floor(b, enc, source).decode
+                record(f"delta encode {label}, {name}", total, floor, bw)
+                if dec_floor:
+                    record(f"delta apply {label}", dec_total, dec_floor, bw)
+            if share:  # the same share, flipped back: the next round starts where this one began
+                flip(weights, share, seed=r)
+                for name, v in variants.items():
+                    for i, b in enumerate(buckets):
+                        run_delta(name, v, i, b)
+        # FP8: quantize and dequantize each bucket
+        fp8_variants = {"eager": None, **{f"chunked {c // 1024}K, eager casts": (c, False) for c in chunks}}
+        if compiled:  # what runs (the payload's whole-tensor compiled kernels, the chunks for the rest), and the same
+            fp8_variants["payload: compiled whole tensors, 1024K chunks for the rest"] = (1 << 20, True)
+            fp8_variants["compile, whole tensors (this script's)"] = "compile"  # kernels, outside the payload
+        enc8 = Fp8Encoder()
+        for name, v in fp8_variants.items():
+            te = td = 0.0
+            fe = fd = 0
+            for b in buckets:
+                source = sum(weights[n].numel() * 4 for n in b.names)
+                if v is None:
+                    te += timed(eager_fp8_encode, b, weights, buffer)
+                    enc = Encoded(2, b.numel, layout(b)[1], None)
+                    td += timed(eager_fp8_decode, engine, b, buffer)
+                elif v == "compile":
+                    te += timed(compiled_fp8_encode, compiled[1], b, weights, buffer)
+                    enc = Encoded(2, b.numel, layout(b)[1], None)
+                    td += timed(compiled_fp8_decode, compiled[2], engine, b, buffer)
+                else:
+                    kernels.CPU_CHUNK, kernels.Compiled.enabled = v
+                    t0 = time.perf_counter()
+                    enc = enc8.encode(0, b, weights, buffer, timer, {})
+                    te += time.perf_counter() - t0
+                    td += timed(Fp8Payload.decode, engine, b, buffer, enc)
+                floor = Fp8Payload.floor(b, enc, source)
+                fe, fd = fe + floor.encode, fd + floor.decode
+            record(f"fp8 quantize, {name}", te, fe, bw)
+            record(f"fp8 dequantize, {name}", td, fd, bw)
+        # the full update's copy, for the goals' ratios: pack (fp32 -> bf16) then load (bf16 -> bf16)
+        t_full = 0.0
+        for b in buckets:
+            t_full += timed(flat.pack, b, weights, buffer[: b.numel])
+            t_full += timed(engine.load_weights, flat.views(b, buffer[: b.numel]))
+        record("full update (pack + load)", t_full, read + 3 * numel * 2, bw)
+    kernels.CPU_CHUNK, kernels.Compiled.enabled = 1 << 20, True
+    gbps = [b / 1e9 for b in bw_seen]
+    print(
+        f"copy probe (fp32 -> bf16, read + written): {statistics.median(gbps):.1f} GB/s ({min(gbps):.1f} to {max(gbps):.1f})"
+    )
+    print("| kernel | time, median (min to max) | time / its floor, median (min to max) | efficiency |")
+    print("|---|---|---|---|")
+    for key, ratios in results.items():
+        if key.endswith(" [s]"):
+            continue
+        secs = results[key + " [s]"]
+        m = statistics.median(ratios)
+        print(
+            f"| {key} | {statistics.median(secs):.3f} s ({min(secs):.3f} to {max(secs):.3f}) "
+            f"| {m:.2f}x ({min(ratios):.2f} to {max(ratios):.2f}) | {1 / m:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
