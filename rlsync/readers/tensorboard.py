@@ -32,7 +32,9 @@ def scalars(path: Path) -> list[tuple[int, float, str, float]]:
         from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New
         from tensorboard.util import tensor_util
     except ImportError:
-        raise ReadRefused(f"{path}: reading TensorBoard events needs the tensorboard package") from None
+        raise ReadRefused(
+            f"{path}: reading TensorBoard events needs the tensorboard package (pip install 'rlsync[report]')"
+        ) from None
     from google.protobuf.message import DecodeError
 
     if path.stat().st_size > MAX_BYTES:
