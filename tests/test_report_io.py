@@ -251,6 +251,21 @@ def sigcgt(pid: int) -> int:
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
 
 
+def sweep_report(tmp_path: Path, runs: int, **popen) -> subprocess.Popen:
+    """`python -m rlsync.report` started on a sweep of `runs` tiny jobs, its output piped."""
+    for i in range(runs):
+        write_job(tmp_path / "sweep" / str(i), "tiny", [1, 4, 16][i % 3])
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlsync.report", str(tmp_path / "sweep"), "--no-wandb"],
+        cwd=ROOT,
+        env=cli_env(MPLBACKEND="Agg"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "sig, ignored, code",
@@ -260,16 +275,8 @@ def sigcgt(pid: int) -> int:
     ],
 )
 def test_a_stop_signal_ends_the_report_with_its_line(tmp_path: Path, sig: int, ignored: bool, code: int) -> None:
-    for i in range(12):
-        write_job(tmp_path / "sweep" / str(i), "tiny", [1, 4, 16][i % 3])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlsync.report", str(tmp_path / "sweep"), "--no-wandb"],
-        cwd=ROOT,
-        env=cli_env(MPLBACKEND="Agg"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignored else None,
+    proc = sweep_report(
+        tmp_path, 12, preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignored else None
     )
     try:
         while proc.poll() is None and not sigcgt(proc.pid) & (1 << (sig - 1)):
@@ -288,16 +295,7 @@ def test_a_stop_signal_ends_the_report_with_its_line(tmp_path: Path, sig: int, i
 
 @pytest.mark.slow
 def test_the_report_piped_into_head_exits_with_its_own_code(tmp_path: Path) -> None:
-    for i in range(30):  # more output than Python's 8 KiB buffer: written in two parts, the second after the close
-        write_job(tmp_path / "sweep" / str(i), "tiny", [1, 4, 16][i % 3])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlsync.report", str(tmp_path / "sweep"), "--no-wandb"],
-        cwd=ROOT,
-        env=cli_env(MPLBACKEND="Agg"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = sweep_report(tmp_path, 30)  # more output than Python's 8 KiB buffer: the second part after the close
     try:
         assert proc.stdout.readline().startswith("rlsync report:")
         proc.stdout.close()  # `| head -n 1`
