@@ -1,5 +1,5 @@
 """A registry of named classes, resolved lazily: what `rollout.engine` (rlsync/engines/base.py) and
-`update.transport` (rlsync/sync/base.py) each keep.
+`update.transport` (rlsync/update/base.py) each keep.
 
 An entry is the class itself, or "module:Class", imported the first time the name is used, so
 registering a class whose module pulls in a heavy dependency (vLLM) imports nothing.

@@ -243,7 +243,7 @@ class Tiny:
         """(transport, bucket plan): the engine behind `update`'s transport, planned for `weights`."""
         import torch
 
-        from rlsync.sync import open_transport, plan_for
+        from rlsync.update import open_transport, plan_for
 
         buckets = plan_for(weights, update, engine_dtype or torch.bfloat16)
         return open_transport(update, spec=spec or self.spec(), buckets=buckets), buckets

@@ -144,7 +144,7 @@ def test_an_engine_that_fails_while_the_trainer_waits_gives_its_reason_on_the_li
     from types import SimpleNamespace
 
     from rlsync.fmt import first_line
-    from rlsync.sync.engine_process import EngineFailed, EngineProcess
+    from rlsync.update.engine_process import EngineFailed, EngineProcess
 
     tb = 'Traceback (most recent call last):\n  File "x.py", line 1\nRuntimeError: Resource temporarily unavailable\n'
     waiting = EngineProcess.__new__(EngineProcess)
@@ -193,7 +193,7 @@ def test_the_stage_policy_swaps_in_a_moe_models_expert_views(compose):
 
     from rlsync.model.architecture import update_tensors
     from rlsync.serve.streams import Decoder, StagePolicy
-    from rlsync.sync import plan_for
+    from rlsync.update import plan_for
 
     cfg, tiny = compose("model=tiny_moe"), Tiny()
     old, new = (update_tensors(tiny.weights(seed=s, model=cfg.model), cfg.model.update_layout) for s in (1, 2))

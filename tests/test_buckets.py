@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from rlsync.sync.buckets import TensorMeta, largest_bucket_bytes, plan_buckets
+from rlsync.update.buckets import TensorMeta, largest_bucket_bytes, plan_buckets
 
 BF16 = torch.bfloat16
 
@@ -52,7 +52,7 @@ def test_qwen3_1p7b_embedding_is_its_own_bucket_at_512_mib(compose):
     from transformers import Qwen3ForCausalLM
 
     from rlsync.model.build import hf_config, named_weights
-    from rlsync.sync.buckets import metas_of
+    from rlsync.update.buckets import metas_of
 
     with torch.device("meta"):
         model = Qwen3ForCausalLM(hf_config(compose("model=qwen3_1p7b").model))

@@ -5,7 +5,7 @@ same run in one process for comparison, a ddp launch with one ipc engine per ran
 two ranks started here around the trainer alone (ddp and fsdp2, with the shards' offload between steps),
 whose losses and weights over 3 steps must be the single process's on the same batches (all marked slow:
 real processes). The checks a launch's environment triggers before any group is joined run in this process,
-and so does the gather's bucket order (sync/gather.py) on a fake gather.
+and so does the gather's bucket order (update/gather.py) on a fake gather.
 """
 
 import json
@@ -287,9 +287,9 @@ def rank_process(rank: int, port: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from rlsync.sync import WeightMismatch
-    from rlsync.sync.gather import gather_shards
     from rlsync.trainer.data_parallel import DataParallel
+    from rlsync.update import WeightMismatch
+    from rlsync.update.gather import gather_shards
 
     def rank0_wins(model) -> None:  # rank 0's weights must win: start rank 1 elsewhere, then broadcast
         if rank == 1:
@@ -331,8 +331,8 @@ def rank_process(rank: int, port: int, out_dir: str) -> None:
 def test_two_ranks_train_as_one_process_under_ddp_and_fsdp2(tmp_path):
     from datetime import timedelta
 
-    from rlsync.sync.broadcast import listen_store
     from rlsync.trainer.data_parallel import merge_ranks
+    from rlsync.update.broadcast import listen_store
 
     # The launcher's store, listening before the ranks start and until they end: a port found free and
     # released for rank 0 to bind could be taken meanwhile (the other test worker's sockets), failing the launch.
@@ -419,8 +419,8 @@ def test_shares_are_whole_groups():
 def sharded(mode: str):
     """ShardedWeights over 3 buckets of the tiny plan, with a fake gather that logs what it gathers."""
     from rlsync.model.architecture import params_layout
-    from rlsync.sync.buckets import metas_of, plan_buckets
-    from rlsync.sync.gather import ShardedWeights
+    from rlsync.update.buckets import metas_of, plan_buckets
+    from rlsync.update.gather import ShardedWeights
 
     params = {f"w{i}": torch.full((4,), float(i)) for i in range(6)}
     buckets = plan_buckets(metas_of(params, torch.bfloat16), bucket_bytes=16)  # two bf16 tensors per bucket
@@ -438,7 +438,7 @@ def sharded(mode: str):
 
 
 def test_the_gather_goes_bucket_by_bucket_in_plan_order():
-    from rlsync.sync import full_weights
+    from rlsync.update import full_weights
 
     weights, log, buckets = sharded("per_bucket")
     assert list(weights) == [f"w{i}" for i in range(6)] and log == []  # names alone gather nothing

@@ -7,9 +7,9 @@ import torch
 from conftest import FAST, ROOT, read_jsonl, run_main
 
 from rlsync.config.schema import Config, UpdateConfig
-from rlsync.sync import timed_update
-from rlsync.sync.payload.base import FULL, SPARSE
-from rlsync.sync.payload.delta import DeltaPayload, sparse_bytes
+from rlsync.update import timed_update
+from rlsync.update.payload.base import FULL, SPARSE
+from rlsync.update.payload.delta import DeltaPayload, sparse_bytes
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
@@ -76,8 +76,8 @@ def test_a_bucket_that_changed_too_much_goes_whole(tiny):
 def test_the_encoding_is_positions_then_values():
     """One bucket, by hand: the int32 positions of the changed elements, then their bf16 values."""
     from rlsync.measure.timing import HostTimer
-    from rlsync.sync.buckets import TensorMeta, plan_buckets
-    from rlsync.sync.payload.delta import DeltaEncoder
+    from rlsync.update.buckets import TensorMeta, plan_buckets
+    from rlsync.update.payload.delta import DeltaEncoder
 
     weights = {"a": torch.zeros(6), "b": torch.ones(4)}
     (bucket,) = plan_buckets([TensorMeta(n, tuple(t.shape), BF16) for n, t in weights.items()], 1 << 20)

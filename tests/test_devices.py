@@ -27,10 +27,10 @@ from rlsync.measure.devices import (
 )
 from rlsync.model.build import ByteTokenizer
 from rlsync.run.loop import score_rollout
-from rlsync.sync.engine_process import generator_here
 from rlsync.trainer.data_parallel import generation_rows
 from rlsync.trainer.grpo import grpo_loss
 from rlsync.trainer.task import make_prompts
+from rlsync.update.engine_process import generator_here
 
 CPU = torch.device("cpu")
 TINY = ModelConfig(

@@ -60,7 +60,7 @@ def test_the_engine_wakes_before_the_update_only_where_its_release_took_the_weig
 ):
     """Level 2 frees the weights: the loop resumes the engine before the update too, inside the idle
     time's resume part; levels 0 and (on a CPU, host == device) 1 leave the weights where they are."""
-    from rlsync.sync.direct import DirectTransport
+    from rlsync.update.direct import DirectTransport
 
     calls = []
     resume = DirectTransport.resume

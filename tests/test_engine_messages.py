@@ -1,4 +1,4 @@
-"""The standalone engine's typed messages (rlsync/sync/messages.py): tensors by value, the plan, and
+"""The standalone engine's typed messages (rlsync/update/messages.py): tensors by value, the plan, and
 what a message that does not add up is refused with. No processes: the wire's own logic."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from conftest import Tiny
 from pydantic import ValidationError
 
 from rlsync.config.schema import UpdateConfig
-from rlsync.sync import plan_for
-from rlsync.sync.broadcast import BroadcastReceiver
-from rlsync.sync.messages import (
+from rlsync.update import plan_for
+from rlsync.update.broadcast import BroadcastReceiver
+from rlsync.update.messages import (
     VOCAB_SIZE,
     WIRE_DTYPES,
     GenerateRequest,
@@ -23,7 +23,7 @@ from rlsync.sync.messages import (
     request_args,
     request_body,
 )
-from rlsync.sync.stream import StreamRequest
+from rlsync.update.stream import StreamRequest
 
 
 @pytest.mark.parametrize("dtype", list(WIRE_DTYPES.values()), ids=list(WIRE_DTYPES))

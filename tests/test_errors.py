@@ -277,7 +277,7 @@ def test_every_key_a_user_can_set_has_a_rule():
 def test_choices_are_looked_up_when_checked(monkeypatch):
     """A choice an implementation owns is named by import path and resolved at check time: the schema imports
     nothing above it, and a name the implementation gains later is accepted."""
-    from rlsync.sync.base import TRANSPORTS
+    from rlsync.update.base import TRANSPORTS
 
     rule = next(rule for key, _, _, rule in leaves(Config()) if key == "update.transport")
     assert isinstance(rule, Choices) and rule.allowed == ", ".join(TRANSPORTS) and not rule.ok("pigeon")
@@ -327,7 +327,7 @@ def test_an_existing_checkpoint_directory_passes(tmp_path):
 
 
 def test_out_of_memory_in_the_update_names_the_bucket_size(monkeypatch, capsys, tmp_path, tiny):
-    from rlsync.sync import flat, timed_update
+    from rlsync.update import flat, timed_update
 
     update = UpdateConfig(bucket_mb=0.05)
     weights = tiny.weights()
@@ -469,7 +469,7 @@ def test_wandb_failing_falls_back_and_keeps_the_files(tmp_path, mode, env, expec
 def test_a_failed_verification_is_said_in_the_summary_and_the_closing_table(tmp_path, capsys):
     from rlsync.record.recorder import Recorder
     from rlsync.run.loop import Experiment, print_closing
-    from rlsync.sync import WeightMismatch
+    from rlsync.update import WeightMismatch
 
     cfg = Config()
     cfg.run.steps, cfg.run.warmup_steps, cfg.update.verify = 4, 1, True
@@ -497,8 +497,8 @@ def test_a_failed_verification_is_said_in_the_summary_and_the_closing_table(tmp_
 
 def test_out_of_memory_while_opening_the_engine_names_the_bucket_size_too(monkeypatch):
     import rlsync.run.loop as experiment
-    import rlsync.sync.side as side
-    from rlsync.sync import is_out_of_memory
+    import rlsync.update.side as side
+    from rlsync.update import is_out_of_memory
 
     def out_of_memory(*args, **kwargs):  # the staging buffers are allocated when the engine opens
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB")

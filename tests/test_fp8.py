@@ -6,9 +6,9 @@ import torch
 from conftest import FAST, read_jsonl, run_main
 
 from rlsync.config.schema import UpdateConfig
-from rlsync.sync import timed_update
-from rlsync.sync.buckets import TensorMeta, plan_buckets
-from rlsync.sync.payload.fp8 import E4M3_MAX, FP8, dequantize_blocks, layout, quantize_blocks, reference
+from rlsync.update import timed_update
+from rlsync.update.buckets import TensorMeta, plan_buckets
+from rlsync.update.payload.fp8 import E4M3_MAX, FP8, dequantize_blocks, layout, quantize_blocks, reference
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16

@@ -12,9 +12,9 @@ from rlsync.check.record import memory_record
 from rlsync.fmt import MIB
 from rlsync.measure import devices
 from rlsync.measure.timing import DeviceMemory
-from rlsync.sync import flat, ipc
-from rlsync.sync.buckets import TensorMeta, plan_buckets
 from rlsync.trainer.offload import plan_pin_chunks
+from rlsync.update import flat, ipc
+from rlsync.update.buckets import TensorMeta, plan_buckets
 
 CUDA = torch.device("cuda", 0)
 GB = 10**9

@@ -20,8 +20,8 @@ from rlsync.measure.limits import (
     update_floor_bytes,
 )
 from rlsync.model.build import named_weights
-from rlsync.sync import plan_for
 from rlsync.trainer.offload import Offloader
+from rlsync.update import plan_for
 
 GB = 10**9
 

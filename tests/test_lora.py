@@ -20,8 +20,8 @@ from rlsync.model.lora import (
     scaling,
     update_name,
 )
-from rlsync.sync import plan_for
-from rlsync.sync.buckets import plan_buckets
+from rlsync.update import plan_for
+from rlsync.update.buckets import plan_buckets
 
 LORA = LoraConfig(rank=16)
 LR = "trainer.lr=0.01"  # large enough that a stale engine's log-probs move far: the check below can fail
@@ -61,7 +61,7 @@ def test_each_layers_a_and_b_travel_in_one_bucket(tiny):
             assert layers.count(layer) == 2, (layer, bucket.names)
     adapter_names = [n for n in names if is_adapter(n)]
     assert sorted(n for b in buckets for n in b.names) == sorted(names)
-    from rlsync.sync.buckets import metas_of
+    from rlsync.update.buckets import metas_of
 
     plain = plan_buckets(metas_of({n: names[n] for n in adapter_names}, torch.bfloat16), int(0.011 * 2**20))
     split = [b for b in plain if sum(".lora_A." in n for n in b.names) != sum(".lora_B." in n for n in b.names)]

@@ -15,13 +15,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlsync.measure.devices import copy_into
 from rlsync.measure.timing import HostTimer
-from rlsync.sync.buckets import TensorMeta, plan_buckets
-from rlsync.sync.payload.base import Floor
-from rlsync.sync.payload.delta import DeltaEncoder, DeltaPayload
-from rlsync.sync.payload.fp8 import Fp8Encoder, Fp8Payload
-from rlsync.sync.payload.full import FullEncoder, FullPayload
-from rlsync.sync.payload.kernels import Compiled
-from rlsync.sync.payload.lora import LoraAdapterPayload
+from rlsync.update.buckets import TensorMeta, plan_buckets
+from rlsync.update.payload.base import Floor
+from rlsync.update.payload.delta import DeltaEncoder, DeltaPayload
+from rlsync.update.payload.fp8 import Fp8Encoder, Fp8Payload
+from rlsync.update.payload.full import FullEncoder, FullPayload
+from rlsync.update.payload.kernels import Compiled
+from rlsync.update.payload.lora import LoraAdapterPayload
 
 BF16 = torch.bfloat16
 aten = torch.ops.aten

@@ -534,7 +534,7 @@ def planned_rows(jobs: list[tuple]) -> list[dict]:
     from rlsync.config.schema import ModelConfig
     from rlsync.measure.threads import pooled
     from rlsync.plan.calibrate import model_keys
-    from rlsync.sync.buckets import TensorMeta, plan_buckets
+    from rlsync.update.buckets import TensorMeta, plan_buckets
 
     rows = []
     for model, transport, strategy, bucket_mb, flat in jobs:

@@ -19,7 +19,7 @@ from rlsync.config.apps import BenchAppConfig
 from rlsync.config.compose import to_config
 from rlsync.config.derived import flat_engine_weights_choice
 from rlsync.config.schema import RolloutConfig, UpdateConfig
-from rlsync.sync.auto import copy_threads_choice, resolve_update
+from rlsync.update.auto import copy_threads_choice, resolve_update
 
 SCHEMES = sorted(p.stem for p in (ROOT / "rlsync" / "conf" / "scheme").glob("*.yaml"))
 FRAMEWORKS = {"miles", "verl", "trl", "nemo_rl", "checkpoint_engine"}
@@ -46,7 +46,7 @@ def test_the_default_scheme_is_rlsync_with_the_auto_knobs(config_name):
     cfg = compose_app(config_name)
     u = cfg.update
     assert (u.scheme, u.transport, u.strategy, u.bucket_mb) == ("rlsync", "direct", "bucketed", 512.0)
-    assert u.flat_engine_weights is None and u.copy_threads is None  # auto, resolved by rlsync.sync.auto
+    assert u.flat_engine_weights is None and u.copy_threads is None  # auto, resolved by rlsync.update.auto
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -145,8 +145,8 @@ def test_copy_threads_rejects_a_negative_count(compose):
 def test_fastest_threads_times_the_updates_own_tensors_on_each_candidate():
     import torch
 
-    from rlsync.sync import plan_for
-    from rlsync.sync.auto import fastest_threads, thread_candidates
+    from rlsync.update import plan_for
+    from rlsync.update.auto import fastest_threads, thread_candidates
 
     weights = {f"w{i}": torch.randn(64, 64) for i in range(8)}
     buckets = plan_for(weights, UpdateConfig(bucket_mb=0.01), torch.bfloat16)
@@ -156,7 +156,7 @@ def test_fastest_threads_times_the_updates_own_tensors_on_each_candidate():
 
 
 def test_a_fewer_threads_win_is_timed_again_so_a_passing_disturbance_loses():
-    from rlsync.sync import auto
+    from rlsync.update import auto
 
     def rounds(*timings):  # one {threads: seconds} per round, in order
         it = iter(timings)

@@ -27,16 +27,16 @@ from conftest import ROOT, Tiny, cli_env, run_main
 from test_standalone_engine import StandaloneEngine, remote_update
 from test_transports import Trainer
 
-import rlsync.sync.flat as flat
+import rlsync.update.flat as flat
 from rlsync.check.estimate import bench_estimate, staged_copy_bytes
 from rlsync.config.apps import BenchAppConfig, EngineAppConfig
 from rlsync.engines.base import token_logprobs
 from rlsync.serve.app import Control, Session
 from rlsync.serve.streams import Decoder, NotPaused, PausePolicy, StagePolicy, UpdateCut
-from rlsync.sync import plan_for
-from rlsync.sync.messages import SESSION_HEADER, request_body
-from rlsync.sync.remote import parse_address
-from rlsync.sync.stream import StreamFailed, StreamLine, StreamRequest, serving_state, stream_answer
+from rlsync.update import plan_for
+from rlsync.update.messages import SESSION_HEADER, request_body
+from rlsync.update.remote import parse_address
+from rlsync.update.stream import StreamFailed, StreamLine, StreamRequest, serving_state, stream_answer
 
 BF16 = torch.bfloat16
 LOGPROB_TOL = 0.05  # as rlsync/bench/pause.py checks: streamed against teacher-forced, same weights

@@ -35,9 +35,9 @@ from conftest import FAST, ROOT, Tiny, cli_env, read_jsonl, run_main
 from test_transports import BF16, CPU, SMALL_BUCKET_MB, Trainer, assert_engine_holds
 
 from rlsync.config.schema import ModelConfig, UpdateConfig
-from rlsync.sync import plan_for, timed_update
-from rlsync.sync.engine_process import EngineDied, EngineFailed
-from rlsync.sync.remote import TOKEN_ENV, EngineUnreachable, parse_address
+from rlsync.update import plan_for, timed_update
+from rlsync.update.engine_process import EngineDied, EngineFailed
+from rlsync.update.remote import TOKEN_ENV, EngineUnreachable, parse_address
 
 slow_server = pytest.mark.slow  # a `python -m rlsync.serve` server process of its own
 START_S = 120  # an engine start (imports, model build) on two busy cores
@@ -344,11 +344,11 @@ def test_a_bad_client_is_dropped_with_one_line_and_the_engine_serves_on(engine_s
 
 class RawSession:
     """A client that opens a session by hand, sends no heartbeat and may leave at any moment: what a
-    hostile or crashed client does (a real trainer's session is SessionWire, sync/remote.py)."""
+    hostile or crashed client does (a real trainer's session is SessionWire, update/remote.py)."""
 
     def __init__(self, address: str, *, store_port: int = 1, join_timeout_s: float = 3600.0):
-        from rlsync.sync.broadcast import BroadcastReceiver
-        from rlsync.sync.messages import Plan
+        from rlsync.update.broadcast import BroadcastReceiver
+        from rlsync.update.messages import Plan
 
         trainer = Trainer()
         buckets = plan_for(trainer.weights, UpdateConfig(transport="broadcast", bucket_mb=SMALL_BUCKET_MB), BF16)
@@ -384,14 +384,14 @@ class RawSession:
         return sock
 
     def call(self, op: str, body: bytes = b"{}") -> socket.socket:
-        from rlsync.sync.messages import SESSION_HEADER
+        from rlsync.update.messages import SESSION_HEADER
 
         sock = self.post(f"/v1/{op}", body, {SESSION_HEADER: self.key})
         self.sockets.append(sock)
         return sock
 
     def generate(self, prompts: int, max_new_tokens: int) -> socket.socket:
-        from rlsync.sync.messages import GenerateRequest, TensorData
+        from rlsync.update.messages import GenerateRequest, TensorData
 
         request = GenerateRequest(
             prompts=[[1, 2, 3]] * prompts,
@@ -473,7 +473,7 @@ def test_an_open_with_an_unreachable_store_frees_the_engine_within_its_own_limit
 def test_a_store_nobody_listens_on_fails_the_open_once_within_its_bound_in_one_line(capfd):
     """E17r: torch's store client retries once past its timeout (twice the wait) and logs about 40 lines
     of C++ stack frames; the engine's open asks the store itself, within join_timeout_s counted once."""
-    from rlsync.sync.broadcast import BroadcastReceiver
+    from rlsync.update.broadcast import BroadcastReceiver
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -8,10 +8,10 @@ also through a real `direct` update of the tiny model.
 import pytest
 import torch
 
-import rlsync.sync.direct as direct
+import rlsync.update.direct as direct
 from rlsync.config.schema import UpdateConfig
 from rlsync.measure.timing import EventTimer, HostTimer, unit_timer
-from rlsync.sync import timed_update
+from rlsync.update import timed_update
 
 CPU = torch.device("cpu")
 

@@ -16,8 +16,8 @@ from rlsync.engines.hf import HFEngine
 from rlsync.errors import ConfigError
 from rlsync.measure.timing import HostTimer
 from rlsync.run.loop import run_experiment
-from rlsync.sync.base import TRANSPORTS, Transport, UpdateResult, register_transport
-from rlsync.sync.buckets import Bucket
+from rlsync.update.base import TRANSPORTS, Transport, UpdateResult, register_transport
+from rlsync.update.buckets import Bucket
 
 SMALL_MODEL = [
     "model.hidden_size=64",

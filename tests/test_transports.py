@@ -24,9 +24,9 @@ from conftest import FAST, ROOT, Tiny, cli_env, read_jsonl, run_main
 
 from rlsync.config.schema import Config, UpdateConfig
 from rlsync.model.build import named_weights
-from rlsync.sync import WeightMismatch, checksum, timed_update
-from rlsync.sync.engine_process import EngineDied
 from rlsync.trainer.offload import Offloader
+from rlsync.update import WeightMismatch, checksum, timed_update
+from rlsync.update.engine_process import EngineDied
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
@@ -177,7 +177,7 @@ def test_verify_in_the_engine_process_names_the_tensor():
         assert sums == {n: checksum(t.to(BF16)) for n, t in trainer.weights.items()}
         with torch.no_grad():
             trainer.weights["model.norm.weight"].add_(1.0)  # the trainer moves on, the engine does not hear of it
-        from rlsync.sync import verify
+        from rlsync.update import verify
 
         with pytest.raises(WeightMismatch, match="model.norm.weight"):
             verify(trainer.weights, engine.checksums(), BF16)
@@ -383,7 +383,7 @@ def test_engine_processes_start_with_sleeping_openmp_threads_unless_told(monkeyp
     would take the trainer's cores between update messages), the trainer's environment is left as
     it was, a user's own setting wins, and an engine that binds its own threads (vLLM) is left alone."""
     from rlsync.engines.base import engine_class
-    from rlsync.sync.engine_process import passive_openmp
+    from rlsync.update.engine_process import passive_openmp
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     with passive_openmp(True):
@@ -399,7 +399,7 @@ def test_engine_processes_start_with_sleeping_openmp_threads_unless_told(monkeyp
 def test_spin_poll_sees_a_waiting_message_at_once_and_gives_up_after_its_window():
     import multiprocessing
 
-    from rlsync.sync.engine_process import spin_poll
+    from rlsync.update.engine_process import spin_poll
 
     ours, theirs = multiprocessing.Pipe()
     start = time.perf_counter()

@@ -15,7 +15,7 @@ from rlsync.config.schema import RolloutConfig, UpdateConfig
 from rlsync.measure import threads
 from rlsync.measure.limits import Limits
 from rlsync.record import summary as summaries
-from rlsync.sync import auto, plan_for
+from rlsync.update import auto, plan_for
 
 CPU = torch.device("cpu")
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rlsync.config.schema import UpdateConfig
-from rlsync.sync import WeightMismatch, checksum, timed_update, verify
+from rlsync.update import WeightMismatch, checksum, timed_update, verify
 
 CPU = torch.device("cpu")
 LARGEST_MIB = 512 * 256 * 4 / 2**20 / 2  # tiny's embedding in bf16: 0.125 MiB

@@ -26,9 +26,9 @@ from conftest import FAST, ROOT, Tiny, cli_env, read_jsonl
 from rlsync.config.schema import ModelConfig, RolloutConfig, UpdateConfig
 from rlsync.engines.vllm import FusedLayers
 from rlsync.model.build import ByteTokenizer, named_weights
-from rlsync.sync import WeightMismatch, plan_for, verify
-from rlsync.sync.direct import DirectTransport
 from rlsync.trainer.grpo import sequence_logprobs
+from rlsync.update import WeightMismatch, plan_for, verify
+from rlsync.update.direct import DirectTransport
 
 CPU = torch.device("cpu")
 TOKEN_TOL = 0.03  # max |engine - trainer| log-prob of one token (bf16 engine, fp32 trainer)

@@ -15,7 +15,7 @@ from rlsync.engines.base import engine_class
 from rlsync.engines.vllm_ipc import SENDERS, IpcSender, ShmSender
 from rlsync.measure import limits
 from rlsync.model.build import build_tokenizer
-from rlsync.sync import side as side_module
+from rlsync.update import side as side_module
 
 CAST_BPS, SAME_BPS = 3e9, 8e9  # fp32 -> bf16 and bf16 -> bf16, bytes read + written per second (fake)
 

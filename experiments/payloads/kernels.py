@@ -7,11 +7,11 @@ The trainer's fp32 tensors have Qwen3-0.6B's shapes (model=qwen3_0p6b, its check
 512 MiB buckets as the bench plans them. Each round times the copy probe first (rlsync.measure.limits: the
 fastest fp32 -> bf16 copy at the update's size, bytes read + written per second) and then every variant once,
 so a drift of a shared machine's load falls on all alike; each variant's time is divided by its floor (the
-bytes its payload class declares, rlsync.sync.payload: Payload.floor, over that round's probe) and the
+bytes its payload class declares, rlsync.update.payload: Payload.floor, over that round's probe) and the
 median over rounds printed with its spread (min to max).
 
 Variants: `eager` (the kernels before issue 45: whole-bucket ops, each a pass over memory), `chunked`
-(rlsync.sync.payload.kernels at several chunk sizes, FP8's with its eager casts), `payload` (FP8 as the
+(rlsync.update.payload.kernels at several chunk sizes, FP8's with its eager casts), `payload` (FP8 as the
 payload runs it: whole tensors through its compiled kernels, the kept and padded ones in chunks), `compile` (torch.compile over whole tensors, dynamic shapes, the inductor CPU
 backend: its compile time is printed; the delta's compaction stays eager, inductor cannot size it).
 Results: experiments/payloads/README.md.
@@ -33,12 +33,12 @@ from rlsync.config.compose import register_configs, to_config  # noqa: E402
 from rlsync.measure.limits import copy_bandwidth  # noqa: E402
 from rlsync.measure.timing import HostTimer  # noqa: E402
 from rlsync.model.architecture import update_shapes  # noqa: E402
-from rlsync.sync import flat  # noqa: E402
-from rlsync.sync.buckets import TensorMeta, plan_buckets  # noqa: E402
-from rlsync.sync.payload import kernels  # noqa: E402
-from rlsync.sync.payload.base import FULL, SPARSE, Encoded  # noqa: E402
-from rlsync.sync.payload.delta import DeltaEncoder, DeltaPayload, sparse_bytes  # noqa: E402
-from rlsync.sync.payload.fp8 import FP8, Fp8Encoder, Fp8Payload, layout, quantize_blocks  # noqa: E402
+from rlsync.update import flat  # noqa: E402
+from rlsync.update.buckets import TensorMeta, plan_buckets  # noqa: E402
+from rlsync.update.payload import kernels  # noqa: E402
+from rlsync.update.payload.base import FULL, SPARSE, Encoded  # noqa: E402
+from rlsync.update.payload.delta import DeltaEncoder, DeltaPayload, sparse_bytes  # noqa: E402
+from rlsync.update.payload.fp8 import FP8, Fp8Encoder, Fp8Payload, layout, quantize_blocks  # noqa: E402
 
 BF16, CPU = torch.bfloat16, torch.device("cpu")
 
@@ -128,7 +128,7 @@ def eager_fp8_encode(bucket, weights, buffer):
 
 
 def eager_fp8_decode(engine, bucket, buffer):
-    from rlsync.sync.payload.fp8 import dequantize_blocks
+    from rlsync.update.payload.fp8 import dequantize_blocks
 
     parts, _ = layout(bucket)
     raw = buffer.view(torch.uint8)

@@ -13,7 +13,7 @@ every way once, in turn, so a drift of the machine's load falls on all of them a
   vLLM's reload costs on its own.
 - `rlsync` (update.copy_threads=null, timed on the update's tensors as the runner resolves it), and
   `rlsync_threads_1`, `rlsync_threads_0` (torch's default): rlsync's direct update, what the runner
-  times (`rlsync.sync.update_weights`), fused parts held until their layer is complete.
+  times (`rlsync.update.update_weights`), fused parts held until their layer is complete.
 - `trl`: update.strategy=per_tensor (scheme=trl): one reload per tensor, fused parts held (correct).
 
 Writes side_by_side.json (every time, medians, spread, the load average before and after) into
@@ -41,9 +41,9 @@ from rlsync.engines.vllm import _reload_in_worker
 from rlsync.measure.limits import Limits
 from rlsync.measure.threads import cpu_threads, machine_threads
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
-from rlsync.sync import open_transport, plan_for, timed_update
-from rlsync.sync.auto import resolve_for_run
-from rlsync.sync.direct import DirectTransport
+from rlsync.update import open_transport, plan_for, timed_update
+from rlsync.update.auto import resolve_for_run
+from rlsync.update.direct import DirectTransport
 
 
 def loadavg() -> str:

@@ -9,7 +9,7 @@ this process joins it as its trainer (the broadcast transport, update.engine_add
 a gloo group, the control over HTTP). The first update fills it. Then each repeat is, for each policy
 in turn (their order alternating from repeat to repeat):
 
-1. `bench.clients` client threads stream answers (`POST /v1/stream`, rlsync/sync/stream.py) of
+1. `bench.clients` client threads stream answers (`POST /v1/stream`, rlsync/update/stream.py) of
    `bench.answer_tokens` tokens each, one after another, for a ramp of half a second (left out), then
    `bench.before_s` measured seconds;
 2. the trainer sends an update (its weights alternate between two random models, seeds run.seed and
@@ -62,9 +62,9 @@ from rlsync.fmt import fmt_bytes, fmt_seconds, fmt_spread, markdown_table
 from rlsync.model.architecture import update_tensors
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.record.summary import swap_phrase
-from rlsync.sync.engine_process import exit_description
-from rlsync.sync.side import open_update_side
-from rlsync.sync.stream import StreamFailed, StreamRequest, serving_state, stream_answer
+from rlsync.update.engine_process import exit_description
+from rlsync.update.side import open_update_side
+from rlsync.update.stream import StreamFailed, StreamRequest, serving_state, stream_answer
 
 RAMP_S = 0.5  # streaming before each measured window, left out (first requests, caches)
 PROMPT_TOKENS = 8

@@ -7,7 +7,7 @@ The same config groups as the runner (conf/bench.yaml adds `bench.*`). Only what
 built: the trainer's weights (trainer dtype, no optimizer, no generation or training, so the 1.7B
 model fits a 24 GiB machine) and the engine behind the configured transport, strategy, source and
 bucket size. Then `bench.warmup` untimed updates (page faults, thread pools) and `bench.repeats`
-timed ones, each through the same `rlsync.sync.update_weights` the runner calls.
+timed ones, each through the same `rlsync.update.update_weights` the runner calls.
 
 Written like a run: metrics.jsonl (one row per repeat, warm-up rows included and marked by "step"
 < warmup_steps), summary.json (kind "bench": median/min/max, limits, the floor's spread, setup,
@@ -53,11 +53,11 @@ from rlsync.record import summary as summaries
 from rlsync.record.recorder import Recorder, machine_info
 from rlsync.record.summary import payload_line, stats_over
 from rlsync.shell import cli, job_errors
-from rlsync.sync import timed_update
-from rlsync.sync.auto import copy_threads_used, resolved_setup
-from rlsync.sync.payload import payload_bandwidth, payload_floor_line, payload_name, payload_of
-from rlsync.sync.side import open_update_side
 from rlsync.trainer.offload import Offloader
+from rlsync.update import timed_update
+from rlsync.update.auto import copy_threads_used, resolved_setup
+from rlsync.update.payload import payload_bandwidth, payload_floor_line, payload_name, payload_of
+from rlsync.update.side import open_update_side
 
 register_configs()
 
@@ -273,7 +273,7 @@ class Bench:
             "setup": {
                 "scheme": update.scheme,
                 "transport": self.setup.get("transport") or update.transport,  # pause: always broadcast
-                "payload": payload_name(update),  # what each bucket carried (rlsync/sync/payload)
+                "payload": payload_name(update),  # what each bucket carried (rlsync/update/payload)
                 "strategy": update.strategy,
                 "bucket_mb": update.bucket_mb,
                 "source": update.source,

@@ -43,12 +43,12 @@ from rlsync.measure.limits import GatherFloor
 from rlsync.model.architecture import model_shapes, update_shapes
 from rlsync.model.build import torch_dtype
 from rlsync.model.lora import adapter_shapes
-from rlsync.sync.base import transport_class
-from rlsync.sync.buckets import TensorMeta, largest_bucket_bytes
-from rlsync.sync.payload import payload_name, payload_of
 from rlsync.trainer.data_parallel import split_evenly as split_groups
 from rlsync.trainer.offload import plan_pin_chunks, plan_segments, resolve_memory
 from rlsync.trainer.task import make_prompts
+from rlsync.update.base import transport_class
+from rlsync.update.buckets import TensorMeta, largest_bucket_bytes
+from rlsync.update.payload import payload_name, payload_of
 
 PROBE_MIN, PROBE_CAP = MIB, GIB  # rlsync.measure.limits.copy_bandwidth clamps its buffers to this range
 ADAM_MOMENTS = 2  # exp_avg, exp_avg_sq, in the parameter's dtype
@@ -198,7 +198,7 @@ def pinned_bytes(nbytes: int) -> int:
 
 
 def planned_largest_bucket(cfg: Config, shapes: list[tuple[str, tuple[int, ...]]]) -> int:
-    """The update's largest bucket, planned by the planner the update uses (rlsync.sync.buckets)."""
+    """The update's largest bucket, planned by the planner the update uses (rlsync.update.buckets)."""
     dtype = torch_dtype(cfg.rollout.dtype)
     metas = [TensorMeta(n, s, dtype) for n, s in shapes]
     return largest_bucket_bytes(payload_of(cfg.update).plan(metas, bucket_bytes(cfg.update)))
@@ -220,14 +220,14 @@ def staging_bytes(cfg: Config, shapes) -> tuple[int, int]:
     transport = transport_class(u.transport)
     in_process_loader = transport.engine_in_process and engine_class(cfg.rollout.engine).loads_trainer_tensors
     if u.strategy == "bucketed" and not flat_weights and in_process_loader and payload_name(u) == "full":
-        return 0, 0  # the engine's loader takes the trainer's tensors (vLLM): no staging buffer (sync/direct.py)
+        return 0, 0  # the engine's loader takes the trainer's tensors (vLLM): no staging buffer (update/direct.py)
     trainer, engine = transport.staging_slots(u, flat_weights)  # what the transport declares
     return slot * trainer, slot * engine
 
 
 def payload_bytes(cfg: Config, shapes) -> int:
     """What the update's payload holds on the trainer's side (a delta: the last values sent) and at most
-    while it encodes one bucket (rlsync.sync.payload: Payload.memory_bytes)."""
+    while it encodes one bucket (rlsync.update.payload: Payload.memory_bytes)."""
     if not cfg.update.enabled:
         return 0
     e = DTYPE_BYTES[cfg.rollout.dtype]
@@ -312,7 +312,7 @@ def fsdp_unsharded_bytes(cfg: Config, shapes: list[tuple[str, tuple[int, ...]]])
 
 
 def gather_transient_bytes(cfg: Config, shapes: list[tuple[str, tuple[int, ...]]], world: int) -> int:
-    """The update's gather from shards (rlsync.sync.gather): the full tensors held at once (update.gather) and
+    """The update's gather from shards (rlsync.update.gather): the full tensors held at once (update.gather) and
     this rank's packed shards of them, in the trainer's dtype, or the gather floor's probe, the larger."""
     t = DTYPE_BYTES[cfg.trainer.dtype]
     mode = cfg.update.gather

@@ -38,8 +38,8 @@ def load_runtime(cfg: Config) -> None:
     from transformers import AutoModelForCausalLM, Qwen3ForCausalLM  # noqa: F401 - the lazy module is most of it
 
     import rlsync.engines.hf  # noqa: F401
-    import rlsync.sync  # noqa: F401
     import rlsync.trainer.grpo  # noqa: F401
+    import rlsync.update  # noqa: F401
 
     if cfg.wandb.mode != "disabled":
         try:

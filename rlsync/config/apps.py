@@ -233,8 +233,8 @@ def check_pause_target(bench: BenchConfig, root) -> None:
     engine's own keys, the clients within its streams."""
     trainer = standalone_trainer(root, f"{PAUSE_ENGINE_HOST}:0")
     try:
-        resolve("rlsync.sync.payload.base:payload_of")(trainer.update).check_config(trainer)
-        resolve("rlsync.sync.base:transport_class")(trainer.update.transport).check_config(trainer)
+        resolve("rlsync.update.payload.base:payload_of")(trainer.update).check_config(trainer)
+        resolve("rlsync.update.base:transport_class")(trainer.update.transport).check_config(trainer)
         resolve("rlsync.config.validate:check_open_files")(trainer.update)  # the engines' descriptors (ulimit -n)
     except ConfigError as err:  # the rule names update.engine_address, which the user did not set: the bench did
         raise ConfigError(

@@ -1,7 +1,7 @@
 """What the update runs with that the config alone decides but no key states as such.
 
 `bucket_bytes`: update.bucket_mb in bytes. `flat_engine_weights_choice`: update.flat_engine_weights as
-the update runs it, null (auto) resolved, with the reason; read by the update (rlsync.sync.auto, which
+the update runs it, null (auto) resolved, with the reason; read by the update (rlsync.update.auto, which
 resolves the auto knobs that need a measurement), the memory estimate and the planner.
 """
 
@@ -35,10 +35,10 @@ def flat_engine_weights_choice(
         return False, f"auto: off, {refusal}"
     if update.strategy != "bucketed":
         return False, f"auto: off, update.strategy={update.strategy} sends no buckets"
-    payload = resolve("rlsync.sync.payload.base:payload_of")(update)
+    payload = resolve("rlsync.update.payload.base:payload_of")(update)
     if not payload.whole:
         return False, f"auto: off, the {payload.name} payload sends through a staging buffer (the engine decodes it)"
-    if rollout.sleep_level == 2 and resolve("rlsync.sync.base:transport_class")(update.transport).flat_weights_shared:
+    if rollout.sleep_level == 2 and resolve("rlsync.update.base:transport_class")(update.transport).flat_weights_shared:
         return (
             False,
             f"auto: off, with {update.transport} and rollout.sleep_level=2 the weights would be shared memory "

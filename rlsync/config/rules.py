@@ -1,7 +1,7 @@
 """The vocabulary of config value rules, declared beside each key in rlsync/config/schema.py.
 
     bucket_mb: float = key(512.0, mebibytes("the bucket's size"), "bucket size in MiB")
-    transport: str = key("direct", choices("rlsync.sync.base:transport_names"), "...")
+    transport: str = key("direct", choices("rlsync.update.base:transport_names"), "...")
 
 `key(default, rule, doc)` is a dataclass field whose metadata holds the rule and the line `--help`
 shows; rlsync/config/validate.py walks the schema and applies each leaf's rule (`ok(value)`; `allowed` is what the error offers instead).

@@ -133,17 +133,17 @@ class UpdateConfig:
     )
     strategy: str = key(
         "bucketed",
-        choices("rlsync.sync.base:strategy_names"),
+        choices("rlsync.update.base:strategy_names"),
         "bucketed: flat buffer per bucket | per_tensor: one copy per tensor",
     )
     transport: str = key(
         "direct",
-        choices("rlsync.sync.base:transport_names"),
+        choices("rlsync.update.base:transport_names"),
         "direct: engine in the trainer's process | ipc: own process, shared buffers | broadcast: own process, torch.distributed",
     )
     source: str = key(
         "device",
-        choices("rlsync.sync.base:SOURCES"),
+        choices("rlsync.update.base:SOURCES"),
         "device: from live trainer weights | host: from the offloaded copy",
     )
     inflight_buckets: int = key(
@@ -172,7 +172,7 @@ class UpdateConfig:
     )
     backend: str = key(
         "auto",
-        choices("rlsync.sync.base:BACKENDS"),
+        choices("rlsync.update.base:BACKENDS"),
         "broadcast's torch.distributed backend: auto = gloo (NCCL refuses two ranks on one GPU)",
     )
     engine_timeout_s: float = key(
@@ -182,7 +182,7 @@ class UpdateConfig:
         None,
         or_null(
             parsed_by(
-                "rlsync.sync.remote:parse_address",
+                "rlsync.update.remote:parse_address",
                 "HOST:PORT (port 1 to 65535; 0 lets python -m rlsync.serve pick a free one)",
             )
         ),
@@ -194,11 +194,11 @@ class UpdateConfig:
     copy_threads: Optional[int] = key(
         None,
         or_null(between(0, COPY_THREADS_MAX, "0 keeps torch's default; torch crashes creating a pool of 100000")),
-        "torch CPU threads for the update, per process (0: torch's default); null (auto): the count that copies a sample of the update's own tensors fastest, timed at start (rlsync.sync.auto)",
+        "torch CPU threads for the update, per process (0: torch's default); null (auto): the count that copies a sample of the update's own tensors fastest, timed at start (rlsync.update.auto)",
     )
     gather: str = key(
         "per_bucket",
-        choices("rlsync.sync.gather:GATHER_MODES"),
+        choices("rlsync.update.gather:GATHER_MODES"),
         "trainer.parallel=fsdp2: per_bucket: each bucket's full tensors gathered from the shards just before it is sent (holds one bucket) | per_tensor: each tensor as it is read (verl, TRL) | all_at_once: the whole model first (a full state dict; holds the model)",
     )
     scheme: str = key(

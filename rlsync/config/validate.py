@@ -99,8 +99,10 @@ def validate(cfg, *, types: bool = True) -> None:
     cfg.update.fill(cfg)  # update.lora=null resolved: the payload below depends on it
     engine = resolve("rlsync.engines.base:engine_class")(cfg.rollout.engine)
     engine.check_config(cfg)  # the engine's own rules across keys (Engine.check_config)
-    resolve("rlsync.sync.payload.base:payload_of")(cfg.update).check_config(cfg)  # the payload's (Payload.check_config)
-    resolve("rlsync.sync.base:transport_class")(cfg.update.transport).check_config(cfg)  # the transport's
+    resolve("rlsync.update.payload.base:payload_of")(cfg.update).check_config(
+        cfg
+    )  # the payload's (Payload.check_config)
+    resolve("rlsync.update.base:transport_class")(cfg.update.transport).check_config(cfg)  # the transport's
     for node in nodes(cfg):
         check = getattr(node, "check", None)  # the rules across keys of this node (rlsync/config/schema.py)
         if check is not None:
@@ -178,7 +180,7 @@ def check_open_files(update) -> None:
     """An engine in its own process (ipc, broadcast) takes file descriptors: the pipe, and one per shared
     buffer. The soft open-file limit is raised to the hard one where it is low; a hard limit too low for
     it is refused here, not met as an engine that exits without a word mid-run."""
-    if resolve("rlsync.sync.base:transport_class")(update.transport).engine_in_process:
+    if resolve("rlsync.update.base:transport_class")(update.transport).engine_in_process:
         return
     import resource
 

@@ -191,7 +191,7 @@ class Preloaded:
 
 class Rollout(ABC):
     """What the step loop drives on the rollout side: an `Engine`, or a transport (the engine behind
-    the way weights reach it, rlsync.sync.base.Transport), which forwards these to its engine."""
+    the way weights reach it, rlsync.update.base.Transport), which forwards these to its engine."""
 
     @abstractmethod
     def generate(
@@ -229,7 +229,7 @@ class Engine(Preloaded, Rollout):
     loads_trainer_tensors: bool = False
     # Whether, in its own process on a CPU, the engine's OpenMP threads may sleep as soon as an op ends
     # (OMP_WAIT_POLICY=PASSIVE) instead of spinning: a spinning engine steals the trainer's cores
-    # between update messages (rlsync.sync.engine_process.passive_openmp). False for an engine that
+    # between update messages (rlsync.update.engine_process.passive_openmp). False for an engine that
     # binds its own threads (vLLM's CPU backend).
     passive_cpu_threads: bool = True
     # update.strategy values this engine's own trainer-to-engine transfer offers (`native_update`),

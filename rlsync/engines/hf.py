@@ -1,7 +1,7 @@
 """The HF engine (`rollout.engine=hf`): its own weights (in the rollout dtype) and sampling with a KV cache.
 
 The engine never sees the trainer's tensors: the weight update writes into `engine.weights` by
-name (see rlsync/sync). Generation returns the sampled tokens and their log-probs under the
+name (see rlsync/update). Generation returns the sampled tokens and their log-probs under the
 engine's weights, which the trainer compares against its own (`train/logprob_abs_diff`).
 """
 

@@ -467,7 +467,7 @@ class GatherFloor:
 
     The floor is the fastest this group all-gathers: the same bytes in calls of each size in `CALL_SIZES`
     (up to the update's bytes), the fastest size kept (`call_bytes`; the update's gather then calls at that
-    size, rlsync.sync.gather). The size matters: gloo over loopback moved 1.1 GB/s in 1 to 16 MiB calls and
+    size, rlsync.update.gather). The size matters: gloo over loopback moved 1.1 GB/s in 1 to 16 MiB calls and
     0.48 GB/s in 64 MiB to 1 GiB ones on this project's CPU machine; NCCL gains up to a few hundred MiB.
     Each size's rounds walk `POOL_BYTES` (128 MiB, or one call), the best of `rounds` counts, each
     round started together (a barrier) so no rank times another's lateness. `per_second` counts the gathered

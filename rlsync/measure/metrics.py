@@ -160,7 +160,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("perf/update_weights_decode_efficiency", "decode efficiency (floor/time)", "ratio"),
     Metric("perf/update_weights_full_bytes", "full update bytes", "bytes"),
     Metric("perf/update_weights_changed_ratio", "changed share", "ratio"),
-    # trainer.parallel=fsdp2: the full tensors gathered from the shards, inside the update (sync/gather.py)
+    # trainer.parallel=fsdp2: the full tensors gathered from the shards, inside the update (update/gather.py)
     Metric("perf/update_weights_gather_time", "gather", "s", Merge.SLOWEST),
     Metric("perf/update_weights_gather_bytes", "gathered bytes", "bytes"),
     Metric("perf/update_weights_gather_peak_bytes", "gathered bytes held at once", "bytes", Merge.LARGEST, stat="max"),

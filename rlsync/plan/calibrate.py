@@ -50,7 +50,7 @@ from rlsync.errors import ConfigError, RlsyncError
 from rlsync.plan import cost, profiles
 from rlsync.plan.collective import measure_collective
 from rlsync.plan.profiles import underdetermined
-from rlsync.sync.base import STRATEGIES
+from rlsync.update.base import STRATEGIES
 
 DEEP = {
     "name": "deep",

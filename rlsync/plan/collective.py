@@ -22,7 +22,7 @@ def _collective_rank(rank: int, world: int, port: int, nbytes: int, small: int, 
     import torch.distributed as dist
 
     from rlsync.measure.limits import GatherFloor
-    from rlsync.sync.broadcast import HOST
+    from rlsync.update.broadcast import HOST
 
     torch.set_num_threads(1)  # two ranks on two cores: one each, as a data-parallel CPU launch runs them
     try:
@@ -57,7 +57,7 @@ def measure_collective(
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from rlsync.sync.broadcast import HOST
+    from rlsync.update.broadcast import HOST
 
     started = time.perf_counter()
     store = dist.TCPStore(HOST, 0, world_size=ranks + 1, is_master=True, wait_for_workers=False,

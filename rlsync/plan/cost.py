@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from rlsync.check.estimate import DTYPE_BYTES  # bytes per element of each trainer / engine dtype
-from rlsync.sync.base import Transport, transport_class, transport_names
+from rlsync.update.base import Transport, transport_class, transport_names
 
 TERMS = ("per_call_s", "per_tensor_s", "per_byte_s")
 
@@ -58,7 +58,7 @@ class Setup:
 
 
 def copies(setup: Setup) -> int:
-    """How many times the update copies each element (rlsync/sync: direct.py, ipc.py, broadcast.py)."""
+    """How many times the update copies each element (rlsync/update: direct.py, ipc.py, broadcast.py)."""
     # what the transport declares; a setup read from a calibration of a transport not registered here: the default
     declares = transport_class(setup.transport) if setup.transport in transport_names() else Transport
     return declares.copies(setup.strategy, setup.flat)
@@ -229,7 +229,7 @@ def predict(coef: Coefficients, w: Work, setup: Setup) -> dict:
 
 
 def gather_seconds(trainer_bytes: int, ranks: int, collective_gbps: float) -> float:
-    """The gather of the update from FSDP2 shards (trainer.parallel=fsdp2, rlsync/sync/gather.py), at its floor:
+    """The gather of the update from FSDP2 shards (trainer.parallel=fsdp2, rlsync/update/gather.py), at its floor:
     each rank receives the (N-1)/N of the trainer-dtype bytes it does not hold, over a collective whose bus
     bandwidth is `collective_gbps` (GB/s per rank; a run's all-gather floor, limits.gather_gbps, counts the
     gathered bytes, i.e. bus bandwidth x N/(N-1)). One rank gathers nothing."""

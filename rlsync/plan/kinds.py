@@ -17,9 +17,9 @@ from typing import Optional
 from rlsync.check.estimate import DTYPE_BYTES
 from rlsync.fmt import fmt_bytes, fmt_seconds, fmt_share
 from rlsync.model.lora import adapter_shapes
-from rlsync.sync.buckets import Bucket
-from rlsync.sync.payload.delta import INDEX_BYTES
-from rlsync.sync.payload.fp8 import layout as fp8_layout
+from rlsync.update.buckets import Bucket
+from rlsync.update.payload.delta import INDEX_BYTES
+from rlsync.update.payload.fp8 import layout as fp8_layout
 
 LORA_RANK_SHOWN = 16  # the adapter row when trainer.lora.rank is 0: the rank the field's recipes use
 

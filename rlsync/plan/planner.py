@@ -1,7 +1,7 @@
 """The bucket plan of a config, and its predicted update time, from the config alone.
 
 `make_plan(cfg, calibration)` lists the update's tensors (`rlsync.check.estimate.param_shapes`, the same
-names and shapes the update sends), plans the buckets for each bucket size (`rlsync.sync.buckets`,
+names and shapes the update sends), plans the buckets for each bucket size (`rlsync.update.buckets`,
 the planner the update itself uses), estimates the staging and peak memory (`rlsync.check.estimate`) and,
 where the calibration has coefficients for a setup, predicts the update time with a range
 (`rlsync.plan.cost`). Nothing is allocated: a 235B model plans in seconds. Data-parallel ranks: ranks.py;
@@ -30,8 +30,8 @@ from rlsync.plan.kinds import kinds
 from rlsync.plan.ranks import collective_of, gather_plan, per_rank_memory
 from rlsync.readers.frameworks.base import FrameworkMap, framework_class, framework_names
 from rlsync.record.summary import share_verdict
-from rlsync.sync.base import STRATEGIES
-from rlsync.sync.buckets import TensorMeta, plan_buckets
+from rlsync.update.base import STRATEGIES
+from rlsync.update.buckets import TensorMeta, plan_buckets
 
 SCHEMA_VERSION = 1
 
@@ -174,7 +174,7 @@ class Planner:
         return rows
 
     def gather_units(self, bucket_mb: float, mode: str) -> list[list[str]]:
-        """The parameters each unit of the fsdp2 update gathers at once, in order (rlsync/sync/gather.py): a
+        """The parameters each unit of the fsdp2 update gathers at once, in order (rlsync/update/gather.py): a
         bucket's (per_bucket, all_at_once) or one tensor's (per_tensor), each whole (a fused expert tensor is
         gathered whole by every unit that sends one of its experts)."""
         if self._param_of is None:

@@ -13,7 +13,7 @@ from typing import Optional
 from rlsync.check.estimate import Ranks, rank_estimate
 from rlsync.config.schema import Config
 from rlsync.plan import cost
-from rlsync.sync.gather import GATHER_MODES
+from rlsync.update.gather import GATHER_MODES
 
 
 def collective_of(calibration: Optional[dict], collective_gbps: Optional[float]) -> Optional[dict]:

@@ -285,7 +285,7 @@ def floor_warning(floor: dict | None, over: str) -> str | None:
     )
 
 
-AUTO_KNOBS = ("flat_engine_weights", "copy_threads")  # update.*=null, resolved with a reason (rlsync.sync.auto)
+AUTO_KNOBS = ("flat_engine_weights", "copy_threads")  # update.*=null, resolved with a reason (rlsync.update.auto)
 
 
 def auto_line(setup: dict, keys: tuple[str, ...] = AUTO_KNOBS) -> str | None:

@@ -19,7 +19,7 @@ from rlsync.record.summary import (
 )
 from rlsync.report.cells import PER_TENSOR, fmt_bucket
 from rlsync.report.runs import Run
-from rlsync.sync.payload import payload_name
+from rlsync.update.payload import payload_name
 
 UPDATE_PARTS = ("gather", "pack", "transfer", "load")  # perf/update_weights_<part>_time, in the order they run
 
@@ -98,7 +98,7 @@ def table_row(run: Run) -> dict[str, Any]:
     row["update_bytes"] = sent if sent is not None else model.get("update_bytes")
     row["update_full_bytes"] = run.stat("perf/update_weights_full_bytes")  # a payload other than full: beside its bytes
     row["update_changed_ratio_median"] = run.stat("perf/update_weights_changed_ratio")  # a delta's
-    for side in ("encode", "decode"):  # a payload other than full against its own floors (rlsync/sync/payload)
+    for side in ("encode", "decode"):  # a payload other than full against its own floors (rlsync/update/payload)
         for what in ("time", "limit_time", "efficiency"):
             row[f"update_{side}_{what}_median"] = run.stat(f"perf/update_weights_{side}_{what}")
     row["update_buckets_median"] = run.stat("perf/update_weights_buckets")

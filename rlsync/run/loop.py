@@ -41,21 +41,21 @@ from rlsync.model.lora import adapted, merge_errors, scaling
 from rlsync.record import summary as summaries
 from rlsync.record.recorder import Recorder, machine_info
 from rlsync.run.roles import Roles
-from rlsync.sync import (
-    WeightMismatch,
-    follow_update,
-    timed_update,
-)
-from rlsync.sync.auto import copy_threads_used, resolved_setup
-from rlsync.sync.base import Transport
-from rlsync.sync.gather import StandIns
-from rlsync.sync.payload import payload_bandwidth, payload_name, payload_of
-from rlsync.sync.side import UpdateSide, open_update_side
 from rlsync.trainer.data_parallel import DataParallel
 from rlsync.trainer.grpo import Trainer, group_advantages
 from rlsync.trainer.offload import Offloader, link_metrics
 from rlsync.trainer.parallel import Parallel, parallel_for
 from rlsync.trainer.task import Prompt, make_prompts, reward
+from rlsync.update import (
+    WeightMismatch,
+    follow_update,
+    timed_update,
+)
+from rlsync.update.auto import copy_threads_used, resolved_setup
+from rlsync.update.base import Transport
+from rlsync.update.gather import StandIns
+from rlsync.update.payload import payload_bandwidth, payload_name, payload_of
+from rlsync.update.side import UpdateSide, open_update_side
 
 
 def run_experiment(
@@ -504,7 +504,7 @@ def run_summary(
         "device": str(device),
         "engine": cfg.rollout.engine,
         "sleep_level": cfg.rollout.sleep_level,  # what the engine's release gives back (vLLM's levels)
-        "payload": payload_name(cfg.update),  # what each bucket carried: full, delta, fp8 (rlsync/sync/payload)
+        "payload": payload_name(cfg.update),  # what each bucket carried: full, delta, fp8 (rlsync/update/payload)
         "engine_address": cfg.update.engine_address,  # null: the engine ran on this machine, started by the run
         "max_response_len": cfg.rollout.max_response_len,
         "offload": cfg.trainer.offload,

@@ -1,6 +1,6 @@
 """The standalone engine's streaming clients, and how an update meets them (serve.update_policy).
 
-`Decoder` is one thread that generates every open answer (`POST /v1/stream`, rlsync/sync/stream.py),
+`Decoder` is one thread that generates every open answer (`POST /v1/stream`, rlsync/update/stream.py),
 one token per answer per turn, round robin, each answer with its own KV cache: a token reaches its
 client as soon as it is sampled. Between two tokens it checks whether it is to pause (an update) and
 whether the answer's client left (its slot is freed there, at once, and its cache dropped). At most
@@ -46,10 +46,10 @@ from typing import Optional
 
 import torch
 
-import rlsync.sync.flat as flat
+import rlsync.update.flat as flat
 from rlsync.engines.base import Engine
 from rlsync.measure.devices import copy_into
-from rlsync.sync.stream import ServingState, StreamLine, StreamRequest, SwapRecord
+from rlsync.update.stream import ServingState, StreamLine, StreamRequest, SwapRecord
 
 
 def process_cpu_s() -> float:

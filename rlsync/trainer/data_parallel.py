@@ -39,7 +39,7 @@ from rlsync.engines.base import Generation
 from rlsync.errors import ConfigError, Interrupted, RlsyncError
 from rlsync.fmt import error_line
 from rlsync.measure.metrics import Merge, merge_rule
-from rlsync.sync import WeightMismatch, checksum
+from rlsync.update import WeightMismatch, checksum
 
 FAILURES = "rlsync/failed_ranks"  # store prefix: rank -> the error line it failed with
 PF_EXITING = 0x4  # /proc/PID/stat's flags: the process is exiting

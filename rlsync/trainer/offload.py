@@ -56,7 +56,7 @@ from torch import nn
 
 from rlsync.fmt import MIB
 from rlsync.measure.timing import synchronize
-from rlsync.sync.buckets import greedy_groups
+from rlsync.update.buckets import greedy_groups
 
 OFFLOAD_MODES = (
     "none",

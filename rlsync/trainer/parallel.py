@@ -10,7 +10,7 @@ and `update.transport` keep theirs.
   a unit, then the root). Not through accelerate: its FSDP2 plugin takes effect only for GPU-type launches
   (accelerate/state.py sets DistributedType.FSDP for MULTI_GPU and the like; a CPU launch stays
   MULTI_CPU, i.e. DDP), and this runs on a CPU too. The update gathers the full tensors from the shards
-  (rlsync/sync/gather.py).
+  (rlsync/update/gather.py).
 
 Both wrappers average the ranks' gradients; each rank's loss is its part of the whole batch's token
 mean, so `loss_scale` multiplies it by the ranks: the average is then the sum, the one-process gradient.
@@ -31,8 +31,8 @@ from torch import nn
 from rlsync.measure.limits import GatherFloor
 from rlsync.model.architecture import Entry, update_tensors
 from rlsync.registry import Registry
-from rlsync.sync.buckets import Bucket
-from rlsync.sync.gather import GatherBuffers, ShardedWeights, gather_shards
+from rlsync.update.buckets import Bucket
+from rlsync.update.gather import GatherBuffers, ShardedWeights, gather_shards
 
 
 class Parallel:
@@ -107,7 +107,7 @@ class Fsdp2(Parallel):
     """torch's fully_shard over every rank: each decoder layer a unit, then the root (every forward reshards)."""
 
     sharded = True
-    buffers: GatherBuffers | None = None  # the update's gather buffers (rlsync.sync.gather), made at the first update
+    buffers: GatherBuffers | None = None  # the update's gather buffers (rlsync.update.gather), made at the first update
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh

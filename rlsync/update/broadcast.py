@@ -4,7 +4,7 @@ As in Miles/slime's non-colocated mode: the trainer (rank 0) and the engine proc
 (rank 1) form a two-rank gloo group (see `resolve_backend` for NCCL) over a TCP store that the
 trainer hosts on a free port. The engine process is started here, or (`update.engine_address`) is
 an engine started on its own, on this machine or another (`python -m rlsync.serve`,
-sync/remote.py), which reaches the trainer's store at the address the trainer connected from. The
+update/remote.py), which reaches the trainer's store at the address the trainer connected from. The
 store and both ends of the group listen on one address only: loopback for an engine process
 started here; for a standalone engine, each side's end of the control connection. The
 group is a standalone object, not torch.distributed's default group: a data-parallel trainer keeps
@@ -36,16 +36,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import rlsync.sync.flat as flat
+import rlsync.update.flat as flat
 from rlsync.config.schema import UpdateConfig
 from rlsync.engines.base import Engine, EngineSpec
 from rlsync.measure.threads import cpu_threads
 from rlsync.measure.timing import DeviceMemory, HostTimer, unit_timer
-from rlsync.sync.base import Receiver, UpdateResult
-from rlsync.sync.buckets import Bucket, Slot, largest_bucket_bytes
-from rlsync.sync.engine_process import EngineProcess, ForwardsToEngineProcess
-from rlsync.sync.payload import Encoded, Payload, payload_of
-from rlsync.sync.payload.full import FullPayload
+from rlsync.update.base import Receiver, UpdateResult
+from rlsync.update.buckets import Bucket, Slot, largest_bucket_bytes
+from rlsync.update.engine_process import EngineProcess, ForwardsToEngineProcess
+from rlsync.update.payload import Encoded, Payload, payload_of
+from rlsync.update.payload.full import FullPayload
 
 HOST = "127.0.0.1"  # an engine process started here: the store and both ends of the group listen on loopback only
 TRAINER, ENGINE = 0, 1  # ranks
@@ -241,7 +241,9 @@ class BroadcastTransport(ForwardsToEngineProcess):
         join_timeout_s = cfg.engine_connect_timeout_s if cfg.engine_address else cfg.engine_timeout_s
         host = HOST
         if cfg.engine_address:  # listen on the interface that reaches that engine, once it answers
-            from rlsync.sync.remote import reach  # lazy: ~0.2 s (pydantic) in every engine process, see engine_process
+            from rlsync.update.remote import (
+                reach,  # lazy: ~0.2 s (pydantic) in every engine process, see engine_process
+            )
 
             host = reach(cfg.engine_address, timeout_s=cfg.engine_connect_timeout_s)
         self.store = listen_store(host, timedelta(seconds=join_timeout_s))

@@ -29,13 +29,13 @@ from rlsync.errors import ConfigError
 from rlsync.measure.devices import copy_into
 from rlsync.measure.threads import cpu_threads
 from rlsync.measure.timing import DeviceMemory, synchronize, unit_timer
-from rlsync.sync import flat
-from rlsync.sync.base import Receiver, UpdateResult
-from rlsync.sync.buckets import Bucket, largest_bucket_bytes
-from rlsync.sync.engine_process import EngineProcess, ForwardsToEngineProcess
-from rlsync.sync.gather import gather_bucket
-from rlsync.sync.payload import Encoded, Payload, payload_of
-from rlsync.sync.payload.full import FullPayload
+from rlsync.update import flat
+from rlsync.update.base import Receiver, UpdateResult
+from rlsync.update.buckets import Bucket, largest_bucket_bytes
+from rlsync.update.engine_process import EngineProcess, ForwardsToEngineProcess
+from rlsync.update.gather import gather_bucket
+from rlsync.update.payload import Encoded, Payload, payload_of
+from rlsync.update.payload.full import FullPayload
 
 
 class IpcReceiver(Receiver):

@@ -4,11 +4,11 @@ A payload encodes a bucket on the trainer's side, into the staging buffer the tr
 decodes it into the engine's weights on the other side. Transports move the bytes and never look
 inside them. `full` (every element, in the engine's dtype) is the default; `delta`
 (`update.delta=true`) sends only the elements whose engine-dtype value changed since the last update
-(rlsync/sync/payload/delta.py). Adding one is a module holding a `Payload` subclass and one line in
-`PAYLOADS` (rlsync/sync/payload/base.py).
+(rlsync/update/payload/delta.py). Adding one is a module holding a `Payload` subclass and one line in
+`PAYLOADS` (rlsync/update/payload/base.py).
 """
 
-from rlsync.sync.payload.base import (
+from rlsync.update.payload.base import (
     Encoded,
     Encoder,
     Floor,

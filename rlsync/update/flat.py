@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import torch
 
 from rlsync.measure.devices import copy_into
-from rlsync.sync.buckets import Bucket
+from rlsync.update.buckets import Bucket
 
 
 def views(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:

@@ -5,7 +5,7 @@ arrival: a field of the wrong type, a dtype outside `WIRE_DTYPES`, a plan whose 
 up is rejected before anything acts on it. Nothing here is ever unpickled. Tensors that must cross
 (the sampler's state, the generated batch, the weights a test reads back) travel by value as
 `TensorData`: dtype name, shape and the raw bytes in base64. The weights of an update do not travel
-here: they go over the torch.distributed group (sync/broadcast.py).
+here: they go over the torch.distributed group (update/broadcast.py).
 
     GET  /health                      -> Health (no token needed; says whether a session is on)
     POST /v1/session   Plan           -> 200 + a stream of SessionEvent lines while the session lasts
@@ -35,7 +35,7 @@ from pydantic_core import PydanticCustomError
 
 from rlsync.config.schema import COPY_THREADS_MAX
 from rlsync.engines.base import Generation
-from rlsync.sync.buckets import Bucket, Slot, TensorMeta
+from rlsync.update.buckets import Bucket, Slot, TensorMeta
 
 # Every dtype that may cross the wire, by name (never looked up on torch by a name we were sent).
 WIRE_DTYPES = {
@@ -137,7 +137,7 @@ class PlanBucket(Message):
 
 
 class Plan(Message):
-    """The trainer's half of the broadcast transport (sync/broadcast.py's BroadcastReceiver, less
+    """The trainer's half of the broadcast transport (update/broadcast.py's BroadcastReceiver, less
     what the engine decides itself: which addresses to use)."""
 
     buckets: list[PlanBucket] = Field(min_length=1)

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from rlsync.engines.base import Engine
 from rlsync.errors import ConfigError
 from rlsync.measure.devices import copy_into
-from rlsync.sync.buckets import Bucket, Slot
-from rlsync.sync.payload.base import Encoded, Encoder, Floor, Payload
-from rlsync.sync.payload.kernels import (
+from rlsync.update.buckets import Bucket, Slot
+from rlsync.update.payload.base import Encoded, Encoder, Floor, Payload
+from rlsync.update.payload.kernels import (
     BLOCK,
     E4M3_MAX,
     FP8,

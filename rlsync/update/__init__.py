@@ -1,14 +1,14 @@
 """The weight update: the trainer's new weights into the rollout engine.
 
 `open_transport` starts the engine described by an `EngineSpec` behind the configured transport and
-returns a handle with one interface whatever the transport (`Transport`, sync/base.py: `generate`,
+returns a handle with one interface whatever the transport (`Transport`, update/base.py: `generate`,
 `release`, `resume`, `update_weights`, `weights`, `checksums`, `close`); the transports are a
 registry there (`register_transport`), whose built-ins are:
 
-- `direct` (sync/direct.py): the engine lives in the trainer's process;
-- `ipc` (sync/ipc.py): the engine in its own process; buckets travel through staging buffers shared
+- `direct` (update/direct.py): the engine lives in the trainer's process;
+- `ipc` (update/ipc.py): the engine in its own process; buckets travel through staging buffers shared
   with it (shared memory on the CPU, CUDA IPC on a GPU);
-- `broadcast` (sync/broadcast.py): the engine in its own process joined to the trainer in a
+- `broadcast` (update/broadcast.py): the engine in its own process joined to the trainer in a
   torch.distributed group; one broadcast per bucket.
 
 `timed_update` here wraps a transport's update (its `UpdateResult`) with what every transport
@@ -29,8 +29,8 @@ from rlsync.errors import UpdateOutOfMemory
 from rlsync.fmt import MIB
 from rlsync.measure.threads import cpu_threads
 from rlsync.measure.timing import DeviceMemory, Stopwatch
-from rlsync.sync.auto import resolve_update
-from rlsync.sync.base import (  # noqa: F401 - also rlsync.sync's names, for its callers
+from rlsync.update.auto import resolve_update
+from rlsync.update.base import (  # noqa: F401 - also rlsync.update's names, for its callers
     BACKENDS,
     SOURCES,
     STRATEGIES,
@@ -41,9 +41,9 @@ from rlsync.sync.base import (  # noqa: F401 - also rlsync.sync's names, for its
     transport_class,
     transport_names,
 )
-from rlsync.sync.buckets import Bucket, metas_of
-from rlsync.sync.gather import ShardedWeights, full_weights
-from rlsync.sync.payload import payload_floor_metrics, payload_name, payload_of
+from rlsync.update.buckets import Bucket, metas_of
+from rlsync.update.gather import ShardedWeights, full_weights
+from rlsync.update.payload import payload_floor_metrics, payload_name, payload_of
 
 
 class WeightMismatch(RuntimeError):
@@ -56,11 +56,11 @@ def plan_for(weights: dict[str, torch.Tensor], cfg: UpdateConfig, engine_dtype: 
 
 
 def open_transport(cfg: UpdateConfig, *, spec: EngineSpec, buckets: list[Bucket]) -> Transport:
-    """Start the engine described by `spec` behind update.transport (the registry: sync/base.py).
+    """Start the engine described by `spec` behind update.transport (the registry: update/base.py).
 
     The config was validated before any model was built (rlsync/config/validate.py), its cross-key rules too.
     The transports take its nulls (auto) resolved: the entry points resolve them with the thread probe
-    (rlsync.sync.auto.resolve_for_run); what is still null here is resolved without it.
+    (rlsync.update.auto.resolve_for_run); what is still null here is resolved without it.
     """
     if cfg.flat_engine_weights is None or cfg.copy_threads is None:
         cfg, _ = resolve_update(cfg, spec.rollout, probe_threads=0, model=spec.model)
@@ -91,14 +91,14 @@ def timed_update(
 ) -> dict[str, float]:
     """One timed weight update; the metrics family `perf/update_weights_*`.
 
-    `copy_bandwidth` (bytes read + written per second, the copy probe's: rlsync.sync.payload.payload_bandwidth):
+    `copy_bandwidth` (bytes read + written per second, the copy probe's: rlsync.update.payload.payload_bandwidth):
     a payload other than full is also timed against its own floors, encode and decode (payload_floor_metrics).
 
     Peak bytes: the staging buffers the update holds (the transport's own accounting, both sides of a
     process boundary) plus, on CUDA, what the allocators handed out beyond that during the update
     (the trainer's here, the engine's as the transport reports it).
 
-    From a sharded trainer (`weights` a ShardedWeights, sync/gather.py) the update includes the gather:
+    From a sharded trainer (`weights` a ShardedWeights, update/gather.py) the update includes the gather:
     its floor is the copy's (`limit_time`) plus the gather's (`gather_limit_time`, an all-gather of the
     same bytes), and each part is also reported against its own floor (`_gather_*`, `_copy_*`).
     """

@@ -14,7 +14,7 @@ token arrivals.
     POST /v1/stream   StreamRequest -> 200 + StreamLine lines | 409 Failure (NoWeights) | 422 | 503 (Busy, Torn)
     GET  /v1/serving                -> ServingState
 
-This module sits in rlsync.sync (below rlsync.serve and rlsync.bench), so that both the engine and the
+This module sits in rlsync.update (below rlsync.serve and rlsync.bench), so that both the engine and the
 load generator (rlsync/bench/pause.py) speak it without importing each other.
 """
 
@@ -27,8 +27,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
-from rlsync.sync.messages import TokenId
-from rlsync.sync.remote import parse_address, token_headers
+from rlsync.update.messages import TokenId
+from rlsync.update.remote import parse_address, token_headers
 
 MAX_LINE_BYTES = 4096  # one line of a stream
 

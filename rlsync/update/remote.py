@@ -2,8 +2,8 @@
 
 The `broadcast` transport normally starts its engine process itself and talks to it through a
 pipe. With `update.engine_address=HOST:PORT` it joins an engine started on its own instead (on this
-machine or another): the same requests and replies as through the pipe (rlsync/sync/engine_process.py)
-travel as typed JSON messages over HTTP (rlsync/sync/messages.py; stdlib http.client, nothing is
+machine or another): the same requests and replies as through the pipe (rlsync/update/engine_process.py)
+travel as typed JSON messages over HTTP (rlsync/update/messages.py; stdlib http.client, nothing is
 ever unpickled), while the weights travel in the trainer-engine gloo group, as they do locally.
 
 - `reach`: wait (up to update.engine_connect_timeout_s) until `GET /health` answers; it also tells
@@ -33,7 +33,16 @@ from typing import Optional
 from pydantic import ValidationError
 
 from rlsync.errors import RlsyncError
-from rlsync.sync.messages import SESSION_HEADER, Failure, Health, Plan, Reply, SessionEvent, decode_result, request_body
+from rlsync.update.messages import (
+    SESSION_HEADER,
+    Failure,
+    Health,
+    Plan,
+    Reply,
+    SessionEvent,
+    decode_result,
+    request_body,
+)
 
 TOKEN_ENV = "RLSYNC_ENGINE_TOKEN"  # the shared secret of the engine's control plane (required beyond loopback)
 DEFAULT_PORT = 29610  # where `python -m rlsync.serve` listens unless update.engine_address names a port

@@ -22,9 +22,9 @@ from rlsync.config.schema import Config
 from rlsync.engines.base import Engine
 from rlsync.errors import ConfigError
 from rlsync.model.lora import MergedWeights, is_adapter, scaling
-from rlsync.sync.buckets import Bucket, TensorMeta, plan_units
-from rlsync.sync.payload.base import FULL, Encoded, Encoder, Floor, Payload
-from rlsync.sync.payload.full import FullEncoder, FullPayload
+from rlsync.update.buckets import Bucket, TensorMeta, plan_units
+from rlsync.update.payload.base import FULL, Encoded, Encoder, Floor, Payload
+from rlsync.update.payload.full import FullEncoder, FullPayload
 
 
 def adapter_units(metas: list[TensorMeta]) -> list[list[TensorMeta]]:

@@ -14,7 +14,7 @@ from rlsync.engines.base import Engine
 from rlsync.fmt import fmt_seconds, fmt_sig
 from rlsync.measure.limits import crosses_host_link
 from rlsync.registry import Registry
-from rlsync.sync.buckets import Bucket, TensorMeta, plan_buckets
+from rlsync.update.buckets import Bucket, TensorMeta, plan_buckets
 
 FULL, SPARSE = 0, 1  # Encoded.mode: the bucket's every element, or (positions, values) of the changed ones
 
@@ -203,11 +203,11 @@ def payload_floor_line(stats: dict) -> str | None:
 PAYLOADS: Registry[Payload] = Registry(
     "update payload",
     {
-        "full": "rlsync.sync.payload.full:FullPayload",  # every element of every bucket
-        "delta": "rlsync.sync.payload.delta:DeltaPayload",  # update.delta=true: only the changed elements
-        "fp8": "rlsync.sync.payload.fp8:Fp8Payload",  # update.wire_dtype=float8_e4m3fn: 2-D weights in FP8 blocks
-        "lora_adapter": "rlsync.sync.payload.lora:LoraAdapterPayload",  # update.lora=adapter: the adapters only
-        "lora_merged": "rlsync.sync.payload.lora:LoraMergedPayload",  # update.lora=merged: W + s*BA, whole
+        "full": "rlsync.update.payload.full:FullPayload",  # every element of every bucket
+        "delta": "rlsync.update.payload.delta:DeltaPayload",  # update.delta=true: only the changed elements
+        "fp8": "rlsync.update.payload.fp8:Fp8Payload",  # update.wire_dtype=float8_e4m3fn: 2-D weights in FP8 blocks
+        "lora_adapter": "rlsync.update.payload.lora:LoraAdapterPayload",  # update.lora=adapter: the adapters only
+        "lora_merged": "rlsync.update.payload.lora:LoraMergedPayload",  # update.lora=merged: W + s*BA, whole
     },
 )
 register_payload = PAYLOADS.register

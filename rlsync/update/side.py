@@ -20,11 +20,11 @@ from rlsync.measure.limits import Limits
 from rlsync.model.architecture import Entry, params_layout, update_tensors
 from rlsync.model.build import torch_dtype
 from rlsync.model.lora import is_adapter
-from rlsync.sync import is_out_of_memory, open_transport, out_of_memory, plan_for
-from rlsync.sync.auto import resolve_for_run
-from rlsync.sync.base import Transport
-from rlsync.sync.buckets import Bucket
-from rlsync.sync.payload import payload_of
+from rlsync.update import is_out_of_memory, open_transport, out_of_memory, plan_for
+from rlsync.update.auto import resolve_for_run
+from rlsync.update.base import Transport
+from rlsync.update.buckets import Bucket
+from rlsync.update.payload import payload_of
 
 
 @dataclass

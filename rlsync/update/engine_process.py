@@ -9,7 +9,7 @@ one at a time, in order:
 
 `t_*` are CLOCK_MONOTONIC stamps (`time.monotonic`), one system-wide clock on Linux, so the trainer
 can tell a request's handoff latency from the engine's work on it. A transport plugs its engine-side
-half in as a `Receiver` (sync/base.py: `open(engine)`, `handle(engine, request)`, `close()`): `ipc`
+half in as a `Receiver` (update/base.py: `open(engine)`, `handle(engine, request)`, `close()`): `ipc`
 loads from shared staging buffers, `broadcast` receives from a process group.
 
 A dead engine never hangs the trainer: every wait polls in slices of `POLL_S` and checks the
@@ -18,7 +18,7 @@ for `SPIN_S` (`spin_poll`): a per-tensor update is thousands of tiny messages, e
 tens of microseconds, and a process that sleeps between them pays a wake-up per message.
 
 `EngineProcess.over_http` speaks the same protocol to an engine started on its own (`python -m
-rlsync.serve`, typed messages over HTTP: sync/remote.py); there the engine is alive as long as its
+rlsync.serve`, typed messages over HTTP: update/remote.py); there the engine is alive as long as its
 session is.
 """
 
@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 
 from rlsync.engines.base import Engine, EngineSpec, engine_class
 from rlsync.measure.devices import select_device
-from rlsync.sync.base import Receiver, Transport
+from rlsync.update.base import Receiver, Transport
 
 POLL_S = 0.05  # liveness check interval while waiting on the engine
 SPIN_S = 5e-4  # how long a wait for the peer's next message polls without sleeping before it blocks
@@ -280,11 +280,11 @@ class EngineProcess:
     def over_http(
         cls, address: str, receiver: Receiver, *, timeout_s: float, connect_timeout_s: float
     ) -> EngineProcess:
-        """The engine serving at `address` (sync/remote.py): open a session with this trainer's receiver
+        """The engine serving at `address` (update/remote.py): open a session with this trainer's receiver
         (the update's plan and settings) and wait until the engine has checked that plan against its model."""
         # Here, not at the top: this module is preloaded in every engine process (forkserver, spawn), which
         # would pay ~0.2 s for pydantic and the HTTP client only a trainer joining a standalone engine uses.
-        from rlsync.sync.remote import RemotePeer, open_session
+        from rlsync.update.remote import RemotePeer, open_session
 
         self = cls.__new__(cls)
         wire = open_session(address, receiver, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
@@ -300,7 +300,7 @@ class EngineProcess:
     def _attach(self, conn, process, timeout_s: float, *, who: str, ended: Callable[[], str]) -> None:
         """Wait for the engine's "start" answer.
 
-        `process`: the engine's process, or what stands in for it (sync/remote.py's RemotePeer);
+        `process`: the engine's process, or what stands in for it (update/remote.py's RemotePeer);
         `ended()`: how it went, said once it is gone."""
         self.conn, self.process, self.timeout_s, self.who, self._ended = conn, process, timeout_s, who, ended
         self.closed = False

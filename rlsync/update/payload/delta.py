@@ -19,13 +19,13 @@ from dataclasses import replace
 
 import torch
 
-import rlsync.sync.flat as flat
+import rlsync.update.flat as flat
 from rlsync.engines.base import Engine
 from rlsync.errors import ConfigError
-from rlsync.sync.buckets import Bucket
-from rlsync.sync.payload.base import FULL, SPARSE, Encoded, Encoder, Floor, Payload
-from rlsync.sync.payload.full import FullPayload
-from rlsync.sync.payload.kernels import (
+from rlsync.update.buckets import Bucket
+from rlsync.update.payload.base import FULL, SPARSE, Encoded, Encoder, Floor, Payload
+from rlsync.update.payload.full import FullPayload
+from rlsync.update.payload.kernels import (
     CUDA_CHUNK,
     INDEX_BYTES,
     SAME_WIDTH_INT,  # noqa: F401 - the bit-for-bit comparison's integer types, by width (kept importable here)

@@ -6,11 +6,11 @@ from dataclasses import replace
 
 import torch
 
-import rlsync.sync.flat as flat
+import rlsync.update.flat as flat
 from rlsync.engines.base import Engine
 from rlsync.measure.devices import copy_into
-from rlsync.sync.buckets import Bucket
-from rlsync.sync.payload.base import FULL, Encoded, Encoder, Floor, Payload
+from rlsync.update.buckets import Bucket
+from rlsync.update.payload.base import FULL, Encoded, Encoder, Floor, Payload
 
 
 class FullEncoder(Encoder):

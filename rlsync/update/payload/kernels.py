@@ -12,7 +12,7 @@ Chosen over torch.compile by measurement (experiments/payloads/kernels.py, docs/
 - `scatter_changed`: the delta's apply, one scatter per engine tensor.
 - `quantize_into`, `dequantize_into`: FP8's block amax, scale, divide and e4m3 cast per group of
   128-row blocks into the staging buffer; the multiply and the engine-dtype cast straight into the
-  engine's weights. Bit for bit the reference block quantization (rlsync/sync/payload/fp8.py).
+  engine's weights. Bit for bit the reference block quantization (rlsync/update/payload/fp8.py).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ import torch
 
 from rlsync.measure.timing import synchronize
 from rlsync.model.architecture import Entry, update_tensors
-from rlsync.sync.buckets import Bucket
+from rlsync.update.buckets import Bucket
 
 GATHER_MODES = ("per_bucket", "per_tensor", "all_at_once")  # update.gather's choices
 
@@ -265,7 +265,7 @@ def full_weights(weights: Mapping) -> Mapping:
 
 class StandIns(Mapping):
     """Plain tensors shaped like `weights`' whole tensors (a DTensor's global shape), made when read: what a
-    probe of the update's copy (rlsync.sync.auto's thread count) reads where the trainer holds shards."""
+    probe of the update's copy (rlsync.update.auto's thread count) reads where the trainer holds shards."""
 
     def __init__(self, weights: Mapping):
         self.weights = weights

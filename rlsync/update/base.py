@@ -12,7 +12,7 @@ names. Adding a transport is one module holding a `Transport` subclass and one l
     register_transport("mine", MyTransport)                    # or the class itself
 
 `register_transport("mine")` also works as a class decorator. A transport whose engine runs in its
-own process plugs its engine-side half into `rlsync.sync.engine_process` as a `Receiver`.
+own process plugs its engine-side half into `rlsync.update.engine_process` as a `Receiver`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from rlsync.config.schema import UpdateConfig
 from rlsync.engines.base import Engine, EngineSpec, Preloaded, Rollout, checksum, own_strategy_names
 from rlsync.registry import Registry
-from rlsync.sync.buckets import Bucket
+from rlsync.update.buckets import Bucket
 
 STRATEGIES = ("bucketed", "per_tensor")  # every transport's; an engine may add its own (Engine.own_strategies)
 SOURCES = ("device", "host")
@@ -124,7 +124,7 @@ class Transport(Rollout):
 
 
 class Receiver(Preloaded, ABC):
-    """The engine-side half of a transport whose engine runs in its own process (sync/engine_process.py).
+    """The engine-side half of a transport whose engine runs in its own process (update/engine_process.py).
 
     It is pickled to the engine process, which calls `open` once the engine is built, `handle` for each
     update request, and `close` on its way out. Results travel back to the trainer as plain dicts.
@@ -150,9 +150,9 @@ class Receiver(Preloaded, ABC):
 TRANSPORTS: Registry[Transport] = Registry(
     "update.transport",
     {
-        "direct": "rlsync.sync.direct:DirectTransport",  # the engine in the trainer's process
-        "ipc": "rlsync.sync.ipc:IpcTransport",  # the engine in its own process; buckets through shared staging buffers
-        "broadcast": "rlsync.sync.broadcast:BroadcastTransport",  # the engine in its own process; one broadcast per bucket
+        "direct": "rlsync.update.direct:DirectTransport",  # the engine in the trainer's process
+        "ipc": "rlsync.update.ipc:IpcTransport",  # the engine in its own process; buckets through shared staging buffers
+        "broadcast": "rlsync.update.broadcast:BroadcastTransport",  # the engine in its own process; one broadcast per bucket
     },
 )
 register_transport = TRANSPORTS.register  # register_transport("mine", "mypackage.mine:Mine"), or as a decorator

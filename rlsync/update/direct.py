@@ -16,12 +16,12 @@ import torch
 from rlsync.config.schema import UpdateConfig
 from rlsync.engines.base import Engine, EngineSpec, Generation
 from rlsync.measure.timing import unit_timer
-from rlsync.sync import flat
-from rlsync.sync.base import Transport, UpdateResult
-from rlsync.sync.buckets import Bucket, largest_bucket_bytes
-from rlsync.sync.gather import gather_bucket
-from rlsync.sync.payload import Payload, payload_of
-from rlsync.sync.payload.full import FullPayload
+from rlsync.update import flat
+from rlsync.update.base import Transport, UpdateResult
+from rlsync.update.buckets import Bucket, largest_bucket_bytes
+from rlsync.update.gather import gather_bucket
+from rlsync.update.payload import Payload, payload_of
+from rlsync.update.payload.full import FullPayload
 
 
 class DirectTransport(Transport):

@@ -27,7 +27,7 @@ from rlsync.config.derived import flat_engine_weights_choice
 from rlsync.config.schema import ModelConfig, RolloutConfig, UpdateConfig
 from rlsync.measure.devices import copy_into
 from rlsync.measure.threads import cpu_threads, run_copy_cap, thread_candidates
-from rlsync.sync.buckets import Bucket
+from rlsync.update.buckets import Bucket
 
 SAMPLE_BYTES = (
     128 << 20
