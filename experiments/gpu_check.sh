@@ -178,9 +178,9 @@ step() {
 
 # on_gpu NAME ...: a step that --smoke leaves out (named in the table), because on the CPU with the
 # tiny model it repeats a tiny_* step or another transport's bench step exactly, or a run the test
-# suite makes already: tiny_moe over ipc (tests/test_models_from_config.py), released engine weights
-# (tests/test_engine_memory.py), two-copy updates (tests/test_transports.py), a direct bench
-# (tests/test_bench.py).
+# suite makes already: tiny_moe over ipc (tests/unit/test_models_from_config.py), released engine weights
+# (tests/unit/test_engine_memory.py), two-copy updates (tests/unit/test_transports.py), a direct bench
+# (tests/unit/test_bench.py).
 on_gpu() {
   if (( smoke )); then
     record "$1" "skipped (smoke)" 0
@@ -307,7 +307,7 @@ over_ipc on_gpu tiny_moe_ipc "$t_tiny" "$m_tiny" "${runner[@]}" model=tiny_moe "
 # its reload path and its own four-phase transfer with buckets far smaller than a layer (update.verify checks
 # what its loaders read), and on vLLM 0.34+ VLLM_RELOAD_MODE layerwise against direct, each a row.
 # The NCCL engine's use_load_plan has no row: a colocated run has one GPU, where NCCL's two ranks cannot meet.
-run_vllm="${GPU_CHECK_VLLM:-$(( smoke ? 0 : 1 ))}"  # --smoke: the suite runs these paths (tests/test_vllm.py)
+run_vllm="${GPU_CHECK_VLLM:-$(( smoke ? 0 : 1 ))}"  # --smoke: the suite runs these paths (tests/unit/test_vllm.py)
 vllm_version="$(python3 -c 'from rlsync.engines.vllm_api import installed_version as v; print(v() or "")' 2>/dev/null)"
 no_vllm=""
 if (( run_vllm )) && ! python3 -c "import vllm" >/dev/null 2>&1; then no_vllm="vllm not importable${vllm_version:+ ($vllm_version)}"; fi

@@ -128,7 +128,7 @@ class Payload(ABC):
     def floor(cls, bucket: Bucket, encoded: Encoded, read_bytes: int, *, first: bool = False) -> Floor:
         """The bytes this payload's kernels must read and write for `bucket` encoded as `encoded`, from
         `read_bytes` of the trainer's tensors (`first`: the first update, nothing kept yet); each payload
-        declares its own, and tests/test_payload_floors.py counts what its kernels touch against it."""
+        declares its own, and tests/unit/test_payload_floors.py counts what its kernels touch against it."""
 
     @classmethod
     def expected(cls, buckets: list[Bucket], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -310,7 +310,7 @@ class Compiled:
     writes into scratch tensors, then copied into the staging buffer: aot_autograd refuses input mutations on
     views of one storage with two dtypes (the buffer's values and scales)."""
 
-    enabled = True  # False: the eager chunks only (tests/test_payload_floors.py watches their ops one by one)
+    enabled = True  # False: the eager chunks only (tests/unit/test_payload_floors.py watches their ops one by one)
 
     def __init__(self, fn):
         self.source, self.fn, self.failed = fn, None, None

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from conftest import run_main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PLOTS = (
     "update_time_vs_bucket.png", "update_time_vs_bytes.png", "step_breakdown.png", "peak_memory_vs_bucket.png",

@@ -20,7 +20,7 @@ from rlsync.record.run_lock import RunLock
 from rlsync.record.sinks import MetricsFile
 from rlsync.shell import PipeSafe
 
-LLAMA = {  # a tiny llama config.json (tests/test_models_from_config.py's)
+LLAMA = {  # a tiny llama config.json (tests/unit/test_models_from_config.py's)
     "model_type": "llama",
     "vocab_size": 300,
     "hidden_size": 64,

@@ -12,7 +12,7 @@ import pytest
 
 from rlsync.errors import show  # how --help writes a value
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 SHOWN = [README, DOCS / "config.md"]  # the pages that show --help outputs

@@ -102,7 +102,7 @@ class Engine:
 @pytest.fixture(autouse=True)
 def eager_in_one_thread(monkeypatch):
     """The kernels' chunks in this thread, where the mode sees their ops, and FP8's eager kernels (a compiled
-    kernel's loops run outside the dispatcher: tests/test_fp8.py checks them against the reference)."""
+    kernel's loops run outside the dispatcher: tests/unit/test_fp8.py checks them against the reference)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     monkeypatch.setattr(Compiled, "enabled", False)
