@@ -42,7 +42,7 @@ if sys.argv[:1] == ["-m"] or Path(sys.argv[0]).name == "rlsync-report":
 from rlsync.fmt import plural  # noqa: E402 - this block and the next: after the signals are taken
 from rlsync.readers.base import MAX_DEPTH as READER_DEPTH  # noqa: E402
 from rlsync.report import sizing  # noqa: E402
-from rlsync.report.cells import idle_table, pause_table, rows_markdown  # noqa: E402
+from rlsync.report.cells import idle_table, rows_markdown, stall_table  # noqa: E402
 from rlsync.report.fits import fit_by_setup, update_fit_lines  # noqa: E402
 from rlsync.report.imported import DEVICES, collect_all, is_rlsync  # noqa: E402
 from rlsync.report.markdown import write_csv, write_markdown  # noqa: E402
@@ -217,8 +217,8 @@ def print_result(result: ReportResult) -> None:
         print(result.table_markdown)
         if idle := idle_table(result.rows):  # runs of the step loop: the engine's idle time beside the update
             print(f"\nEngine idle per step (its largest parts beside the update):\n{idle}\n")
-        if pause := pause_table(result.rows):  # pause benches: what streaming clients saw beside the copy
-            print(f"\nClient-seen pause per policy (beside the engine's receive):\n{pause}\n")
+        if stalls := stall_table(result.rows):  # stall benches: what streaming clients saw beside the copy
+            print(f"\nClient-seen stall per policy (beside the engine's receive):\n{stalls}\n")
         for best in best_settings(result.rows):  # the same sentences as report.md's "Best setting"
             print(f"best: {best.describe()}")
         print("\n".join(update_fit_lines(result.fits)))

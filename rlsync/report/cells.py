@@ -9,6 +9,7 @@ import platform
 from collections.abc import Iterable
 from typing import Any, Optional
 
+from rlsync.bench.stall import swap_phrase
 from rlsync.fmt import (
     fmt_mib,
     fmt_range,
@@ -21,7 +22,7 @@ from rlsync.fmt import (
     markdown_table,
 )
 from rlsync.measure import metrics
-from rlsync.record.summary import idle_parts_phrase, swap_phrase
+from rlsync.record.summary import idle_parts_phrase
 from rlsync.report.runs import MIN_MEASURED, Run
 
 PER_TENSOR = "per_tensor"  # the strategy to which a bucket size does not apply
@@ -36,6 +37,12 @@ def fmt_efficiency(eff: Optional[float]) -> str:
 
 def fmt_bucket(bucket_mb: Any) -> str:
     return f"{bucket_mb:g}" if is_number(bucket_mb) else "n/a" if bucket_mb is None else str(bucket_mb)
+
+
+def engine_phrase(engine: Any, reload_mode: Any = None) -> str:
+    """ "vllm", "vllm, reload direct": the engine, with rollout.vllm_reload_mode where a run set it (a run
+    recorded before it was recorded, or left at null, vLLM's default: the engine alone)."""
+    return f"{engine}, reload {reload_mode}" if reload_mode else str(engine)
 
 
 def bucket_cell(row: dict[str, Any]) -> str:
@@ -90,7 +97,7 @@ def table_cells(row: dict[str, Any], common: Iterable[str] = ()) -> list[str]:
         str(row["model"] or "n/a"),
         str(row["transport"] or "n/a")
         + ("" if row.get("payload") in (None, "full") else f", {row['payload']}")  # the payload if not full
-        + ("" if row["engine"] in (None, "hf") else f" ({row['engine']})"),  # engine if not hf
+        + ("" if row["engine"] in (None, "hf") else f" ({engine_phrase(row['engine'], row.get('vllm_reload_mode'))})"),
         bucket_cell(row),
         str(row["measured_steps"]),
         fmt_spread(row["update_time_median"], row["update_time_min"], row["update_time_max"]),
@@ -185,7 +192,7 @@ def idle_table(rows: list[dict[str, Any]]) -> Optional[str]:
     cells = [
         [
             run_label(r, common),
-            "n/a" if r.get("sleep_level") is None else str(r["sleep_level"]),
+            "n/a" if r.get("release_level") is None else str(r["release_level"]),
             fmt_spread(r["engine_idle_time_median"], r["engine_idle_time_min"], r["engine_idle_time_max"]),
             idle_parts_phrase(r["engine_idle"]),
             fmt_seconds(r["update_time_median"]) if is_number(r.get("update_time_median")) else "n/a",
@@ -193,45 +200,46 @@ def idle_table(rows: list[dict[str, Any]]) -> Optional[str]:
         ]
         for r in rows
     ]
-    header = ["run", "sleep level", "engine idle", "largest parts (median)", "update", "update share of idle"]
+    header = ["run", "release level", "engine idle", "largest parts (median)", "update", "update share of idle"]
     return markdown_table(header, cells)
 
 
-PAUSE_NOTE = (
-    "A standalone engine under streaming load taking an update (`python -m rlsync.bench bench.target=pause`, "
-    "docs/serve.md): per policy, the longest gap between two tokens a client saw from the update's start to "
-    "just after the swap, median (min to max) over the timed updates; the time from the engine's pause to "
-    "the first token after it; tokens/s during the update over before it; the engine's receive (the copy "
-    "itself) and the staged copy's bytes beside them."
+STALL_NOTE = (
+    "A standalone engine under streaming load taking an update (`python -m rlsync.bench bench.target=stall`, "
+    "docs/serve.md): per update policy, the stall, the longest gap between two tokens a client saw from the "
+    "update's start to just after the swap, median (min to max) over the timed updates; per update, that gap "
+    "over the same repeat's under the policy that holds generation for the whole receive (the baseline); the "
+    "time from the engine's hold to the first token after it; tokens/s during the update over before it; the "
+    "engine's receive (the copy itself) and the staged copy's bytes beside them."
 )
 
 
-PAUSE_HEADER = (
-    "run", "policy", "swap", "longest gap", "stage / pause gap", "pause to first token",
+STALL_HEADER = (
+    "run", "policy", "swap", "longest gap", "gap / baseline's", "hold to first token",
     "tokens/s during / before", "engine receive (the copy)", "staged copy (MiB)", "answers checked (failed)",
 )  # fmt: skip
 
 
-def pause_table(rows: list[dict[str, Any]]) -> Optional[str]:
-    """Per pause bench and policy: the client-seen pause beside the update's copy (None when no run is one)."""
-    cells = pause_cells(rows)
-    return markdown_table(PAUSE_HEADER, cells) if cells else None
+def stall_table(rows: list[dict[str, Any]]) -> Optional[str]:
+    """Per stall bench and policy: the client-seen stall beside the update's copy (None when no run is one)."""
+    cells = stall_cells(rows)
+    return markdown_table(STALL_HEADER, cells) if cells else None
 
 
-def pause_cells(rows: list[dict[str, Any]]) -> list[list[str]]:
-    """pause_table's cells, a row per pause bench and policy (W&B's table takes them too)."""
-    rows = [r for r in rows if r.get("client_pause")]
+def stall_cells(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """stall_table's cells, a row per stall bench and policy (W&B's table takes them too)."""
+    rows = [r for r in rows if r.get("client_stalls")]
     common = common_overrides(rows)
 
     def spread(st: Optional[dict]) -> str:
         return fmt_spread(st["median"], st["min"], st["max"]) if st else "n/a"
 
-    def ratio_spread(st: Optional[dict]) -> str:  # per update, the same repeat: only the stage row has it
+    def ratio_spread(st: Optional[dict]) -> str:  # per update, the same repeat: only the compared policy's row
         return f"{st['median']:.2f} ({st['min']:.2f} to {st['max']:.2f})" if st else ""
 
     cells = []
     for r in rows:
-        for policy, f in r["client_pause"].items():
+        for policy, f in r["client_stalls"].items():
             ratio = f.get("tokens_ratio")
             staged = f.get("staged_bytes")
             checked, failed = f.get("answers_verified"), f.get("answers_failed")

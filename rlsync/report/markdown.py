@@ -11,14 +11,14 @@ from rlsync.fmt import plural
 from rlsync.report import sizing
 from rlsync.report.cells import (
     IDLE_NOTE,
-    PAUSE_NOTE,
+    STALL_NOTE,
     TABLE_NOTE,
     common_overrides,
     idle_table,
     machine_line,
-    pause_table,
     phase_table,
     run_label,
+    stall_table,
 )
 from rlsync.report.fits import update_fit_lines
 from rlsync.report.output import replacing, write_text
@@ -39,8 +39,8 @@ def write_markdown(path: Path, result: ReportResult, plots: list[Path], sources:
     out += ["## Step by phase", "", "Median per phase (its share of the median step).", ""]
     out += [phase_table(result.rows), ""]
     out += ["## Engine idle", "", IDLE_NOTE, "", idle_table(result.rows) or "No run logged the engine's idle time.", ""]
-    out += ["## Client-seen pause", "", PAUSE_NOTE, ""]
-    out += [pause_table(result.rows) or "No run measured it (`python -m rlsync.bench bench.target=pause`).", ""]
+    out += ["## Client-seen stalls", "", STALL_NOTE, ""]
+    out += [stall_table(result.rows) or "No run measured it (`python -m rlsync.bench bench.target=stall`).", ""]
     out += ["## Verdicts", ""]
     common = common_overrides(result.rows)
     out += [f"- **{run_label(row, common)}**: {row['verdict']}" for row in result.rows]

@@ -66,7 +66,7 @@ def transport_label(row: Row) -> str:
     """ "direct", "ipc flat" (a bucketed update into the engine's flat weights), "direct (vllm)"."""
     flat = " flat" if row.get("flat_engine_weights") and row.get("strategy") != PER_TENSOR else ""
     engine = "" if row.get("engine") in (None, "hf") else f" ({row['engine']})"
-    payload = "" if row.get("payload") in (None, "full") else f" {row['payload']}"  # delta, fp8
+    payload = "" if row.get("payload") in (None, "full") else f" {row['payload']}"  # update.payload, where not full
     return f"{row.get('transport') or 'n/a'}{flat}{payload}{engine}"
 
 
@@ -408,25 +408,25 @@ def plot_engine_idle(rows: list[Row], fits: list[FitGroup], path: Path) -> Optio
     return None
 
 
-PAUSE_BARS = (  # (figure, label, colour): a policy's two bars, the gap a client saw and the copy under it
+STALL_BARS = (  # (figure, label, colour): a policy's two bars, the gap a client saw and the copy under it
     ("max_gap", "longest client-seen gap", "#c44e52"),
     ("receive", "the engine's receive (the copy)", "#4c72b0"),
 )
 
 
-def plot_client_pause(rows: list[Row], fits: list[FitGroup], path: Path) -> Optional[str]:
-    """Per pause bench and policy: the longest gap between two tokens a streaming client saw (median,
+def plot_client_stalls(rows: list[Row], fits: list[FitGroup], path: Path) -> Optional[str]:
+    """Per stall bench and policy: the longest gap between two tokens a streaming client saw (median,
     min to max) beside the engine's receive of the update, so it shows which of the two to tune."""
-    bars = [(row, policy, f) for row in rows for policy, f in (row.get("client_pause") or {}).items()]
+    bars = [(row, policy, f) for row in rows for policy, f in (row.get("client_stalls") or {}).items()]
     if not bars:
-        return f"{path.name} skipped: no run is a pause bench (python -m rlsync.bench bench.target=pause)"
+        return f"{path.name} skipped: no run is a stall bench (python -m rlsync.bench bench.target=stall)"
     drawn_rows = [row for row, _, _ in bars]
     labels = [f"{bar_label(row, drawn_rows)}, {policy}" for row, policy, _ in bars]
-    medians = [f[name]["median"] for _, _, f in bars for name, _, _ in PAUSE_BARS if f.get(name)]
+    medians = [f[name]["median"] for _, _, f in bars for name, _, _ in STALL_BARS if f.get(name)]
     scale, unit = axis_unit(medians)
-    fig, ax = bar_axes("Client-seen pause beside the update's copy, per policy", labels, len(PAUSE_BARS))
+    fig, ax = bar_axes("Client-seen stall beside the update's copy, per policy", labels, len(STALL_BARS))
     height = 0.38
-    for k, (name, label, color) in enumerate(PAUSE_BARS):
+    for k, (name, label, color) in enumerate(STALL_BARS):
         ys, widths, low, high = [], [], [], []
         for y, (_, _, f) in enumerate(bars):
             if f.get(name):
@@ -634,7 +634,7 @@ PLOTS: dict[str, Callable[[list[Row], list[FitGroup], Path], Optional[str]]] = {
     "update_time_vs_bytes.png": plot_update_time_vs_bytes,
     "step_breakdown.png": plot_step_breakdown,
     "engine_idle.png": plot_engine_idle,
-    "client_pause.png": plot_client_pause,
+    "client_stall.png": plot_client_stalls,
     "update_phases.png": plot_update_phases,
     "peak_memory_vs_bucket.png": plot_peak_memory_vs_bucket,
     "step_timeline.png": plot_step_timeline,

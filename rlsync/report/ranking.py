@@ -26,7 +26,7 @@ def model_label(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     (say `model.num_hidden_layers` swept under one name), so that each label is one model."""
     model = str(row.get("model") or "n/a")
 
-    def size_of(r: dict[str, Any]):  # the model's update, whatever its payload sent (a delta: fewer bytes)
+    def size_of(r: dict[str, Any]):  # the model's update, whatever its payload sent
         return r.get("update_full_bytes") or r.get("update_bytes")
 
     sizes = {size_of(r) for r in rows if str(r.get("model") or "n/a") == model}

@@ -3,9 +3,10 @@ verdict: the share of its step, or for a bench what it timed against the copy fl
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any, Optional
 
+from rlsync.bench.stall import METRIC, compared, measured_policies
+from rlsync.config.apps import RENAMED_TARGETS, update_policy_names
 from rlsync.config.schema import VERDICT_THRESHOLD
 from rlsync.fmt import fmt_bytes, fmt_seconds, is_number
 from rlsync.measure import metrics
@@ -17,9 +18,9 @@ from rlsync.record.summary import (
     idle_update_share,
     share_verdict,
 )
-from rlsync.report.cells import PER_TENSOR, fmt_bucket
+from rlsync.report.cells import PER_TENSOR, engine_phrase, fmt_bucket
 from rlsync.report.runs import Run
-from rlsync.update.payload import payload_name
+from rlsync.update.payload import recorded_payload
 
 UPDATE_PARTS = ("gather", "pack", "transfer", "load")  # perf/update_weights_<part>_time, in the order they run
 
@@ -37,9 +38,9 @@ CSV_TAIL = (
     "update_share", "update_efficiency_median", "update_limit_time_median", "update_gbps_median",
     "update_bytes", "update_full_bytes", "update_changed_ratio_median", "update_buckets_median", "update_peak_bytes_max",
     *(f"update_{side}_{what}_median" for side in ("encode", "decode") for what in ("time", "limit_time", "efficiency")),
-    "sleep_level", "engine_idle_time_min", "engine_idle_time_median", "engine_idle_time_max", "update_idle_share",
-    "pause_max_gap_time_median", "pause_receive_time_median", "pause_tokens_ratio_median",
-    "stage_max_gap_time_median", "stage_receive_time_median", "stage_tokens_ratio_median", "stage_gap_ratio_median",
+    "release_level", "engine_idle_time_min", "engine_idle_time_median", "engine_idle_time_max", "update_idle_share",
+)  # fmt: skip
+CSV_END = (
     "update_limit_time_min", "update_limit_time_max", "copy_threads", "cpu_threads", "cpu_cores", "broken",
     "started_at", "ended_at", "verdict",
 )  # fmt: skip
@@ -48,15 +49,23 @@ CSV_TAIL = (
 def csv_fields() -> tuple[str, ...]:
     """report.csv's columns: the setup, the headline ranges, the median of every part of the step, the update's."""
     phases = [f"{p.name}_time_median" for p in metrics.step_phases()]
-    return tuple(dict.fromkeys([*CSV_HEAD, *phases, "step_time_median", *CSV_TAIL, *IMPORTED_FIELDS]))
+    return tuple(
+        dict.fromkeys([*CSV_HEAD, *phases, "step_time_median", *CSV_TAIL, *stall_fields(), *CSV_END, *IMPORTED_FIELDS])
+    )
+
+
+STALL_COLUMNS = ("max_gap_time_median", "receive_time_median", "tokens_ratio_median")  # <policy>_<column>
+
+
+def stall_fields() -> list[str]:
+    """report.csv's stall bench columns: each registered update policy's longest gap, receive and tokens ratio,
+    then the compared policy's gap over the baseline's (stage_gap_ratio_median)."""
+    names = update_policy_names()
+    pair = compared(names)
+    return [f"{p}_{c}" for p in names for c in STALL_COLUMNS] + ([f"{pair[0]}_gap_ratio_median"] if pair else [])
 
 
 IMPORTED_FIELDS = ("source", "framework")  # another framework's run (rlsync/report/imported.py): its format and map
-
-
-def run_update_keys(run: Run) -> dict[str, Any]:
-    """The update keys that choose the payload, from a run recorded before summary.json named it."""
-    return {"delta": bool(run.cfg("update.delta", False)), "wire_dtype": run.cfg("update.wire_dtype")}
 
 
 def table_row(run: Run) -> dict[str, Any]:
@@ -71,9 +80,11 @@ def table_row(run: Run) -> dict[str, Any]:
         "model": model.get("name") or run.cfg("model.name"),
         "params": model.get("params"),
         "engine": setup.get("engine") or run.cfg("rollout.engine", "hf"),
+        # VLLM_RELOAD_MODE as the run set it (summary.json's setup, else its config); None: vLLM's default, or not vLLM
+        "vllm_reload_mode": setup.get("vllm_reload_mode", run.cfg("rollout.vllm_reload_mode")),
         "scheme": setup.get("scheme") or run.cfg("update.scheme"),  # scheme=NAME (rlsync/conf/scheme/): group by it
         "transport": setup.get("transport") or run.cfg("update.transport"),
-        "payload": setup.get("payload") or payload_name(SimpleNamespace(**run_update_keys(run))),  # full, delta, fp8
+        "payload": recorded_payload(setup, run.cfg),  # update.payload, or the keys that chose it before
         "flat_engine_weights": setup.get("flat_engine_weights", run.cfg("update.flat_engine_weights")),  # as resolved
         "strategy": setup.get("strategy") or run.cfg("update.strategy"),
         "bucket_mb": setup.get("bucket_mb", run.cfg("update.bucket_mb")),  # None for per_tensor, below
@@ -94,10 +105,10 @@ def table_row(run: Run) -> dict[str, Any]:
     for which in ("min", "median", "max"):  # the floor beside each step: how much the machine moved under the run
         row[f"update_limit_time_{which}"] = run.stat("perf/update_weights_limit_time", which)
     row["update_gbps_median"] = run.stat("perf/update_weights_gbps")
-    sent = run.stat("perf/update_weights_bytes")  # 0 from a delta that had nothing to send
+    sent = run.stat("perf/update_weights_bytes")  # 0 from a payload that found nothing changed
     row["update_bytes"] = sent if sent is not None else model.get("update_bytes")
     row["update_full_bytes"] = run.stat("perf/update_weights_full_bytes")  # a payload other than full: beside its bytes
-    row["update_changed_ratio_median"] = run.stat("perf/update_weights_changed_ratio")  # a delta's
+    row["update_changed_ratio_median"] = run.stat("perf/update_weights_changed_ratio")  # a payload that compares
     for side in ("encode", "decode"):  # a payload other than full against its own floors (rlsync/update/payload)
         for what in ("time", "limit_time", "efficiency"):
             row[f"update_{side}_{what}_median"] = run.stat(f"perf/update_weights_{side}_{what}")
@@ -106,18 +117,18 @@ def table_row(run: Run) -> dict[str, Any]:
     row["update_staging_bytes_max"] = run.stat("perf/update_weights_staging_bytes", "max")
     for part in UPDATE_PARTS:  # the update's own split, where the transport times it (the update-phases plot)
         row[f"update_{part}_time_median"] = run.stat(f"perf/update_weights_{part}_time")
-    row["sleep_level"] = run_sleep_level(run)
+    row["release_level"] = run_release_level(run)
     row["engine_idle"] = idle = run_idle(run)  # the idle time and its parts, from the same intervals
     for which in ("min", "median", "max"):
         row[f"engine_idle_time_{which}"] = idle["time"][which] if idle else None
     row["update_idle_share"] = idle_update_share(idle) if idle else None
-    row["client_pause"] = pauses = client_pause(run)  # bench.target=pause: what streaming clients saw, per policy
-    for policy, f in (pauses or {}).items():  # report.csv's flat columns
+    row["client_stalls"] = stalls = client_stalls(run)  # bench.target=stall: what streaming clients saw, per policy
+    for policy, f in (stalls or {}).items():  # report.csv's flat columns
         row[f"{policy}_max_gap_time_median"] = (f["max_gap"] or {}).get("median")
         row[f"{policy}_receive_time_median"] = (f["receive"] or {}).get("median")
         row[f"{policy}_tokens_ratio_median"] = f.get("tokens_ratio")
-    if pauses and "gap_ratio" in pauses.get("stage", {}):
-        row["stage_gap_ratio_median"] = pauses["stage"]["gap_ratio"]["median"]
+        if "gap_ratio" in f:
+            row[f"{policy}_gap_ratio_median"] = f["gap_ratio"]["median"]
     row["setup"] = setup  # what the update ran with, as resolved: tells apart runs whose labels read alike
     threads = setup.get("copy_threads_used", setup.get("copy_threads", run.cfg("update.copy_threads")))
     row["copy_threads"] = threads if is_number(threads) else None  # the update's copies ran on (0: torch's default)
@@ -128,7 +139,7 @@ def table_row(run: Run) -> dict[str, Any]:
     for end in ("started_at", "ended_at"):  # unix times: runs whose spans overlap ran at the same time
         row[end] = run.summary.get(end) if is_number(run.summary.get(end)) else None
     row["broken"] = broken_measurement(run)
-    row["verdict"] = run_verdict(run, row["update_share"], pauses)
+    row["verdict"] = run_verdict(run, row["update_share"], stalls)
     if row["broken"] and "verdict_trusted" not in run.summary:  # a run recorded before it flagged this itself
         row["verdict"] = f"broken measurement: {row['broken']}; the run said: {row['verdict']}"
     row["bench"] = bench_target(run)  # its measured rows are repeats of the target, not steps
@@ -176,10 +187,19 @@ def moved_much(st: Optional[dict]) -> bool:
     return is_spread(st) and st["median"] > 0 and (st["max"] - st["min"]) / st["median"] > NOISE_SPREAD
 
 
-def run_sleep_level(run: Run) -> Optional[int]:
-    """rollout.sleep_level; from a run recorded before it, its rollout.release_weights (true: level 2,
-    false: what the engine then did, level 1)."""
-    level = (run.summary.get("setup") or {}).get("sleep_level", run.cfg("rollout.sleep_level"))
+def run_release_level(run: Run) -> Optional[int]:
+    """rollout.release_level; from a run recorded before its rename (issue 44), its rollout.sleep_level (setup's
+    sleep_level); from one older still, its rollout.release_weights (true: level 2, false: what the engine then
+    did, level 1)."""
+    setup = run.summary.get("setup") or {}
+    level = next(
+        (
+            v
+            for v in (setup.get("release_level"), run.cfg("rollout.release_level"), setup.get("sleep_level"))
+            if v is not None
+        ),
+        run.cfg("rollout.sleep_level"),
+    )
     if level is None and run.cfg("rollout.release_weights") is not None:
         level = 2 if run.cfg("rollout.release_weights") else 1
     return int(level) if is_number(level) else None
@@ -209,27 +229,26 @@ def run_idle(run: Run) -> Optional[dict[str, Any]]:
     return engine_idle(run.step_rows, run.warmup_steps) if run.step_rows and not bench_target(run) else None
 
 
-PAUSE_POLICIES = ("pause", "stage")  # serve.update_policy, in the order the bench's table gives them
-PAUSE_SPREADS = ("max_gap", "pause_to_token", "receive")  # pause/<policy>/<x>_time, as spreads
-PAUSE_VALUES = ("tokens_ratio", "staged_bytes", "swap_pointer")  # pause/<policy>/<x>, their medians
+STALL_SPREADS = ("max_gap", "pause_to_token", "receive")  # pause/<policy>/<x>_time (recorded names), as spreads
+STALL_VALUES = ("tokens_ratio", "staged_bytes", "swap_pointer")  # pause/<policy>/<x>, their medians
 
 
-def client_pause(run: Run) -> Optional[dict[str, dict[str, Any]]]:
-    """A pause bench's per-policy figures: policy -> {"max_gap": spread, ..., "tokens_ratio": median,
-    ...} with a spread as {"median", "min", "max"} over the timed updates; None for any other run."""
-    if bench_target(run) != "pause":
+def client_stalls(run: Run) -> Optional[dict[str, dict[str, Any]]]:
+    """A stall bench's per-policy figures: policy -> {"max_gap": spread, ..., "tokens_ratio": median,
+    ...} with a spread as {"median", "min", "max"} over the timed updates; None for any other run. The
+    policies as the bench's table orders them; the gap ratio on the compared policy's (its baseline's aside)."""
+    if bench_target(run) != "stall":
         return None
     out = {}
-    for policy in PAUSE_POLICIES:
-        stem = f"pause/{policy}"
-        if run.stat(f"{stem}/max_gap_time") is None:
-            continue
-        out[policy] = {name: spread_of(run, f"{stem}/{name}_time") for name in PAUSE_SPREADS}
-        out[policy].update({name: run.stat(f"{stem}/{name}") for name in PAUSE_VALUES})
+    for policy in measured_policies(run.stats):
+        stem = f"{METRIC}/{policy}"
+        out[policy] = {name: spread_of(run, f"{stem}/{name}_time") for name in STALL_SPREADS}
+        out[policy].update({name: run.stat(f"{stem}/{name}") for name in STALL_VALUES})
         out[policy]["answers_verified"] = run.stat(f"{stem}/answers_verified_total", "max")
         out[policy]["answers_failed"] = run.stat(f"{stem}/answers_failed_total", "max")
-    if out and run.stat("pause/gap_ratio") is not None:
-        out["stage"]["gap_ratio"] = spread_of(run, "pause/gap_ratio")  # stage's longest gap over pause's
+    pair = compared(out)
+    if pair is not None and run.stat(f"{METRIC}/gap_ratio") is not None:
+        out[pair[0]]["gap_ratio"] = spread_of(run, f"{METRIC}/gap_ratio")  # its longest gap over the baseline's
     return out or None
 
 
@@ -266,9 +285,9 @@ def update_share(run: Run) -> Optional[float]:
     return update / step if update is not None and step else None
 
 
-def run_verdict(run: Run, share: Optional[float], pauses: Optional[dict] = None) -> str:
+def run_verdict(run: Run, share: Optional[float], stalls: Optional[dict] = None) -> str:
     """The runner's verdict; for a bench, what it timed against the copy floor (it has no step to
-    share) or, a pause bench, the client-seen gaps (`pauses`: client_pause's); for a run without
+    share) or, a stall bench, the client-seen gaps (`stalls`: client_stalls'); for a run without
     either, a line built from the share of the step."""
     warning = run.summary.get("warning")
     if run.summary.get("verdict"):
@@ -276,7 +295,7 @@ def run_verdict(run: Run, share: Optional[float], pauses: Optional[dict] = None)
     prefix = "incomplete (no summary.json)" if run.status == "incomplete" else run.status
     target = bench_target(run)
     if target:
-        line = bench_verdict(run, target, pauses)
+        line = bench_verdict(run, target, stalls)
         line = line if run.status == "finished" else f"{prefix}: {line}"
         return f"{line} ({warning})" if warning else line
     if share is None:
@@ -293,11 +312,13 @@ BENCH_PHASES = {
 
 def bench_target(run: Run) -> Optional[str]:
     """What a `python -m rlsync.bench` job timed: its summary says; one that left no summary still
-    has bench.* in its config. None for a run of the step loop, which has neither."""
-    return run.summary.get("target") or run.cfg("bench.target")
+    has bench.* in its config. None for a run of the step loop, which has neither. A target recorded under
+    its name before a rename reads as its name now (bench.target=pause: stall)."""
+    target = run.summary.get("target") or run.cfg("bench.target")
+    return dict(RENAMED_TARGETS).get(target, target)
 
 
-def bench_verdict(run: Run, target: str, pauses: Optional[dict] = None) -> str:
+def bench_verdict(run: Run, target: str, stalls: Optional[dict] = None) -> str:
     """ "update alone: 0.18 s median, 1.91x the copy floor of 0.097 s (transport direct, bucketed, 512 MiB)".
 
     The ratio is 1 / the median efficiency, each repeat against the floor probed beside it (as the
@@ -314,14 +335,14 @@ def bench_verdict(run: Run, target: str, pauses: Optional[dict] = None) -> str:
             continue
         ratio = 1 / efficiency if efficiency else seconds / limit
         parts.append(f"{label}: {fmt_seconds(seconds)} median, {ratio:.2f}x the copy floor of {fmt_seconds(limit)}")
-    if pauses:  # a pause bench: no copy floor of its own; its clients' gaps beside the receive
-        parts = [pause_verdict(pauses)]
+    if stalls:  # a stall bench: no copy floor of its own; its clients' gaps beside the receive
+        parts = [stall_verdict(stalls)]
     if not parts:
         return f"{run.measured_steps} timed repeats, no {target} time measured"
     return f"{'; '.join(parts)} ({bench_setup(run, target)})"
 
 
-def pause_verdict(policies: dict[str, dict[str, Any]]) -> str:
+def stall_verdict(policies: dict[str, dict[str, Any]]) -> str:
     """ "longest client-seen gap: pause 0.95 s, stage 0.43 s (0.45x pause's) beside the engine's receive of 1.42 s"."""
 
     def gap(policy: str) -> str:
@@ -329,8 +350,9 @@ def pause_verdict(policies: dict[str, dict[str, Any]]) -> str:
         return f"{policy} {fmt_seconds(spread['median']) if spread else 'n/a'}"
 
     line = "longest client-seen gap: " + ", ".join(gap(p) for p in policies)
-    ratio = policies.get("stage", {}).get("gap_ratio")
-    line += f" ({ratio['median']:.2f}x pause's)" if ratio else ""
+    pair = compared(policies)
+    ratio = policies[pair[0]].get("gap_ratio") if pair else None
+    line += f" ({ratio['median']:.2f}x {pair[1]}'s)" if ratio else ""
     receive = [f"{p} {fmt_seconds(v['receive']['median'])}" for p, v in policies.items() if v["receive"]]
     return line + (f"; the engine's receive (the copy): {', '.join(receive)}" if receive else "")
 
@@ -355,8 +377,9 @@ def bench_setup(run: Run, target: str) -> str:
     parts = [f"transport {transport}" + (" flat" if flat else ""), str(strategy)]
     parts += [f"{fmt_bucket(bucket)} MiB"] if strategy == "bucketed" else []
     parts += [f"source {source}"] if source == "host" else []  # device is the default
-    parts += [f"engine {engine}"] if engine != "hf" else []
-    if target == "pause":  # the load the gaps were measured under
-        clients = (run.summary.get("pause") or {}).get("clients") or run.cfg("bench.clients")
+    mode = setup.get("vllm_reload_mode", run.cfg("rollout.vllm_reload_mode"))
+    parts += [f"engine {engine_phrase(engine, mode)}"] if engine != "hf" else []
+    if target == "stall":  # the load the gaps were measured under
+        clients = (run.summary.get(METRIC) or {}).get("clients") or run.cfg("bench.clients")
         parts.insert(0, f"{clients} streaming clients")
     return ", ".join(parts)

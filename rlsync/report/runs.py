@@ -263,7 +263,7 @@ def metrics_lines(path: Path) -> Iterator[bytes | int]:
 
 def is_step(row: dict) -> bool:
     """A line rlsync wrote for a step (or a bench repeat): it times something (perf/step_time, a bench's
-    perf/update_weights_time, a pause bench's pause/<policy>/max_gap_time), as a finite number."""
+    perf/update_weights_time, a stall bench's pause/<policy>/max_gap_time), as a finite number."""
     return any(key.endswith("_time") and is_number(value) for key, value in row.items())
 
 

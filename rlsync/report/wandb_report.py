@@ -30,7 +30,7 @@ from typing import Any
 from rlsync.config.schema import VERDICT_THRESHOLD
 from rlsync.fmt import error_line, fmt_share
 from rlsync.measure import metrics
-from rlsync.report.cells import PAUSE_HEADER, TABLE_HEADER, common_overrides, pause_cells, table_cells
+from rlsync.report.cells import STALL_HEADER, TABLE_HEADER, common_overrides, stall_cells, table_cells
 from rlsync.report.ranking import best_settings
 from rlsync.report.rows import csv_fields
 from rlsync.report.runs import importing
@@ -155,15 +155,15 @@ def report_config(result: ReportResult) -> dict[str, Any]:
 
 
 def report_payload(result: ReportResult, wandb: Any) -> dict[str, Any]:
-    """The table twice (as in report.md, and raw numbers as in report.csv), the client-seen pause
-    where a run is a pause bench, and every plot."""
+    """The table twice (as in report.md, and raw numbers as in report.csv), the client-seen stalls
+    where a run is a stall bench, and every plot."""
     common, fields = common_overrides(result.rows), csv_fields()
     payload: dict[str, Any] = {
         "report/table": wandb.Table(columns=list(TABLE_HEADER), data=[table_cells(r, common) for r in result.rows]),
         "report/numbers": wandb.Table(columns=list(fields), data=[[r.get(c) for c in fields] for r in result.rows]),
     }
-    if pauses := pause_cells(result.rows):  # pause benches: report.md's "Client-seen pause"
-        payload["report/pause_table"] = wandb.Table(columns=list(PAUSE_HEADER), data=pauses)
+    if stalls := stall_cells(result.rows):  # stall benches: report.md's "Client-seen stalls"
+        payload["report/stall_table"] = wandb.Table(columns=list(STALL_HEADER), data=stalls)
     for path in result.files:
         if path.suffix == ".png":
             payload[f"report/{path.stem}"] = wandb.Image(str(path), caption=path.stem.replace("_", " "))

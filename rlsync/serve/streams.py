@@ -1,33 +1,20 @@
-"""The standalone engine's streaming clients, and how an update meets them (serve.update_policy).
+"""The standalone engine's streaming clients: the decoder that generates their answers, and its hold.
 
-`Decoder` is one thread that generates every open answer (`POST /v1/stream`, rlsync/update/stream.py),
+`Decoder` is one thread that generates every open answer (`POST /v1/stream`, rlsync/client/stream.py),
 one token per answer per turn, round robin, each answer with its own KV cache: a token reaches its
-client as soon as it is sampled. Between two tokens it checks whether it is to pause (an update) and
-whether the answer's client left (its slot is freed there, at once, and its cache dropped). At most
+client as soon as it is sampled. Between two tokens it checks whether it is held (an update's swap)
+and whether the answer's client left (its slot is freed there, at once, and its cache dropped). At most
 serve.max_streams answers are open; another is refused with 503.
 
-An update arrives from the trainer's session (rlsync/serve/app.py) and runs on the session's work
-thread, under the policy the engine was started with:
+`Decoder.hold(timeout_s)` stops generation between two tokens for a block; what runs inside it, and
+when, is the update policy's (serve.update_policy, rlsync/serve/policies/). The gap a streaming client
+sees during an update is its stall: the hold, plus the token in progress when it began.
 
-- `PausePolicy` (`pause`): stop generating (between two tokens), receive the update into the
-  weights themselves, go on. Clients wait the whole receive. No memory beyond the transport's.
-- `StagePolicy` (`stage`): receive into a side copy of the weights while the decoder goes on with
-  the live ones, then stop for the swap only: a pointer swap (each parameter takes the side copy's
-  storage and the side copy the retired one, which the next update fills) where the engine's weights
-  are plain tensors by the update's names (the HF engine: `Engine.holds_flat_weights`), else a local
-  copy of the side copy into the weights (`serve.stage_swap=copy` forces it). It holds one more copy
-  of the engine's weights, in the rollout dtype (rlsync/check/estimate.py `staged_copy_bytes`).
-
-Answers in flight at the swap go on with the new weights (their KV cache was computed with the old
+Answers in flight at a swap go on with the new weights (their KV cache was computed with the old
 ones: each token line says which version made it); every answer started after the swap is the new
-weights' alone.
-
-An update that does not complete (its trainer killed, its connection or group broken) never leaves
-weights that are neither old nor new being served under the old version. Under `stage` the live
-weights were never touched: the old version serves on. Under `pause` the update lands in the live
-weights themselves: if any of it may have landed, the weights are torn (`Decoder.tear`): every open
-answer ends with the reason, new ones are refused (503 Torn), `GET /v1/serving` reports no version,
-until a complete update lands. An update cut off before anything landed leaves the old version serving.
+weights' alone. An update cut off in the live weights tears them (`Decoder.tear`): every open answer
+ends with the reason, new ones are refused (503 Torn), `GET /v1/serving` reports no version, until a
+complete update lands.
 """
 
 from __future__ import annotations
@@ -36,20 +23,17 @@ import asyncio
 import concurrent.futures
 import os
 import queue
-import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-import rlsync.update.flat as flat
+from rlsync.client.stream import ServingState, StreamLine, StreamRequest, SwapRecord
 from rlsync.engines.base import Engine
-from rlsync.measure.devices import copy_into
-from rlsync.update.stream import ServingState, StreamLine, StreamRequest, SwapRecord
 
 
 def process_cpu_s() -> float:
@@ -98,7 +82,7 @@ class NicedThread:
         try:
             return future.result(timeout_s)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"the staged receive did not end within {timeout_s:g} s") from None
+            raise TimeoutError(f"the receive did not end within {timeout_s:g} s") from None
 
     def _run(self) -> None:
         if self.nice:
@@ -118,7 +102,7 @@ class NicedThread:
                 future.set_exception(err)
 
 
-class NotPaused(RuntimeError):
+class NotHeld(RuntimeError):
     """The decoder did not reach a point between two tokens within the wait's bound."""
 
 
@@ -149,20 +133,20 @@ class Stream:
 
 
 class Decoder:
-    """The thread that generates every open answer, token by token; `paused()` stops it between two tokens."""
+    """The thread that generates every open answer, token by token; `hold()` stops it between two tokens."""
 
     def __init__(self, engine: Engine, *, max_streams: int):
         self.engine, self.max_streams = engine, max_streams
         self.streams: list[Stream] = []
         self.cond = threading.Condition()
-        self.pause_wanted = 0
-        self.parked = True  # not between a turn's tokens (no stream, or paused)
+        self.holds = 0  # holds asked for (an update's swap): generation stops between two tokens while any is
+        self.parked = True  # not between a turn's tokens (no stream, or held)
         self.version = 0  # updates swapped in; 0: no weights yet (streams are refused)
         self.torn: Optional[str] = None  # why the weights are neither a version nor the next (streams refused)
         self.served = 0
         self.stopping = False
         self.last_update: Optional[SwapRecord] = None
-        self.policy = "pause"
+        self.policy = ""  # serve.update_policy, as GET /v1/serving reports it (Control sets it)
         self.native_id: Optional[int] = None  # the decoder thread's, for its CPU time (CpuSplit)
         self.receivers: dict[int, NicedThread] = {}
         self.streaming = hasattr(engine, "model") and hasattr(engine, "allowed")  # the HF engine's parts
@@ -228,41 +212,41 @@ class Decoder:
     # -- the update's side -----------------------------------------------------------------------
 
     @contextmanager
-    def paused(self, timeout_s: float) -> Iterator[float]:
+    def hold(self, timeout_s: float) -> Iterator[float]:
         """Within the block the decoder generates nothing (it stopped between two tokens); yields when it stopped."""
         with self.cond:
-            self.pause_wanted += 1
+            self.holds += 1
             self.cond.notify_all()
             try:
                 if not self.cond.wait_for(lambda: self.parked, timeout=timeout_s):
-                    raise NotPaused(f"generation did not stop between two tokens within {timeout_s:g} s")
+                    raise NotHeld(f"generation did not stop between two tokens within {timeout_s:g} s")
             except BaseException:
-                self.pause_wanted -= 1
+                self.holds -= 1
                 self.cond.notify_all()
                 raise
         try:
             yield time.perf_counter()
         finally:
             with self.cond:
-                self.pause_wanted -= 1
+                self.holds -= 1
                 self.cond.notify_all()
 
     def receive_thread(self, nice: int) -> NicedThread:
-        """The thread staged receives run on at `nice` (one per nice value, kept for the next sessions)."""
+        """A thread for receives beside generation, at `nice` (one per nice value, kept for the next sessions)."""
         with self.cond:
             if nice not in self.receivers:
-                self.receivers[nice] = NicedThread(nice, "rlsync-engine-stage-receive")
+                self.receivers[nice] = NicedThread(nice, "rlsync-engine-receive")
             return self.receivers[nice]
 
     def swapped(self, record: Callable[[int], SwapRecord]) -> None:
-        """(inside `paused`) The new weights are in: the next tokens carry the next version."""
+        """(inside `hold`) The new weights are in: the next tokens carry the next version."""
         with self.cond:
             self.version += 1
             self.torn = None  # a complete update: every weight is the new version's
             self.last_update = record(self.version)
 
     def tear(self, why: str) -> None:
-        """(inside `paused`) An update was cut off in the live weights: every open answer ends with `why`
+        """(inside `hold`) An update was cut off in the live weights: every open answer ends with `why`
         (no token of torn weights reaches a client), and none starts until `swapped`."""
         with self.cond:
             self.torn = why
@@ -279,7 +263,7 @@ class Decoder:
         while True:
             with self.cond:
                 self._drop_cancelled()
-                while not self.streams or self.pause_wanted:
+                while not self.streams or self.holds:
                     self.parked = True
                     self.cond.notify_all()
                     self.cond.wait(0.5)
@@ -287,7 +271,7 @@ class Decoder:
                 self.parked = False
                 turn = list(self.streams)
             for stream in turn:
-                if self.pause_wanted:  # read without the lock: a pause waits at most one token more
+                if self.holds:  # read without the lock: a hold waits at most one token more
                     break
                 self._step(stream)
 
@@ -306,7 +290,7 @@ class Decoder:
     def _step(self, stream: Stream) -> None:
         if stream.cancel.is_set():
             return  # dropped at the next turn's start
-        version = self.version  # the weights this token is made with (a swap waits for the token to end)
+        version = self.version  # the weights this token is made with (a hold waits for the token to end)
         try:
             token, logprob = self._next_token(stream)
         except Exception as err:  # noqa: BLE001 - this answer fails alone; the others go on
@@ -346,196 +330,3 @@ class Decoder:
             token = int(logp.argmax())
         stream.last = token
         return token, float(logp[token])
-
-
-# ----------------------------------------------------------------------------------------------
-# The policies: how an update reaches the weights the decoder generates with
-# ----------------------------------------------------------------------------------------------
-
-
-class SideCopy:
-    """The staged weights, as the transport's receiver sees an engine: where an update lands by name."""
-
-    def __init__(self, live: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
-        self.device, self.dtype = device, dtype
-        self._weights = {name: torch.empty_like(t) for name, t in live.items()}
-
-    @property
-    def weights(self) -> dict[str, torch.Tensor]:
-        return self._weights
-
-    @torch.no_grad()
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in named:
-            copy_into(self._weights[name], tensor)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._weights.values())
-
-
-class Landing:
-    """The engine as the pause policy's receive sees it: counts the tensors handed to its `load_weights`,
-    so that an update cut off says how much of it may have landed in the live weights."""
-
-    def __init__(self, engine: Engine):
-        self.engine, self.loaded = engine, 0
-
-    def __getattr__(self, name: str):
-        return getattr(self.engine, name)
-
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        named = list(named)
-        self.loaded += len(named)  # counted before the copy: a copy that fails midway may have written
-        self.engine.load_weights(named)
-
-    def touched(self, receiver) -> str | None:
-        """How much of the update may be in the live weights ("N of M tensors landed"), or None if nothing is."""
-        total = sum(len(b.slots) for b in getattr(receiver, "buckets", ()))
-        if getattr(receiver, "flat", None) is not None and not getattr(receiver, "slots", None):
-            return f"part of its {total} tensors landed (flat engine weights receive in place)"
-        return f"{self.loaded} of {total} tensors landed" if self.loaded else None
-
-
-def cause_line(err: BaseException) -> str:
-    """An exception as a short line: its name and its message's first sentence, less the source location
-    gloo's errors start with ("[.../pair.cc:537] Read error ...: Connection reset by peer. This is ...")."""
-    first = re.sub(r"^\[[^\]]*\]\s*", "", (str(err).strip().splitlines() or [""])[0]).split(". ", 1)[0]
-    return f"{type(err).__name__}: {first}"[:300] if first else type(err).__name__
-
-
-class PausePolicy:
-    """`serve.update_policy=pause`: generation stops for the whole receive."""
-
-    name, swap = "pause", "paused receive"
-
-    def __init__(self, decoder: Decoder, *, wait_s: float, stage_swap: str = "auto", nice: int = 0):
-        self.decoder, self.wait_s = decoder, wait_s
-        self.staged_bytes = 0
-
-    def open(self, server) -> dict:
-        with self.decoder.paused(self.wait_s):  # flat engine weights are rebound here: not under a token
-            return server.open()
-
-    def update(self, server, request) -> dict:
-        with self.decoder.paused(self.wait_s) as stopped:
-            cpu = CpuSplit(self.decoder)
-            landing = Landing(server.engine)
-            try:
-                result = server.receiver.handle(landing, request)
-            except BaseException as err:
-                raise self.cut(err, landing.touched(server.receiver)) from err
-            done, split = time.perf_counter(), cpu.done()
-            self.decoder.swapped(lambda v: self.record(v, stopped, done, stopped, done, split))
-        return result
-
-    def cut(self, err: BaseException, touched: str | None) -> UpdateCut:
-        """(inside `paused`) The update into the live weights failed: tear them if any of it may have
-        landed (`touched`: how much), else the old version serves on."""
-        version, cause = self.decoder.version, cause_line(err)
-        if touched is None:
-            return UpdateCut(f"the update was cut off before any tensor landed ({cause}); version {version} serves on")
-        self.decoder.tear(
-            f"Torn: the last update was cut off with {touched}; this engine's weights are neither version "
-            f"{version} nor the next: waiting for a complete update"
-        )
-        return UpdateCut(
-            f"the update was cut off with {touched} ({cause}): generation is refused until a complete update lands"
-        )
-
-    def record(self, version: int, r0: float, r1: float, p0: float, p1: float, split: dict) -> SwapRecord:
-        return SwapRecord(
-            version=version,
-            policy=self.name,
-            swap=self.swap,
-            receive_start=r0,
-            receive_end=r1,
-            pause_start=p0,
-            pause_end=p1,
-            staged_bytes=self.staged_bytes,
-            **split,
-        )
-
-
-class StagePolicy(PausePolicy):
-    """`serve.update_policy=stage`: receive into a side copy while generating, swap it in inside a short pause."""
-
-    name = "stage"
-
-    def __init__(self, decoder: Decoder, *, wait_s: float, stage_swap: str = "auto", nice: int = 0):
-        super().__init__(decoder, wait_s=wait_s)
-        # the receive (and the group's threads, started by it) at a lower priority than generation
-        self.receiving = decoder.receive_thread(nice)
-        engine = decoder.engine
-        self.pointer = stage_swap == "auto" and type(engine).holds_flat_weights
-        self.swap = "pointer swap" if self.pointer else "local copy"
-        self.side: Optional[SideCopy] = None
-        self.retired: Optional[list[torch.Tensor]] = None  # flat weights: the bank the live weights are views of
-
-    def open(self, server) -> dict:
-        engine, receiver = server.engine, server.receiver
-        live = engine.weights
-        if self.pointer and not all(isinstance(t, torch.nn.Parameter) for t in live.values()):
-            # views of fused parameters (a MoE's experts, checkpoint layout): rebinding a view's data would leave
-            # the parameter as it was, so the swap copies
-            self.pointer, self.swap = False, "local copy"
-        self.side = SideCopy(live, engine.device, engine.dtype)
-        # on the receive's thread: the group's threads start there and inherit its nice value
-        result = self.receiving.run(lambda: receiver.open(self.side), self.bound(receiver))
-        # flat weights: the side copy is now views of the receiver's buffers
-        self.staged_bytes = self.side.nbytes
-        if self.pointer and receiver.flat is not None:
-            # the live weights as views of a second bank laid out alike: a swap trades the banks whole
-            with self.decoder.paused(self.wait_s):
-                self.retired = flat.allocate(receiver.buckets, engine.device)
-                flat.bind(live, receiver.buckets, self.retired)
-        return result
-
-    def update(self, server, request) -> dict:
-        r0, cpu = time.perf_counter(), CpuSplit(self.decoder)
-        receiver = server.receiver
-        try:
-            result = self.receiving.run(lambda: receiver.handle(self.side, request), self.bound(receiver))
-        except BaseException as err:  # only the side copy was written: the live weights are untouched
-            raise UpdateCut(
-                f"the staged update was cut off ({cause_line(err)}); version {self.decoder.version} serves on"
-            ) from err
-        r1, split = time.perf_counter(), cpu.done()
-        with self.decoder.paused(self.wait_s) as stopped:
-            try:
-                self._swap(server)
-            except BaseException as err:
-                raise self.cut(err, "part of its tensors swapped in") from err
-            done = time.perf_counter()
-            self.decoder.swapped(lambda v: self.record(v, r0, r1, stopped, done, split))
-        return result
-
-    def bound(self, receiver) -> float:
-        """The longest a receive may take: each of its waits is cut to serve.max_wait_s."""
-        return self.wait_s * (len(getattr(receiver, "buckets", ())) + 2)
-
-    @torch.no_grad()
-    def _swap(self, server) -> None:
-        live, staged = server.engine.weights, self.side.weights
-        if not self.pointer:
-            server.engine.load_weights(staged.items())
-            return
-        for name, param in live.items():
-            side = staged[name]
-            old = param.data
-            param.data = side.data  # the parameter object stays: modules and tied weights keep pointing at it
-            side.data = old
-        receiver = server.receiver
-        if self.retired is not None:  # the receiver fills the retired bank next
-            receiver.flat, self.retired = self.retired, receiver.flat
-
-
-POLICY_CLASSES = {"pause": PausePolicy, "stage": StagePolicy}
-
-
-def policy_for(cfg, decoder: Decoder) -> PausePolicy:
-    """The policy serve.update_policy names, for one trainer session."""
-    decoder.policy = cfg.serve.update_policy
-    return POLICY_CLASSES[cfg.serve.update_policy](
-        decoder, wait_s=cfg.serve.max_wait_s, stage_swap=cfg.serve.stage_swap, nice=cfg.serve.stage_nice
-    )

@@ -1,6 +1,7 @@
-"""The report on pause benches (bench.target=pause): the client-seen pause per policy beside the
-engine's receive, in report.md, report.csv, the verdict and client_pause.png, read from the study's
-own recorded runs (experiments/pause/results_cpu: real output of `python -m rlsync.bench`)."""
+"""The report on stall benches (bench.target=stall): the client-seen stall per policy beside the
+engine's receive, in report.md, report.csv, the verdict, client_stall.png and W&B, read from the study's
+own recorded runs (experiments/pause/results_cpu: real output of `python -m rlsync.bench`, recorded when the
+target was named pause: read as a stall bench). The bench's real run: tests/process/test_report_pause.py."""
 
 from __future__ import annotations
 
@@ -10,13 +11,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_report import REPO
-from test_report_verdicts import section
+from conftest import MODELS, ROOT, section, write_job
 
 from rlsync.fmt import fmt_spread
 from rlsync.report import write_report
 
-STUDY = REPO / "experiments" / "pause" / "results_cpu"
+STUDY = ROOT / "experiments" / "pause" / "results_cpu"
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def test_the_report_shows_each_policys_longest_gap_beside_the_engines_receive(pa
     run, m = pause_runs
     result = write_report([run], out_dir=tmp_path / "out", log_wandb=False)
     md = (tmp_path / "out" / "report.md").read_text()
-    table = section(md, "Client-seen pause")
+    table = section(md, "Client-seen stalls")
     lines = {line.split(" | ")[1]: line for line in table.splitlines() if line.startswith("| qwen3_0p6b")}
     assert set(lines) == {"pause", "stage"}
     for policy, line in lines.items():
@@ -39,7 +39,7 @@ def test_the_report_shows_each_policys_longest_gap_beside_the_engines_receive(pa
             st = m[f"pause/{policy}/{metric}"]
             assert fmt_spread(st["median"], st["min"], st["max"]) in line, (policy, metric, line)
         assert f"{m[f'pause/{policy}/tokens_ratio']['median']:.2f}" in line
-    assert "pointer swap" in lines["stage"] and "paused receive" in lines["pause"]
+    assert "pointer swap" in lines["stage"] and "in-place receive" in lines["pause"]
     ratio = m["pause/gap_ratio"]
     assert f"{ratio['median']:.2f} ({ratio['min']:.2f} to {ratio['max']:.2f})" in lines["stage"]
 
@@ -53,24 +53,22 @@ def test_the_report_shows_each_policys_longest_gap_beside_the_engines_receive(pa
     assert float(row["stage_receive_time_median"]) == pytest.approx(m["pause/stage/receive_time"]["median"])
 
     # the plot: a gap bar and a receive bar per policy, each the median
-    fig = drawn["client_pause.png"]
+    fig = drawn["client_stall.png"]
     widths = sorted(round(p.get_width(), 6) for p in fig.axes[0].patches)
     expect = [m[f"pause/{p}/{k}"]["median"] for p in ("pause", "stage") for k in ("max_gap_time", "receive_time")]
     assert widths == sorted(round(v, 6) for v in expect)  # seconds: the largest is over 1 s
-    assert tmp_path / "out" / "client_pause.png" in result.files
+    assert tmp_path / "out" / "client_stall.png" in result.files
 
 
-def test_a_run_of_the_step_loop_has_no_client_pause_and_the_plot_says_why(tmp_path):
-    from test_report import MODELS, write_job
-
+def test_a_run_of_the_step_loop_has_no_client_stall_and_the_plot_says_why(tmp_path):
     write_job(tmp_path / "sweep" / "0", next(iter(MODELS)), 512.0)
     result = write_report([tmp_path / "sweep"], log_wandb=False)
     md = (tmp_path / "sweep" / "report.md").read_text()
-    assert "No run measured it (`python -m rlsync.bench bench.target=pause`)." in section(md, "Client-seen pause")
-    assert any(n.startswith("client_pause.png skipped: no run is a pause bench") for n in result.notes)
+    assert "No run measured it (`python -m rlsync.bench bench.target=stall`)." in section(md, "Client-seen stalls")
+    assert any(n.startswith("client_stall.png skipped: no run is a stall bench") for n in result.notes)
 
 
-def test_a_pause_run_with_one_policy_reports_it_alone(pause_runs, tmp_path):
+def test_a_stall_run_with_one_policy_reports_it_alone(pause_runs, tmp_path):
     """bench.policies=[stage]: one row, no ratio (summary.json's and metrics.jsonl's keys both)."""
     run, _ = pause_runs
     summary = json.loads((run / "summary.json").read_text())
@@ -81,50 +79,14 @@ def test_a_pause_run_with_one_policy_reports_it_alone(pause_runs, tmp_path):
     kept = [{k: v for k, v in r.items() if not k.startswith("pause/pause/") and k != "pause/gap_ratio"} for r in rows]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
     write_report([run], out_dir=tmp_path / "out", log_wandb=False)
-    table = section((tmp_path / "out" / "report.md").read_text(), "Client-seen pause")
+    table = section((tmp_path / "out" / "report.md").read_text(), "Client-seen stalls")
     assert [line.split(" | ")[1] for line in table.splitlines() if line.startswith("| qwen3_0p6b")] == ["stage"]
 
 
-@pytest.mark.slow  # the bench's real CLI: two engine processes under streaming load, then the report on its run
-def test_the_pause_bench_prints_its_table_and_the_report_reads_its_run(tmp_path):
-    from conftest import run_cli
-
-    run = tmp_path / "pause"
-    proc = run_cli(
-        "bench.target=pause",
-        "bench.warmup=0",
-        "bench.repeats=1",
-        "bench.before_s=0.5",
-        "bench.after_s=0.5",
-        "wandb.mode=disabled",
-        f"hydra.run.dir={run}",
-        module="rlsync.bench",
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Client-seen pause, tiny: 1 updates per policy after 0 warm-up, 2 streaming clients" in proc.stdout
-    assert "| pause | paused receive |" in proc.stdout and "| stage | pointer swap |" in proc.stdout
-    assert "all came from the new weights." in proc.stdout
-    summary = json.loads((run / "summary.json").read_text())
-    assert (summary["target"], summary["status"], summary["measured_steps"]) == ("pause", "finished", 1)
-    assert summary["setup"]["transport"] == "broadcast"  # whatever update.transport says
-    assert summary["pause"] == {"policies": ["pause", "stage"], "clients": 2}
-    m = summary["metrics"]
-    assert m["pause/stage/answers_failed_total"]["max"] == m["pause/pause/answers_failed_total"]["max"] == 0
-    assert m["pause/stage/staged_bytes"]["median"] > 0 == m["pause/pause/staged_bytes"]["median"]
-
-    write_report([run], out_dir=tmp_path / "out", log_wandb=False)
-    md = (tmp_path / "out" / "report.md").read_text()
-    table = section(md, "Client-seen pause")
-    assert [line.split(" | ")[1] for line in table.splitlines() if line.startswith("| pause")] == ["pause", "stage"]
-    (verdict,) = [line for line in section(md, "Verdicts").splitlines() if line.startswith("- ")]
-    assert "longest client-seen gap: pause" in verdict and "transport broadcast" in verdict
-
-
-def test_the_wandb_report_run_holds_the_client_pause_table(pause_runs, tmp_path):
+def test_the_wandb_report_run_holds_the_client_stall_table(pause_runs, tmp_path):
     from types import SimpleNamespace
 
-    from rlsync.report.cells import PAUSE_HEADER, pause_table
+    from rlsync.report.cells import STALL_HEADER, stall_table
     from rlsync.report.wandb_report import report_payload
 
     class Table:  # what wandb.Table was given
@@ -134,7 +96,7 @@ def test_the_wandb_report_run_holds_the_client_pause_table(pause_runs, tmp_path)
     run, _ = pause_runs
     result = write_report([run], out_dir=tmp_path / "out", log_wandb=False)
     payload = report_payload(result, SimpleNamespace(Table=Table, Image=lambda path, caption: path))
-    table = payload["report/pause_table"]
-    assert table.columns == list(PAUSE_HEADER) and [row[1] for row in table.data] == ["pause", "stage"]
-    assert all(" | ".join(row) in pause_table(result.rows) for row in table.data)  # report.md's cells
-    assert payload["report/client_pause"] == str(tmp_path / "out" / "client_pause.png")  # the plot, apart
+    table = payload["report/stall_table"]
+    assert table.columns == list(STALL_HEADER) and [row[1] for row in table.data] == ["pause", "stage"]
+    assert all(" | ".join(row) in stall_table(result.rows) for row in table.data)  # report.md's cells
+    assert payload["report/client_stall"] == str(tmp_path / "out" / "client_stall.png")  # the plot, apart

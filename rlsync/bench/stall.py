@@ -1,15 +1,15 @@
-"""`bench.target=pause`: the pause streaming clients of a standalone engine see while it takes an update.
+"""`bench.target=stall`: the stalls streaming clients of a standalone engine see while it takes an update.
 
-    python -m rlsync.bench bench.target=pause
-    python -m rlsync.bench bench.target=pause model=qwen3_0p6b bench.repeats=5 bench.warmup=1
+    python -m rlsync.bench bench.target=stall
+    python -m rlsync.bench bench.target=stall model=qwen3_0p6b bench.repeats=5 bench.warmup=1
 
-For each policy in `bench.policies` (serve.update_policy: pause, stage) a standalone engine is started
-as a process of its own, `python -m rlsync.serve ... serve.update_policy=P` on 127.0.0.1 (port 0), and
-this process joins it as its trainer (the broadcast transport, update.engine_address: the weights in
+For each policy in `bench.policies` (serve.update_policy, rlsync/serve/policies) a standalone engine is
+started as a process of its own, `python -m rlsync.serve ... serve.update_policy=P` on 127.0.0.1 (port 0),
+and this process joins it as its trainer (the broadcast transport, update.engine_address: the weights in
 a gloo group, the control over HTTP). The first update fills it. Then each repeat is, for each policy
 in turn (their order alternating from repeat to repeat):
 
-1. `bench.clients` client threads stream answers (`POST /v1/stream`, rlsync/update/stream.py) of
+1. `bench.clients` client threads stream answers (`POST /v1/stream`, rlsync/client/stream.py) of
    `bench.answer_tokens` tokens each, one after another, for a ramp of half a second (left out), then
    `bench.before_s` measured seconds;
 2. the trainer sends an update (its weights alternate between two random models, seeds run.seed and
@@ -17,19 +17,23 @@ in turn (their order alternating from repeat to repeat):
 3. the clients go on for `bench.after_s` after the engine's swap, then finish their answers.
 
 Every token's arrival is stamped with time.perf_counter() as its line arrives (CLOCK_MONOTONIC on
-Linux: the engine's own stamps of its pause, read from `GET /v1/serving`, are on the same clock). A
+Linux: the engine's own stamps of its hold, read from `GET /v1/serving`, are on the same clock). A
 client waits from sending a request to its first token, then from each token to the next: those are
-the gaps. Per policy and update: the longest gap that ends from the update's start to after_s past
-the swap (`max_gap`), p50 and p99 of every gap of the measured window, the time from the engine's
-pause to the first token after it (`pause_to_token`), tokens per second during the update (from its
-start to the swap's end) against the before window's, the engine's pause and receive times, and the
-staged copy's bytes. Then the check (untimed): every answer started after the swap is scored by
-teacher forcing with the new weights and with the old ones, in an engine of this process; its log-
-probs must match the new weights' (within LOGPROB_TOL) and be farther from the old ones'.
+the gaps, and the longest during an update is its stall. Per policy and update: the longest gap that
+ends from the update's start to after_s past the swap (`max_gap`), p50 and p99 of every gap of the
+measured window, the time from the engine's hold to the first token after it (`pause_to_token`), tokens
+per second during the update (from its start to the swap's end) against the before window's, the
+engine's hold and receive times, and the staged copy's bytes. Then the check (untimed), for a policy
+that declares `fresh_after_swap`: every answer started after the swap is scored by teacher forcing with
+the new weights and with the old ones, in an engine of this process; its log-probs must match the new
+weights' (within LOGPROB_TOL) and be farther from the old ones'.
+
+The metric names keep the word this target had before issue 44, `pause/<policy>/...` (recorded runs, the
+report and W&B projects are keyed on them); so does summary.json's `pause` (the policies and clients).
 
 `bench.warmup` repeats are left out of the summary; the table gives medians with min to max.
 
-What a standalone engine cannot do is refused before anything starts (rlsync.config.apps.check_pause_target).
+What a standalone engine cannot do is refused before anything starts (rlsync.config.apps.check_stall_target).
 A failed request, or an answer the check finds not to be the new weights', ends the bench (RequestsFailed,
 exit 1): no figure comes from them. Each engine runs in a process group of its own, ended however the bench
 ends (EngineServe.close), and on Linux dies with the bench even when it is SIGKILLed (PR_SET_PDEATHSIG).
@@ -54,24 +58,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlsync.config.apps import PAUSE_ENGINE_HOST, standalone_trainer
+from rlsync.client.stream import StreamFailed, StreamRequest, serving_state, stream_answer
+from rlsync.config.apps import STALL_ENGINE_HOST, standalone_trainer, update_policy_class, update_policy_names
 from rlsync.config.compose import to_dict
 from rlsync.engines.base import engine_spec, token_logprobs
+from rlsync.engines.process import exit_description
 from rlsync.errors import RlsyncError
 from rlsync.fmt import fmt_bytes, fmt_seconds, fmt_spread, markdown_table
 from rlsync.model.architecture import update_tensors
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
-from rlsync.record.summary import swap_phrase
-from rlsync.update.engine_process import exit_description
 from rlsync.update.side import open_update_side
-from rlsync.update.stream import StreamFailed, StreamRequest, serving_state, stream_answer
 
 RAMP_S = 0.5  # streaming before each measured window, left out (first requests, caches)
 PROMPT_TOKENS = 8
 LOGPROB_TOL = 0.05  # an answer's largest |streamed - teacher-forced| log-prob under the weights that made it
 START_S = 300  # an engine process's start (imports, model build) on two busy cores
-REQUEST_S = 120  # a client's longest wait on one line (a pause lasts an update at most)
-POLICY_ORDER = ("pause", "stage")
+REQUEST_S = 120  # a client's longest wait on one line (a hold lasts an update at most)
+METRIC = "pause"  # the metrics' prefix, pause/<policy>/<name>: the target's name before issue 44 (recorded runs)
 
 
 def override_value(value) -> str:
@@ -97,7 +100,7 @@ def engine_overrides(cfg, policy: str) -> list[str]:
         *flat,
         f"run.device={override_value(cfg.run.device)}",
         f"update.strategy={cfg.update.strategy}",
-        f"update.engine_address={PAUSE_ENGINE_HOST}:0",
+        f"update.engine_address={STALL_ENGINE_HOST}:0",
         f"serve.update_policy={policy}",
         "serve.sessions=0",
         "serve.max_wait_s=120",
@@ -106,7 +109,7 @@ def engine_overrides(cfg, policy: str) -> list[str]:
 
 
 class EngineDidNotStart(RlsyncError):
-    """A pause bench's engine exited, or did not listen in time: the line carries the engine's own reason."""
+    """A stall bench's engine exited, or did not listen in time: the line carries the engine's own reason."""
 
 
 class RequestsFailed(RlsyncError):
@@ -153,12 +156,22 @@ def signals_held():
 
 def engine_reason(errors: list[str]) -> str:
     """The engine's own reason from its stderr: its `rlsync:` line (every entry point's error convention), else
-    its last line (a crash before that convention: an import, the interpreter); "" without output."""
-    lines = [ln.strip() for ln in errors if ln.strip()]
-    own = [ln for ln in lines if ln.startswith("rlsync:")]
+    its last line (a crash before that convention: an import, the interpreter: a traceback's exception line);
+    "" without output. A traceback cut off before its exception line (the engine could not finish writing it:
+    out of file descriptors, killed) is said to be, not given as the code line it ended on."""
+    lines = [ln.rstrip() for ln in errors if ln.strip()]
+    own = [ln.strip() for ln in lines if ln.lstrip().startswith("rlsync:")]
     if own:
         return own[-1].removeprefix("rlsync:").strip()
-    return lines[-1] if lines else ""
+    if not lines:
+        return ""
+    last = lines[-1]
+    if any(ln.startswith("Traceback (most recent call last)") for ln in lines) and (
+        last[:1].isspace() or last.startswith("Traceback")
+    ):  # inside a traceback: its exception line never came
+        where = next((ln.strip() for ln in reversed(lines) if ln.lstrip().startswith("File ")), "")
+        return "its traceback was cut off before its exception line" + (f" ({where})" if where else "")
+    return last.strip()
 
 
 class EngineServe:
@@ -173,7 +186,7 @@ class EngineServe:
         self.readers: list[threading.Thread] = []
         self.lines: list[str] = []
         self.errors: list[str] = []
-        self.dir = tempfile.mkdtemp(prefix=f"rlsync-pause-{policy}-")
+        self.dir = tempfile.mkdtemp(prefix=f"rlsync-stall-{policy}-")
         try:
             self.address = self._start(cfg)
         except BaseException:
@@ -211,7 +224,9 @@ class EngineServe:
 
     def _failed(self, how: str) -> EngineDidNotStart:
         reason = engine_reason(self.errors) or "no output"
-        return EngineDidNotStart(f"the {self.policy} engine (python -m rlsync.serve) did not start: {reason} ({how})")
+        return EngineDidNotStart(
+            f"the engine for serve.update_policy={self.policy} (python -m rlsync.serve) did not start: {reason} ({how})"
+        )
 
     def _signal_group(self, sig: int) -> None:
         try:
@@ -315,10 +330,10 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-class PauseTarget:
-    """`bench.target=pause`: one repeat = one update under streaming load, for each policy."""
+class StallTarget:
+    """`bench.target=stall`: one repeat = one update under streaming load, for each policy."""
 
-    name = "pause"
+    name = "stall"
 
     def __init__(self, cfg, device: torch.device):
         self.cfg, self.device = cfg, device
@@ -340,7 +355,7 @@ class PauseTarget:
         try:
             for policy in cfg.bench.policies:
                 self.engines[policy] = EngineServe(cfg, policy)
-                remote = standalone_trainer(cfg, self.engines[policy].address)  # as bench.target=pause's rule checked
+                remote = standalone_trainer(cfg, self.engines[policy].address)  # as bench.target=stall's rule checked
                 side = open_update_side(remote, self.models[0], device=device, tokenizer=tokenizer)
                 side.transport.update_weights(side.weights)  # the first update fills the engine
                 self.sides[policy] = side
@@ -350,12 +365,12 @@ class PauseTarget:
         side = next(iter(self.sides.values()))
         self.setup = {
             "build_time": time.perf_counter() - t0,
-            "transport": "broadcast",  # whatever update.transport says: the engine is another process
+            "transport": side.update_cfg.transport,  # whatever update.transport says: the one that joins the engines
             "update_bytes": side.update_bytes,
             **side.info,
             "buckets": len(side.buckets),
             "resolved": side.resolved,
-            "pause": {"policies": list(cfg.bench.policies), "clients": cfg.bench.clients},
+            METRIC: {"policies": list(cfg.bench.policies), "clients": cfg.bench.clients},  # summary.json's "pause"
         }
 
     def repeat(self) -> dict[str, float]:
@@ -368,8 +383,11 @@ class PauseTarget:
         for policy in order:
             row.update(self.event(policy, new))
         self.current = new
-        if "pause/pause/max_gap_time" in row and "pause/stage/max_gap_time" in row:
-            row["pause/gap_ratio"] = row["pause/stage/max_gap_time"] / row["pause/pause/max_gap_time"]
+        pair = compared(order)
+        if pair is not None:  # the other policy's longest gap over the baseline's, in the same repeat
+            other, baseline = (row.get(f"{METRIC}/{p}/max_gap_time") for p in pair)
+            if other is not None and baseline:
+                row[f"{METRIC}/gap_ratio"] = other / baseline
         return row
 
     def event(self, policy: str, new: int) -> dict[str, float]:
@@ -402,14 +420,14 @@ class PauseTarget:
         tokens_during = sum(1 for t in arrivals if u0 <= t <= swap_end) / max(swap_end - u0, 1e-9)
         resumed = [t for t in arrivals if t >= swap.pause_end]
         failed_requests(answers, policy, self.repeats)
-        checked, worst, failures = self.verify(answers, swap, new)
+        checked, worst, failures = self.verify(answers, swap, new) if verified(policy) else (0, math.nan, 0)
         if failures:
             raise RequestsFailed(
                 f"{failures} of {checked} answers the {policy} engine started after its swap in repeat {self.repeats} "
                 f"did not come from the new weights (largest |streamed - teacher-forced| log-prob {worst:.3g}, "
                 f"allowed {LOGPROB_TOL}; or a token of another version): the engine served wrong weights"
             )
-        p = f"pause/{policy}"
+        p = f"{METRIC}/{policy}"
         receive_s = max(swap.receive_end - swap.receive_start, 1e-9)
         counts = {"answers": len(answers), "answers_failed": failures}  # 0: a failure ends the bench above
         counts["answers_verified"] = checked
@@ -480,8 +498,9 @@ class PauseTarget:
         return []
 
     def close(self) -> None:
-        """Every transport, then every engine, closed, each whatever the one before raised (the first is raised)."""
-        closing = [side.transport.close for side in self.sides.values()] + [e.close for e in self.engines.values()]
+        """Every update side (its session with an engine, then its transport), then every engine server, closed,
+        each whatever the one before raised (the first is raised)."""
+        closing = [side.close for side in self.sides.values()] + [e.close for e in self.engines.values()]
         self.sides, self.engines = {}, {}
         first = None
         for close in closing:
@@ -497,7 +516,7 @@ class PauseTarget:
     @staticmethod
     def table(result: dict) -> str:
         m = result["metrics"]
-        policies = [p for p in POLICY_ORDER if f"pause/{p}/max_gap_time" in m]
+        policies = measured_policies(m)
 
         def get(key: str, which: str = "median"):
             return m.get(key, {}).get(which)
@@ -515,8 +534,8 @@ class PauseTarget:
             "longest gap (median, min to max)",
             "gap p50",
             "gap p99",
-            "pause",
-            "pause to first token",
+            "hold",
+            "hold to first token",
             "tokens/s before",
             "tokens/s during update",
             "during / before",
@@ -525,7 +544,7 @@ class PauseTarget:
         ]
         rows = []
         for p in policies:
-            k = f"pause/{p}"
+            k = f"{METRIC}/{p}"
             swap = swap_phrase(p, get(f"{k}/swap_pointer"))
             ratio = get(f"{k}/tokens_ratio")
             staged = get(f"{k}/staged_bytes")
@@ -547,14 +566,15 @@ class PauseTarget:
             )
         clients = (result.get("config") or {}).get("bench", {}).get("clients")
         out = [
-            f"\nClient-seen pause, {result['model']['name']}: {result['measured_steps']} updates per policy after "
+            f"\nClient-seen stall, {result['model']['name']}: {result['measured_steps']} updates per policy after "
             f"{result['warmup_steps']} warm-up, {clients} streaming clients",
             markdown_table(head, rows),
         ]
-        if get("pause/gap_ratio") is not None:
-            out.append(gap_ratio_line(get))
+        pair = compared(policies)
+        if pair is not None and get(f"{METRIC}/gap_ratio") is not None:
+            out.append(gap_ratio_line(get, *pair))
         for p in policies:
-            k = f"pause/{p}"
+            k = f"{METRIC}/{p}"
             if get(f"{k}/cores_decoder") is not None:
                 out.append(
                     f"Cores under {p} (CPU s per s, median), before the update -> during the receive: the engine's "
@@ -568,21 +588,66 @@ class PauseTarget:
         return "\n".join(out)
 
 
-def gap_ratio_line(get) -> str:
-    """stage's longest gap against pause's: the ratio of the two medians the table shows, then the median of
-    the per-update ratios (each repeat's stage over the same repeat's pause), which may differ from it."""
-    stage, pause = get("pause/stage/max_gap_time"), get("pause/pause/max_gap_time")
+def measured_policies(metrics: dict) -> list[str]:
+    """The policies a run measured (its metrics pause/<policy>/max_gap_time), registered ones in registry order
+    first (a recorded run's, and the report's, order)."""
+    found = [k.split("/")[1] for k in metrics if k.count("/") == 2 and k.startswith(f"{METRIC}/")]
+    found = [p for p in dict.fromkeys(found) if f"{METRIC}/{p}/max_gap_time" in metrics]
+    registered = update_policy_names()
+    return sorted(found, key=lambda p: registered.index(p) if p in registered else len(registered))
+
+
+def declared(policy: str, fact: str, default):
+    """What policy `policy` declares of itself (an UpdatePolicy class attribute); `default` for a name no longer
+    registered (a recorded run's)."""
+    return getattr(update_policy_class(policy), fact) if policy in update_policy_names() else default
+
+
+def compared(policies) -> tuple[str, str] | None:
+    """(the other, the baseline) when the bench compares two policies and one holds generation for the whole
+    receive (`holds_whole_receive`): pause/gap_ratio (its recorded name) is the other's longest gap over the
+    baseline's, per repeat."""
+    policies = list(policies)
+    baselines = [p for p in policies if declared(p, "holds_whole_receive", False)]
+    if len(policies) != 2 or len(baselines) != 1:
+        return None
+    other = next(p for p in policies if p != baselines[0])
+    return other, baselines[0]
+
+
+def verified(policy: str) -> bool:
+    """Whether the check applies: the policy declares every answer started after its swap the new weights'."""
+    return declared(policy, "fresh_after_swap", True)
+
+
+def swap_phrase(policy: str, pointer) -> str:
+    """How an update reached the engine's weights under `policy` (the bench's and the report's "swap" column);
+    `pointer`: pause/<policy>/swap_pointer's median."""
+    return update_policy_class(policy).swap_phrase(pointer) if policy in update_policy_names() else "n/a"
+
+
+def gap_ratio_line(get, other: str, baseline: str) -> str:
+    """The other policy's longest gap against the baseline's: the ratio of the two medians the table shows, then
+    the median of the per-update ratios (each repeat's other over the same repeat's baseline), which may differ."""
+    a, b = get(f"{METRIC}/{other}/max_gap_time"), get(f"{METRIC}/{baseline}/max_gap_time")
+    ratio = f"{METRIC}/gap_ratio"
     return (
-        f"stage / pause, longest gap: {stage / pause:.2f} (the medians above, {fmt_seconds(stage)} / "
-        f"{fmt_seconds(pause)}); per update, stage's over pause's in the same repeat: median "
-        f"{get('pause/gap_ratio'):.2f} ({get('pause/gap_ratio', 'min'):.2f} to {get('pause/gap_ratio', 'max'):.2f})"
+        f"{other} / {baseline}, longest gap: {a / b:.2f} (the medians above, {fmt_seconds(a)} / "
+        f"{fmt_seconds(b)}); per update, {other}'s over {baseline}'s in the same repeat: median "
+        f"{get(ratio):.2f} ({get(ratio, 'min'):.2f} to {get(ratio, 'max'):.2f})"
     )
 
 
 def verified_line(result: dict, policies: list[str]) -> str:
     """What the check found: a failed request or answer ends the bench (RequestsFailed), so a finished one
     either verified answers or had none to verify, which is said, not called verified."""
-    checked = int(sum(sum_of(result, f"pause/{p}/answers_verified") for p in policies))
+    checked = int(sum(sum_of(result, f"{METRIC}/{p}/answers_verified") for p in policies))
+    unchecked = [p for p in policies if not verified(p)]
+    if unchecked:  # a policy that does not declare its answers after the swap fresh: nothing to check of it
+        return (
+            f"Not verified for {', '.join(unchecked)} (it does not declare every answer after its swap the new "
+            f"weights'); {checked} answers of the others verified"
+        )
     if not checked:
         return (
             "Not verified: no answer started after a swap within bench.after_s, so none was scored (a longer "
@@ -596,13 +661,13 @@ def verified_line(result: dict, policies: list[str]) -> str:
 
 def failed_requests(answers: list[Answer], policy: str, repeat: int) -> None:
     """RequestsFailed if any streaming request failed (refused, broken, ended by an error): its gaps and rates
-    would be a failing engine's, not a pause's. The line counts them and gives the most common reason."""
+    would be a failing engine's, not a stall's. The line counts them and gives the most common reason."""
     failed = [a.failed for a in answers if a.failed]
     if failed:
         reason, times = Counter(failed).most_common(1)[0]
         raise RequestsFailed(
             f"{len(failed)} of {len(answers)} streaming requests to the {policy} engine failed in repeat {repeat} "
-            f"({times} of them: {reason[:300]}): no pause is measured from failed requests"
+            f"({times} of them: {reason[:300]}): no stall is measured from failed requests"
         )
 
 
