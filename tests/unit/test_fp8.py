@@ -1,16 +1,15 @@
-"""update.wire_dtype=float8_e4m3fn: 2-D weights cross in FP8 with a scale per 128x128 block, the engine
+"""update.payload=fp8: 2-D weights cross in FP8 with a scale per 128x128 block, the engine
 holds exactly what the same quantize-dequantize of the trainer's weights gives."""
 
 import pytest
 import torch
-from conftest import FAST, read_jsonl, run_main
+from conftest import CPU, FAST, read_jsonl, run_main
 
 from rlsync.config.schema import UpdateConfig
-from rlsync.update import timed_update
+from rlsync.update import close_update, timed_update
 from rlsync.update.buckets import TensorMeta, plan_buckets
 from rlsync.update.payload.fp8 import E4M3_MAX, FP8, dequantize_blocks, layout, quantize_blocks, reference
 
-CPU = torch.device("cpu")
 BF16 = torch.bfloat16
 
 
@@ -43,23 +42,23 @@ def test_the_layout_keeps_embeddings_norms_and_small_tensors_in_the_engine_dtype
     assert nbytes < bucket.nbytes
 
 
-@pytest.mark.parametrize("transport", ["direct", "ipc", "broadcast"])
+@pytest.mark.parametrize("transport", ["direct"])  # the engine processes: tests/process/test_fp8.py
 def test_the_engine_holds_the_reference_quantization(tiny, transport):
-    update = UpdateConfig(transport=transport, wire_dtype="float8_e4m3fn", bucket_mb=0.05, verify=True)
+    update = UpdateConfig(transport=transport, payload="fp8", bucket_mb=0.05, verify=True)
     weights = tiny.weights(seed=2)
-    engine, buckets = tiny.open(update, weights)
+    engine, transport, buckets = tiny.open(update, weights)
     try:
-        metrics = timed_update(engine, weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
+        metrics = timed_update(transport, weights, buckets=buckets, cfg=update, device=CPU, floor_time=1.0)
         assert metrics["perf/update_weights_bytes"] == sum(layout(b)[1] for b in buckets)
         assert metrics["perf/update_weights_bytes"] < metrics["perf/update_weights_full_bytes"]
         assert metrics["perf/update_weights_encode_time"] > 0
         slots = {s.meta.name: s for b in buckets for s in b.slots}
-        got = engine.weights()
+        got = engine.weights
         for name, t in weights.items():
             assert torch.equal(got[name], reference(slots[name], t, BF16)), name
         assert any(not torch.equal(got[n], t.to(BF16)) for n, t in weights.items())  # FP8 did change some
     finally:
-        engine.close()
+        close_update(engine, transport)
 
 
 def test_qwen3_0p6b_crosses_in_under_two_thirds_of_its_bf16_bytes(compose):
@@ -73,7 +72,7 @@ def test_qwen3_0p6b_crosses_in_under_two_thirds_of_its_bf16_bytes(compose):
 
 
 def test_a_run_in_fp8_verifies_every_step_and_reports_the_logprob_gap(tmp_path):
-    proc = run_main(*FAST, "update.wire_dtype=float8_e4m3fn", "update.verify=true", f"hydra.run.dir={tmp_path}")
+    proc = run_main(*FAST, "update.payload=fp8", "update.verify=true", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert all(r["perf/update_weights_bytes"] < r["perf/update_weights_full_bytes"] for r in rows)
@@ -82,10 +81,10 @@ def test_a_run_in_fp8_verifies_every_step_and_reports_the_logprob_gap(tmp_path):
 
 @pytest.mark.parametrize(
     "overrides, key",
-    [(["update.delta=true"], "update.wire_dtype"), (["update.strategy=per_tensor"], "update.strategy")],
+    [(["update.wire_dtype=float8_e4m3fn"], "update.wire_dtype"), (["update.strategy=per_tensor"], "update.strategy")],
 )
 def test_what_fp8_cannot_go_with_is_refused_in_one_line(tmp_path, overrides, key):
-    proc = run_main("update.wire_dtype=float8_e4m3fn", *overrides, f"hydra.run.dir={tmp_path}")
+    proc = run_main("update.payload=fp8", *overrides, f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith(f"rlsync: config error: {key}="), line

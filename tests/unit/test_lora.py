@@ -27,8 +27,12 @@ LORA = LoraConfig(rank=16)
 LR = "trainer.lr=0.01"  # large enough that a stale engine's log-probs move far: the check below can fail
 
 
-def lora_cfg(**update) -> Config:
-    return Config(trainer=TrainerConfig(lora=LoraConfig(rank=16)), update=UpdateConfig(**update))
+RANK = ("trainer.lora.rank=16", "update.payload=lora")  # adapters, sent alone
+
+
+def lora_cfg(*, payload: str = "full", rank: int = 16, bucket_mb: float = 512.0, **lora) -> Config:
+    update = UpdateConfig(payload=payload, bucket_mb=bucket_mb)
+    return Config(trainer=TrainerConfig(lora=LoraConfig(rank=rank, **lora)), update=update)
 
 
 def test_the_update_names_adapters_as_peft_saves_them(tiny):
@@ -51,7 +55,7 @@ def test_each_layers_a_and_b_travel_in_one_bucket(tiny):
     """Buckets smaller than the adapters: a plain plan splits a pair, the adapter plan never does, and no
     bucket mixes base weights with adapters."""
     names = named_weights(adapted(tiny.build(), LORA))
-    cfg = lora_cfg(lora="adapter", bucket_mb=0.011)
+    cfg = lora_cfg(payload="lora", bucket_mb=0.011)
     buckets = plan_for(names, cfg.update, torch.bfloat16)
     for bucket in buckets:
         kinds = {is_adapter(n) for n in bucket.names}
@@ -109,23 +113,20 @@ def adapter_bytes(model_cfg) -> int:
 
 
 @pytest.mark.parametrize(
-    "mode, transport",
+    "payload, transport",
     [
-        ("adapter", "direct"),
-        ("merged", "direct"),
-        pytest.param("adapter", "ipc", marks=pytest.mark.slow),
-        pytest.param("merged", "ipc", marks=pytest.mark.slow),
-        pytest.param("adapter", "broadcast", marks=pytest.mark.slow),
-    ],
+        ("lora", "direct"),
+        ("lora_merged", "direct"),
+    ],  # the engine processes: tests/process/test_lora.py
 )
-def test_a_lora_run_keeps_the_engine_on_the_trainers_log_probs(tmp_path, tiny, mode, transport):
+def test_a_lora_run_keeps_the_engine_on_the_trainers_log_probs(tmp_path, tiny, payload, transport):
     """3 steps at a learning rate that moves the adapters far: the engine's log-probs of its own samples stay
     on the trainer's (a stale engine's are off by 0.1 or more: the control test), every update verified;
     the adapter mode sends exactly the adapters after the first update, the merged one the whole model."""
     proc = run_main(
         *FAST,
         "trainer.lora.rank=16",
-        f"update.lora={mode}",
+        f"update.payload={payload}",
         f"update.transport={transport}",
         "update.verify=true",
         LR,
@@ -138,8 +139,8 @@ def test_a_lora_run_keeps_the_engine_on_the_trainers_log_probs(tmp_path, tiny, m
         assert row["train/logprob_abs_diff"] < 0.02, row["train/logprob_abs_diff"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["verification"] == "passed"
-    assert summary["setup"]["payload"] == f"lora_{mode}"
-    if mode == "adapter":
+    assert summary["setup"]["payload"] == payload
+    if payload == "lora":
         assert all(row["perf/update_weights_bytes"] == adapter_bytes(tiny.model) for row in rows)
         assert "LoRA adapters only" in proc.stdout
     else:
@@ -151,7 +152,7 @@ def test_a_lora_run_keeps_the_engine_on_the_trainers_log_probs(tmp_path, tiny, m
 
 def test_a_stale_engine_is_caught_at_that_learning_rate(tmp_path):
     """The control: without updates the engine's log-probs leave the trainer's by far more than the bound."""
-    proc = run_main(*FAST, "trainer.lora.rank=16", "update.enabled=false", LR, f"hydra.run.dir={tmp_path}")
+    proc = run_main(*FAST, *RANK, "update.enabled=false", LR, f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert max(r["train/logprob_abs_diff"] for r in rows[1:]) > 0.1
@@ -160,19 +161,22 @@ def test_a_stale_engine_is_caught_at_that_learning_rate(tmp_path):
 @pytest.mark.parametrize(
     "overrides, key",
     [
-        (["update.lora=adapter"], "update.lora"),  # no adapters at rank 0
-        (["trainer.lora.rank=16", "update.delta=true"], "update.delta"),
-        (["trainer.lora.rank=16", "update.lora=merged", "update.wire_dtype=float8_e4m3fn"], "update.wire_dtype"),
-        (["trainer.lora.rank=16", "rollout.sleep_level=2"], "rollout.sleep_level"),
-        (["trainer.lora.rank=16", "update.strategy=per_tensor"], "update.strategy"),
-        (["trainer.lora.rank=16", "trainer.lora.target_modules=[nothing_here]"], "trainer.lora.target_modules"),
-        (["trainer.lora.rank=16", "rollout.engine=vllm"], "update.lora"),
-        (["trainer.lora.rank=16", "trainer.lora.alpha=1e308"], "trainer.lora.alpha"),  # P07: inf scale, nan at step 0
+        (["update.payload=lora"], "update.payload"),  # no adapters at rank 0
+        (["update.payload=lora_merged"], "update.payload"),
+        (["trainer.lora.rank=16"], "update.payload"),  # the default, full, sends no adapters: choose
+        (["trainer.lora.rank=16", "update.payload=delta"], "update.payload"),
+        (["trainer.lora.rank=16", "update.payload=fp8"], "update.payload"),
+        (["trainer.lora.rank=16", "update.lora=merged"], "update.lora"),  # the key update.payload replaced
+        ([*RANK, "rollout.release_level=2"], "rollout.release_level"),
+        ([*RANK, "update.strategy=per_tensor"], "update.strategy"),
+        ([*RANK, "trainer.lora.target_modules=[nothing_here]"], "trainer.lora.target_modules"),
+        ([*RANK, "rollout.engine=vllm"], "rollout.engine"),
+        ([*RANK, "trainer.lora.alpha=1e308"], "trainer.lora.alpha"),  # P07: inf scale, nan at step 0
         # P11: PEFT's Embedding LoRA keeps lora_embedding_A/B, which the update neither names nor sends
-        (["trainer.lora.rank=16", "trainer.lora.target_modules=[embed_tokens]"], "trainer.lora.target_modules"),
-        (["trainer.lora.rank=16", "trainer.lora.target_modules=[q_proj,embed_tokens]"], "trainer.lora.target_modules"),
-        (["trainer.lora.rank=16", "trainer.lora.target_modules=[lm_head]"], "trainer.lora.target_modules"),  # tied
-        (["trainer.lora.rank=4096"], "trainer.lora.rank"),  # P33: far above the 256-wide model's layers
+        ([*RANK, "trainer.lora.target_modules=[embed_tokens]"], "trainer.lora.target_modules"),
+        ([*RANK, "trainer.lora.target_modules=[q_proj,embed_tokens]"], "trainer.lora.target_modules"),
+        ([*RANK, "trainer.lora.target_modules=[lm_head]"], "trainer.lora.target_modules"),  # tied
+        (["update.payload=lora", "trainer.lora.rank=4096"], "trainer.lora.rank"),  # P33: above the model's layers
     ],
 )
 def test_what_lora_cannot_do_is_refused_in_one_line(tmp_path, overrides, key):
@@ -184,7 +188,7 @@ def test_what_lora_cannot_do_is_refused_in_one_line(tmp_path, overrides, key):
 
 def test_the_lora_refusals_name_the_layer_and_the_widths(tmp_path):
     def line(*overrides: str) -> str:
-        return run_main("trainer.lora.rank=16", *overrides, f"hydra.run.dir={tmp_path}").stderr.strip()
+        return run_main(*RANK, *overrides, f"hydra.run.dir={tmp_path}").stderr.strip()
 
     assert "embed_tokens names model.embed_tokens (Embedding), which takes no adapter" in line(
         "trainer.lora.target_modules=[embed_tokens]"
@@ -200,10 +204,10 @@ def test_the_widest_alpha_and_rank_allowed_validate():
     """The bounds themselves pass: rank min(in, out) of the narrowest targeted layer (k_proj: 128), alpha 2^14."""
     from rlsync.config.schema import ALPHA_MAX
 
-    validate(Config(trainer=TrainerConfig(lora=LoraConfig(rank=128, alpha=ALPHA_MAX))))
-    validate(Config(trainer=TrainerConfig(lora=LoraConfig(rank=129, target_modules=["q_proj", "down_proj"]))))
+    validate(lora_cfg(payload="lora", rank=128, alpha=ALPHA_MAX))
+    validate(lora_cfg(payload="lora", rank=129, target_modules=["q_proj", "down_proj"]))
     with pytest.raises(ConfigError, match=r"^trainer.lora.rank=257: out of range"):
-        validate(Config(trainer=TrainerConfig(lora=LoraConfig(rank=257, target_modules=["q_proj", "down_proj"]))))
+        validate(lora_cfg(payload="lora", rank=257, target_modules=["q_proj", "down_proj"]))
 
 
 def test_inject_wraps_the_layers_validation_accepts(tiny):
@@ -219,12 +223,14 @@ def test_inject_wraps_the_layers_validation_accepts(tiny):
     }
 
 
-def test_update_lora_defaults_to_the_adapters():
-    cfg = Config(trainer=TrainerConfig(lora=LoraConfig(rank=8)))
-    validate(cfg)
-    assert cfg.update.lora == "adapter"
-    with pytest.raises(ConfigError, match="update.lora"):
-        validate(Config(update=UpdateConfig(lora="merged")))
+def test_a_rank_asks_for_a_lora_payload_and_a_lora_payload_for_a_rank():
+    """Adapters are sent alone or merged, chosen by update.payload; the default, full, would send neither."""
+    for payload in ("lora", "lora_merged"):
+        validate(lora_cfg(payload=payload, rank=8))
+    with pytest.raises(ConfigError, match=r"^update.payload=full: not allowed with trainer.lora.rank=8 .*lora\|lo"):
+        validate(lora_cfg(rank=8))
+    with pytest.raises(ConfigError, match=r"^update.payload=lora_merged: not allowed with trainer.lora.rank=0"):
+        validate(Config(update=UpdateConfig(payload="lora_merged")))
 
 
 def test_the_planner_sizes_each_kind_from_the_config(tiny):
@@ -236,7 +242,7 @@ def test_the_planner_sizes_each_kind_from_the_config(tiny):
     cfg = PlanAppConfig(plan=PlanConfig(changed_ratio=0.0))
     validate(cfg)
     rows = make_plan(cfg, calibration=None, calibration_where="none", bucket_sizes=[512.0])["kinds"]["rows"]
-    assert rows["lora_adapter"]["bytes"] == adapter_bytes(tiny.model)
+    assert rows["lora"]["bytes"] == adapter_bytes(tiny.model)
     assert rows["delta"]["bytes"] == 0
     assert (
         rows["fp8"]["bytes"]

@@ -4,19 +4,26 @@ and the registry of payloads."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import ClassVar
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
 from rlsync.engines.base import Engine
+from rlsync.errors import ConfigError, show
 from rlsync.fmt import fmt_seconds, fmt_sig
-from rlsync.measure.limits import crosses_host_link
+from rlsync.measure.floors import crosses_host_link
 from rlsync.registry import Registry
 from rlsync.update.buckets import Bucket, TensorMeta, plan_buckets
 
 FULL, SPARSE = 0, 1  # Encoded.mode: the bucket's every element, or (positions, values) of the changed ones
+KEY = "update.payload"  # the one key that chooses a payload (rlsync/config/schema.py)
+# what a payload other than full adds to the update's metrics, wherever the transport times that side and the
+# copy probe ran (timed_update: payload_metrics and payload_floor_metrics); each class declares its own
+BESIDE_FULL = ("perf/update_weights_full_bytes", "perf/update_weights_sent_limit_time")
+ENCODE_FLOOR = tuple(f"perf/update_weights_encode_{m}" for m in ("time", "limit_time", "efficiency"))
+DECODE_FLOOR = tuple(f"perf/update_weights_decode_{m}" for m in ("time", "limit_time", "efficiency"))
 
 
 @dataclass(frozen=True)
@@ -89,14 +96,53 @@ class Payload(ABC):
     Decoding runs wherever the engine is (the trainer's process, an engine process), so a payload
     class holds no state: `decode` is a class method, and the engine side needs nothing but the plan."""
 
-    name: ClassVar[str]
+    name: ClassVar[str]  # its value of update.payload (the registry's key)
+    title: ClassVar[str]  # what the closing line, the bench and the planner call it
+    note: ClassVar[str] = ""  # said after its key in the closing line
     # every bucket whole in the engine's dtype, every update: a transport may post its receives ahead, bind
     # the engine's weights to the buckets or hand the trainer's tensors to the engine's loader
     whole: ClassVar[bool] = False
+    # its bytes and each side's work reported beside the full update's (perf/update_weights_full_bytes, ...)
+    beside_full: ClassVar[bool] = True
+    adapters: ClassVar[bool] = False  # carries the trainer's LoRA adapters: needs trainer.lora.rank > 0
+    verified: ClassVar[str] = "the trainer's"  # update.verify: what the engine's weights matched after every update
+    # the metrics it adds to the full update's, where the transport times that side (docs/metrics.md)
+    metrics: ClassVar[tuple[str, ...]] = BESIDE_FULL + DECODE_FLOOR
+    # the phase a check after each update is timed as (perf/<phase>_time, outside the update), or None
+    after_update_phase: ClassVar[str | None] = None
 
-    @classmethod  # noqa: B027 - optional: most payloads have no rules of their own
+    @classmethod
+    def key(cls) -> str:
+        """How a user chooses it: update.payload=NAME."""
+        return f"{KEY}={cls.name}"
+
+    @classmethod
+    def phrase(cls) -> str:
+        """Its name in a closing line: the title, the key, the note."""
+        return f"{cls.title} ({cls.key()}{'; ' + cls.note if cls.note else ''})"
+
+    @classmethod
     def check_config(cls, cfg) -> None:
-        """This payload's rules across the config's keys: a ConfigError naming the key; none by default."""
+        """This payload's rules across the config's keys: a ConfigError naming the key. Every payload's: the
+        LoRA ones need trainer.lora.rank > 0, the others refuse it (a payload that ignored the adapters would
+        send weights the engine cannot hold). A subclass with rules of its own calls this first."""
+        rank = cfg.trainer.lora.rank
+        if cls.adapters and not rank:
+            raise ConfigError(
+                KEY,
+                cls.name,
+                f"{choices_phrase(adapters=False)} with trainer.lora.rank=0, or set trainer.lora.rank "
+                "(e.g. trainer.lora.rank=16: there are no adapters to send or merge)",
+                "not allowed with trainer.lora.rank=0",
+            )
+        if rank and not cls.adapters:
+            raise ConfigError(
+                KEY,
+                cls.name,
+                f"{choices_phrase(adapters=True)} with trainer.lora.rank={rank} (the trainer trains adapters on a "
+                "frozen base: send them, or merge them into the weights), or trainer.lora.rank=0",
+                f"not allowed with trainer.lora.rank={rank}",
+            )
 
     @classmethod
     def plan(cls, metas: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
@@ -142,6 +188,41 @@ class Payload(ABC):
         `total_bytes` whose largest bucket is `largest_bucket_bytes` (the engine's dtype of `itemsize`)."""
         return 0, 0
 
+    @classmethod
+    def planned(cls, ctx: PlanContext) -> dict[str, Any] | None:
+        """The planner's row for this payload, from the config alone (plan.json's kinds, rlsync/plan/kinds.py):
+        `bytes`, what one update sends, and `moved`, the bytes its trainer's side reads and writes (at the copy
+        floor: its floor's time), with what its label needs; None where it has no row of its own."""
+        moved = ctx.elements * (ctx.trainer_itemsize + ctx.engine_itemsize)  # read the trainer's, write the bucket
+        return {"bytes": sum(b.nbytes for b in ctx.buckets), "moved": moved}
+
+    @classmethod
+    def plan_lines(cls, row: dict[str, Any]) -> tuple[str, list[str]]:
+        """Its label in the plan's payload table, and lines under the table (none by default)."""
+        return cls.phrase(), []
+
+    @classmethod
+    def after_update(cls, params: dict[str, torch.Tensor], cfg) -> dict[str, float]:
+        """Metrics of a check after each update (`after_update_phase` times it), from the trainer's `params`."""
+        return {}
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What the planner knows of an update from the config alone, for `Payload.planned`."""
+
+    buckets: list[Bucket]  # the plan of the model's tensors in the engine's dtype
+    trainer_itemsize: int
+    engine_itemsize: int
+    changed_ratio: float  # plan.changed_ratio: the share of elements one step changes
+    floor_gbps: float | None = None  # the copy floor (GB/s read + written), where the plan has one
+    model_shapes: list = field(default_factory=list)  # (name, shape) of the model's weights (rlsync.model)
+    lora: Any = None  # trainer.lora (a LoraConfig)
+
+    @property
+    def elements(self) -> int:
+        return sum(b.numel for b in self.buckets)
+
 
 def payload_floor_metrics(rows: list[dict], seconds: dict[str, float], bandwidth: float | None) -> dict[str, float]:
     """Each side of a payload against its own floor: the bytes its class declared for every bucket (`rows`,
@@ -163,16 +244,16 @@ def payload_floor_metrics(rows: list[dict], seconds: dict[str, float], bandwidth
     return metrics
 
 
-def payload_bandwidth(limits, limit_time: float | None = None) -> float:
+def payload_bandwidth(floors, floor_time: float | None = None) -> float:
     """The copy bandwidth (bytes read + written per second) a payload's floors are counted at: the update's own
-    probed copy (`limits.update_copy`, rescaled to the probe beside a benchmark's repeat: `limit_time`) where it
+    probed copy (`floors.update_copy`, rescaled to the probe beside a benchmark's repeat: `floor_time`) where it
     stays in one memory, as a payload's kernels do; the device's copy where the update crosses the host link
     (source=host on a GPU: the kernels run in device memory after the transfer)."""
-    if crosses_host_link(limits.source, limits.device.type):
-        return limits.device_copy
-    if limit_time:
-        return limits.update_copy * limits.update_limit / limit_time
-    return limits.update_copy
+    if crosses_host_link(floors.source, floors.device.type):
+        return floors.device_copy
+    if floor_time:
+        return floors.update_copy * floors.update_floor_time / floor_time
+    return floors.update_copy
 
 
 def payload_floor_line(stats: dict) -> str | None:
@@ -201,13 +282,13 @@ def payload_floor_line(stats: dict) -> str | None:
 # ----------------------------------------------------------------------------------------------
 
 PAYLOADS: Registry[Payload] = Registry(
-    "update payload",
+    KEY,
     {
-        "full": "rlsync.update.payload.full:FullPayload",  # every element of every bucket
-        "delta": "rlsync.update.payload.delta:DeltaPayload",  # update.delta=true: only the changed elements
-        "fp8": "rlsync.update.payload.fp8:Fp8Payload",  # update.wire_dtype=float8_e4m3fn: 2-D weights in FP8 blocks
-        "lora_adapter": "rlsync.update.payload.lora:LoraAdapterPayload",  # update.lora=adapter: the adapters only
-        "lora_merged": "rlsync.update.payload.lora:LoraMergedPayload",  # update.lora=merged: W + s*BA, whole
+        "full": "rlsync.update.payload.full:FullPayload",  # every element of every bucket (the default)
+        "delta": "rlsync.update.payload.delta:DeltaPayload",  # only the changed elements
+        "fp8": "rlsync.update.payload.fp8:Fp8Payload",  # 2-D weights in FP8 blocks
+        "lora": "rlsync.update.payload.lora:LoraAdapterPayload",  # the adapters only (trainer.lora.rank > 0)
+        "lora_merged": "rlsync.update.payload.lora:LoraMergedPayload",  # W + s*BA, whole
     },
 )
 register_payload = PAYLOADS.register
@@ -216,14 +297,67 @@ payload_class = PAYLOADS.resolve
 
 
 def payload_name(update) -> str:
-    """Which payload the update config asks for (update.lora resolved: UpdateConfig.fill)."""
-    lora = getattr(update, "lora", None)  # absent from runs recorded before LoRA
-    if lora:
-        return f"lora_{lora}"
-    if update.delta:
-        return "delta"
-    return "fp8" if update.wire_dtype else "full"
+    """Which payload the update config asks for: update.payload."""
+    return update.payload
 
 
 def payload_of(update) -> type[Payload]:
     return payload_class(payload_name(update))
+
+
+def choices_phrase(*, adapters: bool) -> str:
+    """update.payload's values that carry the trainer's adapters (or those that do not), as a user writes one."""
+    names = [n for n in payload_names() if payload_class(n).adapters == adapters]
+    return f"{KEY}={'|'.join(names)}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Before update.payload: the keys it replaced (refused, naming it) and the runs recorded with them
+# ----------------------------------------------------------------------------------------------
+
+RECORDED_NAMES = {"lora_adapter": "lora"}  # summary.json's setup.payload before update.payload named it
+# each key update.payload replaced: the value given (as written) -> the payload it chose; None: the default
+REPLACED_KEYS: dict[str, dict[str, str | None]] = {
+    "update.delta": {"true": "delta", "false": None},
+    "update.wire_dtype": {"float8_e4m3fn": "fp8", "null": None},
+    "update.lora": {"adapter": "lora", "merged": "lora_merged", "null": None},
+}
+
+
+def replaced_key(key: str, value: Any) -> tuple[str, str] | None:
+    """(problem, allowed) of the one-line refusal of `key`=`value`, a key update.payload replaced: the value
+    of update.payload to write instead; None for a key it did not replace."""
+    given = REPLACED_KEYS.get(key)
+    if given is None:
+        return None
+    written = show(value).lower() if not isinstance(value, str) else value.strip().lower()
+    allowed = f"{KEY}={'|'.join(payload_names())} ({key} is no longer read)"
+    if written not in given:
+        return f"replaced by {KEY}", allowed
+    chosen = given[written]
+    if chosen is None:
+        return f"replaced by {KEY}={payload_names()[0]} (its default: drop {key})", allowed
+    return f"replaced by {KEY}={chosen}", allowed
+
+
+def recorded_payload(setup: Mapping[str, Any], cfg: Callable[[str], Any]) -> str:
+    """The payload a recorded run's buckets carried: summary.json's setup.payload (under its name then), else
+    its config's update.payload, else the keys that chose it before (update.lora with trainer.lora.rank,
+    update.delta, update.wire_dtype). `cfg(dotted)`: a value of the run's config, None where absent."""
+    name = setup.get("payload") or cfg(KEY)
+    if name:
+        return RECORDED_NAMES.get(name, name)
+    for key, given in REPLACED_KEYS.items():
+        value = cfg(key)
+        chosen = given.get(show(value).lower()) if value is not None else None
+        if chosen:
+            return chosen
+    if cfg("trainer.lora.rank"):  # update.lora=null: the adapters, where the trainer had them
+        return REPLACED_KEYS["update.lora"]["adapter"]
+    return payload_names()[0]
+
+
+def recorded_class(name: str | None) -> type[Payload] | None:
+    """The class of a payload named in a recorded run (an earlier name as well); None for one not registered."""
+    name = RECORDED_NAMES.get(name or "", name)
+    return payload_class(name) if name in PAYLOADS else None

@@ -1,4 +1,4 @@
-"""The `delta` payload (update.delta=true): only the elements whose engine-dtype value changed.
+"""The `delta` payload (update.payload=delta): only the elements whose engine-dtype value changed.
 
 The trainer keeps the last values it sent, per bucket, in the engine's dtype (the memory check counts
 them: one more copy of the engine's weights, on the engine's device). The first update is full; each
@@ -7,7 +7,7 @@ elements cross: int32 positions within the bucket, then their values (6 bytes pe
 as AReaL-DTE counts). Where that is no smaller than the bucket itself (over a third of it changed in
 bf16), the bucket goes whole. The engine writes the values in place, by trainer name, so it needs
 weights it exposes by trainer name, kept between updates: the HF engine; not vLLM (it fuses and
-re-packs them), not with rollout.sleep_level=2 (freed weights come back empty).
+re-packs them), not with rollout.release_level=2 (freed weights come back empty).
 
 Bit-exact with the full update: the engine ends with the trainer's weights cast to its dtype, as
 update.verify's checksums check after every step.
@@ -20,10 +20,23 @@ from dataclasses import replace
 import torch
 
 import rlsync.update.flat as flat
-from rlsync.engines.base import Engine
+from rlsync.engines.base import Engine, engine_class
 from rlsync.errors import ConfigError
+from rlsync.fmt import fmt_share
 from rlsync.update.buckets import Bucket
-from rlsync.update.payload.base import FULL, SPARSE, Encoded, Encoder, Floor, Payload
+from rlsync.update.payload.base import (
+    BESIDE_FULL,
+    DECODE_FLOOR,
+    ENCODE_FLOOR,
+    FULL,
+    KEY,
+    SPARSE,
+    Encoded,
+    Encoder,
+    Floor,
+    Payload,
+    PlanContext,
+)
 from rlsync.update.payload.full import FullPayload
 from rlsync.update.payload.kernels import (
     CUDA_CHUNK,
@@ -75,11 +88,15 @@ class DeltaEncoder(Encoder):
 
 class DeltaPayload(Payload):
     name = "delta"
+    title = "Delta"
+    metrics = BESIDE_FULL + ("perf/update_weights_changed_ratio",) + ENCODE_FLOOR + DECODE_FLOOR
     workers = Workers()  # the engine side's scatters over its threads (decode is a class method: no instance)
 
     @classmethod
     def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
         update, rollout = cfg.update, cfg.rollout
+        engine = engine_class(rollout.engine)
         refusals = [
             (
                 update.strategy != "bucketed",
@@ -95,16 +112,10 @@ class DeltaPayload(Payload):
                 "engine's weights in place: there is no transfer for a delta to shrink)",
             ),
             (
-                rollout.sleep_level == 2,
-                "rollout.sleep_level",
+                rollout.release_level == 2,
+                "rollout.release_level",
                 2,
                 "0, 1 (level 2 frees the weights, which come back empty: a delta needs the last ones)",
-            ),
-            (
-                update.wire_dtype is not None,
-                "update.wire_dtype",
-                update.wire_dtype,
-                "null (one payload at a time: the delta sends the engine's dtype)",
             ),
             (
                 bool(update.engine_address),
@@ -112,10 +123,45 @@ class DeltaPayload(Payload):
                 update.engine_address,
                 "null (a standalone engine's start message carries no payload yet)",
             ),
+            (
+                not engine.holds_flat_weights,
+                "rollout.engine",
+                rollout.engine,
+                f"an engine that holds its weights by trainer name, such as hf, or another {KEY} (the "
+                f"{engine.title} engine's weights cannot be patched in place by trainer name: vLLM fuses q/k/v and "
+                "gate/up and re-packs them)",
+            ),
         ]
         for refused, key, value, allowed in refusals:
             if refused:
-                raise ConfigError(key, value, allowed, "not allowed with update.delta=true")
+                raise ConfigError(key, value, allowed, f"not allowed with {cls.key()}")
+
+    @classmethod
+    def planned(cls, ctx: PlanContext) -> dict:
+        """At plan.changed_ratio: the positions and values of the changed elements, each bucket at most whole;
+        its pass packs (read the trainer's, write the engine's dtype), reads the last values and writes a
+        changed mask, then the sparse bytes. `pays_below_gbps`: the link below which the bytes it saves take
+        longer to cross than its compare costs (in one machine's memory it never beats the full update)."""
+        e, ratio = ctx.engine_itemsize, ctx.changed_ratio
+        sent = sum(min(b.nbytes, sparse_bytes(round(ratio * b.numel), e)) for b in ctx.buckets)
+        row = {"bytes": sent, "changed_ratio": ratio, "moved": ctx.elements * (ctx.trainer_itemsize + 2 * e + 1) + sent}
+        if ctx.floor_gbps:
+            compare_s = ctx.elements * (e + 1) / (ctx.floor_gbps * 1e9)  # what it adds before any byte crosses
+            saved = sum(b.nbytes for b in ctx.buckets) - sent
+            row["pays_below_gbps"] = saved / compare_s / 1e9 if saved > 0 else 0.0
+        return row
+
+    @classmethod
+    def plan_lines(cls, row: dict) -> tuple[str, list[str]]:
+        label = f"{cls.title.lower()} at {fmt_share(row['changed_ratio'])} changed ({cls.key()})"
+        pays = row.get("pays_below_gbps")
+        if pays is None:
+            return label, []
+        return label, [
+            f"The delta never beats the full update in one machine's memory (it packs as the full update does, "
+            f"then compares); it pays only where the bytes cross a link slower than {pays:.2f} GB/s at this "
+            f"changed ratio."
+        ]
 
     @classmethod
     def encoder(cls, buckets: list[Bucket], device: torch.device) -> Encoder:

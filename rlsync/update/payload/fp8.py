@@ -1,4 +1,4 @@
-"""The `fp8` payload (update.wire_dtype=float8_e4m3fn): 2-D weights cross in FP8, block-quantized.
+"""The `fp8` payload (update.payload=fp8): 2-D weights cross in FP8, block-quantized.
 
 As the Qwen3-FP8 and DeepSeek-V3 checkpoints store them: e4m3 values with one float32 scale per
 128x128 block (the block's largest magnitude over 448, e4m3's largest finite value); the embeddings,
@@ -22,7 +22,16 @@ from rlsync.engines.base import Engine
 from rlsync.errors import ConfigError
 from rlsync.measure.devices import copy_into
 from rlsync.update.buckets import Bucket, Slot
-from rlsync.update.payload.base import Encoded, Encoder, Floor, Payload
+from rlsync.update.payload.base import (
+    BESIDE_FULL,
+    DECODE_FLOOR,
+    ENCODE_FLOOR,
+    Encoded,
+    Encoder,
+    Floor,
+    Payload,
+    PlanContext,
+)
 from rlsync.update.payload.kernels import (
     BLOCK,
     E4M3_MAX,
@@ -154,36 +163,47 @@ class Fp8Encoder(Encoder):
 
 class Fp8Payload(Payload):
     name = "fp8"
+    title = "FP8 on the wire"
+    verified = "the same block quantization of the trainer's"  # quantized, then dequantized: not the weights
+    metrics = BESIDE_FULL + ENCODE_FLOOR + DECODE_FLOOR
     workers = Workers()  # the engine side's chunks over its threads (decode is a class method: no instance)
 
     @classmethod
     def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
         update = cfg.update
-        if update.delta:
-            raise ConfigError(
-                "update.delta", True, "false with update.wire_dtype set (one payload at a time)", "not allowed"
-            )
         if update.strategy != "bucketed":
             raise ConfigError(
                 "update.strategy",
                 update.strategy,
                 "bucketed (FP8 is laid out per bucket)",
-                "not allowed with update.wire_dtype",
+                f"not allowed with {cls.key()}",
             )
         if update.flat_engine_weights is True:
             raise ConfigError(
                 "update.flat_engine_weights",
                 True,
                 "false or null (the engine dequantizes FP8 into its weights: the trainer cannot write them in place)",
-                "not allowed with update.wire_dtype",
+                f"not allowed with {cls.key()}",
             )
         if update.engine_address:
             raise ConfigError(
                 "update.engine_address",
                 update.engine_address,
                 "null (a standalone engine's start message carries no payload yet)",
-                "not allowed with update.wire_dtype",
+                f"not allowed with {cls.key()}",
             )
+
+    @classmethod
+    def planned(cls, ctx: PlanContext) -> dict:
+        """Its byte layout of each bucket; it reads every trainer element and writes each in FP8 or kept."""
+        row = super().planned(ctx)
+        row["bytes"] = sum(layout(b)[1] for b in ctx.buckets)
+        return row
+
+    @classmethod
+    def plan_lines(cls, row: dict) -> tuple[str, list[str]]:
+        return f"{cls.title}, {BLOCK}x{BLOCK} blocks ({cls.key()})", []
 
     @classmethod
     def encoder(cls, buckets: list[Bucket], device: torch.device) -> Encoder:

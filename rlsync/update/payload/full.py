@@ -27,7 +27,10 @@ class FullEncoder(Encoder):
 
 class FullPayload(Payload):
     name = "full"
+    title = "Full"
     whole = True
+    beside_full = False  # it is the full update
+    metrics = ()
 
     @classmethod
     def encoder(cls, buckets: list[Bucket], device: torch.device) -> Encoder:

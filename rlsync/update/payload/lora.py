@@ -1,30 +1,44 @@
 """The LoRA payloads (trainer.lora.rank > 0): the adapters alone, or the model with them merged.
 
-`lora_adapter` (update.lora=adapter, the default with LoRA): the engine holds the base weights and the
+`lora` (update.payload=lora): the engine holds the base weights and the
 adapters, as the trainer does (the HF engine injects the same PEFT adapters: EngineSpec.lora). The plan
 puts the base weights in buckets of their own and the adapters after them, each layer's A and B in one
 bucket (a layer is never half-updated between two buckets). The first update sends every bucket (the
 engine starts empty); the base is frozen, so each later update sends the adapter buckets only and the
 base buckets cross as empty headers.
 
-`lora_merged` (update.lora=merged): the engine holds a model without adapters; each targeted weight
+`lora_merged` (update.payload=lora_merged): the engine holds a model without adapters; each targeted weight
 crosses as W + alpha/rank * B @ A, merged in fp32 as it is read (rlsync.model.lora.MergedWeights), then
 cast to the engine's dtype like any full update.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
 
 from rlsync.config.schema import Config
-from rlsync.engines.base import Engine
+from rlsync.engines.base import Engine, engine_class
 from rlsync.errors import ConfigError
-from rlsync.model.lora import MergedWeights, is_adapter, scaling
+from rlsync.model.build import torch_dtype
+from rlsync.model.lora import MergedWeights, adapter_shapes, is_adapter, merge_errors, scaling
 from rlsync.update.buckets import Bucket, TensorMeta, plan_units
-from rlsync.update.payload.base import FULL, Encoded, Encoder, Floor, Payload
+from rlsync.update.payload.base import (
+    BESIDE_FULL,
+    DECODE_FLOOR,
+    FULL,
+    Encoded,
+    Encoder,
+    Floor,
+    Payload,
+    PlanContext,
+)
 from rlsync.update.payload.full import FullEncoder, FullPayload
+
+RANK_SHOWN = 16  # the planner's adapter row when trainer.lora.rank is 0: the rank the field's recipes use
+MERGE_METRICS = ("update/lora_merge_error", "update/lora_merge_error_in_dtype", "update/lora_merge_differ_ratio")
 
 
 def adapter_units(metas: list[TensorMeta]) -> list[list[TensorMeta]]:
@@ -54,11 +68,16 @@ class AdapterEncoder(Encoder):
 
 
 class LoraAdapterPayload(Payload):
-    name = "lora_adapter"
+    name = "lora"
+    title = "LoRA adapters only"
+    note = "the first update also sent the base"
+    adapters = True
 
     @classmethod
     def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
         update, rollout = cfg.update, cfg.rollout
+        engine = engine_class(rollout.engine)
         refusals = [
             (
                 update.strategy != "bucketed",
@@ -73,23 +92,24 @@ class LoraAdapterPayload(Payload):
                 "false or null (the engine's adapters are PEFT's own parameters, not views of the buckets)",
             ),
             (
-                rollout.sleep_level == 2,
-                "rollout.sleep_level",
+                rollout.release_level == 2,
+                "rollout.release_level",
                 2,
                 "0 or 1 (level 2 frees the weights: an adapter-only update cannot refill the base)",
-            ),
-            (update.delta, "update.delta", True, "false (one payload at a time: the adapters go whole)"),
-            (
-                update.wire_dtype is not None,
-                "update.wire_dtype",
-                update.wire_dtype,
-                "null (one payload at a time: the adapters go in the engine's dtype)",
             ),
             (
                 bool(update.engine_address),
                 "update.engine_address",
                 update.engine_address,
-                "null (a standalone engine's start message carries no adapters yet: use update.lora=merged)",
+                f"null (a standalone engine's start message carries no adapters yet: use {LoraMergedPayload.key()})",
+            ),
+            (
+                not engine.takes_adapters,
+                "rollout.engine",
+                rollout.engine,
+                f"an engine that holds PEFT adapters, such as hf, or {LoraMergedPayload.key()} (the {engine.title} "
+                "engine takes no adapters from rlsync: vLLM loads one from a directory through a LoRARequest, and "
+                "rlsync does not write one per update yet)",
             ),
         ]
         bench = getattr(cfg, "bench", None)
@@ -99,12 +119,12 @@ class LoraAdapterPayload(Payload):
                     bench.warmup < 1,
                     "bench.warmup",
                     bench.warmup,
-                    "1 or more with update.lora=adapter (the first update also sends the base weights)",
+                    f"1 or more with {cls.key()} (the first update also sends the base weights)",
                 )
             )
         for refused, key, value, allowed in refusals:
             if refused:
-                raise ConfigError(key, value, allowed, "not allowed with update.lora=adapter")
+                raise ConfigError(key, value, allowed, f"not allowed with {cls.key()}")
 
     @classmethod
     def plan(cls, metas: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
@@ -126,6 +146,24 @@ class LoraAdapterPayload(Payload):
         return cfg.trainer.lora
 
     @classmethod
+    def planned(cls, ctx: PlanContext) -> dict:
+        """The adapters at trainer.lora.rank (or at RANK_SHOWN without LoRA), read and cast as a full update's."""
+        rank = ctx.lora.rank or RANK_SHOWN
+        adapters = adapter_shapes(list(ctx.model_shapes), dataclasses.replace(ctx.lora, rank=rank))
+        elements = sum(a * b for _, (a, b) in adapters)
+        return {
+            "bytes": elements * ctx.engine_itemsize,
+            "moved": elements * (ctx.trainer_itemsize + ctx.engine_itemsize),
+            "rank": rank,
+            "configured": bool(ctx.lora.rank),
+        }
+
+    @classmethod
+    def plan_lines(cls, row: dict) -> tuple[str, list[str]]:
+        shown = "" if row["configured"] else f"; with trainer.lora.rank={row['rank']}"
+        return f"LoRA rank {row['rank']} adapters only ({cls.key()}{shown})", []
+
+    @classmethod
     def floor(cls, bucket: Bucket, encoded: Encoded, read_bytes: int, *, first: bool = False) -> Floor:
         """A bucket that crosses costs what the full payload's does; a base bucket left out, nothing."""
         return FullPayload.floor(bucket, encoded, read_bytes) if encoded.nbytes else Floor()
@@ -133,18 +171,21 @@ class LoraAdapterPayload(Payload):
 
 class LoraMergedPayload(FullPayload):
     name = "lora_merged"
+    title = "LoRA merged in fp32"
+    adapters = True
+    beside_full = True  # its bytes beside the full update's: the same, the adapters merged into them
+    metrics = BESIDE_FULL + DECODE_FLOOR + MERGE_METRICS + ("perf/lora_merge_error_time",)
+    after_update_phase = "lora_merge_error"
 
     @classmethod
-    def check_config(cls, cfg) -> None:
-        update = cfg.update
-        for refused, key, value in (
-            (update.delta, "update.delta", True),
-            (update.wire_dtype is not None, "update.wire_dtype", update.wire_dtype),
-        ):
-            if refused:
-                raise ConfigError(
-                    key, value, "its default (one payload at a time: the merged model goes whole)", "not allowed"
-                )
+    def planned(cls, ctx: PlanContext) -> None:
+        return None  # the full update's bytes (the merge runs as the update reads the weights): no row of its own
+
+    @classmethod
+    def after_update(cls, params: dict[str, torch.Tensor], cfg) -> dict[str, float]:
+        """How far the engine's merged weights land from the exact W + s*BA, merged in fp32 then cast, and
+        merged in the engine's dtype (rlsync.model.lora.merge_errors)."""
+        return merge_errors(params, scaling(cfg.trainer.lora), torch_dtype(cfg.rollout.dtype))
 
     @classmethod
     def plan(cls, metas: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
