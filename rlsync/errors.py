@@ -31,6 +31,13 @@ def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
+# c10d's C++ warnings (a store's or a group's timeout, its socket polls) come before rlsync's one line and say
+# the same. torch reads this once, as it loads, so it is set here (each entry point imports this module first,
+# and the processes it starts inherit it); RLSYNC_DEBUG=1 or the user's own TORCH_CPP_LOG_LEVEL keeps them.
+if not debug_enabled():
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 class RlsyncError(Exception):
     """An error whose message says what to do: printed as one line, no traceback."""
 
@@ -463,7 +470,9 @@ def from_hydra(err: BaseException) -> Optional[RlsyncError]:
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
         key, value = cause.full_key, override_value(err, cause.full_key, cause.value)
         if isinstance(cause, ConfigKeyError) or "not in" in first_line(cause.msg):
-            return ConfigError(key, value, sibling_keys(cause), "unknown key")
+            return renamed_key(getattr(cause, "object_type", None), key, value) or ConfigError(
+                key, value, sibling_keys(cause), "unknown key"
+            )
         if isinstance(cause, ValidationError) and "is not a subclass of" in first_line(cause.msg):
             # `update=fast`: a node of the schema with no config group in conf/ to choose from
             return ConfigError(key, value, "a config group in conf/, or key.subkey=value", "unknown config group")
@@ -517,6 +526,20 @@ def override_value(err: BaseException, key: str, fallback: Any) -> Any:
             if sep and name == key:
                 return value
     return fallback
+
+
+def renamed_key(schema, key: str, value: Any) -> Optional[ConfigError]:
+    """`key` refused naming its new name, where its schema class renamed it (`renamed_keys`: old -> new leaf name,
+    rlsync/config/schema.py); None for a key never renamed."""
+    parent, _, leaf = key.rpartition(".")
+    new = (getattr(schema, "renamed_keys", None) or {}).get(leaf)
+    if new is None:
+        return None
+    if callable(new):  # replaced by another key whose value depends on this one's: (problem, allowed) from the schema
+        problem, allowed = new(key, value)
+        return ConfigError(key, value, allowed, problem)
+    new = f"{parent}.{new}" if parent else new
+    return ConfigError(key, value, f"{new}={show(value)}", f"renamed to {new}")
 
 
 def sibling_keys(cause) -> str:

@@ -44,7 +44,10 @@ REPORTED: list[str] = []  # the lines job_errors printed in this process (a remo
 # What a sweep in progress does when it ends before Hydra's own end (a failed job: Hydra skips on_multirun_end;
 # an interruption): called with "failed" or "interrupted". rlsync.report.sweep_callback registers its report.
 SWEEP_ENDED: list[Callable[[str], None]] = []
-INTERRUPTED_CODES = (129, 130, 143)  # SIGHUP, SIGINT, SIGTERM
+# the exit codes of a stop signal (rlsync.errors.stop_signals: SIGUSR1 / SIGUSR2 stop a run as SIGTERM does)
+INTERRUPTED_CODES = tuple(
+    128 + s for s in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+)
 
 
 def kept(run_dir: Path, *, since: float) -> str:

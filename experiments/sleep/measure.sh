@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The engine's idle time per step at each rollout.sleep_level, tiny and Qwen3-0.6B, two passes (the
+# The engine's idle time per step at each rollout.release_level, tiny and Qwen3-0.6B, two passes (the
 # second in reverse level order), one run at a time. Keeps each run's summary.json and metrics.jsonl.
 #   bash experiments/sleep/measure.sh [results dir, default experiments/sleep/results_cpu]
 #   PASSES=3 MODELS=qwen3_0p6b bash experiments/sleep/measure.sh   # one more pass of one model
@@ -19,7 +19,7 @@ for pass in ${PASSES:-1 2}; do
       name=${model}_level${level}_pass${pass}
       if [[ $model == tiny ]]; then args=("${tiny[@]}"); else args=("${small[@]}"); fi
       echo "== $name"
-      python -m rlsync "${args[@]}" "${common[@]}" rollout.sleep_level=$level "hydra.run.dir=$work/$name" | tail -4
+      python -m rlsync "${args[@]}" "${common[@]}" rollout.release_level=$level "hydra.run.dir=$work/$name" | tail -4
       mkdir -p "$out/$name"
       cp "$work/$name/summary.json" "$work/$name/metrics.jsonl" "$out/$name/"
     done

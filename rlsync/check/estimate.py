@@ -17,7 +17,7 @@ Where the bytes live:
   move on a CPU: one spare buffer per segment size and the slack of shared sizes), the engine's
   weights in rollout.dtype (transport=direct), the staging buffers of the update, and the largest
   transient: the trainer's activations and logits, the rollout's KV cache, or the copy-floor probe
-  (two buffers of up to 1 GiB, rlsync.measure.limits);
+  (two buffers of up to 1 GiB, rlsync.measure.floors);
 - the engine process (transport ipc or broadcast): a runtime like this one, its weights, KV cache
   and staging;
 - on CUDA the device holds the trainer state while awake, the engine, the staging and the
@@ -35,22 +35,24 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlsync.config.apps import update_policy_class
 from rlsync.config.derived import bucket_bytes, flat_engine_weights_choice
 from rlsync.config.schema import Config, ModelConfig
 from rlsync.engines.base import engine_class
 from rlsync.fmt import GIB, MIB
-from rlsync.measure.limits import GatherFloor
+from rlsync.measure.floors import GatherFloor
 from rlsync.model.architecture import model_shapes, update_shapes
 from rlsync.model.build import torch_dtype
 from rlsync.model.lora import adapter_shapes
 from rlsync.trainer.data_parallel import split_evenly as split_groups
 from rlsync.trainer.offload import plan_pin_chunks, plan_segments, resolve_memory
+from rlsync.trainer.parallel import parallel_class
 from rlsync.trainer.task import make_prompts
-from rlsync.update.base import transport_class
+from rlsync.update.base import transport_class, transports_with
 from rlsync.update.buckets import TensorMeta, largest_bucket_bytes
-from rlsync.update.payload import payload_name, payload_of
+from rlsync.update.payload import payload_of
 
-PROBE_MIN, PROBE_CAP = MIB, GIB  # rlsync.measure.limits.copy_bandwidth clamps its buffers to this range
+PROBE_MIN, PROBE_CAP = MIB, GIB  # rlsync.measure.floors.copy_bandwidth clamps its buffers to this range
 ADAM_MOMENTS = 2  # exp_avg, exp_avg_sq, in the parameter's dtype
 LOGIT_COPIES = 4  # logits, their float32 log-softmax, its gradient, the gathered log-probs' graph
 LAYER_ACTIVATIONS = 10  # hidden-size-wide tensors kept per layer and token for the backward (norms, q/k/v/o, residuals)
@@ -96,9 +98,10 @@ def adapter_shapes_of(cfg: Config) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def sent_shapes(cfg: Config) -> list[tuple[str, tuple[int, ...]]]:
-    """What the engine holds and the update plans: the model's tensors, and with update.lora=adapter its adapters."""
+    """What the engine holds and the update plans: the model's tensors, and the adapters where the payload has the
+    engine hold them (Payload.engine_lora: update.payload=lora)."""
     shapes = param_shapes(cfg.model)
-    return shapes + adapter_shapes_of(cfg) if payload_name(cfg.update) == "lora_adapter" else shapes
+    return shapes + adapter_shapes_of(cfg) if payload_of(cfg.update).engine_lora(cfg) is not None else shapes
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -219,14 +222,14 @@ def staging_bytes(cfg: Config, shapes) -> tuple[int, int]:
     )  # null (auto) resolved as the update resolves it
     transport = transport_class(u.transport)
     in_process_loader = transport.engine_in_process and engine_class(cfg.rollout.engine).loads_trainer_tensors
-    if u.strategy == "bucketed" and not flat_weights and in_process_loader and payload_name(u) == "full":
+    if u.strategy == "bucketed" and not flat_weights and in_process_loader and payload_of(u).whole:
         return 0, 0  # the engine's loader takes the trainer's tensors (vLLM): no staging buffer (update/direct.py)
     trainer, engine = transport.staging_slots(u, flat_weights)  # what the transport declares
     return slot * trainer, slot * engine
 
 
 def payload_bytes(cfg: Config, shapes) -> int:
-    """What the update's payload holds on the trainer's side (a delta: the last values sent) and at most
+    """What the update's payload holds on the trainer's side (one that compares with the last update: the values it sent) and at most
     while it encodes one bucket (rlsync.update.payload: Payload.memory_bytes)."""
     if not cfg.update.enabled:
         return 0
@@ -267,7 +270,7 @@ def activation_bytes(cfg: Config, prompt_len: int) -> tuple[int, int]:
 
 
 def probe_bytes(state: int, update: int) -> int:
-    """The copy-floor probe's two buffers (rlsync.measure.limits), at the larger of its two sizes."""
+    """The copy-floor probe's two buffers (rlsync.measure.floors), at the larger of its two sizes."""
     return 2 * max(min(max(n, PROBE_MIN), PROBE_CAP) for n in (state, update))
 
 
@@ -330,8 +333,9 @@ def gather_transient_bytes(cfg: Config, shapes: list[tuple[str, tuple[int, ...]]
 def rank_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int, ranks: Ranks, rank: int) -> Estimate:
     """One rank's peak memory by part (a single process is rank 0 of one)."""
     world = ranks.world
-    sharded = world > 1 and cfg.trainer.parallel == "fsdp2"
-    shapes = sent_shapes(cfg)  # update.lora=adapter: the adapters too
+    parallel = parallel_class(cfg.trainer.parallel)  # what its class declares: sharded state, DDP's gradient buckets
+    sharded = world > 1 and parallel.sharded
+    shapes = sent_shapes(cfg)  # update.payload=lora: the adapters too
     held = sharded_shapes(shapes, world) if sharded else shapes  # what this rank's trainer holds of each tensor
     params = sum(numel(s) for _, s in shapes)
     t, e = DTYPE_BYTES[cfg.trainer.dtype], DTYPE_BYTES[cfg.rollout.dtype]
@@ -361,7 +365,7 @@ def rank_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int, ranks: Ranks, 
     gather = gather_transient_bytes(cfg, shapes, world) if sharded else 0
     model = _cached("model", cfg.model, model_shapes)  # the offload moves parameters, fused experts whole
     extra = offload_extra(cfg, sharded_shapes(model, world) if sharded else model, cuda)
-    ddp = params * t if world > 1 and cfg.trainer.parallel == "ddp" else 0  # DDP's gradient buckets, a copy
+    ddp = params * t if world > 1 and parallel.grad_buckets else 0  # DDP's gradient buckets, a copy
     own_engine = transport_class(cfg.update.transport).engine_in_process  # its KV cache lives in this process
     remote = bool(cfg.update.engine_address)  # an engine on another machine: not this one's memory
     est = Estimate()
@@ -402,7 +406,7 @@ def rank_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int, ranks: Ranks, 
         )
         if not own_engine and not remote and has_engine:
             est.engine_process = {"runtime": runtime_bytes}
-        if cfg.rollout.sleep_level == 1 and has_engine and not remote:  # the engine's weights sleep on the host
+        if cfg.rollout.release_level == 1 and has_engine and not remote:  # the engine's weights sleep on the host
             host_copy = sum(pinned_bytes(numel(s) * e) for _, s in shapes)  # pinned, one block per storage
             (est.process if own_engine else est.engine_process)["engine_weights_asleep"] = host_copy
         est.device = {
@@ -423,14 +427,14 @@ def rank_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int, ranks: Ranks, 
 def bench_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
     """`python -m rlsync.bench`'s peak: the trainer's weights (no optimizer, no step), the engine, the
     update's staging and the copy-floor probe; the offload target adds the state it moves and its twin."""
-    shapes = sent_shapes(cfg)  # update.lora=adapter: the adapters too
+    shapes = sent_shapes(cfg)  # update.payload=lora: the adapters too
     params = sum(numel(s) for _, s in shapes)
     t, e = DTYPE_BYTES[cfg.trainer.dtype], DTYPE_BYTES[cfg.rollout.dtype]
     est = Estimate()
     est.process = {"runtime": runtime_bytes, "step_workspace": STEP_WORKSPACE}
     where = est.device if cuda else est.process
-    if getattr(cfg, "bench", None) is not None and cfg.bench.target == "pause":
-        return pause_bench_estimate(cfg, est, shapes, runtime_bytes)
+    if getattr(cfg, "bench", None) is not None and cfg.bench.target == "stall":
+        return stall_bench_estimate(cfg, est, shapes, runtime_bytes)
     if getattr(cfg, "bench", None) is not None and cfg.bench.target == "offload":
         state = params * t * ((2 + ADAM_MOMENTS) if cfg.bench.offload_state == "trainer" else 1)
         where.update({"trainer_state": state, "probe": probe_bytes(state, params * t)})
@@ -457,28 +461,28 @@ def bench_estimate(cfg: Config, *, cuda: bool, runtime_bytes: int) -> Estimate:
 
 
 # ----------------------------------------------------------------------------------------------
-# The standalone engine's staged copy (serve.update_policy=stage), and bench.target=pause
+# The standalone engine's staged copy (serve.update_policy's), and bench.target=stall
 # ----------------------------------------------------------------------------------------------
 
 
 def staged_copy_bytes(cfg: Config, policy: str | None = None) -> int:
-    """The side copy a standalone engine under serve.update_policy=stage (or `policy`) receives each update
-    into while it generates: one more copy of the engine's weights, in rollout.dtype (the pointer swap
-    trades it with the live weights, the local copy keeps it beside them; rlsync/serve/streams.py). 0 under pause."""
-    policy = policy or getattr(getattr(cfg, "serve", None), "update_policy", "pause")
-    if policy != "stage":
-        return 0
-    return sum(numel(s) for _, s in param_shapes(cfg.model)) * DTYPE_BYTES[cfg.rollout.dtype]
+    """The copies of the engine's weights (rollout.dtype) a standalone engine under serve.update_policy (or
+    `policy`) holds beside them: as many as the policy declares (`UpdatePolicy.staged_copies`: stage's side
+    copy, which it receives each update into while it generates; rlsync/serve/policies). 0 without serve.*."""
+    policy = policy or getattr(getattr(cfg, "serve", None), "update_policy", None)
+    copies = update_policy_class(policy).staged_copies if policy else 0
+    return copies * sum(numel(s) for _, s in param_shapes(cfg.model)) * DTYPE_BYTES[cfg.rollout.dtype]
 
 
-def pause_bench_estimate(cfg: Config, est: Estimate, shapes, runtime_bytes: int) -> Estimate:
-    """bench.target=pause: this process holds the two models it alternates between (trainer.dtype), an
+def stall_bench_estimate(cfg: Config, est: Estimate, shapes, runtime_bytes: int) -> Estimate:
+    """bench.target=stall: this process holds the two models it alternates between (trainer.dtype), an
     engine that scores the answers and the update's trainer-side staging per policy; each policy's
-    standalone engine is a process of its own (its runtime, weights, receive staging and, under stage,
-    the staged copy), counted in `engine_process` by policy."""
+    standalone engine is a process of its own (its runtime, weights, receive staging and the copies its
+    policy stages), counted in `engine_process` by policy."""
     params = sum(numel(s) for _, s in shapes)
     t, e = DTYPE_BYTES[cfg.trainer.dtype], DTYPE_BYTES[cfg.rollout.dtype]
-    remote = dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, transport="broadcast"))
+    joining = transports_with(joins_address=True)[0]  # what a standalone engine is joined through (broadcast)
+    remote = dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, transport=joining))
     staging_trainer, staging_engine = staging_bytes(remote, shapes)
     policies = list(cfg.bench.policies)
     est.process.update(

@@ -29,6 +29,7 @@ from rlsync.measure.memory import (
     rss_bytes,
 )
 from rlsync.model.install_check import check_companions
+from rlsync.trainer.parallel import parallel_class, parallels_with
 
 
 def load_runtime(cfg: Config) -> None:
@@ -116,9 +117,14 @@ class Machine:
 # that fit (alone, or all together) and says so.
 def _savings(cfg: Config, ranks: Ranks = Ranks()) -> list[tuple[str, str, object]]:
     out = []
-    if ranks.world > 1 and cfg.trainer.parallel == "ddp":
+    sharding = parallels_with(spans_ranks=True, sharded=True)  # the modes whose class declares a sharded state
+    if ranks.world > 1 and not parallel_class(cfg.trainer.parallel).sharded and sharding:
         out.append(
-            ("trainer.parallel=fsdp2", "shards the trainer's state over the ranks", ("trainer", "parallel", "fsdp2"))
+            (
+                f"trainer.parallel={sharding[0]}",
+                "shards the trainer's state over the ranks",
+                ("trainer", "parallel", sharding[0]),
+            )
         )
     if ranks.local > 1 and cfg.rollout.placement == "every_rank":
         out.append(

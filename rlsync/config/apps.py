@@ -10,6 +10,8 @@ from typing import Optional
 from rlsync.config.rules import (
     ANY,
     OPTIONAL_NAME,
+    ChoiceList,
+    Choices,
     Rule,
     at_least,
     between,
@@ -27,23 +29,64 @@ from rlsync.config.schema import SECONDS, STEPS, STEPS_MAX, Config
 from rlsync.errors import ConfigError, show
 from rlsync.fmt import first_line
 
-POLICIES = ("pause", "stage")  # serve.update_policy: how a standalone engine takes an update while it streams
+UPDATE_POLICIES = "rlsync.serve.policies.base:update_policy_names"  # serve.update_policy's choices: the registry's
+# bench.target's values renamed, (old, new): refused naming the new one; the report reads a recorded old one as new
+RENAMED_TARGETS = (("pause", "stall"),)  # issue 44: one word per thing (the target measures the clients' stalls)
+
+
+def update_policy_names() -> tuple[str, ...]:
+    """serve.update_policy's values, in registration order (the registry's, imported now)."""
+    return tuple(resolve(UPDATE_POLICIES)())
+
+
+def update_policy_class(name: str):
+    """The class behind serve.update_policy=`name` (rlsync/serve/policies), imported now: what a policy declares
+    of itself (its rules, its baseline, its staged copies, how its swap reads) is asked of it, from any layer."""
+    return resolve("rlsync.serve.policies.base:update_policy_class")(name)
 
 
 def engine_overrides_ok(v) -> bool:
     return isinstance(v, list) and all(isinstance(o, str) and o.startswith("serve.") and "=" in o for o in v)
 
 
-def policies_ok(v) -> bool:
-    return isinstance(v, list) and bool(v) and len(set(v)) == len(v) and all(p in POLICIES for p in v)
+@dataclass(frozen=True)
+class EachOnce(ChoiceList):
+    """ChoiceList, each name at most once."""
+
+    def ok(self, value) -> bool:
+        return super().ok(value) and len(set(value)) == len(value)
+
+    @property
+    def allowed(self) -> str:
+        return super().allowed.replace("a non-empty list,", "a non-empty list, each once,", 1)
 
 
-# bench.* keys one target reads (rlsync/bench: runner.py, offload.py, pause.py); warmup and repeats serve all. Set
+@dataclass(frozen=True)
+class Renamed(Choices):
+    """The names at `provider`, or one they replaced (`old`: ((old, new), ...)): an old name passes the value
+    rule so that its node's check refuses it in one line naming the new one (`refuse_renamed`)."""
+
+    old: tuple[tuple[str, str], ...] = ()
+
+    def ok(self, value) -> bool:
+        return value in dict(self.old) or super().ok(value)
+
+
+def refuse_renamed(node, prefix: str) -> None:
+    """A value of `node` that was renamed (a `Renamed` rule's old name), refused naming the new one."""
+    for f in fields(node):
+        rule, value = f.metadata.get("rule"), getattr(node, f.name)
+        if isinstance(rule, Renamed) and isinstance(value, str) and value in dict(rule.old):
+            new = dict(rule.old)[value]
+            raise ConfigError(f"{prefix}.{f.name}", value, rule.allowed, f"renamed to {prefix}.{f.name}={new}")
+
+
+# bench.* keys one target reads (rlsync/bench: runner.py, offload.py, stall.py); warmup and repeats serve all. Set
 # away from its default under another target, such a key changes nothing: refused, not ignored
 TARGET_KEYS = {
     "offload_state": ("offload",),
     "changed_ratio": ("update",),
-    **dict.fromkeys(("clients", "policies", "before_s", "after_s", "engine_overrides", "answer_tokens"), ("pause",)),
+    **dict.fromkeys(("clients", "policies", "before_s", "after_s", "engine_overrides", "answer_tokens"), ("stall",)),
 }
 
 
@@ -51,8 +94,8 @@ TARGET_KEYS = {
 class BenchConfig:
     target: str = key(
         "update",
-        choices("rlsync.bench.runner:TARGETS"),
-        "what is timed: update (the weight update alone) | offload (trainer sleep + wake-up, trainer.offload) | pause (the gap streaming clients of a standalone engine see during an update)",
+        Renamed("rlsync.bench.runner:TARGETS", old=RENAMED_TARGETS),
+        "what is timed: update (the weight update alone) | offload (trainer sleep + wake-up, trainer.offload) | stall (the gaps streaming clients of a standalone engine see during an update) | vllm_paths (vLLM's three update paths on one model, each verified; rollout.engine=vllm)",
     )
     offload_state: str = key(
         "trainer",
@@ -68,32 +111,32 @@ class BenchConfig:
     changed_ratio: float = key(
         0.0,
         between(0, 1, "a share of the elements"),
-        "bench.target=update: before each repeat, change this share of every weight's elements (sign flips: their engine-dtype values change), as a training step would; what update.delta=true is timed against",
+        "bench.target=update: before each repeat, change this share of every weight's elements (sign flips: their engine-dtype values change), as a training step would; what an update.payload that sends only the changed elements is timed against",
     )
 
     clients: int = key(
-        2, between(1, 64, "streaming clients"), "bench.target=pause: streaming clients kept busy on the engine"
+        2, between(1, 64, "streaming clients"), "bench.target=stall: streaming clients kept busy on the engine"
     )
     policies: list[str] = key(
         ["pause", "stage"],
-        Rule(policies_ok, "a non-empty list of pause, stage, each once"),
-        "bench.target=pause: the serve.update_policy values compared, one engine each, every repeat one update under each",
+        EachOnce(UPDATE_POLICIES, "serve.update_policy's values"),
+        "bench.target=stall: the serve.update_policy values compared, one engine each, every repeat one update under each",
     )
     before_s: float = key(
         2.0,
         between(0.2, 600, "seconds"),
-        "bench.target=pause: the measured window of steady streaming before each update",
+        "bench.target=stall: the measured window of steady streaming before each update",
     )
     after_s: float = key(
-        1.0, between(0.2, 600, "seconds"), "bench.target=pause: how long streaming is measured after each update's swap"
+        1.0, between(0.2, 600, "seconds"), "bench.target=stall: how long streaming is measured after each update's swap"
     )
     engine_overrides: list[str] = key(
         [],
         Rule(engine_overrides_ok, "a list of serve.KEY=VALUE overrides"),
-        "bench.target=pause: more overrides for each standalone engine it starts, e.g. [serve.stage_nice=0]",
+        "bench.target=stall: more overrides for each standalone engine it starts, e.g. [serve.stage_nice=0]",
     )
     answer_tokens: int = key(
-        16, between(1, 4096, "tokens"), "bench.target=pause: each client's answer length (a new request after each)"
+        16, between(1, 4096, "tokens"), "bench.target=stall: each client's answer length (a new request after each)"
     )
 
     def check_target_keys(self) -> None:
@@ -111,20 +154,25 @@ class BenchConfig:
                 )
 
     def check(self, root: BenchAppConfig) -> None:
+        refuse_renamed(self, "bench")
         self.check_target_keys()
-        if self.target == "pause" and root.rollout.engine != "hf":
+        if self.target == "stall" and root.rollout.engine != "hf":
             raise ConfigError(
                 "rollout.engine",
                 root.rollout.engine,
-                "hf (bench.target=pause streams tokens from the standalone engine, which the HF engine serves)",
-                "not allowed with bench.target=pause",
+                "hf (bench.target=stall streams tokens from the standalone engine, which the HF engine serves)",
+                "not allowed with bench.target=stall",
             )
-        if self.target == "pause":
-            check_pause_target(self, root)
+        if self.target == "stall":
+            check_stall_target(self, root)
         if self.target == "offload" and root.trainer.offload == "none":
             raise ConfigError(
                 "trainer.offload", "none", "full, drop_grads (the offload benchmark needs something to move)"
             )
+        # a target's own rules, declared on its class (bench.target=vllm_paths: vLLM importable, its keys)
+        check = getattr(resolve("rlsync.bench.runner:TARGETS")[self.target], "check_config", None)
+        if check is not None:
+            check(root)
 
 
 @dataclass
@@ -159,8 +207,8 @@ class ServeConfig:
     )
     update_policy: str = key(
         "pause",
-        one_of(POLICIES),
-        "how an update meets streaming clients: pause (stop generating, receive, go on) | stage (receive into a side copy while generating, swap it in inside a short pause)",
+        choices(UPDATE_POLICIES),
+        "how an update meets streaming clients: a registered update policy (rlsync/serve/policies; docs/serve.md lists each, as it declares itself)",
     )
     stage_swap: str = key(
         "auto",
@@ -176,27 +224,32 @@ class ServeConfig:
         8, between(1, 1024, "answers at once"), "streaming answers (POST /v1/stream) served at once; more: 503, refused"
     )
 
+    def check(self, root) -> None:
+        update_policy_class(self.update_policy).check_config(self, root)  # the policy's own rules across keys
+
 
 # ----------------------------------------------------------------------------------------------
-# bench.target=pause: its engines are standalone ones (python -m rlsync.serve), joined at update.engine_address
+# bench.target=stall: its engines are standalone ones (python -m rlsync.serve), joined at update.engine_address
 # ----------------------------------------------------------------------------------------------
 
-PAUSE_ENGINE_HOST = "127.0.0.1"  # where the pause bench starts its engines (port 0: each picks a free one)
-# serve.* keys the pause bench sets on each engine itself: what to set instead
-PAUSE_SETS = {
+STALL_ENGINE_HOST = "127.0.0.1"  # where the stall bench starts its engines (port 0: each picks a free one)
+# serve.* keys the stall bench sets on each engine itself: what to set instead
+STALL_SETS = {
     "serve.update_policy": "bench.policies (one engine per policy, each labelled by it)",
     "serve.sessions": "nothing (the bench stops its engines itself)",
 }
 
 
 def standalone_trainer(root, address: str):
-    """`root` as the trainer of a standalone engine at `address`: the broadcast transport, update.engine_address."""
-    return replace(root, update=replace(root.update, transport="broadcast", engine_address=address))
+    """`root` as the trainer of a standalone engine at `address`: update.engine_address, through the transport
+    that joins one (its class declares `joins_address`: broadcast)."""
+    transport = resolve("rlsync.update.base:transports_with")(joins_address=True)[0]
+    return replace(root, update=replace(root.update, transport=transport, engine_address=address))
 
 
 def serve_overrides(overrides: list[str]) -> dict:
     """bench.engine_overrides as {serve key: value, as Hydra parses it}; a ConfigError names the first that is
-    no serve.* key, a value its rule refuses, or a key the bench sets itself (PAUSE_SETS)."""
+    no serve.* key, a value its rule refuses, or a key the bench sets itself (STALL_SETS)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     rules = {f"serve.{f.name}": f.metadata["rule"] for f in fields(ServeConfig)}
@@ -210,11 +263,11 @@ def serve_overrides(overrides: list[str]) -> dict:
                 "bench.engine_overrides", overrides, "serve.KEY=VALUE in Hydra's grammar", f"{text}: {first_line(err)}"
             ) from None
         name = override.key_or_group
-        if name in PAUSE_SETS:
+        if name in STALL_SETS:
             raise ConfigError(
                 "bench.engine_overrides",
                 overrides,
-                f"no {name}: set {PAUSE_SETS[name]}",
+                f"no {name}: set {STALL_SETS[name]}",
                 f"{text}: the bench sets {name} itself",
             )
         if name not in rules or override.is_sweep_override():
@@ -227,31 +280,47 @@ def serve_overrides(overrides: list[str]) -> dict:
     return parsed
 
 
-def check_pause_target(bench: BenchConfig, root) -> None:
-    """What each engine of a pause bench is asked to do must be what a standalone engine does, at once: the
+def check_stall_target(bench: BenchConfig, root) -> None:
+    """What each engine of a stall bench is asked to do must be what a standalone engine does, at once: the
     update's payload and transport under update.engine_address (their rules, asked as a run would), the
-    engine's own keys, the clients within its streams."""
-    trainer = standalone_trainer(root, f"{PAUSE_ENGINE_HOST}:0")
+    open files its engines need, the engine's own keys and each policy's rules, the clients within its streams."""
+    trainer = standalone_trainer(root, f"{STALL_ENGINE_HOST}:0")
     try:
         resolve("rlsync.update.payload.base:payload_of")(trainer.update).check_config(trainer)
         resolve("rlsync.update.base:transport_class")(trainer.update.transport).check_config(trainer)
-        resolve("rlsync.config.validate:check_open_files")(trainer.update)  # the engines' descriptors (ulimit -n)
     except ConfigError as err:  # the rule names update.engine_address, which the user did not set: the bench did
+        others = ", ".join(t for t in resolve("rlsync.bench.runner:TARGETS") if t != bench.target)
         raise ConfigError(
             "bench.target",
-            "pause",
-            f"update, offload (the pause bench joins standalone engines through update.engine_address and "
-            f"update.transport=broadcast, and there {err.key} takes only {err.allowed})",
+            bench.target,
+            f"{others} (the stall bench joins standalone engines through update.engine_address and "
+            f"update.transport={trainer.update.transport}, and there {err.key} takes only {err.allowed})",
             err.problem,
         ) from None
-    if root.trainer.lora.rank:  # update.lora=merged passes the rule above, but the bench builds no adapters
+    try:  # the engines inherit this process's open-file limit (raised to its hard limit where low)
+        resolve("rlsync.config.validate:check_open_files")(trainer.update)
+    except ConfigError as err:  # the engine's own reason (python -m rlsync.serve in this shell refuses alike)
+        least = resolve("rlsync.config.validate:OPEN_FILES_MIN")
+        raise ConfigError(
+            "bench.target",
+            bench.target,
+            f"a shell with an open-file limit of at least {least} (ulimit -n 4096), which the engines inherit",
+            f"its engines (python -m rlsync.serve, update.transport={trainer.update.transport}) would not start: "
+            f"each {err.problem}, to receive its buffers as file descriptors",
+        ) from None
+    if root.trainer.lora.rank:  # a merging payload passes the rule above, but the bench builds no adapters
         raise ConfigError(
             "trainer.lora.rank",
             root.trainer.lora.rank,
-            "0 with bench.target=pause (its two models are built without adapters: it times full updates)",
-            "not allowed with bench.target=pause",
+            "0 with bench.target=stall (its two models are built without adapters: it times full updates)",
+            "not allowed with bench.target=stall",
         )
-    streams = serve_overrides(list(bench.engine_overrides)).get("serve.max_streams", ServeConfig().max_streams)
+    serve = ServeConfig(
+        **{k.removeprefix("serve."): v for k, v in serve_overrides(list(bench.engine_overrides)).items()}
+    )
+    for policy in bench.policies:  # each engine's policy, asked as that engine would ask it
+        update_policy_class(policy).check_config(replace(serve, update_policy=policy), root)
+    streams = serve.max_streams
     if bench.clients > streams:
         raise ConfigError(
             "bench.clients",
@@ -278,9 +347,15 @@ class BenchAppConfig(Config):
 
 
 RANKS_MAX = 1_000_000  # plan.ranks: well past the largest published training clusters (about 10^5 GPUs)
-# The transports plan.calibrate=true benchmarks (rlsync/plan/calibrate.py's grid). broadcast is not among them: its
-# copies cross torch.distributed, whose cost another model would have to describe (the planner predicts none for it)
-CALIBRATED_TRANSPORTS = ("direct", "ipc")
+
+
+def calibrated_transports() -> tuple[str, ...]:
+    """The transports plan.calibrate=true benchmarks (rlsync/plan/calibrate.py's grid): those whose class declares
+    `calibrated`. broadcast is not among them: its copies cross torch.distributed, whose cost another model would
+    have to describe (the planner predicts none for it)."""
+    return resolve("rlsync.update.base:transports_with")(calibrated=True)
+
+
 # plan.copy_gbps, plan.collective_gbps: a copy's or a link's bandwidth. CPUs copy at about 1 to 100 GB/s, an H200's
 # HBM3e 4.8 TB/s, NVLink 5 1.8 TB/s per GPU; 0.01 GB/s (10 MB/s) to 100000 GB/s (20x HBM3e) holds them all with
 # room, and outside it is a typo (1e-300 printed a floor of 0.00 GB/s and a 300-digit time)
@@ -327,7 +402,7 @@ class PlanConfig:
     changed_ratio: float = key(
         0.05,
         between(0, 1, "a share of the elements"),
-        "the share of engine-dtype elements one step changes, for the delta's predicted bytes (verl #7060: 4-8 % for Qwen3-0.6B)",
+        "the share of engine-dtype elements one step changes, for the predicted bytes of an update.payload that sends only the changed elements (verl #7060: 4-8 % for Qwen3-0.6B)",
     )
     step_s: Optional[float] = key(
         None,
@@ -347,12 +422,7 @@ class PlanConfig:
     )
     calibrate_transports: list[str] = key(
         ["direct", "ipc"],
-        list_of(
-            Rule(
-                lambda v: v in CALIBRATED_TRANSPORTS,
-                f"{', '.join(CALIBRATED_TRANSPORTS)} (the transports the calibration benchmarks; broadcast is not one)",
-            )
-        ),
+        ChoiceList("rlsync.config.apps:calibrated_transports", "the transports the calibration benchmarks"),
         "calibration: the transports benchmarked",
     )
 
@@ -366,11 +436,12 @@ class PlanConfig:
             )
         if self.calibration is not None:  # a name, or a file to read; with a fit the file it writes (may not exist)
             resolve("rlsync.plan.profiles:check_choice")(self)
-        if self.ranks > 1 and root.trainer.parallel == "none":
+        if self.ranks > 1 and not resolve("rlsync.trainer.parallel:parallel_class")(root.trainer.parallel).spans_ranks:
+            spanning = resolve("rlsync.trainer.parallel:parallels_with")(spans_ranks=True)
             raise ConfigError(
                 "trainer.parallel",
-                "none",
-                f"ddp, fsdp2 (with plan.ranks={self.ranks}: none is one process only)",
+                root.trainer.parallel,
+                f"{', '.join(spanning)} (with plan.ranks={self.ranks}: {root.trainer.parallel} is one process only)",
                 f"not allowed with plan.ranks={self.ranks}",
             )
 

@@ -18,6 +18,12 @@ from rlsync.config.help import help_keys
 from rlsync.config.schema import Config
 from rlsync.errors import CONF_DIR
 
+# Hydra deep-copies its repository, and with it the ConfigStore singleton holding every schema, once per composition
+# and once per config group --help lists (hydra/_internal/config_repository.py, CachingConfigRepository): ~3 s of a
+# `--help`, ~0.1 s of each composition. Nothing writes through that copy (ConfigStore.load copies the node it hands
+# out), so the copy may be the store itself.
+ConfigStore.__deepcopy__ = lambda self, memo: self
+
 CONFIG_PATH = "pkg://rlsync.conf"  # every entry point's @hydra.main: the YAML configs inside the package (rlsync/conf)
 
 

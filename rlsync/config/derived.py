@@ -25,7 +25,7 @@ def flat_engine_weights_choice(
 
     Auto is on wherever the engine can hold its weights as views into bucket-shaped flat buffers (one
     copy per update); off where it cannot: the engine says why (Engine.flat_weights_refusal), strategies
-    other than bucketed send no buckets, and with ipc plus rollout.sleep_level=2 the buffers would be shared
+    other than bucketed send no buckets, and with ipc plus rollout.release_level=2 the buffers would be shared
     memory the engine cannot free (UpdateConfig.check refuses an explicit true there).
     """
     if update.flat_engine_weights is not None:
@@ -38,10 +38,13 @@ def flat_engine_weights_choice(
     payload = resolve("rlsync.update.payload.base:payload_of")(update)
     if not payload.whole:
         return False, f"auto: off, the {payload.name} payload sends through a staging buffer (the engine decodes it)"
-    if rollout.sleep_level == 2 and resolve("rlsync.update.base:transport_class")(update.transport).flat_weights_shared:
+    if (
+        rollout.release_level == 2
+        and resolve("rlsync.update.base:transport_class")(update.transport).flat_weights_shared
+    ):
         return (
             False,
-            f"auto: off, with {update.transport} and rollout.sleep_level=2 the weights would be shared memory "
+            f"auto: off, with {update.transport} and rollout.release_level=2 the weights would be shared memory "
             "the engine cannot free",
         )
     if (

@@ -48,6 +48,21 @@ class Choices:
         return ", ".join(self.names())
 
 
+@dataclass(frozen=True)
+class ChoiceList(Choices):
+    """A non-empty list of the names at `provider`, each one of them (looked up when checked); `why` says
+    what the names are."""
+
+    why: str = ""
+
+    def ok(self, value: Any) -> bool:
+        return isinstance(value, (list, tuple)) and bool(value) and all(v in self.names() for v in value)
+
+    @property
+    def allowed(self) -> str:
+        return f"a non-empty list, each one of {', '.join(self.names())}{note(self.why)}"
+
+
 AnyRule = Union[Rule, Choices]
 
 

@@ -44,7 +44,7 @@ SECONDS = above(0, "seconds")
 COUNT = at_least(1)
 VERDICT_THRESHOLD = 0.03  # run.verdict_threshold: the update share of the step above which tuning it pays
 ENGINE_PLACEMENTS = ("rank0", "every_rank")  # rollout.placement: where data parallel's engines live
-SLEEP_LEVEL_MAX = 2  # rollout.sleep_level: 0 keeps, 1 offloads the weights to host, 2 frees them
+RELEASE_LEVEL_MAX = 2  # rollout.release_level: 0 keeps, 1 offloads the weights to host, 2 frees them
 KL_COEF_MAX = 1000.0  # trainer.kl_coef: typical weights are 1e-3 to 1; 1e308 turns the loss into inf
 COPY_THREADS_MAX = 1024  # update.copy_threads: torch.set_num_threads(100000) crashes the process
 # run.steps, bench.repeats and their warm-ups: more than any published RL run (DeepSeek-R1-Zero: about 10^4 steps)
@@ -125,8 +125,17 @@ class ModelConfig:
             )
 
 
+def replaced_by_payload(key: str, value) -> tuple[str, str]:
+    """(problem, allowed) refusing a key update.payload replaced: the value of update.payload to write (the payload
+    package maps each old value: rlsync.update.payload.base.replaced_key)."""
+    return resolve("rlsync.update.payload.base:replaced_key")(key, value)
+
+
 @dataclass
 class UpdateConfig:
+    # Keys update.payload replaced, old leaf -> how to say what replaced it (rlsync.errors.renamed_key). Not a field.
+    renamed_keys = dict.fromkeys(("delta", "wire_dtype", "lora"), replaced_by_payload)
+
     enabled: bool = key(True, ANY, "false: skip the update (baseline step; stale engine for the log-prob check)")
     bucket_mb: float = key(
         512.0, mebibytes("the bucket's size"), "bucket size in MiB (512 = --update-weight-buffer-size 536870912)"
@@ -152,18 +161,11 @@ class UpdateConfig:
         "staging buffers in flight (2 overlaps pack and load)",
     )
     verify: bool = key(False, ANY, "checksum every engine tensor against the trainer after each update")
-    delta: bool = key(
-        False, ANY, "send only the elements whose engine-dtype value changed since the last update (the first is full)"
-    )
-    wire_dtype: Optional[str] = key(
-        None,
-        or_null(one_of(("float8_e4m3fn",))),
-        "null: the engine's dtype | float8_e4m3fn: 2-D weights in FP8 with a scale per 128x128 block (embeddings, lm_head, norms kept)",
-    )
-    lora: Optional[str] = key(
-        None,
-        or_null(one_of(("adapter", "merged"))),
-        "with trainer.lora.rank > 0: adapter: the engine holds base and adapters and receives the adapters only (the first update sends all) | merged: W + alpha/rank*BA merged in fp32, the whole model sent | null: adapter",
+    # The one key that chooses what each bucket carries; its choices are the payload registry's (docs/payloads.md)
+    payload: str = key(
+        "full",
+        choices("rlsync.update.payload.base:payload_names"),
+        "full: every element | delta: only the elements whose engine-dtype value changed since the last update (the first is full) | fp8: 2-D weights in FP8 with a scale per 128x128 block (embeddings, lm_head, norms kept) | with trainer.lora.rank > 0: lora: the engine holds base and adapters and receives the adapters only (the first update sends all) | lora_merged: W + alpha/rank*BA merged in fp32, the whole model sent",
     )
     flat_engine_weights: Optional[bool] = key(
         None,
@@ -182,7 +184,7 @@ class UpdateConfig:
         None,
         or_null(
             parsed_by(
-                "rlsync.update.remote:parse_address",
+                "rlsync.client.client:parse_address",
                 "HOST:PORT (port 1 to 65535; 0 lets python -m rlsync.serve pick a free one)",
             )
         ),
@@ -207,19 +209,7 @@ class UpdateConfig:
         "label of the framework scheme these knobs follow (set by scheme=NAME, rlsync/conf/scheme/); reports group by it",
     )
 
-    def fill(self, root: Config) -> None:
-        """Before any rule across keys: update.lora=null resolved (adapter when the trainer has adapters)."""
-        if self.lora is None and root.trainer.lora.rank > 0:
-            self.lora = "adapter"
-
     def check(self, root: Config) -> None:
-        if self.lora is not None and root.trainer.lora.rank == 0:
-            raise ConfigError(
-                "update.lora",
-                self.lora,
-                "null while trainer.lora.rank=0 (there are no adapters to send or merge: set trainer.lora.rank=16, say)",
-                "not allowed without LoRA",
-            )
         if self.source == "host" and root.trainer.offload == "none":
             raise ConfigError(
                 "update.source",
@@ -227,12 +217,13 @@ class UpdateConfig:
                 "device (source=host sends from the offloaded copy, which trainer.offload=none never makes)",
                 "not allowed with trainer.offload=none",
             )
-        if self.engine_address and self.transport != "broadcast":
+        if self.engine_address and not resolve("rlsync.update.base:transport_class")(self.transport).joins_address:
+            joining = resolve("rlsync.update.base:transports_with")(joins_address=True)
             raise ConfigError(
                 "update.transport",
                 self.transport,
-                "broadcast (an engine started on its own, at "
-                "update.engine_address, is joined through the broadcast transport)",
+                f"{', '.join(joining)} (an engine started on its own, at update.engine_address, is joined through "
+                "a transport whose class declares joins_address)",
                 "not allowed with update.engine_address",
             )
         if (
@@ -252,6 +243,11 @@ class UpdateConfig:
 
 @dataclass
 class RolloutConfig:
+    # Keys renamed, old -> new: refused in one line naming the new one (rlsync.errors.renamed_key). Not a field.
+    # sleep_level -> release_level: it is what the engine's `release` frees (vLLM's sleep levels), not the trainer's
+    # offload, which the docs and metrics call offload and onload.
+    renamed_keys = {"sleep_level": "release_level"}
+
     engine: str = key(
         "hf",
         choices("rlsync.engines.base:engine_names"),
@@ -264,10 +260,10 @@ class RolloutConfig:
     )
     temperature: float = key(1.0, at_least(0, "0 is greedy"), "sampling temperature (0: greedy)")
     dtype: str = key("bfloat16", DTYPE, "engine weights dtype")
-    sleep_level: int = key(
+    release_level: int = key(
         1,
-        between(0, SLEEP_LEVEL_MAX, "vLLM's sleep levels"),
-        "after generation, as vLLM's sleep: 0 keeps everything | 1 frees the KV cache, weights to host memory (back before the update) | 2 frees both (the update refills the weights)",
+        between(0, RELEASE_LEVEL_MAX, "vLLM's sleep levels"),
+        "what the engine's release frees after generation, as vLLM's sleep levels: 0 keeps everything | 1 frees the KV cache, weights to host memory (back before the update) | 2 frees both (the update refills the weights)",
     )
     placement: str = key(
         "rank0",
@@ -289,9 +285,9 @@ class RolloutConfig:
                 f"< model.max_position_embeddings={limit}",
                 "out of range",
             )
-        if self.sleep_level == 2 and not root.update.enabled:
+        if self.release_level == 2 and not root.update.enabled:
             raise ConfigError(
-                "rollout.sleep_level",
+                "rollout.release_level",
                 2,
                 "0, 1 (level 2 frees the weights, refilled only by the weight update, which update.enabled=false skips)",
                 "not allowed with update.enabled=false",
@@ -338,11 +334,13 @@ class LoraConfig:
         # the layers the targets name, on a meta build: linear ones the adapters wrap, a rank they can hold
         resolve("rlsync.model.lora:check_layers")(self, root.model)
         world = resolve("rlsync.config.launch:launched")()[1]
-        if world > 1 and root.trainer.parallel == "fsdp2":
+        if world > 1 and resolve("rlsync.trainer.parallel:parallel_class")(root.trainer.parallel).sharded:
+            whole = resolve("rlsync.trainer.parallel:parallels_with")(spans_ranks=True, sharded=False)
             raise ConfigError(
                 "trainer.parallel",
-                "fsdp2",
-                "ddp with trainer.lora.rank > 0 (the sharded update gathers whole tensors: adapters are not planned for it)",
+                root.trainer.parallel,
+                f"{', '.join(whole)} with trainer.lora.rank > 0 (the sharded update gathers whole tensors: adapters "
+                "are not planned for it)",
                 "not allowed with LoRA",
             )
 
@@ -393,25 +391,32 @@ class TrainerConfig:
 
     def check(self, root: Config) -> None:
         world = resolve("rlsync.config.launch:launched")()[1]
-        if world > 1 and self.parallel == "none":
+        if world <= 1:
+            return
+        parallel = resolve("rlsync.trainer.parallel:parallel_class")(self.parallel)  # its declared facts
+        if not parallel.spans_ranks:
+            spanning = resolve("rlsync.trainer.parallel:parallels_with")(spans_ranks=True)
             raise ConfigError(
-                "trainer.parallel", "none", f"ddp, fsdp2 (with {world} data-parallel ranks)", "not allowed"
+                "trainer.parallel",
+                self.parallel,
+                f"{', '.join(spanning)} (with {world} data-parallel ranks)",
+                "not allowed",
             )
-        if world > 1 and self.parallel == "fsdp2" and root.rollout.prompts_per_step % world:
+        if parallel.sharded and root.rollout.prompts_per_step % world:
             raise ConfigError(
                 "rollout.prompts_per_step",
                 root.rollout.prompts_per_step,
-                f"a multiple of the {world} ranks with trainer.parallel=fsdp2 (each forward is a collective: "
+                f"a multiple of the {world} ranks with trainer.parallel={self.parallel} (each forward is a collective: "
                 "every rank must run as many micro-batches)",
                 "out of range",
             )
-        if world > 1 and self.parallel == "fsdp2" and root.update.source == "host":
+        if parallel.sharded and root.update.source == "host":
             raise ConfigError(
                 "update.source",
                 "host",
-                "device with trainer.parallel=fsdp2 (the host copy holds this rank's shards; the update gathers "
-                "whole tensors from the live ones)",
-                "not allowed with trainer.parallel=fsdp2",
+                f"device with trainer.parallel={self.parallel} (the host copy holds this rank's shards; the update "
+                "gathers whole tensors from the live ones)",
+                f"not allowed with trainer.parallel={self.parallel}",
             )
 
 
@@ -443,7 +448,7 @@ class RunConfig:
     )
     limit_probe: str = key(
         "every_step",
-        choices("rlsync.measure.limits:PROBES"),
+        choices("rlsync.measure.floors:PROBES"),
         "every_step: re-measure the copy floors before each step, outside its timing (they drift with the load) | start: once, before step 0",
     )
     memory_check: bool = key(True, ANY, "refuse a run whose estimated peak memory exceeds the machine's (rlsync.check)")

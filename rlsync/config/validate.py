@@ -25,7 +25,7 @@ from rlsync.config.files import CONFIG_JSON_MAX, UnreadableFile, read_json
 from rlsync.config.launch import launched
 from rlsync.config.rules import resolve
 from rlsync.config.schema import Config
-from rlsync.errors import CONF_DIR, ConfigError
+from rlsync.errors import CONF_DIR, ConfigError, renamed_key
 from rlsync.fmt import is_number
 
 OPEN_FILES_MIN, OPEN_FILES_WANTED = 256, 4096  # an engine process's file descriptors: refused below, raised to
@@ -36,10 +36,12 @@ TOKENIZER_FILES = (
     "vocab.json",
     "vocab.txt",
 )  # one of them: AutoTokenizer loads it
+# What a data-parallel run is built and tested with, by key: the names, or a function returning them (the
+# transports whose class declares `data_parallel`)
 DATA_PARALLEL_SUPPORTED = {
-    "update.transport": ("direct", "ipc"),
+    "update.transport": lambda: resolve("rlsync.update.base:transports_with")(data_parallel=True),
     "rollout.engine": ("hf",),
-}  # what a data-parallel run is built and tested with
+}
 
 
 def checked_config(dcfg, schema: type = Config):
@@ -76,9 +78,10 @@ def check_known_keys(node, schema: type, prefix: str = "") -> None:
         if not prefix and key == "hydra":
             continue
         if key not in hints:
-            raise ConfigError(
+            value = OmegaConf.to_container(node, resolve=False).get(key)
+            raise renamed_key(schema, prefix + str(key), value) or ConfigError(
                 prefix + str(key),
-                OmegaConf.to_container(node, resolve=False).get(key),
+                value,
                 ", ".join(f.name for f in fields(schema)),
                 "unknown key",
             )
@@ -96,7 +99,6 @@ def validate(cfg, *, types: bool = True) -> None:
         if not rule.ok(value):
             allowed = rule.allowed.replace("a number", "an integer") if hint is int else rule.allowed
             raise ConfigError(key, value, allowed, "out of range" if is_number(value) else "not allowed")
-    cfg.update.fill(cfg)  # update.lora=null resolved: the payload below depends on it
     engine = resolve("rlsync.engines.base:engine_class")(cfg.rollout.engine)
     engine.check_config(cfg)  # the engine's own rules across keys (Engine.check_config)
     resolve("rlsync.update.payload.base:payload_of")(cfg.update).check_config(
@@ -280,6 +282,7 @@ def check_data_parallel(cfg) -> None:
             "out of range",
         )
     for key, needed in DATA_PARALLEL_SUPPORTED.items():
+        needed = needed() if callable(needed) else needed
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if value not in needed:

@@ -114,7 +114,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     A host source bound for a CUDA destination of another dtype is sent in its own dtype and cast on
     the device: torch's `copy_` would cast on the CPU first, into a pageable temporary, and send that
     synchronously (aten/src/ATen/native/cuda/Copy.cu: "Type conversions are performed on the CPU for
-    CPU-GPU copies"). The source's bytes cross the link, as rlsync.measure.limits counts them for source=host;
+    CPU-GPU copies"). The source's bytes cross the link, as rlsync.measure.floors counts them for source=host;
     the device holds the sent tensor until the cast is done (the caching allocator frees it after).
     """
     if dst.device.type == "cuda" and src.device.type == "cpu" and src.dtype != dst.dtype:

@@ -149,7 +149,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("perf/update_weights_pack_time", "pack", "s", Merge.SLOWEST),  # the update's split, where the
     Metric("perf/update_weights_transfer_time", "transfer", "s", Merge.SLOWEST),  # transport can tell them apart
     Metric("perf/update_weights_load_time", "load", "s", Merge.SLOWEST),
-    # update.delta=true: the compare and encode per bucket, the full update's bytes, the share that changed
+    # update.payload other than full: its encode per bucket, the full update's bytes, the share that changed
+    # (each payload class declares which it adds: Payload.metrics)
     Metric("perf/update_weights_encode_time", "encode", "s", Merge.SLOWEST),
     # a payload other than full against its own floors: the bytes its class declares (Payload.floor) over the
     # copy bandwidth probed in the same run; the decode is the engine's side (the transport's load)
@@ -160,6 +161,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("perf/update_weights_decode_efficiency", "decode efficiency (floor/time)", "ratio"),
     Metric("perf/update_weights_full_bytes", "full update bytes", "bytes"),
     Metric("perf/update_weights_changed_ratio", "changed share", "ratio"),
+    Metric("perf/update_weights_sent_limit_time", "copy floor of what crossed", "s"),  # the floor scaled by sent/full
     # trainer.parallel=fsdp2: the full tensors gathered from the shards, inside the update (update/gather.py)
     Metric("perf/update_weights_gather_time", "gather", "s", Merge.SLOWEST),
     Metric("perf/update_weights_gather_bytes", "gathered bytes", "bytes"),
@@ -169,6 +171,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("perf/update_weights_copy_limit_time", "copy floor", "s"),  # the update's copy alone, without the gather
     Metric("perf/update_weights_copy_efficiency", "copy efficiency (floor/time)", "ratio"),
     Metric("update/verified_engines", "engines verified", merge=Merge.SUM),
+    # a payload that merges LoRA's adapters into the weights: how far the engine's land from W + s*BA (Payload.after_update)
+    Metric("update/lora_merge_error", "LoRA merge error (fp32, then cast)", "ratio"),
+    Metric("update/lora_merge_error_in_dtype", "LoRA merge error (in the engine's dtype)", "ratio"),
+    Metric("update/lora_merge_differ_ratio", "LoRA merged elements that differ", "ratio"),
+    Metric("perf/lora_merge_error_time", "LoRA merge error check", "s", Merge.SLOWEST),  # after the update, outside it
     # from the previous rollout's last token to this one's first: release, onload, log-probs, train, update,
     # offload, what runs between steps, resume (each its own metric); from the second step on
     Metric("perf/engine_idle_time", "engine idle", "s", Merge.SLOWEST),  # update.verify: one per rank's engine

@@ -43,7 +43,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from rlsync.check.estimate import DTYPE_BYTES
-from rlsync.config.apps import CALIBRATED_TRANSPORTS, BenchAppConfig
+from rlsync.config.apps import BenchAppConfig, calibrated_transports
 from rlsync.config.files import SUMMARY_MAX, UnreadableFile, read_json
 from rlsync.config.schema import Config
 from rlsync.errors import ConfigError, RlsyncError
@@ -108,7 +108,7 @@ def model_keys(name: str) -> dict:
 # (model, transport, strategy, bucket_mb): the grid; small buckets give many calls for few bytes
 GRID = [
     (model, transport, strategy, bucket_mb)
-    for transport in CALIBRATED_TRANSPORTS  # plan.calibrate_transports picks among them
+    for transport in calibrated_transports()  # plan.calibrate_transports picks among them
     for model, strategy, bucket_mb in (
         ("tiny", "bucketed", 512),
         ("deep", "bucketed", 512),
@@ -160,7 +160,7 @@ def bench_config(
         verify=False,
         engine_address=None,
     )
-    keep["rollout"]["sleep_level"] = 1  # a bench never sleeps the engine; level 2 would refuse flat ipc weights
+    keep["rollout"]["release_level"] = 1  # a bench never sleeps the engine; level 2 would refuse flat ipc weights
     merged = OmegaConf.merge(
         base,
         keep,
@@ -464,8 +464,8 @@ def duration_line(jobs: list[tuple]) -> str:
 def calibrate_hint() -> str:
     """How to measure this machine, with the real durations (the reference calibration's jobs, timed)."""
     ref = profiles.reference()
-    full = estimate_seconds(grid(quick=False, flat=True, transports=("direct", "ipc")), ref)
-    quick = estimate_seconds(grid(quick=True, flat=True, transports=("direct", "ipc")), ref)
+    full = estimate_seconds(grid(quick=False, flat=True, transports=calibrated_transports()), ref)
+    quick = estimate_seconds(grid(quick=True, flat=True, transports=calibrated_transports()), ref)
     if full is None or quick is None:
         return "python -m rlsync.plan plan.calibrate=true measures this machine"
     cpus = (ref.get("machine") or {}).get("cpus", "?")

@@ -21,7 +21,7 @@ def _collective_rank(rank: int, world: int, port: int, nbytes: int, small: int, 
     import torch
     import torch.distributed as dist
 
-    from rlsync.measure.limits import GatherFloor
+    from rlsync.measure.floors import GatherFloor
     from rlsync.update.broadcast import HOST
 
     torch.set_num_threads(1)  # two ranks on two cores: one each, as a data-parallel CPU launch runs them
@@ -47,7 +47,7 @@ def measure_collective(
 ) -> dict:
     """An all-gather's bus bandwidth and per-call latency on this machine: `ranks` spawned processes in a
     gloo group over loopback (a TCP store this process hosts on a free port), each running the run's
-    all-gather floor (rlsync.measure.limits.GatherFloor). Bus bandwidth = what each rank receives, (N-1)/N
+    all-gather floor (rlsync.measure.floors.GatherFloor). Bus bandwidth = what each rank receives, (N-1)/N
     of the gathered bytes, per second: the figure the planner divides (N-1)/N of the update's bytes by
     (cost.gather_seconds). Raises RuntimeError past `timeout_s` or when a rank fails."""
     import datetime

@@ -172,7 +172,7 @@ def write(paths: list[str], out: Optional[Path], tolerance: float = TOLERANCE) -
             "",
             "predicted: the plan's time, from the calibration's absolute bandwidth (its range: the fit's worst residual or "
             "the repeats' spread). At the bench's copy floor: the same model fitted with bytes in units of each run's copy "
-            "floor (rlsync.measure.limits, re-timed beside every repeat), evaluated at the floor the benchmark measured: what the "
+            "floor (rlsync.measure.floors, re-timed beside every repeat), evaluated at the floor the benchmark measured: what the "
             "plan predicts once the machine's floor at that moment is known (plan.copy_gbps).",
         ]
     )

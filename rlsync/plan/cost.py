@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from rlsync.check.estimate import DTYPE_BYTES  # bytes per element of each trainer / engine dtype
+from rlsync.trainer.parallel import parallel_class
 from rlsync.update.base import Transport, transport_class, transport_names
 
 TERMS = ("per_call_s", "per_tensor_s", "per_byte_s")
@@ -68,7 +69,7 @@ def moved_bytes(setup: Setup, elements: int, trainer_dtype: str, engine_dtype: s
     """Bytes read + written by the update's copies that reach memory: the first converts trainer ->
     engine dtype, the others copy the engine dtype. `cached`: elements of the units (tensors for
     per_tensor, buckets otherwise) whose staging fits in half the CPU's last-level cache
-    (rlsync.measure.limits.cache_resident_elements): the second copy reads those from the cache the first
+    (rlsync.measure.floors.cache_resident_elements): the second copy reads those from the cache the first
     just wrote them to, so that read is not counted (experiments/sizing/README.md, "Measurements
     behind the cost model")."""
     t, e = DTYPE_BYTES[trainer_dtype], DTYPE_BYTES[engine_dtype]
@@ -161,7 +162,7 @@ class Observation:
     time_s: float  # median over the timed repeats
     spread: float = 0.0  # (max - min) / 2 / median
     floor_s_per_byte: Optional[float] = (
-        None  # the run's own copy floor: seconds per byte read + written (rlsync.measure.limits)
+        None  # the run's own copy floor: seconds per byte read + written (rlsync.measure.floors)
     )
     source: str = ""  # where it came from (a run dir)
     model: str = ""
@@ -239,5 +240,6 @@ def gather_seconds(trainer_bytes: int, ranks: int, collective_gbps: float) -> fl
 
 
 def per_rank_state_bytes(state_bytes: int, ranks: int, parallel: str) -> int:
-    """The trainer state one rank holds (and offloads): all of it under ddp, 1/N of it under fsdp2 (up to padding)."""
-    return -(-state_bytes // ranks) if parallel == "fsdp2" and ranks > 1 else state_bytes
+    """The trainer state one rank holds (and offloads): all of it under ddp, 1/N of it where trainer.parallel's
+    class declares `sharded` (fsdp2; up to padding)."""
+    return -(-state_bytes // ranks) if ranks > 1 and parallel_class(parallel).sharded else state_bytes

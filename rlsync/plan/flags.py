@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from rlsync.fmt import MIB, fmt_bytes, fmt_share
+from rlsync.trainer.parallel import parallel_class, parallels_with
 
 
 def flags(plan: dict, configured: dict) -> list[dict]:
@@ -99,9 +100,14 @@ def does_not_fit(mem: dict, cuda: bool) -> Optional[dict]:
         "bytes": max(run or 0, alone),
         "capacity_bytes": capacity,
         "message": f"DOES NOT FIT in {where}: {'; '.join(parts)} (estimated, runtime not counted): the run's "
-        "memory check would refuse it; shard the trainer (trainer.parallel=fsdp2 over more ranks), or a "
+        f"memory check would refuse it; shard the trainer (trainer.parallel={sharding()} over more ranks), or a "
         "smaller model or dtype",
     }
+
+
+def sharding() -> str:
+    """The trainer.parallel value that shards the trainer's state over the ranks (its class declares `sharded`)."""
+    return parallels_with(spans_ranks=True, sharded=True)[0]
 
 
 def does_not_fit_ranks(mem: dict, cuda: bool) -> Optional[dict]:
@@ -117,8 +123,8 @@ def does_not_fit_ranks(mem: dict, cuda: bool) -> Optional[dict]:
     each = f"rank 0 needs {fmt_bytes(rank0[key])}, each other rank {fmt_bytes(other[key])}"
     what = f"{each} per device" if cuda else f"its {r['ranks']} ranks need {fmt_bytes(need)} together ({each})"
     fix = (
-        "trainer.parallel=fsdp2 shards the state over the ranks"
-        if r["parallel"] == "ddp"
+        f"trainer.parallel={sharding()} shards the state over the ranks"
+        if not parallel_class(r["parallel"]).sharded
         else "more ranks (plan.ranks)" + ("" if cuda else ", on more machines")
     )
     return {

@@ -19,7 +19,7 @@ from rlsync.config.derived import flat_engine_weights_choice
 from rlsync.config.schema import VERDICT_THRESHOLD, Config, ModelConfig
 from rlsync.errors import CONF_DIR, BadInput, ConfigError
 from rlsync.fmt import MIB
-from rlsync.measure.limits import cache_resident_elements
+from rlsync.measure.floors import cache_resident_elements
 from rlsync.measure.threads import pooled
 from rlsync.model.architecture import layout_plan, model_shapes
 from rlsync.model.build import torch_dtype
@@ -297,7 +297,7 @@ def make_plan(
         },
         "gather": gathered,
     }
-    plan["kinds"] = kinds(cfg, p.plan(u.bucket_mb), model_shapes(cfg.model), p.floor_gbps)  # full, fp8, delta, LoRA
+    plan["kinds"] = kinds(cfg, p.plan(u.bucket_mb), model_shapes(cfg.model), p.floor_gbps)  # each payload's row
     # the update's share of plan.step_s (with an fsdp2 gather, the gather and the copy), and what the figure spans
     plan["verdict"] = plan_verdict(cfg, (gathered or {}).get("whole_update") or prediction)
     plan["flags"] = flags(plan, configured)

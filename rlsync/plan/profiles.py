@@ -139,7 +139,7 @@ def machine_now(device: str = "cpu") -> dict:
         info["gpu"] = torch.cuda.get_device_name(device)
         info["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
     else:  # the CPU copies' cache: the plan counts the bytes a staged copy reads back from it (cost.moved_bytes)
-        from rlsync.measure.limits import llc_bytes
+        from rlsync.measure.floors import llc_bytes
 
         info["llc_bytes"] = llc_bytes()
     try:

@@ -13,6 +13,7 @@ from typing import Optional
 from rlsync.check.estimate import Ranks, rank_estimate
 from rlsync.config.schema import Config
 from rlsync.plan import cost
+from rlsync.trainer.parallel import parallel_class
 from rlsync.update.gather import GATHER_MODES
 
 
@@ -54,7 +55,7 @@ def gather_plan(
     cfg = p.cfg
     parallel, mode = cfg.trainer.parallel, cfg.update.gather
     out = {"ranks": ranks, "parallel": parallel, "mode": mode, "trainer_dtype": cfg.trainer.dtype}
-    if ranks <= 1 or parallel != "fsdp2":
+    if ranks <= 1 or not parallel_class(parallel).sharded:
         held = "one process holds" if ranks <= 1 else f"trainer.parallel={parallel}: every rank holds"
         return {**out, "applies": False, "why": f"{held} the whole model: nothing to gather", "time_s": 0.0}
     bw = collective["bus_gbps"] if collective else None

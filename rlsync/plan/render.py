@@ -5,6 +5,7 @@ from __future__ import annotations
 from rlsync.fmt import fmt_bytes, fmt_seconds, fmt_share, markdown_table
 from rlsync.plan import cost
 from rlsync.plan.kinds import kinds_lines
+from rlsync.trainer.parallel import parallel_class
 
 
 def gather_lines(plan: dict) -> list[str]:
@@ -14,7 +15,7 @@ def gather_lines(plan: dict) -> list[str]:
         return []
     if not g["applies"]:
         return [f"Gather from shards: none ({g['why']})"]
-    head = f"Gather from shards (trainer.parallel=fsdp2, {g['ranks']} ranks, update.gather={g['mode']})"
+    head = f"Gather from shards (trainer.parallel={g['parallel']}, {g['ranks']} ranks, update.gather={g['mode']})"
     n = g["collectives"]
     calls = (
         f"{n} all-gather{'s' if n != 1 else ''} of up to {fmt_bytes(g['call_bytes'])}"
@@ -72,7 +73,7 @@ def per_rank_line(plan: dict) -> list[str]:
             return f"device {fmt_bytes(x['device_bytes'])} ({', '.join(parts)}), host {fmt_bytes(x['host_bytes'])}"
         return f"{fmt_bytes(x['host_bytes'])} ({', '.join(parts)})"
 
-    share = f"1/{r['ranks']} of the state each" if r["parallel"] == "fsdp2" else "the whole state each"
+    share = f"1/{r['ranks']} of the state each" if parallel_class(r["parallel"]).sharded else "the whole state each"
     tail = "" if cuda else f"; all {r['ranks']} ranks on this machine {fmt_bytes(r['all_ranks_host_bytes'])}"
     return [
         f"Memory per rank ({r['ranks']} ranks, trainer.parallel={r['parallel']}: {share}; rollout.placement="

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import statistics
-from typing import Optional
 
 from rlsync.errors import show
 from rlsync.fmt import fmt_bytes, fmt_range, fmt_seconds, fmt_share, fmt_sig, fmt_spread, markdown_table
 from rlsync.measure import metrics
 from rlsync.measure.threads import assumed_quiet, load_warning
+from rlsync.update.payload import recorded_class
 
 
 def stats_over(rows: list[dict], warmup_steps: int) -> dict[str, dict[str, float]]:
@@ -53,16 +53,6 @@ def engine_idle(rows: list[dict], warmup_steps: int) -> dict | None:
         "unaccounted": spread([idle - sum(parts.values()) for idle, parts in intervals]),
         "intervals": len(intervals),
     }
-
-
-def swap_phrase(policy: str, pointer: Optional[float]) -> str:
-    """How an update reached a standalone engine's weights under serve.update_policy (the pause
-    bench's and the report's "swap" column); `pointer` is pause/<policy>/swap_pointer's median."""
-    if policy == "pause":
-        return "paused receive"
-    if pointer is None:
-        return "n/a"
-    return "pointer swap" if pointer else "local copy"
 
 
 IDLE_PARTS_SHOWN = 3  # the closing table's and the report's largest parts of the idle time
@@ -184,27 +174,19 @@ def verdict(
             f"({fmt_share(others.get(largest, 0))} of the step).{sent}"
         )
     efficiency = stats.get("perf/update_weights_efficiency", {}).get("median")
-    at_limit = f", at {fmt_sig(efficiency)} of the copy floor" if efficiency else ""
+    at_floor = f", at {fmt_sig(efficiency)} of the copy floor" if efficiency else ""
     units = stats["perf/update_weights_buckets"]["median"]
     how = (
         f"strategy=per_tensor ({units:.0f} tensors, one copy each)"
         if setup["strategy"] == "per_tensor"
         else f"strategy={setup['strategy']}, bucket {setup['bucket_mb']:g} MiB ({units:.0f} buckets)"
     )
-    return f"{share_verdict(update, threshold)}. This run used transport={setup['transport']}, {how}{at_limit}.{sent}"
-
-
-PAYLOAD_PHRASES = {  # what the closing line calls each payload other than full
-    "delta": "Delta (update.delta=true)",
-    "fp8": "FP8 on the wire (update.wire_dtype=float8_e4m3fn)",
-    "lora_adapter": "LoRA adapters only (update.lora=adapter; the first update also sent the base)",
-    "lora_merged": "LoRA merged in fp32 (update.lora=merged)",
-}
+    return f"{share_verdict(update, threshold)}. This run used transport={setup['transport']}, {how}{at_floor}.{sent}"
 
 
 def payload_line(stats: dict, payload: str | None) -> str | None:
-    """A payload other than full (update.delta, update.wire_dtype, update.lora): the bytes that crossed
-    against the full update's, the share of elements that changed (a delta) and the encoding's time
+    """A payload other than full (update.payload, as its class calls itself): the bytes that crossed
+    against the full update's, the share of elements that changed (a payload that compares) and the encoding's time
     (medians over the measured updates); None for a full update."""
     full = stats.get("perf/update_weights_full_bytes", {}).get("median")
     if not full:
@@ -213,7 +195,8 @@ def payload_line(stats: dict, payload: str | None) -> str | None:
     changed = stats.get("perf/update_weights_changed_ratio")
     encode = stats.get("perf/update_weights_encode_time", {}).get("median")
     took = f"; encoding took {fmt_seconds(encode)} of the update" if encode is not None else ""
-    what = PAYLOAD_PHRASES.get(payload or "", f"The {payload} payload")
+    cls = recorded_class(payload)  # a run recorded before update.payload: its name then
+    what = cls.phrase() if cls is not None else f"The {payload} payload"
     if changed:
         what += f": {fmt_share(changed['median'])} of the elements changed per update (median),"
     else:

@@ -1,11 +1,11 @@
-"""Trainer offload ("sleep") and onload ("wake up") in a few large copies.
+"""Trainer offload and onload (the trainer's state to host memory and back) in a few large copies.
 
 The trainer's parameters, gradients and optimizer state are laid out once, at start-up, in a few
-flat buffers ("segments": consecutive tensors of one dtype) that the tensors are views of. Sleep and
-wake-up then copy whole segments, never tensor by tensor, and the model, the optimizer and autograd
+flat buffers ("segments": consecutive tensors of one dtype) that the tensors are views of. Offload and
+onload then copy whole segments, never tensor by tensor, and the model, the optimizer and autograd
 keep their tensor objects throughout (twin keeps their storage too; move re-points them with
 `.data`). Order within a dtype: parameters, optimizer state, gradients.
-`drop_grads` leaves the gradients out of the copies and zeroes them on wake-up: the trainer zeroes
+`drop_grads` leaves the gradients out of the copies and zeroes them on onload: the trainer zeroes
 them before every backward anyway, so they carry nothing across steps (a quarter of an fp32 AdamW
 state).
 
@@ -18,9 +18,9 @@ Two ways to hold the state (`memory`, the config's trainer.offload_memory; `auto
   PyTorch's caching host allocator rounds every pinned block up to a power of two and keeps it
   cached for the life of the process (CachingHostAllocator: `PowerOf2Ceil`), so one 9.5 GB twin
   pins 16 GiB, and one huge cudaHostAlloc is slow and holds the driver's lock. `empty_host_cache`
-  hands freed blocks back between jobs. Sleep is one asynchronous copy per chunk and
+  hands freed blocks back between jobs. Offload is one asynchronous copy per chunk and
   a single synchronize; on CUDA the device storage is then resized to 0 (every view stays valid
-  metadata) and the allocator's cache emptied, so the engine really gets the memory; wake-up
+  metadata) and the allocator's cache emptied, so the engine really gets the memory; onload
   re-allocates the same storage and copies back. Cost: host memory = the whole travelling state, all
   the time, beside the device copy. On a CPU, where the "device" is host RAM too, that is the state
   twice: Qwen3-0.6B's fp32 AdamW state is 9.5 GB, so 19 GB before the engine and activations, which
@@ -35,8 +35,8 @@ Two ways to hold the state (`memory`, the config's trainer.offload_memory; `auto
   holds another 9.5 GB. On a CPU the released source is the next segment's destination, so the
   spares are allocated and touched once and every step's copies hit resident pages: memcpy speed,
   as fast as twin's one copy per dtype (rlsync.bench.offload measures both). On CUDA nothing is
-  kept: each sleep allocates pageable host buffers and frees the device ones (empty_cache), each
-  wake-up the reverse: host memory only while asleep, for pageable, synchronous copies.
+  kept: each offload allocates pageable host buffers and frees the device ones (empty_cache), each
+  onload the reverse: host memory only while offloaded, for pageable, synchronous copies.
 
 AdamW creates its state lazily in its first step; we create it up front, exactly as that first
 step would (zeros, step 0), so the layout and the buffers exist before step 0 and the first steps
@@ -150,7 +150,7 @@ class Segment:
     """Consecutive tensors of one dtype viewing one byte buffer: the unit that moves."""
 
     dtype: torch.dtype
-    travels: bool  # copied by sleep/wake (False: gradients under drop_grads)
+    travels: bool  # copied by offload/onload (False: gradients under drop_grads)
     slots: list[SegmentSlot]
     numel: int
     capacity: int  # bytes of its buffer (>= nbytes: move mode rounds segments up to shared sizes)
@@ -276,7 +276,7 @@ def adam_step(group: dict, p: torch.Tensor) -> torch.Tensor:
 
 
 class Offloader:
-    """Moves the trainer's state to host memory (`sleep`) and back (`wake_up`); see the module doc."""
+    """Moves the trainer's state to host memory (`offload`) and back (`onload`); see the module doc."""
 
     def __init__(
         self,
@@ -296,7 +296,7 @@ class Offloader:
         )
         self.memory = resolve_memory(memory, device)
         self.segment_bytes, self.pin_chunk_bytes = segment_bytes, pin_chunk_bytes
-        # what does not travel (twin: the whole device side; move: dropped gradients) is freed while asleep
+        # what does not travel (twin: the whole device side; move: dropped gradients) is freed while offloaded
         self.free_device = device.type == "cuda" if free_device is None else free_device
         self.pinned = device.type == "cuda" and self.memory == "twin"
         self.host = torch.device("cpu")
@@ -304,7 +304,7 @@ class Offloader:
         self.segments: list[Segment] = []
         self.slots: dict[int, tuple[Segment, SegmentSlot]] = {}  # id(tensor) -> where it lives
         self.spares: dict[int, list[torch.Tensor]] = defaultdict(list)  # capacity -> free uint8 buffers
-        self.asleep = False
+        self.offloaded = False
         self.info: dict = {"mode": mode}
         if mode == "none":
             return
@@ -329,7 +329,7 @@ class Offloader:
                 "twin_chunks": sum(len(s.twin) for s in self.segments),  # host allocations (pinned on CUDA)
                 "largest_twin_chunk_bytes": max((c.host.numel() for s in self.segments for c in s.twin), default=0),
                 "device_bytes": self.state_bytes,
-                "host_bytes": sum(s.nbytes for s in self.segments if s.travels),  # on the host while asleep
+                "host_bytes": sum(s.nbytes for s in self.segments if s.travels),  # on the host while offloaded
                 # memory beyond the state itself: the host twins, or move's spares and segment slack
                 "extra_bytes": twin_bytes
                 if self.memory == "twin"
@@ -439,9 +439,9 @@ class Offloader:
         return sum(s.nbytes for s in self.segments if s.travels)
 
     @torch.no_grad()
-    def sleep(self) -> int:
+    def offload(self) -> int:
         """Move the state to the host and free the device side. Returns bytes moved."""
-        if self.mode == "none" or self.asleep:
+        if self.mode == "none" or self.offloaded:
             return 0
         if self.memory == "twin":
             for s in self.segments:
@@ -462,13 +462,13 @@ class Offloader:
         if self.device.type == "cuda":
             synchronize(self.device)
             torch.cuda.empty_cache()
-        self.asleep = True
+        self.offloaded = True
         return self.travelling_bytes
 
     @torch.no_grad()
-    def wake_up(self) -> int:
+    def onload(self) -> int:
         """Bring the state back to the device; zero dropped gradients. Returns bytes moved."""
-        if self.mode == "none" or not self.asleep:
+        if self.mode == "none" or not self.offloaded:
             return 0
         for s in self.segments:
             if self.free_device and (self.memory == "twin" or not s.travels):
@@ -486,12 +486,12 @@ class Offloader:
                 self._release(source)
                 del source  # on CUDA: the pageable host buffer is freed here
         synchronize(self.device)
-        self.asleep = False
+        self.offloaded = False
         return self.travelling_bytes
 
     def host_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The host copies of `weights` (valid while asleep): what `update.source=host` sends from."""
-        if not self.asleep:
+        """The host copies of `weights` (valid while offloaded): what `update.source=host` sends from."""
+        if not self.offloaded:
             raise RuntimeError(
                 "update.source=host needs the trainer offloaded first (trainer.offload=full or drop_grads)"
             )
@@ -517,22 +517,23 @@ def device_memory_gb(device: torch.device) -> float | None:
     return torch.cuda.memory_reserved(device) / 1e9
 
 
-def link_metrics(m: dict, limits) -> dict[str, float]:
-    """perf/{sleep,wake_up}_{gbps,limit_time,efficiency} from their _time and _bytes in `m`.
+def link_metrics(m: dict, floors) -> dict[str, float]:
+    """perf/{sleep,wake_up}_{gbps,floor_time,efficiency} (the offload's and the onload's metric keys) from their
+    _time and _bytes in `m`.
 
-    The limit is the payload over the one-way copy bandwidth measured in the same run (`limits.to_host`,
-    `limits.to_device`: pinned PCIe on CUDA, memcpy on a CPU); efficiency = floor / time (1 = at the floor).
+    The floor is the payload over the one-way copy bandwidth measured in the same run (`floors.to_host`,
+    `floors.to_device`: pinned PCIe on CUDA, memcpy on a CPU); efficiency = floor / time (1 = at the floor).
     """
     out = {}
-    for phase, bandwidth in (("sleep", limits.to_host), ("wake_up", limits.to_device)):
+    for phase, bandwidth in (("sleep", floors.to_host), ("wake_up", floors.to_device)):
         nbytes, seconds = m.get(f"perf/{phase}_bytes", 0), m.get(f"perf/{phase}_time")
         if nbytes and seconds:
-            limit = nbytes / bandwidth
+            floor = nbytes / bandwidth
             out.update(
                 {
                     f"perf/{phase}_gbps": nbytes / seconds / 1e9,
-                    f"perf/{phase}_limit_time": limit,
-                    f"perf/{phase}_efficiency": limit / seconds,
+                    f"perf/{phase}_limit_time": floor,
+                    f"perf/{phase}_efficiency": floor / seconds,
                 }
             )
     return out

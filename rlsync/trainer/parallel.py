@@ -15,7 +15,9 @@ and `update.transport` keep theirs.
 Both wrappers average the ranks' gradients; each rank's loss is its part of the whole batch's token
 mean, so `loss_scale` multiplies it by the ranks: the average is then the sum, the one-process gradient.
 
-Adding one: subclass `Parallel` and `register_parallel("mine", "mypackage.mine:Mine")`.
+Adding one: subclass `Parallel` and `register_parallel("mine", "mypackage.mine:Mine")`. What validation, the
+memory check and the planner need to know of it, it declares on its class (`spans_ranks`, `sharded`,
+`grad_buckets`), so no module names a mode.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ import contextlib
 import warnings
 from collections.abc import Iterator, Mapping
 from functools import partial
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from rlsync.measure.limits import GatherFloor
+from rlsync.measure.floors import GatherFloor
 from rlsync.model.architecture import Entry, update_tensors
 from rlsync.registry import Registry
 from rlsync.update.buckets import Bucket
@@ -38,7 +41,12 @@ from rlsync.update.gather import GatherBuffers, ShardedWeights, gather_shards
 class Parallel:
     """One process's part of the trainer's parallelism; the base class is the single process (`none`)."""
 
-    sharded = False  # whether the weights are shards the update gathers
+    # What validation, the memory check and the planner know of a mode without naming it.
+    spans_ranks: ClassVar[bool] = False  # runs data-parallel launches (the base: one process only)
+    # weights, gradients and AdamW state are shards over the ranks: each rank holds 1/N of the state, the update
+    # gathers whole tensors, and every forward is a collective (each rank must run as many micro-batches)
+    sharded: ClassVar[bool] = False
+    grad_buckets: ClassVar[bool] = False  # holds a copy of the gradients in its all-reduce buckets (DDP's)
 
     def __init__(self, world: int, device: torch.device):
         self.world, self.device = world, device
@@ -79,6 +87,8 @@ class Parallel:
 class Ddp(Parallel):
     """accelerate's DistributedDataParallel: whole replicas, gradients all-reduced in the backward."""
 
+    spans_ranks = grad_buckets = True
+
     def wrap(self, model: nn.Module) -> nn.Module:
         from accelerate import Accelerator  # here: a single process never imports it
         from accelerate.utils import DistributedDataParallelKwargs
@@ -106,7 +116,7 @@ class Ddp(Parallel):
 class Fsdp2(Parallel):
     """torch's fully_shard over every rank: each decoder layer a unit, then the root (every forward reshards)."""
 
-    sharded = True
+    spans_ranks = sharded = True
     buffers: GatherBuffers | None = None  # the update's gather buffers (rlsync.update.gather), made at the first update
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -185,6 +195,11 @@ PARALLELS: Registry[Parallel] = Registry(
 register_parallel = PARALLELS.register
 parallel_names = PARALLELS.names  # the values trainer.parallel accepts
 parallel_class = PARALLELS.resolve
+
+
+def parallels_with(**facts: bool) -> tuple[str, ...]:
+    """The trainer.parallel values whose class declares each of `facts` (ClassVars of `Parallel`) so, in order."""
+    return tuple(name for name in PARALLELS if all(getattr(parallel_class(name), f) is v for f, v in facts.items()))
 
 
 def parallel_for(name: str, *, world: int, device: torch.device) -> Parallel:

@@ -1,4 +1,4 @@
-"""Trainer offload/onload: bit-exact round trips, training unchanged by sleep/wake, nothing copied by `none`."""
+"""Trainer offload/onload: bit-exact round trips, training unchanged by offload/onload, nothing copied by `none`."""
 
 from __future__ import annotations
 
@@ -7,31 +7,13 @@ import statistics
 
 import pytest
 import torch
-from conftest import FAST, ROOT, Tiny, read_jsonl, run_main
+from conftest import CPU, SMALL, SMALL_MODEL, Tiny, run_in_process, run_main
 
-from rlsync.config.schema import ModelConfig, TrainerConfig
+from rlsync.config.schema import TrainerConfig
 from rlsync.engines.base import Generation
 from rlsync.errors import ConfigError
 from rlsync.trainer.grpo import Trainer
 from rlsync.trainer.offload import Offloader, empty_host_cache, plan_pin_chunks, plan_segments, resolve_memory
-
-CPU = torch.device("cpu")
-TINY = ModelConfig(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=300,
-)
-SMALL_MODEL = [
-    "model.hidden_size=64",
-    "model.intermediate_size=128",
-    "model.num_hidden_layers=2",
-    "model.head_dim=16",
-    "model.vocab_size=300",
-]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -44,37 +26,19 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-def run_in_process(run_dir, *overrides: str) -> tuple[list[dict], dict]:
-    """One real run through the composed config and the runner, without a new interpreter: (rows, summary)."""
-    from hydra import compose, initialize_config_dir
-
-    from rlsync.config.compose import register_configs, to_config
-    from rlsync.config.validate import validate
-    from rlsync.run.loop import run_experiment
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = to_config(
-            compose(config_name="config", overrides=[*FAST, *SMALL_MODEL, "wandb.mode=disabled", *overrides])
-        )
-    validate(cfg)
-    run_experiment(cfg, run_dir, name="test", group="test")
-    return read_jsonl(run_dir / "metrics.jsonl"), json.loads((run_dir / "summary.json").read_text())
-
-
 def make_trainer(seed: int = 0) -> Trainer:
-    model = Tiny().build(model=TINY, seed=seed)
+    model = Tiny().build(model=SMALL, seed=seed)
     return Trainer(
         model,
         TrainerConfig(lr=1e-2, micro_batch_size=2),
-        allowed_ids=torch.ones(TINY.vocab_size, dtype=torch.bool),
+        allowed_ids=torch.ones(SMALL.vocab_size, dtype=torch.bool),
         temperature=1.0,
     )
 
 
 def make_batch(seed: int, batch: int = 4, prompt: int = 5, response: int = 6) -> tuple[Generation, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    seqs = torch.randint(0, TINY.vocab_size, (batch, prompt + response), generator=g)
+    seqs = torch.randint(0, SMALL.vocab_size, (batch, prompt + response), generator=g)
     response_mask = torch.ones(batch, response, dtype=torch.long)
     response_mask[0, -2:] = 0  # one answer ended early
     gen = Generation(
@@ -91,13 +55,13 @@ def make_batch(seed: int, batch: int = 4, prompt: int = 5, response: int = 6) ->
 def train(trainer: Trainer, steps: int, offloader: Offloader | None = None) -> None:
     for step in range(steps):
         if offloader is not None:
-            offloader.wake_up()
+            offloader.onload()
         gen, advantages = make_batch(step)
         trainer.train_step(gen, old_logp=trainer.log_probs(gen), advantages=advantages)
         if offloader is not None:
-            offloader.sleep()
+            offloader.offload()
     if offloader is not None:
-        offloader.wake_up()
+        offloader.onload()
 
 
 def state_of(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -120,7 +84,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-SEGMENT = 40 * 1024  # bytes: TINY's embedding (75 KiB) is over it, so move mode has oversized and packed segments
+SEGMENT = 40 * 1024  # bytes: SMALL's embedding (75 KiB) is over it, so move mode has oversized and packed segments
 # (and twin's host copy, pinned in chunks of at most this, has oversized and packed chunks too)
 # (memory, mode, free_device): twin as on CUDA and as on a CPU; move, the CPU default, with and without dropped grads
 LAYOUTS = [
@@ -151,7 +115,7 @@ def offloader_for(trainer: Trainer, memory: str, mode: str, free_device: bool | 
 def test_round_trip_is_bit_exact_and_keeps_tensor_objects(memory, mode, free_device):
     trainer = make_trainer()
     offloader = offloader_for(trainer, memory, mode, free_device)
-    train(trainer, 2, offloader)  # real sleep/wake cycles, then a step: real grads and AdamW moments
+    train(trainer, 2, offloader)  # real offload/onload cycles, then a step: real grads and AdamW moments
     gen, advantages = make_batch(9)
     trainer.train_step(gen, old_logp=trainer.log_probs(gen), advantages=advantages)
     before = {k: v.clone() for k, v in state_of(trainer).items()}
@@ -159,18 +123,18 @@ def test_round_trip_is_bit_exact_and_keeps_tensor_objects(memory, mode, free_dev
     assert any(k.endswith(".grad") and v.abs().sum() > 0 for k, v in before.items())
     assert any(k.endswith("exp_avg_sq") and v.abs().sum() > 0 for k, v in before.items())
 
-    moved = offloader.sleep()
+    moved = offloader.offload()
     grads = sum(v.numel() * v.element_size() for k, v in before.items() if k.endswith(".grad"))
     state = sum(v.numel() * v.element_size() for v in before.values() if v.dim() > 0)
     assert moved == (state if mode == "full" else state - grads)
-    assert offloader.sleep() == 0  # already asleep: nothing moves twice
-    for s in offloader.segments:  # what is freed while asleep: twin's device side, move's dropped grads if asked
+    assert offloader.offload() == 0  # already offloaded: nothing moves twice
+    for s in offloader.segments:  # what is freed while offloaded: twin's device side, move's dropped grads if asked
         freed = bool(free_device) and (memory == "twin" or not s.travels)
         assert s.buffer.untyped_storage().nbytes() == (0 if freed else s.capacity)
     host = offloader.host_weights(dict(trainer.model.named_parameters()))
     assert all(same_bits(host[name], before[name]) for name in host)  # update.source=host reads these
 
-    assert offloader.wake_up() == moved
+    assert offloader.onload() == moved
     after = state_of(trainer)
     assert {k: id(v) for k, v in after.items()} == objects
     for key, value in before.items():
@@ -190,7 +154,7 @@ def test_round_trip_is_bit_exact_and_keeps_tensor_objects(memory, mode, free_dev
         ("move", "drop_grads", None),
     ],
 )
-def test_training_through_sleep_wake_cycles_equals_training_without(memory, mode, free_device):
+def test_training_through_offload_onload_cycles_equals_training_without(memory, mode, free_device):
     reference = make_trainer()
     train(reference, 4)
     cycled = make_trainer()
@@ -259,12 +223,12 @@ def test_twin_is_allocated_in_chunks_whose_views_are_the_host_weights():
         assert [(c.start, c.end) for c in s.twin] == plan_pin_chunks(sizes, SEGMENT)
         assert all(c.end - c.start <= SEGMENT or c.end - c.start in sizes for c in s.twin)
     assert offloader.info["largest_twin_chunk_bytes"] == max(c.host.numel() for c in chunks)
-    offloader.sleep()
+    offloader.offload()
     host = offloader.host_weights(weights)
     owners = {c.host.untyped_storage().data_ptr() for c in chunks}
     for name, t in host.items():  # each one a view of one chunk, holding the weight's bits
         assert same_bits(t, expected[name]) and t.untyped_storage().data_ptr() in owners, name
-    offloader.wake_up()
+    offloader.onload()
     offloader.close()  # drops the twins (and, on CUDA, hands torch's cached pinned blocks back)
     assert all(not s.twin for s in offloader.segments)
     empty_host_cache(CPU)  # a no-op off CUDA (torch's own call raises without an accelerator)
@@ -296,21 +260,21 @@ def test_move_segments_respect_the_cap_and_the_state_exists_once():
     assert offloader.info["extra_bytes"] == sum(spare_sizes) + sum(s.capacity - s.nbytes for s in segments)
     owned, homes = buffers(), [s.buffer.data_ptr() for s in segments]
     for _ in range(2):  # every segment moves, into a buffer that already exists: no allocation, no page faults
-        for phase in (offloader.sleep, offloader.wake_up):
+        for phase in (offloader.offload, offloader.onload):
             phase()
             moved_to = [s.buffer.data_ptr() for s in segments]
             assert buffers() == owned and all(a != b for a, b in zip(homes, moved_to))
             homes = moved_to
 
 
-def test_move_host_weights_are_the_params_while_asleep():
-    """update.source=host in move mode: the host copies are where the weights live while asleep."""
+def test_move_host_weights_are_the_params_while_offloaded():
+    """update.source=host in move mode: the host copies are where the weights live while offloaded."""
     trainer = make_trainer()
     offloader = offloader_for(trainer, "move", "drop_grads")
     weights = dict(trainer.model.named_parameters())
     train(trainer, 1, offloader)
     expected = {name: t.clone() for name, t in weights.items()}
-    offloader.sleep()
+    offloader.offload()
     host = offloader.host_weights(weights)
     assert all(same_bits(host[name], expected[name]) for name in weights)
     assert all(host[name].data_ptr() == t.data_ptr() for name, t in weights.items())
@@ -349,7 +313,7 @@ def test_offload_none_copies_nothing_and_touches_nothing():
     trainer = make_trainer()
     pointers = [p.data_ptr() for p in trainer.model.parameters()]
     offloader = Offloader(trainer.model, trainer.optimizer, mode="none", device=CPU)
-    assert offloader.sleep() == 0 and offloader.wake_up() == 0 and offloader.state_bytes == 0
+    assert offloader.offload() == 0 and offloader.onload() == 0 and offloader.state_bytes == 0
     assert [p.data_ptr() for p in trainer.model.parameters()] == pointers
     assert all(p.grad is None for p in trainer.model.parameters()) and not trainer.optimizer.state
     with pytest.raises(RuntimeError, match="update.source=host"):
@@ -363,10 +327,10 @@ def test_bad_mode_names_the_key(compose):
         validate(compose("trainer.offload=half"))
 
 
-def test_bench_offload_reports_bytes_time_and_limit():
+def test_bench_offload_reports_bytes_time_and_floor():
     from rlsync.bench.offload import bench_offload, table
 
-    result = bench_offload(TINY, repeats=2, warmup=1, device=CPU, mode="drop_grads")
+    result = bench_offload(SMALL, repeats=2, warmup=1, device=CPU, mode="drop_grads")
     summary, rows = result["summary"], result["rows"]
     assert len(rows) == 3 and summary["offload"]["state"] == "trainer"
     state = summary["offload"]["state_bytes"]
@@ -448,7 +412,7 @@ def test_bench_cli_offload_target(tmp_path):
 
 
 def test_runner_update_from_host_copies_in_move_mode(runner_runs):
-    """update.source=host sends from the offloaded copy: move's segments (the weights themselves while asleep)
+    """update.source=host sends from the offloaded copy: move's segments (the weights themselves while offloaded)
     and twin's host twin carry the same bits, so the two runs are the same run, and the engine gets the weights."""
     move, twin = runner_runs["host_move"][0], runner_runs["host_twin"][0]
     for key in ("train/loss", "train/grad_norm", "train/logprob_abs_diff", "rollout/reward_mean"):
@@ -458,25 +422,25 @@ def test_runner_update_from_host_copies_in_move_mode(runner_runs):
 
 @pytest.mark.parametrize("probe", ["every_step", "start"])
 def test_runner_measures_the_floors_before_each_step(tmp_path, monkeypatch, probe):
-    """run.limit_probe=every_step: each step's limits come from a probe taken just before it (here a
+    """run.limit_probe=every_step: each step's floors come from a probe taken just before it (here a
     fake probe that reports a faster machine every time); start: every step shares set-up's."""
-    import rlsync.measure.limits
+    import rlsync.measure.floors
 
     probes = []
 
     def faster_each_time(nbytes, *, src, dst, repeats=3, dtypes=None):
         probes.append(nbytes)
-        return rlsync.measure.limits.Bandwidth(1e9 * len(probes), "fake")
+        return rlsync.measure.floors.Bandwidth(1e9 * len(probes), "fake")
 
-    monkeypatch.setattr(rlsync.measure.limits, "copy_bandwidth", faster_each_time)
+    monkeypatch.setattr(rlsync.measure.floors, "copy_bandwidth", faster_each_time)
     rows, summary = run_in_process(tmp_path, f"run.limit_probe={probe}")
     assert summary["setup"]["limit_probe"] == probe
     for key in ("perf/update_weights_limit_time", "perf/sleep_limit_time", "perf/wake_up_limit_time"):
-        limits = [r[key] for r in rows]
+        floors = [r[key] for r in rows]
         if probe == "start":
-            assert len(set(limits)) == 1, key
+            assert len(set(floors)) == 1, key
         else:
-            assert limits == sorted(limits, reverse=True) and len(set(limits)) == len(rows), key
+            assert floors == sorted(floors, reverse=True) and len(set(floors)) == len(rows), key
     for r in rows:
         assert r["perf/update_weights_efficiency"] == pytest.approx(
             r["perf/update_weights_limit_time"] / r["perf/update_weights_time"]

@@ -1,7 +1,7 @@
 """The planner with data-parallel ranks (plan.ranks): the fsdp2 gather beside the copy, what it holds at once,
 the memory per rank and the DOES NOT FIT flag from it, the rules of plan.ranks, the collective bandwidth's
 sources (the calibration's 2-rank gloo probe, a profile's published NVLink figure, plan.collective_gbps).
-All in-process and fast but the probe itself (two processes)."""
+All in-process; the probe itself (two processes) is tests/process/test_plan_ranks.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 from conftest import run_main
 
 from rlsync.plan import cost, planner, profiles, render
-from rlsync.plan.collective import measure_collective
 
 BUS_GBPS, LATENCY_S, CALL_BYTES = 2.0, 100e-6, 16 * 2**20  # a collective as a calibration would hold it
 COPY = {"direct/bucketed/flat": (60e-6, 40e-6, 1 / 6e9), "direct/bucketed": (60e-6, 40e-6, 1 / 6e9)}
@@ -182,13 +181,3 @@ def test_the_command_plans_two_ranks_with_the_reference_calibration_s_collective
     assert "the reference calibration's (another machine's), measured " in plan["gather"]["source"]
     assert "Gather from shards (trainer.parallel=fsdp2, 2 ranks" in proc.stdout
     assert "Memory per rank (2 ranks" in proc.stdout
-
-
-@pytest.mark.slow  # two processes in a gloo group
-def test_the_calibration_measures_an_all_gather_over_2_gloo_ranks():
-    found = measure_collective(nbytes=16 * 2**20, timeout_s=120)
-    assert found["ranks"] == 2 and found["backend"] == "gloo" and found["measured"] is True
-    assert found["bus_gbps"] > 0 and found["gathered_gbps"] == pytest.approx(2 * found["bus_gbps"])
-    assert 0 < found["latency_s"] < 1 and "all_gather" in found["probe"] and "2 ranks, gloo" in found["probe"]
-    assert found["call_bytes"] is None or 0 < found["call_bytes"] <= 16 * 2**20  # the fastest call size probed
-    assert profiles.calibration_problem({**calibration(), "collective": found}) is None

@@ -7,11 +7,11 @@ import pytest
 import torch
 from conftest import Tiny
 
-import rlsync.measure.limits
+import rlsync.measure.floors
 from rlsync.config.schema import Config, UpdateConfig
-from rlsync.measure.limits import (
+from rlsync.measure.floors import (
     CopyProbe,
-    Limits,
+    Floors,
     Way,
     best_copy,
     copy_bandwidth,
@@ -30,8 +30,8 @@ FP32_BF16 = (torch.float32, torch.bfloat16)
 CPU = torch.device("cpu")
 
 
-class FixedLimits(Limits):
-    """Limits with a given bandwidth for the update's copy instead of a probed one (a CUDA device described, not used)."""
+class FixedFloors(Floors):
+    """Floors with a given bandwidth for the update's copy instead of a probed one (a CUDA device described, not used)."""
 
     def measure(self) -> None:
         self.update_copy = 50 * GB if crosses_host_link(self.source, self.device.type) else 4000 * GB
@@ -41,10 +41,10 @@ def test_host_source_on_cuda_counts_the_host_copy_bytes_over_the_link():
     read, written = 4 * GB, 2 * GB  # fp32 trainer weights, bf16 engine weights
     assert crosses_host_link("host", "cuda")
     assert update_floor_bytes(read, written, source="host", device_type="cuda") == read  # fp32 crosses, not bf16
-    host = FixedLimits(torch.device("cuda"), update_bytes=written, state_bytes=read, read_bytes=read, source="host")
-    assert host.update_limit == pytest.approx(read / (50 * GB))
-    device = FixedLimits(torch.device("cuda"), update_bytes=written, state_bytes=read, read_bytes=read)
-    assert device.update_limit == pytest.approx((read + written) / (4000 * GB))
+    host = FixedFloors(torch.device("cuda"), update_bytes=written, state_bytes=read, read_bytes=read, source="host")
+    assert host.update_floor_time == pytest.approx(read / (50 * GB))
+    device = FixedFloors(torch.device("cuda"), update_bytes=written, state_bytes=read, read_bytes=read)
+    assert device.update_floor_time == pytest.approx((read + written) / (4000 * GB))
 
 
 @pytest.mark.parametrize("source", ["device", "host"])
@@ -53,8 +53,8 @@ def test_same_memory_floor_reads_and_writes(source):
     read, written = 4 * GB, 2 * GB
     assert not crosses_host_link(source, "cpu")
     assert update_floor_bytes(read, written, source=source, device_type="cpu") == read + written
-    limits = FixedLimits(CPU, update_bytes=written, state_bytes=read, read_bytes=read, source=source)
-    assert limits.update_time(read, written) == pytest.approx((read + written) / (4000 * GB))
+    floors = FixedFloors(CPU, update_bytes=written, state_bytes=read, read_bytes=read, source=source)
+    assert floors.update_time(read, written) == pytest.approx((read + written) / (4000 * GB))
 
 
 def test_floor_bytes_are_those_of_the_offloaded_views_the_update_sends():
@@ -63,7 +63,7 @@ def test_floor_bytes_are_those_of_the_offloaded_views_the_update_sends():
     model = Tiny().build(model=cfg.model, seed=0)
     weights = named_weights(model)
     offloader = Offloader(model, None, mode="full", device=torch.device("cpu"), memory="twin")
-    offloader.sleep()
+    offloader.offload()
     host = offloader.host_weights(weights)
     sent = sum(t.numel() * t.element_size() for t in host.values())
     engine_bytes = sum(b.nbytes for b in plan_for(weights, UpdateConfig(), torch.bfloat16))
@@ -80,30 +80,30 @@ def test_the_update_probe_copies_the_update_dtypes_and_counts_what_they_read_and
     assert (probe.src.dtype, probe.dst.dtype) == FP32_BF16 and probe.src.numel() == probe.dst.numel() == n
     assert probe.moved == 6 * n and probe.floor_bytes == 6 * n
     assert torch.equal(probe.dst, probe.src.to(torch.bfloat16))  # touched once, with the converting copy
-    seconds = probe.limit_time(tries=1)
+    seconds = probe.floor_time(tries=1)
     assert 0 < seconds < math.inf and probe.last.seconds == pytest.approx(seconds)  # floor bytes = moved bytes here
     assert sum(probe.wins.values()) == 1 and probe.last.describe() in probe.wins
 
 
 def test_probe_buffers_are_capped_by_the_larger_dtype(monkeypatch):
-    monkeypatch.setattr(rlsync.measure.limits, "PROBE_CAP_BYTES", 8 << 20)
-    src, dst = rlsync.measure.limits.probe_buffers(1 << 40, src=CPU, dst=CPU, dtypes=FP32_BF16)
+    monkeypatch.setattr(rlsync.measure.floors, "PROBE_CAP_BYTES", 8 << 20)
+    src, dst = rlsync.measure.floors.probe_buffers(1 << 40, src=CPU, dst=CPU, dtypes=FP32_BF16)
     assert src.nbytes == 8 << 20 and dst.nbytes == 4 << 20  # the fp32 side at the cap, not 2 TiB of bf16
-    src, dst = rlsync.measure.limits.probe_buffers(1, src=CPU, dst=CPU, dtypes=FP32_BF16)
-    assert dst.nbytes == rlsync.measure.limits.PROBE_MIN_BYTES and src.nbytes == 2 * dst.nbytes
+    src, dst = rlsync.measure.floors.probe_buffers(1, src=CPU, dst=CPU, dtypes=FP32_BF16)
+    assert dst.nbytes == rlsync.measure.floors.PROBE_MIN_BYTES and src.nbytes == 2 * dst.nbytes
 
 
-def test_limits_record_how_the_update_floor_was_measured():
+def test_floors_record_how_the_update_floor_was_measured():
     """summary.json's limits say which dtypes, threads and method gave the update's floor."""
-    limits = Limits(CPU, update_bytes=2 << 20, state_bytes=4 << 20, read_bytes=4 << 20, dtypes=FP32_BF16)
-    d = limits.as_dict()
+    floors = Floors(CPU, update_bytes=2 << 20, state_bytes=4 << 20, read_bytes=4 << 20, dtypes=FP32_BF16)
+    d = floors.as_dict()
     ways = {
         f"{w.threads} thread{'s' if w.threads > 1 else ''}, {w.method}"
         for w in copy_candidates(torch.empty(1, dtype=torch.bfloat16), torch.empty(1))
     }
     assert d["update_probe"].startswith("float32->bfloat16, ") and d["update_probe"].split(", ", 1)[1] in ways
     assert d["update_copy_gbps"] > 0 and d["device_copy_gbps"] > 0
-    assert limits.update_limit == pytest.approx(((4 << 20) + (2 << 20)) / limits.update_copy)
+    assert floors.update_floor_time == pytest.approx(((4 << 20) + (2 << 20)) / floors.update_copy)
     assert copy_bandwidth(1 << 20, src=CPU, dst=CPU).how.startswith("uint8->uint8, ")  # the offload's: memcpy
 
 
@@ -112,7 +112,7 @@ def test_cpu_candidates_include_the_update_own_copy():
     the copy the update does is always one of the probe's candidates, so the probe cannot be slower."""
     ways = copy_candidates(torch.empty(1, dtype=torch.bfloat16), torch.empty(1))
     assert Way("copy_", 1) in ways and Way("copy_", torch.get_num_threads()) in ways
-    assert {w.method for w in ways} == set(rlsync.measure.limits.COPY_METHODS) and ways[0] == Way("copy_", 1)
+    assert {w.method for w in ways} == set(rlsync.measure.floors.COPY_METHODS) and ways[0] == Way("copy_", 1)
 
 
 class FakeMachine:
@@ -121,7 +121,7 @@ class FakeMachine:
     def __init__(self, monkeypatch, seconds: dict[Way, list[float]]):
         self.now, self.seconds, self.calls = 0.0, {w: list(s) for w, s in seconds.items()}, []
         for method in {w.method for w in seconds}:  # "chunked": a second method, as one worth trying would be
-            monkeypatch.setitem(rlsync.measure.limits.COPY_METHODS, method, self.copier(method))
+            monkeypatch.setitem(rlsync.measure.floors.COPY_METHODS, method, self.copier(method))
 
     def copier(self, method):
         def copy(dst, src):
@@ -160,7 +160,7 @@ def test_probe_floor_is_not_above_the_update_own_copy_timed_alike(monkeypatch):
     """The floor time for the update's bytes is at most that of a plain one-thread fp32 -> bf16 `copy_`
     of the same tensors (the update's own copy), whichever way the machine favours."""
     n = 1 << 20
-    monkeypatch.setitem(rlsync.measure.limits.COPY_METHODS, "chunked", None)  # a second method among the candidates
+    monkeypatch.setitem(rlsync.measure.floors.COPY_METHODS, "chunked", None)  # a second method among the candidates
     ways = copy_candidates(torch.empty(1, dtype=torch.bfloat16), torch.empty(1))
     own = Way("copy_", 1)
     assert own in ways and Way("chunked", 1) in ways
@@ -169,8 +169,8 @@ def test_probe_floor_is_not_above_the_update_own_copy_timed_alike(monkeypatch):
         if faster != own:
             seconds[faster] = [0.1]
         machine = FakeMachine(monkeypatch, seconds)
-        monkeypatch.setattr(rlsync.measure.limits, "CLOCK", machine.clock)  # CopyProbe's clock
+        monkeypatch.setattr(rlsync.measure.floors, "CLOCK", machine.clock)  # CopyProbe's clock
         probe = CopyProbe(CPU, update_bytes=2 * n, read_bytes=4 * n, source="device", dtypes=FP32_BF16)
-        floor = probe.limit_time()
+        floor = probe.floor_time()
         direct = probe.floor_bytes / probe.moved * 0.123  # the plain one-thread copy_, the same bytes
         assert floor <= direct and probe.last.way == faster

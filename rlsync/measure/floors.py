@@ -17,7 +17,7 @@ A floor must be a floor: no update may beat it beyond noise. So each probe is th
 ways this machine has to do that copy (`copy_candidates`: one CPU thread and all of them, each
 method of `COPY_METHODS`) on the dtypes the update really reads and writes (a converting copy
 writes fewer bytes per byte read than memcpy, and runs at another speed), timed side by side in
-one loop (`best_copy`) and recorded with the way that won (`limits.update_probe`).
+one loop (`best_copy`) and recorded with the way that won (summary.json's `limits.update_probe`).
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ def receiver_floor_bytes(written_bytes: int, copies: int) -> int:
     return 2 * copies * written_bytes
 
 
-class Limits:
+class Floors:
     """Bandwidths measured in the run: the floor every phase is reported against.
 
     - `update_copy`: the update's own copy, the trainer's dtype into the engine's (`dtypes`), on its
@@ -326,7 +326,7 @@ class Limits:
         return seconds
 
     @property
-    def update_limit(self) -> float:
+    def update_floor_time(self) -> float:
         """The update's floor (`update_time` of its read and written bytes) at the bandwidth last measured."""
         return self.update_time(self.update_bytes if self.read_bytes is None else self.read_bytes, self.update_bytes)
 
@@ -355,10 +355,10 @@ class Limits:
 
 
 class CopyProbe:
-    """The copy the update's limit is made of, held and re-timed right before every repeat.
+    """The copy the update's floor is made of, held and re-timed right before every repeat.
 
     On a shared machine the memory bandwidth drifts with the neighbours' load, so each repeat is
-    compared with a copy timed next to it: the ratio then speaks about the update, not about the load. The same probe as `Limits`
+    compared with a copy timed next to it: the ratio then speaks about the update, not about the load. The same probe as `Floors`
     (the update's dtypes on its path, the fastest of `copy_candidates`, bytes counted as
     `update_floor_bytes` counts them); buffers allocated and touched once, each probe the best of
     `tries` rounds. `wins` counts which way was fastest, per probe (`describe()`).
@@ -383,7 +383,7 @@ class CopyProbe:
         self.moved = moved_bytes(self.dst, self.src)  # bytes per copy, counted as the floor's
         read_bytes = update_bytes if read_bytes is None else read_bytes
         self.floor_bytes = update_floor_bytes(read_bytes, update_bytes, source=source, device_type=device.type)
-        # the engine's own copies (Limits.engine_copy): its dtype into itself, re-timed beside the update's copy
+        # the engine's own copies (Floors.engine_copy): its dtype into itself, re-timed beside the update's copy
         self.receiver_bytes = receiver_floor_bytes(update_bytes, receiver_copies)
         self.engine_pair = None
         if receiver_copies:
@@ -392,7 +392,7 @@ class CopyProbe:
         self.wins: Counter[str] = Counter()
         self.last: BestCopy | None = None
 
-    def limit_time(self, tries: int = 3) -> float:
+    def floor_time(self, tries: int = 3) -> float:
         self.last = best_copy(self.dst, self.src, tries, budget_s=0.0, warm_up=False)
         self.wins[self.last.describe()] += 1
         seconds = self.floor_bytes / (self.moved / self.last.seconds)
@@ -405,7 +405,7 @@ class CopyProbe:
 
 class LinkShare:
     """The host link as one data-parallel rank has it while every rank offloads at once: the floor of its
-    offload and onload (`to_host`, `to_device`, payload bytes per second, as `Limits` has them).
+    offload and onload (`to_host`, `to_device`, payload bytes per second, as `Floors` has them).
 
     Each rank of the group copies a buffer of its offloaded state's size (capped) each way, every round at
     the same moment (a barrier), with the threads its offload copies with; a round lasts as long as its
