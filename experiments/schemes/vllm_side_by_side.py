@@ -38,10 +38,10 @@ from rlsync.config.apps import BenchAppConfig
 from rlsync.config.compose import register_configs, to_config
 from rlsync.engines.base import EngineSpec
 from rlsync.engines.vllm import _reload_in_worker
-from rlsync.measure.limits import Limits
+from rlsync.measure.floors import Floors
 from rlsync.measure.threads import cpu_threads, machine_threads
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
-from rlsync.update import open_transport, plan_for, timed_update
+from rlsync.update import close_update, open_update, plan_for, timed_update
 from rlsync.update.auto import resolve_for_run
 from rlsync.update.direct import DirectTransport
 
@@ -78,7 +78,7 @@ def main() -> int:
     buckets = plan_for(weights, cfg.update, engine_dtype)
     read_bytes = sum(t.nbytes for t in weights.values())
     update_bytes = sum(b.nbytes for b in buckets)
-    limits = Limits(
+    floors = Floors(
         device,
         update_bytes=update_bytes,
         state_bytes=read_bytes,
@@ -95,9 +95,10 @@ def main() -> int:
         eos_id=tok.eos_id,
         pad_id=tok.pad_id,
     )
-    bucketed = open_transport(update_cfg, spec=spec, buckets=buckets)  # DirectTransport over a VLLMEngine
-    engine = bucketed.engine
-    per_tensor = DirectTransport(engine, buckets, strategy="per_tensor")
+    engine, bucketed = open_update(update_cfg, spec=spec, buckets=buckets)  # a VLLMEngine, DirectTransport to it
+    per_tensor_cfg = dataclasses.replace(update_cfg, strategy="per_tensor", flat_engine_weights=False)
+    per_tensor = DirectTransport(spec, buckets, per_tensor_cfg)
+    per_tensor.connect(engine)
     cast = {n: t.to(engine_dtype) for n, t in weights.items()}
 
     def reload_per_bucket(source) -> float:
@@ -109,13 +110,13 @@ def main() -> int:
 
     def rlsync(threads) -> float:
         ucfg = update_cfg if threads is None else dataclasses.replace(update_cfg, copy_threads=threads)
-        return timed_update(bucketed, weights, buckets=buckets, cfg=ucfg, device=device, limit_time=1.0)[
+        return timed_update(bucketed, weights, buckets=buckets, cfg=ucfg, device=device, floor_time=1.0)[
             "perf/update_weights_time"
         ]
 
     def trl() -> float:
         ucfg = dataclasses.replace(update_cfg, strategy="per_tensor")
-        return timed_update(per_tensor, weights, buckets=buckets, cfg=ucfg, device=device, limit_time=1.0)[
+        return timed_update(per_tensor, weights, buckets=buckets, cfg=ucfg, device=device, floor_time=1.0)[
             "perf/update_weights_time"
         ]
 
@@ -134,9 +135,9 @@ def main() -> int:
     times: dict[str, list[float]] = {w: [] for w in chosen}
     floors = []
     load_start = loadavg()
-    probe = limits.update_probe()
+    probe = floors.update_probe()
     for r in range(args.warmup + args.repeats):
-        floors.append(probe.limit_time())
+        floors.append(probe.floor_time())
         for w in chosen:
             t = ways[w]()
             if r >= args.warmup:
@@ -168,7 +169,7 @@ def main() -> int:
         "threads": machine_threads(),
         "resolved": resolved,
         "copy_floor_s": floor,
-        "copy_probe": limits.update_probe_how,
+        "copy_probe": floors.update_probe_how,
         "load_before": load_start,
         "load_after": load_end,
         "repeats": args.repeats,
@@ -182,7 +183,7 @@ def main() -> int:
     base = rows.get("reload_per_bucket", {}).get("median_s")
     print(
         f"\n{args.model}, {len(buckets)} buckets of {args.bucket_mb:g} MiB, {len(weights)} tensors; "
-        f"copy floor {floor * 1e3:.0f} ms ({limits.update_probe_how}); load {load_start} -> {load_end}"
+        f"copy floor {floor * 1e3:.0f} ms ({floors.update_probe_how}); load {load_start} -> {load_end}"
     )
     print("| way | median | min to max | / reload_per_bucket | / copy floor |\n|---|---|---|---|---|")
     for w, row in rows.items():
@@ -190,7 +191,8 @@ def main() -> int:
         print(
             f"| {w} | {row['median_s']:.3f} s | {row['min_s']:.3f} to {row['max_s']:.3f} s | {rel} | {row['time_over_floor']:.2f}x |"
         )
-    bucketed.close()
+    per_tensor.close()
+    close_update(engine, bucketed)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The trainer's offload and onload alone, timed against the host-link limit.
+"""The trainer's offload and onload alone, timed against the host-link floor.
 
     python -m rlsync.bench bench.target=offload model=qwen3_0p6b
     python -m rlsync.bench bench.target=offload model=qwen3_0p6b trainer.offload=drop_grads
@@ -29,7 +29,7 @@ import torch
 from rlsync.config.schema import ModelConfig
 from rlsync.fmt import MIB, fmt_bytes, fmt_seconds, fmt_spread, markdown_table
 from rlsync.measure.devices import device_memory_metrics
-from rlsync.measure.limits import Limits, best_copy_seconds
+from rlsync.measure.floors import Floors, best_copy_seconds
 from rlsync.measure.metrics import phase_named
 from rlsync.measure.timing import Stopwatch
 from rlsync.model.build import build_model, torch_dtype
@@ -43,7 +43,7 @@ PHASES = (phase_named("sleep"), phase_named("wake_up"))  # the table calls each 
 class LinkProbe:
     """A plain copy of PROBE_BYTES each way, timed right before each sleep and wake-up (best of 3).
 
-    The bandwidth of a shared machine drifts with what other processes copy, so a limit probed once
+    The bandwidth of a shared machine drifts with what other processes copy, so a floor probed once
     at start-up can sit in a quiet moment while the repeats do not. Probing beside
     each repeat compares the offload with the copy the machine can do at that moment.
     """
@@ -65,7 +65,7 @@ class LinkProbe:
 
 
 class OffloadState:
-    """A trainer's state on `device`, laid out by an Offloader, with the limits measured beside it."""
+    """A trainer's state on `device`, laid out by an Offloader, with the floors measured beside it."""
 
     def __init__(
         self,
@@ -87,7 +87,7 @@ class OffloadState:
         weights = list(dict.fromkeys(self.model.parameters()))
         weight_bytes = sum(p.numel() * p.element_size() for p in weights)
         # Probed before the state exists, so the probe's buffers never sit beside two copies of it.
-        self.limits = Limits(
+        self.floors = Floors(
             device, update_bytes=weight_bytes, state_bytes=weight_bytes * (4 if state == "trainer" else 1)
         )
         self.optimizer = torch.optim.AdamW(weights, lr=1e-5) if state == "trainer" else None
@@ -107,7 +107,7 @@ class OffloadState:
             "build_time": time.perf_counter() - t0,
             "params": sum(p.numel() for p in weights),
             "tensors": len(weights),
-            "limits": self.limits.as_dict(),
+            "limits": self.floors.as_dict(),
             "offload": {
                 "state": state,
                 "trainer_dtype": trainer_dtype,
@@ -124,11 +124,11 @@ class OffloadState:
         watch, m = Stopwatch(self.device), {}
         link = SimpleNamespace(to_host=self.probe.to_host())
         with watch("sleep"):
-            m["perf/sleep_bytes"] = self.offloader.sleep()
+            m["perf/sleep_bytes"] = self.offloader.offload()
         m.update(device_memory_metrics(self.device, "sleep"))
         link.to_device = self.probe.to_device()
         with watch("wake_up"):
-            m["perf/wake_up_bytes"] = self.offloader.wake_up()
+            m["perf/wake_up_bytes"] = self.offloader.onload()
         m.update(device_memory_metrics(self.device, "wake_up"))
         m.update(watch.totals("perf/{}_time"))
         return {**m, **link_metrics(m, link)}
@@ -181,8 +181,8 @@ def bench_offload(
 
 
 def summarize(rows: list[dict]) -> dict[str, dict]:
-    """Per direction (sleep, wake_up): bytes, median/min/max seconds, GB/s at the median, the median limit
-    and the median efficiency (each repeat against the limit probed beside it)."""
+    """Per direction (sleep, wake_up): bytes, median/min/max seconds, GB/s at the median, the median floor
+    and the median efficiency (each repeat against the floor probed beside it)."""
     out = {}
     for phase in (p.name for p in PHASES):
         times = [r[f"perf/{phase}_time"] for r in rows]

@@ -1,4 +1,4 @@
-"""`python -m rlsync.bench [overrides]`: the weight update alone, timed against the copy limit.
+"""`python -m rlsync.bench [overrides]`: the weight update alone, timed against the copy floor.
 
     python -m rlsync.bench model=qwen3_0p6b update.transport=ipc
     python -m rlsync.bench -m model=qwen3_0p6b,qwen3_1p7b update.transport=direct,ipc,broadcast
@@ -7,7 +7,7 @@ The same config groups as the runner (conf/bench.yaml adds `bench.*`). Only what
 built: the trainer's weights (trainer dtype, no optimizer, no generation or training, so the 1.7B
 model fits a 24 GiB machine) and the engine behind the configured transport, strategy, source and
 bucket size. Then `bench.warmup` untimed updates (page faults, thread pools) and `bench.repeats`
-timed ones, each through the same `rlsync.update.update_weights` the runner calls.
+timed ones, each through the same `rlsync.update.timed_update` the runner calls.
 
 Written like a run: metrics.jsonl (one row per repeat, warm-up rows included and marked by "step"
 < warmup_steps), summary.json (kind "bench": median/min/max, limits, the floor's spread, setup,
@@ -34,7 +34,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from rlsync.bench.offload import OffloadTarget
-from rlsync.bench.pause import PauseTarget
+from rlsync.bench.stall import StallTarget
+from rlsync.bench.vllm_paths import VllmPathsTarget
 from rlsync.check.duration import dry_run
 from rlsync.check.fit import memory_fit
 from rlsync.check.record import memory_record
@@ -44,7 +45,7 @@ from rlsync.config.launch import hydra_job, hydra_record
 from rlsync.config.validate import checked_config
 from rlsync.fmt import MIB, fmt_bytes, fmt_ratio, fmt_seconds, fmt_sig, fmt_spread, markdown_table, plural
 from rlsync.measure.devices import resolve_device, select_device
-from rlsync.measure.limits import cache_resident_elements, llc_bytes
+from rlsync.measure.floors import cache_resident_elements, llc_bytes
 from rlsync.measure.threads import RunCpu, machine_threads, pooled
 from rlsync.model.architecture import update_tensors
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
@@ -81,7 +82,7 @@ class UpdateTarget:
 
     def __init__(self, cfg: BenchAppConfig, device: torch.device):
         self.cfg, self.device = cfg, device
-        self.engine = self.offloader = None
+        self.side = self.offloader = None  # the update's side: its engine and transport, once open
         t0 = time.perf_counter()
         model = build_model(cfg.model, dtype=torch_dtype(cfg.trainer.dtype), device=device, seed=cfg.run.seed)
         model = adapted(model, cfg.trainer.lora)  # trainer.lora.rank > 0: the update sends or merges its adapters
@@ -94,7 +95,7 @@ class UpdateTarget:
             self.offloader = Offloader(
                 model, None, mode="full", device=device, pin_chunk_bytes=int(cfg.trainer.offload_pin_chunk_mb * MIB)
             )
-            self.offloader.sleep()
+            self.offloader.offload()
             source = update_tensors(self.offloader.host_weights(params), layout)
         side = open_update_side(
             cfg,
@@ -106,14 +107,14 @@ class UpdateTarget:
         )  # update.*=null (auto) resolved before the engine opens
         self.weights = side.weights  # by the update's names (per-expert views in the checkpoint layout)
         self.changed = source if source is not None else self.weights  # what bench.changed_ratio flips
-        self.source = payload_of(cfg.update).source(self.changed, cfg)  # update.lora=merged: merged as read
-        self.buckets, self.limits, self.engine = side.buckets, side.limits, side.transport
+        self.source = payload_of(cfg.update).source(self.changed, cfg)  # a merging payload: W + s*BA, merged as read
+        self.side, self.buckets, self.floors = side, side.buckets, side.floors
         self.update_cfg, self.resolved = side.update_cfg, side.resolved
         update_bytes, read_bytes = side.update_bytes, side.read_bytes
         build_time = time.perf_counter() - t0
-        self.limit_time = self.limits.update_limit
+        self.floor_time = self.floors.update_floor_time
         self.repeats = 0
-        self.probe = self.limits.update_probe()  # the same floor, re-timed beside each repeat (a shared machine drifts)
+        self.probe = self.floors.update_probe()  # the same floor, re-timed beside each repeat (a shared machine drifts)
         llc = llc_bytes() if device.type == "cpu" else None  # the CPU copies' last-level cache
         self.setup = {
             "build_time": build_time,
@@ -136,8 +137,8 @@ class UpdateTarget:
             "buckets": len(self.buckets),
             "largest_bucket_bytes": max(b.nbytes for b in self.buckets),
             # repeat_probes: how the floor beside each repeat was measured, and how often (filled as they run)
-            "limits": {**self.limits.as_dict(), "repeat_probes": self.probe.wins},
-            "limit_time": self.limit_time,
+            "limits": {**self.floors.as_dict(), "repeat_probes": self.probe.wins},
+            "limit_time": self.floor_time,
             "resolved": self.resolved,  # update.* nulls (auto) as the update ran them, with the reason
         }
 
@@ -145,25 +146,25 @@ class UpdateTarget:
         if self.cfg.bench.changed_ratio:  # untimed: what a training step would have changed since the last repeat
             self.repeats += 1
             change_elements(self.changed, self.cfg.bench.changed_ratio, seed=self.cfg.run.seed + self.repeats)
-        limit_time = self.probe.limit_time()
+        floor_time = self.probe.floor_time()
         return timed_update(
-            self.engine,
+            self.side.transport,
             self.source,
             buckets=self.buckets,
             cfg=self.update_cfg,
             device=self.device,
-            limit_time=limit_time,
-            copy_bandwidth=payload_bandwidth(self.limits, limit_time),  # the same probe: a payload's own floors
+            floor_time=floor_time,
+            copy_bandwidth=payload_bandwidth(self.floors, floor_time),  # the same probe: a payload's own floors
         )
 
     def breakdown(self) -> list[dict]:
         """Per bucket (or tensor) of the last update: bytes and pack/transfer/load seconds."""
-        return list(getattr(self.engine, "last_update_buckets", []))
+        return list(self.side.transport.last_update_buckets) if self.side is not None else []
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+        if self.side is not None:
+            self.side.close()  # the engine, then its transport
+            self.side = None
         if self.offloader is not None:  # source=host: its pinned twin goes back before the next sweep job
             self.source = self.changed = None
             self.offloader.close()
@@ -173,7 +174,8 @@ class UpdateTarget:
 TARGETS = {
     "update": UpdateTarget,
     "offload": OffloadTarget,
-    "pause": PauseTarget,
+    "stall": StallTarget,
+    "vllm_paths": VllmPathsTarget,
 }  # bench.target's choices (its rule in rlsync/config/schema.py)
 
 
@@ -272,7 +274,7 @@ class Bench:
             },
             "setup": {
                 "scheme": update.scheme,
-                "transport": self.setup.get("transport") or update.transport,  # pause: always broadcast
+                "transport": self.setup.get("transport") or update.transport,  # stall: always broadcast
                 "payload": payload_name(update),  # what each bucket carried (rlsync/update/payload)
                 "strategy": update.strategy,
                 "bucket_mb": update.bucket_mb,
@@ -281,6 +283,7 @@ class Bench:
                 **resolved_setup(self.setup.get("resolved"), update),
                 "device": str(self.device),
                 "engine": cfg.rollout.engine,
+                "vllm_reload_mode": cfg.rollout.vllm_reload_mode,  # VLLM_RELOAD_MODE (vLLM 0.34+); null: its default
                 "engine_address": update.engine_address,
                 "engine_dtype": cfg.rollout.dtype,
                 "trainer_dtype": cfg.trainer.dtype,
@@ -296,7 +299,8 @@ class Bench:
             },
             "limits": self.setup.get("limits"),
             "offload": self.setup.get("offload"),  # bench.target=offload: state, bytes, first-touch cost
-            "pause": self.setup.get("pause"),  # bench.target=pause: the policies and the number of clients
+            "pause": self.setup.get("pause"),  # bench.target=stall: its policies and clients (the recorded key)
+            "vllm_paths": self.setup.get("vllm_paths"),  # bench.target=vllm_paths: each path's calls and copies
             "metrics": stats,
             "floor": floor,  # the update's copy floor over the timed repeats, with its spread
             # false: the update ran far below its floor on a busy machine, a broken measurement (no ranking on it)
@@ -315,6 +319,8 @@ class Bench:
                 f"only {result['measured_steps']} of {cfg.bench.repeats} timed repeats finished ({recorder.status})"
             )
         warnings += [w for w in ((cpu or {}).get("warning"), summaries.floor_warning(floor, "timed repeats")) if w]
+        if (own := getattr(TARGETS.get(cfg.bench.target), "warning", None)) and (line := own(stats)):
+            warnings.append(line)  # a target's own (vllm_paths: a path whose update failed its check)
         if not result["verdict_trusted"]:
             warnings.append(f"not trustworthy: {result['verdict_untrusted_reason']} (rerun on a quiet machine)")
         if warnings:
@@ -344,12 +350,8 @@ def bucket_medians(breakdowns: list[list[dict]]) -> list[dict]:
 
 
 def target_table(target: str):
-    """The closing table of a target: its own where it has one."""
-    if target == "offload":
-        return OffloadTarget.table
-    if target == "pause":
-        return PauseTarget.table
-    return update_table
+    """The closing table of a target: its class's own `table` where it has one (offload, stall, vllm_paths)."""
+    return getattr(TARGETS.get(target), "table", None) or update_table
 
 
 def peak_phrase(nbytes) -> str:
@@ -412,7 +414,7 @@ def update_table(result: dict) -> str:
             f"{'A full update sends' if other else 'Each update sent'} {s['tensors']:,} tensors, "
             f"{fmt_bytes(result['model'].get('update_bytes'))} (model.update_layout={s.get('layout')})."
         )
-    if other:  # update.delta, update.wire_dtype: what crossed, against the full update
+    if other:  # update.payload other than full: what crossed, against the full update
         out.append(payload_line(m, s.get("payload")))
         if floors := payload_floor_line(m):  # its encode and decode against their own floors
             out.append(floors)

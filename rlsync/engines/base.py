@@ -89,7 +89,7 @@ class EngineSpec:
     eos_id: int
     pad_id: int
     cpu_threads: int | None = None  # torch CPU threads of an engine process (run.cpu_threads as the run chose)
-    lora: LoraConfig | None = None  # adapters the engine holds beside its weights (update.lora=adapter)
+    lora: LoraConfig | None = None  # adapters the engine holds beside its weights (update.payload=lora)
     verify: bool = False  # update.verify: an engine whose weights read back otherwise (vLLM) records what it loaded
 
     @property
@@ -189,9 +189,14 @@ class Preloaded:
         return (cls.__module__, *cls.preload)
 
 
-class Rollout(ABC):
-    """What the step loop drives on the rollout side: an `Engine`, or a transport (the engine behind
-    the way weights reach it, rlsync.update.base.Transport), which forwards these to its engine."""
+class EngineHandle(ABC):
+    """The engine as the step loop drives it, wherever it runs: an `Engine` in this process, or the handle
+    on an engine in its own process (rlsync.engines.process.EngineProcess) or on a standalone one
+    (rlsync.client.client.RemoteEngine). Weights reach it through a transport (rlsync.update.base.Transport)."""
+
+    # After close: the engine process's own peak resident set; None for an engine in this process (its
+    # memory is this process's) or one that did not say (a standalone engine).
+    peak_rss_bytes: int | None = None
 
     @abstractmethod
     def generate(
@@ -208,8 +213,21 @@ class Rollout(ABC):
     def resume(self) -> None:
         """Take the memory back before the update and the rollout; idempotent."""
 
+    @property
+    @abstractmethod
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The engine's weights by the trainer's names (an engine in another process: CPU copies)."""
 
-class Engine(Preloaded, Rollout):
+    def checksums(self) -> dict[str, int]:
+        """One checksum per weight (update.verify compares them with the trainer's); an engine in another
+        process computes them there."""
+        return {name: checksum(t) for name, t in self.weights.items()}
+
+    def close(self) -> None:  # noqa: B027 - optional: most engines in this process hold nothing beyond tensors
+        """Free what the engine holds beyond its tensors (processes, files); safe to call twice."""
+
+
+class Engine(Preloaded, EngineHandle):
     """A rollout engine, as the step loop and every transport drive it.
 
     The loop's order: `resume` (memory back), the weight update (`load_weights`, one call per
@@ -223,13 +241,16 @@ class Engine(Preloaded, Rollout):
     # Whether the engine's weights can be views into bucket-shaped flat buffers, by trainer name
     # (update.flat_engine_weights=null turns the one-copy layout on where this is true).
     holds_flat_weights: bool = False
+    # Whether it builds the trainer's PEFT adapters beside its weights from `EngineSpec.lora` and generates
+    # through them (a payload that sends the adapters alone needs it: Payload.engine_lora).
+    takes_adapters: bool = False
     # Whether `load_weights` is itself a copy (and cast) from whatever tensors it is handed, and costs
     # per call rather than per byte: then the `direct` transport hands it each bucket's trainer tensors,
     # not a packed staging buffer (one copy instead of two). vLLM's reload path is such a loader.
     loads_trainer_tensors: bool = False
     # Whether, in its own process on a CPU, the engine's OpenMP threads may sleep as soon as an op ends
     # (OMP_WAIT_POLICY=PASSIVE) instead of spinning: a spinning engine steals the trainer's cores
-    # between update messages (rlsync.update.engine_process.passive_openmp). False for an engine that
+    # between update messages (rlsync.engines.process.passive_openmp). False for an engine that
     # binds its own threads (vLLM's CPU backend).
     passive_cpu_threads: bool = True
     # update.strategy values this engine's own trainer-to-engine transfer offers (`native_update`),
@@ -237,12 +258,12 @@ class Engine(Preloaded, Rollout):
     own_strategies: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
-    def release_takes_weights(cls, sleep_level: int, device_type: str) -> bool:
-        """Whether `release` at rollout.sleep_level on a `device_type` device takes the weights off it
+    def release_takes_weights(cls, release_level: int, device_type: str) -> bool:
+        """Whether `release` at rollout.release_level on a `device_type` device takes the weights off it
         (1: to host memory, 2: freed), so the step loop resumes the engine before every update, which
         writes into them (timed as the engine's resume, not inside the update). By default levels 1 and
         2 do; level 0 keeps everything. `resume` is idempotent: answering true costs one call."""
-        return sleep_level >= 1
+        return release_level >= 1
 
     # What an engine accepts is asked of its class, before any model is built (rlsync.config.validate).
     @classmethod
@@ -268,7 +289,7 @@ class Engine(Preloaded, Rollout):
     def receiver_copies(cls, cfg) -> tuple[str, ...]:
         """The copies of each update byte, in the engine's dtype, that this engine's receiving side makes on
         `cfg`'s update path beyond the one every update's floor counts (the trainer's bytes into what the
-        engine reads), by name; the floor counts them too (rlsync.measure.limits). None by default."""
+        engine reads), by name; the floor counts them too (rlsync.measure.floors). None by default."""
         return ()
 
     @classmethod
@@ -296,23 +317,11 @@ class Engine(Preloaded, Rollout):
         is complete may keep references instead of copies."""
         self.load_weights(named)
 
-    @property
-    @abstractmethod
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The engine's weights by the trainer's names (raise if the engine cannot expose them)."""
-
-    def checksums(self) -> dict[str, int]:
-        """One checksum per weight (update.verify compares them with the trainer's)."""
-        return {name: checksum(t) for name, t in self.weights.items()}
-
     def native_update(self, weights: dict[str, torch.Tensor], *, bucket_bytes: int) -> tuple[dict[str, float], int]:
         """An engine's own trainer-to-engine transfer (update.strategy=vllm_ipc); most engines have none.
 
         Returns the seconds per phase it can tell apart ("pack", "load") and the staging bytes it held."""
         raise NotImplementedError(f"{type(self).__name__} has no transfer of its own; use update.strategy=bucketed")
-
-    def close(self) -> None:
-        """Free what the engine holds beyond its tensors; nothing by default."""
 
 
 # ----------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ class HFEngine(Engine):
 
     preload = ("transformers.models.qwen3.modeling_qwen3",)
     holds_flat_weights = True  # its parameters are plain tensors by trainer name: flat views can replace them
+    takes_adapters = True  # EngineSpec.lora: the same PEFT adapters as the trainer's
 
     def __init__(
         self,
@@ -57,19 +58,19 @@ class HFEngine(Engine):
         allowed_ids: torch.Tensor,
         eos_id: int,
         pad_id: int,
-        sleep_level: int = 1,
+        release_level: int = 1,
         lora: LoraConfig | None = None,
     ):
         # storage only: the first weight update fills it (rlsync.model.architecture: any causal LM, Qwen3 from the keys)
         model = build_empty(model_cfg, dtype=dtype, device=device)
-        if lora is not None:  # update.lora=adapter: the trainer's PEFT adapters, one adapter name for every update
+        if lora is not None:  # update.payload=lora: the trainer's PEFT adapters, one adapter name for every update
             model = inject(model, lora)
         self.model = model.eval().requires_grad_(False)
         self.device, self.dtype = device, dtype
         self.allowed = allowed_ids.to(device)
         self.eos_id, self.pad_id = eos_id, pad_id
         self._cache_kw = cache_kwarg(model)
-        self.sleep_level = sleep_level  # rollout.sleep_level: what release() gives back, as vLLM's sleep levels
+        self.release_level = release_level  # rollout.release_level: what release() gives back, as vLLM's sleep levels
         self.host_is_device = device.type == "cpu"  # level 1 offloads the weights to host memory: here they are
         self.layout = model_cfg.update_layout  # the names the update arrives in (the trainer's, the same plan)
         # weight storages freed by release(): (storage, its size, its host copy at level 1 or None)
@@ -85,17 +86,17 @@ class HFEngine(Engine):
             allowed_ids=spec.allowed_ids,
             eos_id=spec.eos_id,
             pad_id=spec.pad_id,
-            sleep_level=spec.rollout.sleep_level,
+            release_level=spec.rollout.release_level,
             lora=spec.lora,
         )
 
     @classmethod
-    def release_takes_weights(cls, sleep_level: int, device_type: str) -> bool:
+    def release_takes_weights(cls, release_level: int, device_type: str) -> bool:
         """Level 2 frees the weights; level 1 moves them to host memory, except on a CPU (host == device)."""
-        return sleep_level == 2 or (sleep_level == 1 and device_type != "cpu")
+        return release_level == 2 or (release_level == 1 and device_type != "cpu")
 
     def release(self) -> None:
-        """Give the memory back after generation as vLLM's sleep level `rollout.sleep_level` does,
+        """Give the memory back after generation as vLLM's sleep level `rollout.release_level` does,
         wherever the engine runs (this process or its own). Nothing here is timed: the loop times the
         release and the resume (perf/engine_release_time, perf/engine_resume_time).
 
@@ -112,14 +113,14 @@ class HFEngine(Engine):
         Weights in memory shared with the trainer (ipc's flat weights) are the trainer side's: level 2
         refuses them, level 1 leaves them in place.
         """
-        offload = self.sleep_level == 1 and not self.host_is_device
-        if (self.sleep_level == 2 or offload) and not self.released:
+        offload = self.release_level == 1 and not self.host_is_device
+        if (self.release_level == 2 or offload) and not self.released:
             storages = list(self.weight_storages().values())
             owned = [s for s in storages if owns(s)]
-            if self.sleep_level == 2 and len(owned) < len(storages):
+            if self.release_level == 2 and len(owned) < len(storages):
                 raise RuntimeError(
-                    "rollout.sleep_level=2: the engine's weights live in memory shared with the trainer "
-                    "and cannot be freed by the engine; set rollout.sleep_level=1 or 0"
+                    "rollout.release_level=2: the engine's weights live in memory shared with the trainer "
+                    "and cannot be freed by the engine; set rollout.release_level=1 or 0"
                 )
             hosts = self.host_copy(owned) if offload else [None] * len(owned)
             for storage, host in zip(owned, hosts):
@@ -130,7 +131,7 @@ class HFEngine(Engine):
             for storage, host in zip(owned, hosts):
                 self.released.append((storage, storage.nbytes(), host))
                 storage.resize_(0)
-        if self.sleep_level >= 1 and self.device.type == "cuda":
+        if self.release_level >= 1 and self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def weight_storages(self) -> dict[int, torch.UntypedStorage]:

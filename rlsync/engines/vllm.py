@@ -31,7 +31,7 @@ trainer-to-engine weight transfer as `update.strategy=vllm_ipc` (see the end).
   utils.py, request_memory), and the trainer's state is on the device already, so the utilization is
   computed from `torch.cuda.mem_get_info()` (`gpu_memory_utilization`); the KV cache is sized by
   `kv_cache_memory_bytes`, which vLLM then uses instead of the utilization.
-- Sleep: `rollout.sleep_level` is vLLM's level, passed to `LLM.sleep(level=...)` after each rollout:
+- Sleep: `rollout.release_level` is vLLM's level, passed to `LLM.sleep(level=...)` after each rollout:
   1 (the default) offloads the weights to host memory and discards the KV cache, 2 discards both
   (the validation allows it only when every update refills every weight), 0 does not sleep (vLLM's
   own level 0 would only pause its scheduler, which a synchronous loop has no use for). At 1 and 2
@@ -266,19 +266,23 @@ class FusedLayers:
         return out
 
 
+def quiet_reload_logs() -> None:
+    """Loading a subset of the layers is the design (one bucket per call): silence the per-layer
+    "Failed to load weights" notices for the layers a bucket does not hold, the list of the weights a call
+    did not load (inplace), and the dtype notice of each fp32 trainer tensor a loader casts to the engine's
+    dtype (models.utils): by design, per call. In the process that calls it (the worker's, or a bench's)."""
+    for name in ("layerwise", "inplace"):
+        logging.getLogger(f"vllm.model_executor.model_loader.reload.{name}").setLevel(logging.ERROR)
+    logging.getLogger("vllm.model_executor.models.utils").setLevel(logging.ERROR)
+
+
 def _reload_in_worker(worker, named: list[tuple[str, torch.Tensor]]) -> None:
     """Runs inside vLLM's worker (collective_rpc): load `named`, then refresh a tied lm_head.
 
     A tied lm_head shares the embedding's parameter but is never named in a checkpoint; on the CPU
     its GEMM holds a packed copy made at the last load, so re-pack it from the new embedding.
     """
-    # Loading a subset of the layers is the design (one bucket per call): silence the per-layer
-    # "Failed to load weights" notices for the layers this bucket does not hold.
-    # Likewise its list of the weights a call did not load (inplace), and the dtype notice of each
-    # fp32 trainer tensor its loader casts to the engine's dtype (models.utils): by design, per call.
-    for name in ("layerwise", "inplace"):
-        logging.getLogger(f"vllm.model_executor.model_loader.reload.{name}").setLevel(logging.ERROR)
-    logging.getLogger("vllm.model_executor.models.utils").setLevel(logging.ERROR)
+    quiet_reload_logs()
     worker.reload_weights(weights_iterator=iter(named))
     if any(name.endswith("embed_tokens.weight") for name, _ in named):
         repack_tied_head(worker.model_runner.get_model())
@@ -349,29 +353,19 @@ class VLLMEngine(Engine):
                 "null with rollout.engine=vllm (rlsync's vLLM engine builds Qwen3 from the model.* keys)",
                 "not supported with rollout.engine=vllm",
             )
-        for name in ("flat_engine_weights", "delta"):
-            if getattr(update, name) is True:  # flat_engine_weights=null (auto) resolves to false with vLLM
-                raise ConfigError(
-                    f"update.{name}",
-                    True,
-                    "false (vLLM fuses q/k/v and gate/up and re-packs its "
-                    "weights: they cannot be bound or patched by trainer name)",
-                    "not supported with rollout.engine=vllm",
-                )
+        if update.flat_engine_weights is True:  # null (auto) resolves to false with vLLM
+            raise ConfigError(
+                "update.flat_engine_weights",
+                True,
+                "false (vLLM fuses q/k/v and gate/up and re-packs its weights: they cannot be bound by trainer name)",
+                "not supported with rollout.engine=vllm",
+            )
         if update.transport == "broadcast":
             raise ConfigError(
                 "update.transport",
                 update.transport,
                 "direct, ipc (vLLM takes the engine process's "
                 "default torch.distributed group, which broadcast needs for its own)",
-                "not supported with rollout.engine=vllm",
-            )
-        if getattr(update, "lora", None) == "adapter":
-            raise ConfigError(
-                "update.lora",
-                "adapter",
-                "merged with rollout.engine=vllm (vLLM loads an adapter from a directory through a LoRARequest; "
-                "rlsync does not write one per update yet), or rollout.engine=hf",
                 "not supported with rollout.engine=vllm",
             )
         if update.strategy in NATIVE_STRATEGIES and update.transport != "direct":
@@ -469,7 +463,7 @@ class VLLMEngine(Engine):
         self.ledger = LoadLedger(dtype, verify=verify)
         self.sender: NativeSender | None = None  # vllm_ipc's, vllm_shm's trainer side, opened by the first update
         self.asleep: set[str] = set()  # vLLM sleep tags currently released: "weights", "kv_cache"
-        self.sleep_level = rollout_cfg.sleep_level  # vLLM's: 1 weights to host, 2 dropped (the update refills), 0 none
+        self.release_level = rollout_cfg.release_level  # vLLM's: 1 weights to host, 2 dropped (refilled), 0 none
         check_sleep_mode(device.type, self.native)
         if device.type == "cuda" and device.index not in (None, 0):
             raise ValueError(
@@ -592,12 +586,12 @@ class VLLMEngine(Engine):
     # -- memory ------------------------------------------------------------------------------
 
     def release(self) -> None:
-        """CUDA: vLLM's sleep at rollout.sleep_level (1 keeps the weights on the host, 2 drops them, 0
+        """CUDA: vLLM's sleep at rollout.release_level (1 keeps the weights on the host, 2 drops them, 0
         does not sleep). CPU: a no-op at every level, vLLM has no sleep mode on the CPU backend (its KV
         cache and weights stay allocated), so on a CPU the levels time the same release."""
-        if self.device.type != "cuda" or self.asleep or self.sleep_level == 0:
+        if self.device.type != "cuda" or self.asleep or self.release_level == 0:
             return
-        self.llm.sleep(level=self.sleep_level)
+        self.llm.sleep(level=self.release_level)
         self.asleep = {"weights", "kv_cache"}
 
     def resume(self) -> None:

@@ -23,7 +23,7 @@ from rlsync.check.fit import memory_fit
 from rlsync.check.record import memory_record
 from rlsync.config.compose import to_dict
 from rlsync.config.schema import Config
-from rlsync.engines.base import Generation, answer_ids, engine_class
+from rlsync.engines.base import EngineHandle, Generation, answer_ids, engine_class
 from rlsync.fmt import MIB
 from rlsync.measure.devices import (
     device_memory_metrics,
@@ -31,20 +31,20 @@ from rlsync.measure.devices import (
     sampler,
     select_device,
 )
-from rlsync.measure.limits import GatherFloor, Limits, LinkShare
+from rlsync.measure.floors import Floors, GatherFloor, LinkShare
 from rlsync.measure.memory import peak_rss_bytes
 from rlsync.measure.threads import RunCpu, machine_threads
 from rlsync.measure.timing import Stopwatch
 from rlsync.model.architecture import update_tensors
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
-from rlsync.model.lora import adapted, merge_errors, scaling
+from rlsync.model.lora import adapted
 from rlsync.record import summary as summaries
 from rlsync.record.recorder import Recorder, machine_info
 from rlsync.run.roles import Roles
 from rlsync.trainer.data_parallel import DataParallel
 from rlsync.trainer.grpo import Trainer, group_advantages
 from rlsync.trainer.offload import Offloader, link_metrics
-from rlsync.trainer.parallel import Parallel, parallel_for
+from rlsync.trainer.parallel import Parallel, parallel_class, parallel_for
 from rlsync.trainer.task import Prompt, make_prompts, reward
 from rlsync.update import (
     WeightMismatch,
@@ -54,7 +54,7 @@ from rlsync.update import (
 from rlsync.update.auto import copy_threads_used, resolved_setup
 from rlsync.update.base import Transport
 from rlsync.update.gather import StandIns
-from rlsync.update.payload import payload_bandwidth, payload_name, payload_of
+from rlsync.update.payload import payload_bandwidth, payload_name, payload_of, recorded_class
 from rlsync.update.side import UpdateSide, open_update_side
 
 
@@ -112,7 +112,7 @@ class Experiment:
         self.dp = dp or DataParallel()
         self.roles = Roles(self.dp, placement=cfg.rollout.placement)  # this rank's part in each phase
         self.device = self.dp.device(resolve_device(cfg.run.device))
-        self.side: UpdateSide | None = None  # the update's tensors, plan, floors, knobs and transport: setup()
+        self.side: UpdateSide | None = None  # the update's tensors, plan, floors, knobs, engine and transport: setup()
         self.setup_info: dict = {}
         self.offloader: Offloader | None = None  # set by setup()
         self.parallel: Parallel | None = None  # trainer.parallel as this process runs it, set by setup()
@@ -120,9 +120,9 @@ class Experiment:
         self.link_share: LinkShare | None = None  # data parallel: the offload's floor, every rank copying at once
 
     @property
-    def limits(self) -> Limits | None:
+    def floors(self) -> Floors | None:
         """The copy floors, measured by the ranks with an engine in setup()."""
-        return self.side.limits if self.side else None
+        return self.side.floors if self.side else None
 
     def run(self) -> dict:
         """Set up, then the steps, each recorded once finished; the summary however the run ends.
@@ -131,21 +131,21 @@ class Experiment:
         with self.recorder.steps(
             release=self.close, summarize=self.summary, closing=print_closing, cause=self.dp.failed_rank
         ) as record:  # data parallel: stopped by another rank?
-            transport = self.setup()
+            engine, transport = self.setup()
             for step in range(self.cfg.run.steps):
                 if step > 0 and self.cfg.run.limit_probe == "every_step":  # outside the step's timing
                     probed = time.perf_counter()
-                    self.probe_limits()
+                    self.probe_floors()
                     self.probe_time = time.perf_counter() - probed  # left out of the engine's idle time
-                record({"step": step, **self.step(step, transport)})
+                record({"step": step, **self.step(step, engine, transport)})
         return self.recorder.result
 
     def setup(self) -> Transport | None:
-        """Build trainer and engine, measure the copy limits, do the first update, put the trainer to sleep.
+        """Build trainer and engine, measure the copy floors, do the first update, offload the trainer.
 
         Data parallel: every rank builds a trainer and takes rank 0's weights (before trainer.parallel wraps
         or shards the model); rank 0 alone opens the engine (every rank its own with rollout.placement=
-        every_rank), measures the copy limits (the other ranks wait, so the probe has the memory to itself)
+        every_rank), measures the copy floors (the other ranks wait, so the probe has the memory to itself)
         and does the first update. Under fsdp2 every rank then measures the gather's floor and gathers.
         """
         cfg, device = self.cfg, self.device
@@ -199,7 +199,7 @@ class Experiment:
             probe=StandIns if self.parallel.sharded else None,  # shards: the probe copies whole stand-ins
             engine=self.roles.has_engine,
             cpu_threads=torch.get_num_threads(),  # an engine process uses the run's threads (run.cpu_threads)
-        )  # run() closes its transport, even if the rest of the setup fails
+        )  # run() closes its engine and transport, even if the rest of the setup fails
         if self.parallel.sharded:  # every rank, once the engines are open: an all-gather of the update's bytes
             self.gather_floor = GatherFloor(side.read_bytes, dtype=torch_dtype(cfg.trainer.dtype), device=device)
         if self.dp.enabled and self.offloader.state_bytes:  # every rank: its share of the link, all at once
@@ -221,11 +221,11 @@ class Experiment:
                     "update_bytes": side.update_bytes,
                     "buckets": len(side.buckets),
                     "limits": {
-                        **side.limits.as_dict(),
+                        **side.floors.as_dict(),
                         **(self.gather_floor.as_dict() if self.gather_floor else {}),
                         **(self.link_share.as_dict() if self.link_share else {}),
                     },
-                    "update_limit_time": side.limits.update_limit,
+                    "update_limit_time": side.floors.update_floor_time,
                 }
             )
         elif self.parallel.sharded:
@@ -235,27 +235,27 @@ class Experiment:
         # it warms every page of both sides: steps 0 and 1 then cost what later steps cost.
         watch = Stopwatch(device)
         with watch("first_sleep"):
-            self.offloader.sleep()
+            self.offloader.offload()
         self.setup_info["offload"] = {**self.offloader.info, "first_sleep_time": watch.seconds["first_sleep"]}
-        return side.transport
+        return side.engine, side.transport
 
-    def probe_limits(self) -> None:
+    def probe_floors(self) -> None:
         """run.limit_probe=every_step: the floors again before a step, as the machine is now."""
-        if self.limits is not None:  # the ranks with an engine
-            self.limits.measure()  # the copy floors
+        if self.floors is not None:  # the ranks with an engine
+            self.floors.measure()  # the copy floors
         if self.gather_floor is not None:  # every rank at once: a collective
             self.gather_floor.measure()
         if self.link_share is not None:  # every rank at once: each one's share of the host link
             self.link_share.measure()
 
-    def step(self, step: int, transport: Transport | None) -> dict:
-        """One GRPO step: rollout, wake the trainer, log-probs, train, then the update and the sleep."""
+    def step(self, step: int, engine: EngineHandle | None, transport: Transport | None) -> dict:
+        """One GRPO step: rollout, wake the trainer, log-probs, train, then the update and the offload."""
         cfg, watch = self.cfg, Stopwatch(self.device)
         metrics: dict[str, float] = {}
         with watch("step"):
             self.step_started = time.perf_counter()  # the device synchronized: the step's clock runs
             batch = self.roles.rollout(
-                lambda groups: self.rollout(transport, watch, groups),
+                lambda groups: self.rollout(engine, watch, groups),
                 watch,
                 prompts=cfg.rollout.prompts_per_step,
                 group_size=cfg.rollout.samples_per_prompt,
@@ -263,7 +263,7 @@ class Experiment:
             )
             gen = batch.gen
             with watch("wake_up"):
-                metrics["perf/wake_up_bytes"] = self.offloader.wake_up()
+                metrics["perf/wake_up_bytes"] = self.offloader.onload()
             metrics.update(self.device_memory("wake_up"))
             with watch("log_probs"):
                 old_logp = self.trainer.log_probs(gen)  # [batch, resp_len]
@@ -283,11 +283,11 @@ class Experiment:
                 )
             self.roles.check_replicas(self.params, verify=cfg.update.verify)  # ddp: the replicas must agree
             if cfg.update.source == "host":  # Miles/slime's colocated order: offload, then update
-                self.trainer_sleep(watch, metrics)
+                self.trainer_offload(watch, metrics)
             if cfg.update.enabled:
-                self.update(transport, watch, metrics)
+                self.update(engine, transport, watch, metrics)
             if cfg.update.source == "device":
-                self.trainer_sleep(watch, metrics)
+                self.trainer_offload(watch, metrics)
         self.step_ended = time.perf_counter()  # from here to the next step's start: perf/engine_idle_between_time
 
         mask = gen.response_mask.float()
@@ -304,18 +304,18 @@ class Experiment:
         metrics.update(self.offload_metrics(metrics))
         return metrics
 
-    def update(self, transport: Transport | None, watch: Stopwatch, metrics: dict) -> None:
+    def update(self, engine: EngineHandle | None, transport: Transport | None, watch: Stopwatch, metrics: dict) -> None:
         """The weight update into this rank's engine, if it has one; from shards (fsdp2) every rank gathers."""
         cfg, error = self.cfg, None
         if self.roles.takes_update():
             # The update writes into the engine's weights: wake them first where the engine's release
-            # took them off the device at this rollout.sleep_level (timed as the engine's resume, not
+            # took them off the device at this rollout.release_level (timed as the engine's resume, not
             # inside the update).
-            if transport is not None and engine_class(cfg.rollout.engine).release_takes_weights(
-                cfg.rollout.sleep_level, self.device.type
+            if engine is not None and engine_class(cfg.rollout.engine).release_takes_weights(
+                cfg.rollout.release_level, self.device.type
             ):
                 with watch("engine_resume"):
-                    transport.resume()
+                    engine.resume()
                 self.idle_wake += watch.last  # a part of the engine's idle time (the next row's)
             with watch("update_layout"):  # the update's tensors: per-expert views cost ~10 us each
                 source = self.update_source()
@@ -325,49 +325,50 @@ class Experiment:
                 except WeightMismatch as err:
                     error = err
             del source  # no view outlives the update (the offload frees what it points at)
-            if payload_name(cfg.update) == "lora_merged":  # how far a merge in the engine's dtype would land
-                with watch("lora_merge_error"):
-                    metrics.update(merge_errors(self.params, scaling(cfg.trainer.lora), torch_dtype(cfg.rollout.dtype)))
+            payload = payload_of(cfg.update)
+            if payload.after_update_phase:  # the payload's own check after the update (Payload.after_update)
+                with watch(payload.after_update_phase):
+                    metrics.update(payload.after_update(self.params, cfg))
         self.roles.agree(error, verify=cfg.update.verify)
 
     def send(self, transport: Transport | None, source: dict[str, torch.Tensor]) -> dict[str, float]:
         """The update's own metrics: through the transport, or (no engine here) the same gathers as the
         engines' ranks take part in."""
         side = self.side
-        gather_limit = self.gather_floor.time(side.read_bytes) if self.gather_floor is not None else 0.0
+        gather_floor_time = self.gather_floor.time(side.read_bytes) if self.gather_floor is not None else 0.0
         if transport is None:
-            return follow_update(source, cfg=side.update_cfg, gather_limit_time=gather_limit)
+            return follow_update(source, cfg=side.update_cfg, gather_floor_time=gather_floor_time)
         metrics = timed_update(
             transport,
             source,
             buckets=side.buckets,
             cfg=side.update_cfg,
             device=self.device,
-            limit_time=side.limits.update_limit,
-            gather_limit_time=gather_limit,
-            copy_bandwidth=payload_bandwidth(side.limits),  # a payload's encode and decode against their floors
+            floor_time=side.floors.update_floor_time,
+            gather_floor_time=gather_floor_time,
+            copy_bandwidth=payload_bandwidth(side.floors),  # a payload's encode and decode against their floors
         )
         if self.cfg.update.verify:
             metrics["update/verified_engines"] = 1
         return metrics
 
-    def trainer_sleep(self, watch: Stopwatch, metrics: dict) -> None:
+    def trainer_offload(self, watch: Stopwatch, metrics: dict) -> None:
         with watch("sleep"):
-            metrics["perf/sleep_bytes"] = self.offloader.sleep()
+            metrics["perf/sleep_bytes"] = self.offloader.offload()
         metrics.update(self.device_memory("sleep"))
 
-    def rollout(self, transport: Transport, watch: Stopwatch, groups: slice = slice(None)):
+    def rollout(self, engine: EngineHandle, watch: Stopwatch, groups: slice = slice(None)):
         """Generate `samples_per_prompt` answers per prompt and score them: (batch, advantages, rollout metrics).
         `groups`: this rank's prompts (one engine per rank); every rank draws the same prompts, then takes its own."""
         cfg = self.cfg
         prompts = make_prompts(cfg.rollout.prompts_per_step, rng=self.rng)[groups]
         prompt_ids = [self.tokenizer.encode(p.text) for p in prompts for _ in range(cfg.rollout.samples_per_prompt)]
         with watch("engine_resume"):
-            transport.resume()  # the engine gets its memory (KV cache, released weights) back
+            engine.resume()  # the engine gets its memory (KV cache, released weights) back
         resumed = watch.last
         started = time.perf_counter()  # the engine resumed (synchronized): generation starts now
         with watch("rollout"):
-            gen = transport.generate(
+            gen = engine.generate(
                 prompt_ids,
                 max_new_tokens=cfg.rollout.max_response_len,
                 temperature=cfg.rollout.temperature,
@@ -385,7 +386,7 @@ class Experiment:
                 self.engine_idle["perf/engine_idle_probe_time"] = self.probe_time
         self.generation_ended = time.perf_counter()
         with watch("engine_release"):
-            transport.release()  # ... and hands it to the trainer until the next rollout
+            engine.release()  # ... and hands it to the trainer until the next rollout
         self.idle_release, self.idle_wake = watch.last, 0.0
         rewards, advantages = score_rollout(
             gen, prompts, self.tokenizer, group_size=cfg.rollout.samples_per_prompt, device=self.device
@@ -402,7 +403,7 @@ class Experiment:
         layout, payload = self.cfg.model.update_layout, payload_of(self.cfg.update)
         if self.cfg.update.source == "host" and not live:
             weights = update_tensors(self.offloader.host_weights(self.params), layout, self.side.layout)
-            return payload.source(weights, self.cfg)  # update.lora=merged: W + s*BA, merged as read
+            return payload.source(weights, self.cfg)  # a merging payload: W + s*BA, merged as read
         weights = self.parallel.update_source(  # fsdp2: the shards, gathered bucket by bucket as they are read
             self.params,
             layout=layout,
@@ -414,24 +415,25 @@ class Experiment:
         return payload.source(weights, self.cfg)
 
     def device_memory(self, phase: str) -> dict[str, float]:
-        """On CUDA, what the trainer's sleep hands the engine, and takes back: this process's reserved
+        """On CUDA, what the trainer's offload hands the engine, and takes back: this process's reserved
         memory and the whole device's used memory (rlsync.measure.devices.device_memory_metrics)."""
         return device_memory_metrics(self.device, phase)
 
     def offload_metrics(self, m: dict) -> dict:
-        """Beside perf/sleep_time and perf/wake_up_time: GB/s, the limit (bytes over the host-link copy
+        """Beside perf/sleep_time and perf/wake_up_time: GB/s, the floor (bytes over the host-link copy
         bandwidth measured in this run; memcpy on a CPU) and the efficiency (floor / time). Data parallel:
         against the rank's share of the link."""
         if not self.dp.is_main:  # rank 0 alone records
             return {}
-        return link_metrics(m, self.link_share or self.limits)
+        return link_metrics(m, self.link_share or self.floors)
 
     def close(self) -> None:
         """The engine (its process too), then the trainer's pinned twin: a sweep's next job pins its own."""
         try:
-            if self.side is not None and self.side.transport is not None:
-                self.side.transport.close()
-                self.setup_info["engine_peak_rss_bytes"] = self.side.transport.engine_peak_rss_bytes
+            if self.side is not None and self.side.engine is not None:
+                engine = self.side.engine
+                self.side.close()  # the engine, then its transport
+                self.setup_info["engine_peak_rss_bytes"] = engine.peak_rss_bytes  # as its close() answered
         finally:
             if self.offloader is not None:
                 self.offloader.close()
@@ -503,19 +505,20 @@ def run_summary(
         **resolved_setup(setup_info.get("resolved"), cfg.update),
         "device": str(device),
         "engine": cfg.rollout.engine,
-        "sleep_level": cfg.rollout.sleep_level,  # what the engine's release gives back (vLLM's levels)
-        "payload": payload_name(cfg.update),  # what each bucket carried: full, delta, fp8 (rlsync/update/payload)
+        "vllm_reload_mode": cfg.rollout.vllm_reload_mode,  # VLLM_RELOAD_MODE (vLLM 0.34+); null: vLLM's default
+        "release_level": cfg.rollout.release_level,  # what the engine's release gives back (vLLM's levels)
+        "payload": payload_name(cfg.update),  # what each bucket carried: update.payload (rlsync/update/payload)
         "engine_address": cfg.update.engine_address,  # null: the engine ran on this machine, started by the run
         "max_response_len": cfg.rollout.max_response_len,
         "offload": cfg.trainer.offload,
         "ranks": ranks,  # data-parallel trainer ranks
         "parallel": cfg.trainer.parallel if ranks > 1 else "none",  # how they share the model (trainer.parallel)
         "placement": cfg.rollout.placement if ranks > 1 else "rank0",  # rank0: one engine | every_rank: one per rank
-        "gather": cfg.update.gather if ranks > 1 and cfg.trainer.parallel == "fsdp2" else None,
+        "gather": cfg.update.gather if ranks > 1 and parallel_class(cfg.trainer.parallel).sharded else None,
         "limit_probe": cfg.run.limit_probe,
         "update_layout": cfg.model.update_layout,  # checkpoint: per-expert tensors (as published) | fused
         "update_tensors": setup_info.get("tensors") if cfg.update.enabled else None,
-        "adapter_tensors": setup_info.get("adapter_tensors"),  # update.lora=adapter: what each later update sends
+        "adapter_tensors": setup_info.get("adapter_tensors"),  # update.payload=lora: what each later update sends
         "copy_threads_used": copy_threads_used(setup_info.get("resolved"), device, cpu),
         "cores": machine_threads(),  # the CPU threads this process may run on (its affinity)
     }
@@ -611,8 +614,6 @@ def print_closing(result: dict) -> None:
     if line:
         print(line, file=out)
     if result.get("verification") == "passed":
-        fp8 = (
-            result["setup"].get("payload") == "fp8"
-        )  # the engine holds the trainer's weights quantized, then dequantized
-        matched = "the same block quantization of the trainer's" if fp8 else "the trainer's"
+        payload = recorded_class(result["setup"].get("payload"))
+        matched = payload.verified if payload else "the trainer's"  # FP8: quantized, then dequantized
         print(f"Verified: after every update the engine's weights matched {matched} (update.verify=true).", file=out)

@@ -7,7 +7,7 @@
 The engine is built once from the same config groups as the runner (model, rollout, run.device;
 conf/engine.yaml), then serves HTTP at `update.engine_address` (default 127.0.0.1:29610; port 0
 picks a free one, printed in the "listening" line): uvicorn, a FastAPI app (rlsync/serve/app.py),
-typed JSON messages (rlsync/update/messages.py), never pickle. Each trainer is one session, served to
+typed JSON messages (rlsync/client/messages.py), never pickle. Each trainer is one session, served to
 the end before the next is let in:
 
 1. the trainer sends its half of the broadcast transport: the bucket plan and its settings
@@ -15,7 +15,7 @@ the end before the next is let in:
    its own weights with their shapes and dtype, and refuses the session in one line if not;
 2. the engine joins the trainer's gloo group at the address the trainer connected from;
 3. it serves the trainer's requests (open, update, generate, release, resume, checksums, weights,
-   close) as an engine process started by the trainer would (rlsync/update/engine_process.py), until
+   close) as an engine process started by the trainer would (rlsync/engines/process.py), until
    the trainer closes the session or goes away.
 
 The weights stay between sessions; each session starts with the engine's memory resumed and is
@@ -48,6 +48,7 @@ import uvicorn
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from rlsync.client.client import DEFAULT_PORT, TOKEN_ENV, parse_address
 from rlsync.config.apps import EngineAppConfig
 from rlsync.config.compose import CONFIG_PATH, register_configs
 from rlsync.config.launch import hydra_job, hydra_record
@@ -60,7 +61,6 @@ from rlsync.record.run_lock import RunLock
 from rlsync.serve.app import Control, log
 from rlsync.serve.http import guarded_protocol, quiet_uvicorn
 from rlsync.shell import cli, job_errors
-from rlsync.update.remote import DEFAULT_PORT, TOKEN_ENV, parse_address
 
 register_configs()
 

@@ -1,11 +1,11 @@
 """The update's `null` (auto) knobs, resolved in one place, each with the reason it took its value.
 
 - `update.flat_engine_weights=null`: `rlsync.config.derived.flat_engine_weights_choice` (config alone: the
-  engine, transport, strategy and rollout.sleep_level decide it; the memory estimate reads it too).
+  engine, transport, strategy and rollout.release_level decide it; the memory estimate reads it too).
 - `update.copy_threads=null`: the CPU thread count that copies the update's own tensors fastest
   (`fastest_threads`): a sample of them (`sample`, up to SAMPLE_BYTES) copied and cast as the update
   packs them, on one thread, torch's threads and every core, taking turns. Not the copy probe's one
-  large copy (`rlsync.measure.limits`): each of the update's many copies waits at an OpenMP barrier, free on
+  large copy (`rlsync.measure.floors`): each of the update's many copies waits at an OpenMP barrier, free on
   idle cores and milliseconds when another process holds one (experiments/transports/README.md). A
   win of fewer threads is timed again before it is believed, and more threads are taken only on a
   margin wider than the probe's spread (`fastest_of`); on a machine so busy that the run kept cores

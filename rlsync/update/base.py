@@ -1,9 +1,11 @@
-"""What every transport is: the `Transport` handle, what an update returns, the engine-process half
-(`Receiver`), and the registry of transports.
+"""What every transport is: the `Transport` (the weight channel), what an update returns, and the
+registry of transports.
 
-A transport is the engine as the step loop sees it: `generate`, `release`, `resume`, `update_weights`
-(the trainer's weights into the engine, returning an `UpdateResult`), `weights`, `checksums`, `close`.
-Where the engine lives (this process, its own) and how the weights travel are the transport's.
+A transport is one way of moving the trainer's weights into a rollout engine: it says where its engine
+lives (`start_engine`: built in this process, or an engine process given the transport's Receiver,
+rlsync.engines.process), opens its channel on that engine (`connect`), then `update_weights` sends each
+update and returns an `UpdateResult`. The step loop generates with the engine (rlsync.engines.base's
+`EngineHandle`), never through the transport; rlsync.update's `open_update` returns both.
 
 The registry maps `update.transport` to a transport class; the config rule for that key offers its
 names. Adding a transport is one module holding a `Transport` subclass and one line:
@@ -11,8 +13,7 @@ names. Adding a transport is one module holding a `Transport` subclass and one l
     register_transport("mine", "mypackage.mine:MyTransport")   # resolved on first use: no import now
     register_transport("mine", MyTransport)                    # or the class itself
 
-`register_transport("mine")` also works as a class decorator. A transport whose engine runs in its
-own process plugs its engine-side half into `rlsync.update.engine_process` as a `Receiver`.
+`register_transport("mine")` also works as a class decorator.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ from typing import ClassVar
 import torch
 
 from rlsync.config.schema import UpdateConfig
-from rlsync.engines.base import Engine, EngineSpec, Preloaded, Rollout, checksum, own_strategy_names
+from rlsync.engines.base import EngineHandle, EngineSpec, own_strategy_names
 from rlsync.registry import Registry
-from rlsync.update.buckets import Bucket
 
 STRATEGIES = ("bucketed", "per_tensor")  # every transport's; an engine may add its own (Engine.own_strategies)
 SOURCES = ("device", "host")
@@ -52,21 +52,28 @@ class UpdateResult:
         return {f"perf/update_weights_{phase}_time": s for phase, s in self.seconds.items()}
 
 
-class Transport(Rollout):
-    """The rollout engine behind one way of moving weights to it, as the step loop drives it.
+class Transport(ABC):
+    """The weight channel: the trainer's half of one way of moving weights into an engine.
 
-    `open` builds it from the run's engine spec, the bucket plan and update config (every transport
-    the same way); `generate`, `release` and `resume` are the engine's (`Rollout`), wherever it runs;
+    Built as `cls(spec, buckets, cfg)` from the run's engine spec, the bucket plan and update config
+    (its own buffers, a store, the Receiver it hands an engine process), before any engine; then
+    `start_engine(spec)` starts the engine where this transport keeps it and `connect(engine)` opens the
+    channel on it (rlsync.update.open_update does the three, and closes what opened if one fails).
     `update_weights` returns what the update measured and keeps it as `last_update`.
     """
 
+    engine: EngineHandle | None = None  # the engine this channel updates (connect)
     last_update: UpdateResult | None = None
 
     # What the memory check, the planner and validation know of a transport without naming it.
     engine_in_process: ClassVar[bool] = True  # the engine lives in the trainer's process: its memory is the trainer's
     # with update.flat_engine_weights=true the engine's weights are memory shared with the trainer, which the
-    # engine cannot free (so not with rollout.sleep_level=2)
+    # engine cannot free (so not with rollout.release_level=2)
     flat_weights_shared: ClassVar[bool] = False
+    joins_address: ClassVar[bool] = False  # joins an engine started on its own at update.engine_address (rlsync.serve)
+    data_parallel: ClassVar[bool] = False  # built and tested under data-parallel launches
+    # plan.calibrate benchmarks it: its copies are what the planner's cost model describes
+    calibrated: ClassVar[bool] = False
 
     @classmethod
     def staging_slots(cls, cfg: UpdateConfig, flat_weights: bool) -> tuple[int, int]:
@@ -81,14 +88,19 @@ class Transport(Rollout):
         and the engine's load, one copy where either is the whole update (per_tensor, flat weights)."""
         return 1 if strategy == "per_tensor" or flat_weights else 2
 
-    @classmethod
-    def check_config(cls, cfg) -> None:  # noqa: B027 - optional: most transports have no rules of their own
+    @classmethod  # noqa: B027 - optional: most transports have no rules of their own
+    def check_config(cls, cfg) -> None:
         """This transport's rules across the config's keys: a ConfigError naming the key; none by default."""
 
-    @classmethod
-    def open(cls, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig) -> Transport:
-        """Start the engine `spec` describes behind this transport, for the update `buckets` plans."""
-        return cls(spec, buckets, cfg)
+    @abstractmethod
+    def start_engine(self, spec: EngineSpec) -> EngineHandle:
+        """Start the engine `spec` describes where this transport keeps it: built in this process
+        (`spec.build`), or an engine process given this transport's Receiver (rlsync.engines.process)."""
+
+    def connect(self, engine: EngineHandle) -> None:
+        """Open the channel on `engine` (bind buffers to its weights, join a process group); by default
+        only keeps it, as `self.engine`."""
+        self.engine = engine
 
     def update_weights(self, weights: dict[str, torch.Tensor]) -> UpdateResult:
         """The trainer's `weights` (trainer names and dtype) into the engine, by the bucket plan."""
@@ -105,42 +117,9 @@ class Transport(Rollout):
         return self.last_update.buckets if self.last_update is not None else []
 
     @abstractmethod
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The engine's weights by the trainer's names (an engine in its own process: CPU copies)."""
-
-    def checksums(self) -> dict[str, int]:
-        """One checksum per engine weight (update.verify); a transport may compute them where the engine is."""
-        return {name: checksum(t) for name, t in self.weights().items()}
-
-    @abstractmethod
     def close(self) -> None:
-        """Stop the engine and free what the transport holds; safe to call twice."""
-
-    @property
-    def engine_peak_rss_bytes(self) -> int | None:
-        """After close: the engine process's own peak resident set; None for an engine in the trainer's
-        process (its memory is the trainer's) or one that did not say (a standalone engine)."""
-        return None
-
-
-class Receiver(Preloaded, ABC):
-    """The engine-side half of a transport whose engine runs in its own process (update/engine_process.py).
-
-    It is pickled to the engine process, which calls `open` once the engine is built, `handle` for each
-    update request, and `close` on its way out. Results travel back to the trainer as plain dicts.
-    """
-
-    @abstractmethod
-    def open(self, engine: Engine) -> dict:
-        """Set up this side of the transport for `engine` (buffers, a process group); the reply's result."""
-
-    @abstractmethod
-    def handle(self, engine: Engine, request: tuple) -> dict:
-        """One update request from the trainer's side, into `engine`; the reply's result."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Free what `open` took; called once, as the engine process ends."""
+        """Free what the channel holds (buffers, a process group), after its engine is closed (an engine
+        process leaves the group on its way out); safe to call twice."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,3 +137,8 @@ TRANSPORTS: Registry[Transport] = Registry(
 register_transport = TRANSPORTS.register  # register_transport("mine", "mypackage.mine:Mine"), or as a decorator
 transport_names = TRANSPORTS.names  # the values update.transport accepts, in registration order
 transport_class = TRANSPORTS.resolve  # the class registered under a name, imported the first time
+
+
+def transports_with(**facts: bool) -> tuple[str, ...]:
+    """The update.transport values whose class declares each of `facts` (ClassVars of `Transport`) so, in order."""
+    return tuple(name for name in TRANSPORTS if all(getattr(transport_class(name), f) is v for f, v in facts.items()))

@@ -3,9 +3,9 @@
 As in Miles/slime's non-colocated mode: the trainer (rank 0) and the engine process
 (rank 1) form a two-rank gloo group (see `resolve_backend` for NCCL) over a TCP store that the
 trainer hosts on a free port. The engine process is started here, or (`update.engine_address`) is
-an engine started on its own, on this machine or another (`python -m rlsync.serve`,
-update/remote.py), which reaches the trainer's store at the address the trainer connected from. The
-store and both ends of the group listen on one address only: loopback for an engine process
+an engine started on its own, on this machine or another (`python -m rlsync.serve`, its client
+rlsync.client.client.RemoteEngine), which reaches the trainer's store at the address the trainer
+connected from. The store and both ends of the group listen on one address only: loopback for an engine process
 started here; for a standalone engine, each side's end of the control connection. The
 group is a standalone object, not torch.distributed's default group: a data-parallel trainer keeps
 its own, and several engines can come and go. The bucket plan is deterministic and both sides
@@ -29,6 +29,7 @@ NCCL would need the engine on another GPU than the trainer's; rlsync colocates t
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections import deque
 from datetime import timedelta
@@ -39,11 +40,11 @@ import torch.distributed as dist
 import rlsync.update.flat as flat
 from rlsync.config.schema import UpdateConfig
 from rlsync.engines.base import Engine, EngineSpec
+from rlsync.engines.process import EngineConnection, EngineProcess, Receiver
 from rlsync.measure.threads import cpu_threads
 from rlsync.measure.timing import DeviceMemory, HostTimer, unit_timer
-from rlsync.update.base import Receiver, UpdateResult
+from rlsync.update.base import Transport, UpdateResult
 from rlsync.update.buckets import Bucket, Slot, largest_bucket_bytes
-from rlsync.update.engine_process import EngineProcess, ForwardsToEngineProcess
 from rlsync.update.payload import Encoded, Payload, payload_of
 from rlsync.update.payload.full import FullPayload
 
@@ -100,6 +101,33 @@ def reach_store(host: str, port: int, deadline: float, bound_s: float) -> None:
         time.sleep(min(STORE_RETRY_S, max(deadline - time.monotonic(), 0)))
 
 
+def store_client(host: str, port: int, deadline: float, bound_s: float) -> dist.TCPStore:
+    """A client of the store at host:port, made by `deadline`. torch's client waits for ever on a peer that
+    accepts the connection and never answers (its handshake has no timeout), so it is made on a thread of its
+    own; one past the deadline is left to end with its connection, and the wait ends in a one-line TimeoutError."""
+    reach_store(host, port, deadline, bound_s)
+    left = timedelta(seconds=max(deadline - time.monotonic(), STORE_RETRY_S))
+    made: list = []  # the store, or what its making raised
+
+    def connect() -> None:
+        try:
+            made.append(dist.TCPStore(host, port, world_size=2, is_master=False, timeout=left))
+        except Exception as err:  # noqa: BLE001 - raised in the caller's thread below
+            made.append(err)
+
+    thread = threading.Thread(target=connect, name="rlsync-store-client", daemon=True)
+    thread.start()
+    thread.join(max(deadline - time.monotonic(), STORE_RETRY_S))
+    if not made:
+        raise TimeoutError(
+            f"the trainer's store at {host}:{port} accepted the connection but did not answer as a store "
+            f"within {bound_s:g} s"
+        )
+    if isinstance(made[0], Exception):
+        raise made[0]
+    return made[0]
+
+
 def resolve_backend(name: str) -> str:
     """gloo, whatever the device: the engine shares the trainer's device, and NCCL refuses two ranks
     on one GPU ("Duplicate GPU detected", NCCL >= 2.5), so it is not offered. gloo broadcasts CUDA
@@ -149,9 +177,8 @@ class BroadcastReceiver(Receiver):
     def open(self, engine: Engine) -> dict:
         # reaching the store and the group's rendezvous share one bound, join_timeout_s, counted once
         deadline = time.monotonic() + self.join_timeout_s
-        reach_store(self.host, self.port, deadline, self.join_timeout_s)
+        store = store_client(self.host, self.port, deadline, self.join_timeout_s)
         left = timedelta(seconds=max(deadline - time.monotonic(), STORE_RETRY_S))
-        store = dist.TCPStore(self.host, self.port, world_size=2, is_master=False, timeout=left)
         each = timedelta(seconds=self.timeout_s)  # each broadcast's own wait, once the group is joined
         settable = hasattr(dist.ProcessGroupGloo, "_set_default_timeout")  # (a torch without it: the rendezvous too)
         self.group = join_group(store, ENGINE, min(left, each) if settable else each, self.bind_host)
@@ -201,7 +228,7 @@ class BroadcastReceiver(Receiver):
         return {"load_times": [r["load_time"] for r in rows], "peak_extra": memory.peak_extra}
 
     def receive_encoded(self, engine: Engine, units: list, rows: list[dict], timer) -> None:
-        """A payload whose size varies per bucket (a delta): each bucket's header first (what it carries),
+        """A payload whose size varies per bucket (one that sends what changed): each bucket's header first (what it carries),
         then only its bytes, into one slot, decoded before the next is received."""
         header = torch.empty(4, dtype=torch.int64)
         for k, (unit, numel) in enumerate(units):
@@ -217,8 +244,12 @@ class BroadcastReceiver(Receiver):
         self.slots, self.flat, self.group = [], None, None
 
 
-class BroadcastTransport(ForwardsToEngineProcess):
+class BroadcastTransport(Transport):
+    """The engine in an engine process, or a standalone one (update.engine_address), joined to this
+    trainer in a two-rank process group; one broadcast per bucket (or tensor)."""
+
     engine_in_process = False
+    joins_address = True  # a standalone engine is joined through this transport's process group
 
     @classmethod
     def staging_slots(cls, cfg: UpdateConfig, flat_weights: bool) -> tuple[int, int]:
@@ -241,9 +272,8 @@ class BroadcastTransport(ForwardsToEngineProcess):
         join_timeout_s = cfg.engine_connect_timeout_s if cfg.engine_address else cfg.engine_timeout_s
         host = HOST
         if cfg.engine_address:  # listen on the interface that reaches that engine, once it answers
-            from rlsync.update.remote import (
-                reach,  # lazy: ~0.2 s (pydantic) in every engine process, see engine_process
-            )
+            # lazy: rlsync.client costs ~0.2 s (pydantic) in every engine process that imports this module
+            from rlsync.client.client import reach
 
             host = reach(cfg.engine_address, timeout_s=cfg.engine_connect_timeout_s)
         self.store = listen_store(host, timedelta(seconds=join_timeout_s))
@@ -255,7 +285,7 @@ class BroadcastTransport(ForwardsToEngineProcess):
         self.payload = payload_of(cfg)
         self.encoder = self.payload.encoder(buckets, self.device)
         self.headers = [torch.empty(4, dtype=torch.int64) for _ in self.slots]  # a varying payload's, per slot
-        receiver = BroadcastReceiver(
+        self.receiver = BroadcastReceiver(
             buckets,
             strategy=cfg.strategy,
             inflight=cfg.inflight_buckets,
@@ -266,31 +296,38 @@ class BroadcastTransport(ForwardsToEngineProcess):
             copy_threads=cfg.copy_threads,
             payload=self.payload,
         )
-        if cfg.engine_address:  # an engine started on its own: it checks the plan against its model
-            self.process = EngineProcess.over_http(
+        self.cfg, self.backend, self.host, self.timeout = cfg, backend, host, timeout
+
+    def start_engine(self, spec: EngineSpec) -> EngineConnection:
+        """An engine process given this transport's receiver, or (update.engine_address) a session with an
+        engine started on its own, which checks the plan against its model before it accepts."""
+        cfg = self.cfg
+        if cfg.engine_address:
+            from rlsync.client.client import RemoteEngine  # lazy, as `reach` above
+
+            return RemoteEngine(
                 cfg.engine_address,
-                receiver,
+                self.receiver,
                 timeout_s=cfg.engine_timeout_s,
                 connect_timeout_s=cfg.engine_connect_timeout_s,
             )
-        else:
-            self.process = EngineProcess(spec, receiver, strategy=cfg.strategy, timeout_s=cfg.engine_timeout_s)
-        try:
-            self.process.send("open")
-            self.process.join_thread(
-                lambda: setattr(self, "group", join_group(self.store, TRAINER, timeout, host)),
-                f"the {backend} process group",
-            )
-            self.engine_staging = self.process.reply("open").result["staging_bytes"]
-        except BaseException:
-            self.close()
-            raise
+        return EngineProcess(spec, self.receiver, strategy=cfg.strategy, timeout_s=cfg.engine_timeout_s)
+
+    def connect(self, engine: EngineConnection) -> None:
+        """The engine joins the group (its "open") while this side does."""
+        self.engine = engine
+        engine.send("open")
+        engine.join_thread(
+            lambda: setattr(self, "group", join_group(self.store, TRAINER, self.timeout, self.host)),
+            f"the {self.backend} process group",
+        )
+        self.engine_staging = engine.reply("open").result["staging_bytes"]
 
     @torch.no_grad()
     def send_weights(self, weights: dict[str, torch.Tensor]) -> UpdateResult:
         timer, waits = unit_timer(self.device), HostTimer()  # pack: on the device; transfer: a host wait
         rows: list[dict] = []
-        self.process.send("update", ("update",))
+        self.engine.send("update", ("update",))
         in_flight: deque = deque()  # (row, work)
         for k, (unit, numel) in enumerate(self.units):
             if len(in_flight) == len(self.slots):
@@ -311,7 +348,7 @@ class BroadcastTransport(ForwardsToEngineProcess):
         while in_flight:
             self._wait(*in_flight.popleft(), waits)
         timer.resolve()
-        reply = self.process.reply("update")
+        reply = self.engine.reply("update")
         for row, load in zip(rows, reply.result["load_times"], strict=True):
             row["load_time"] = load
         trainer_staging = sum(s.numel() * s.element_size() for s in self.slots)
@@ -329,17 +366,13 @@ class BroadcastTransport(ForwardsToEngineProcess):
     def _wait(self, row: dict, works: list, waits: HostTimer) -> None:
         with waits("transfer", row):
             for work in works:
-                self.process.wait_for(work.is_completed, "a weight broadcast")
+                self.engine.wait_for(work.is_completed, "a weight broadcast")
                 try:
                     work.wait()  # raises the backend's error, if the broadcast failed; orders our stream after it
                 except RuntimeError as err:
-                    self.process.blame(err, "a weight broadcast")
+                    self.engine.blame(err, "a weight broadcast")
                     raise
 
     def close(self) -> None:
-        """The engine process first (it leaves the group on its way out), then our side of the group."""
-        try:
-            if getattr(self, "process", None) is not None:
-                self.process.close()
-        finally:
-            self.slots, self.group, self.store = [], None, None
+        """Our side of the group (after the engine, which leaves it on its way out: update.close_update)."""
+        self.slots, self.group, self.store, self.receiver = [], None, None, None

@@ -14,60 +14,45 @@ from __future__ import annotations
 import torch
 
 from rlsync.config.schema import UpdateConfig
-from rlsync.engines.base import Engine, EngineSpec, Generation
+from rlsync.engines.base import Engine, EngineSpec
 from rlsync.measure.timing import unit_timer
 from rlsync.update import flat
 from rlsync.update.base import Transport, UpdateResult
 from rlsync.update.buckets import Bucket, largest_bucket_bytes
 from rlsync.update.gather import gather_bucket
-from rlsync.update.payload import Payload, payload_of
-from rlsync.update.payload.full import FullPayload
+from rlsync.update.payload import payload_of
 
 
 class DirectTransport(Transport):
-    """`engine`, built in this process, behind the update `buckets` plans (`open` builds it from the spec)."""
+    """The engine built in this process; the channel is this process's copies into it (`connect` makes
+    the staging buffer, or binds the engine's weights to flat buffers)."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        buckets: list[Bucket],
-        *,
-        strategy: str,
-        flat_weights: bool = False,
-        payload: type[Payload] = FullPayload,
-    ):
-        self.engine, self.buckets, self.strategy = engine, buckets, strategy
-        self.payload, self.encoder = payload, payload.encoder(buckets, engine.device)  # before pass_through
+    data_parallel = calibrated = True
+
+    def __init__(self, spec: EngineSpec | None, buckets: list[Bucket], cfg: UpdateConfig):
+        self.buckets, self.strategy, self.flat_weights = buckets, cfg.strategy, bool(cfg.flat_engine_weights)
+        self.payload = payload_of(cfg)
         self.staging = None
         self.flat = None  # the engine's weights, one flat buffer per bucket (flat_weights)
+
+    def start_engine(self, spec: EngineSpec) -> Engine:
+        return spec.build(strategy=self.strategy)  # here, in the trainer's process
+
+    def connect(self, engine: Engine) -> None:
+        self.engine = engine
+        self.encoder = self.payload.encoder(self.buckets, engine.device)  # before pass_through
         self.pass_through = (
-            strategy == "bucketed" and not flat_weights and engine.loads_trainer_tensors and payload.whole
+            self.strategy == "bucketed"
+            and not self.flat_weights
+            and engine.loads_trainer_tensors
+            and self.payload.whole
         )
-        if flat_weights:
-            self.flat = flat.allocate(buckets, engine.device)
-            flat.bind(engine.weights, buckets, self.flat)
-        elif strategy == "bucketed" and not self.pass_through:
-            numel = largest_bucket_bytes(buckets) // engine.dtype.itemsize
+        if self.flat_weights:
+            self.flat = flat.allocate(self.buckets, engine.device)
+            flat.bind(engine.weights, self.buckets, self.flat)
+        elif self.strategy == "bucketed" and not self.pass_through:
+            numel = largest_bucket_bytes(self.buckets) // engine.dtype.itemsize
             self.staging = torch.empty(numel, dtype=engine.dtype, device=engine.device)
-
-    @classmethod
-    def open(cls, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig) -> DirectTransport:
-        return cls(
-            spec.build(strategy=cfg.strategy),
-            buckets,
-            strategy=cfg.strategy,
-            flat_weights=cfg.flat_engine_weights,
-            payload=payload_of(cfg),
-        )
-
-    def generate(self, prompts: list[list[int]], **kwargs) -> Generation:
-        return self.engine.generate(prompts, **kwargs)
-
-    def release(self) -> None:
-        self.engine.release()
-
-    def resume(self) -> None:
-        self.engine.resume()
 
     @torch.no_grad()
     def send_weights(self, weights: dict[str, torch.Tensor]) -> UpdateResult:
@@ -108,12 +93,5 @@ class DirectTransport(Transport):
         timer.resolve()
         return UpdateResult(dict(timer.seconds), rows, staging_bytes=staging_bytes)
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return self.engine.weights
-
-    def checksums(self) -> dict[str, int]:
-        return self.engine.checksums()
-
     def close(self) -> None:
         self.staging = self.flat = None
-        self.engine.close()  # an engine with resources of its own (vLLM) frees them

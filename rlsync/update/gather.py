@@ -4,7 +4,7 @@ FSDP2 holds each parameter as a DTensor, one shard per rank; the engine needs wh
 TRL's colocated updates gather each parameter with `DTensor.full_tensor()` (one all-gather each) shortly
 before it is sent. Here `gather_shards` gathers a unit's shards as FSDP2's own forward does (its copy-in,
 one all-gather, copy-out): this rank's shards packed into one buffer, all-gathered in calls of the size the
-run's gather floor found fastest (rlsync.measure.limits.GatherFloor), each full tensor copied out of the
+run's gather floor found fastest (rlsync.measure.floors.GatherFloor), each full tensor copied out of the
 result. Per-parameter calls pay a call per tensor, and a large tensor in one call runs where the
 collective is slow (gloo: 0.48 GB/s in 64 MiB to 1 GiB calls, 1.1 GB/s in 1 to 16 MiB ones). When:
 

@@ -25,14 +25,14 @@ import torch
 
 from rlsync.config.schema import UpdateConfig
 from rlsync.engines.base import Engine, EngineSpec
+from rlsync.engines.process import EngineProcess, Receiver
 from rlsync.errors import ConfigError
 from rlsync.measure.devices import copy_into
 from rlsync.measure.threads import cpu_threads
 from rlsync.measure.timing import DeviceMemory, synchronize, unit_timer
 from rlsync.update import flat
-from rlsync.update.base import Receiver, UpdateResult
+from rlsync.update.base import Transport, UpdateResult
 from rlsync.update.buckets import Bucket, largest_bucket_bytes
-from rlsync.update.engine_process import EngineProcess, ForwardsToEngineProcess
 from rlsync.update.gather import gather_bucket
 from rlsync.update.payload import Encoded, Payload, payload_of
 from rlsync.update.payload.full import FullPayload
@@ -82,9 +82,12 @@ class IpcReceiver(Receiver):
         self.slots = self.flat = None
 
 
-class IpcTransport(ForwardsToEngineProcess):
+class IpcTransport(Transport):
+    """The engine in an engine process that maps this transport's staging buffers (or flat weights)."""
+
     engine_in_process = False
     flat_weights_shared = True  # the flat weights are the shared buffers themselves
+    data_parallel = calibrated = True
 
     @classmethod
     def staging_slots(cls, cfg: UpdateConfig, flat_weights: bool) -> tuple[int, int]:
@@ -96,13 +99,13 @@ class IpcTransport(ForwardsToEngineProcess):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        if cfg.update.flat_engine_weights is True and cfg.rollout.sleep_level == 2:
+        if cfg.update.flat_engine_weights is True and cfg.rollout.release_level == 2:
             raise ConfigError(
                 "update.flat_engine_weights",
                 True,
-                "false with rollout.sleep_level=2 (with ipc "
+                "false with rollout.release_level=2 (with ipc "
                 "the engine's weights are then shared memory, which the engine cannot free)",
-                "not allowed with rollout.sleep_level=2",
+                "not allowed with rollout.release_level=2",
             )
 
     def __init__(self, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig):
@@ -120,15 +123,18 @@ class IpcTransport(ForwardsToEngineProcess):
         self.slots = [flat.empty(slot_numel, self.dtype, self.device, shared=True) for _ in range(count)]
         self.payload = payload_of(cfg)
         self.encoder = self.payload.encoder(buckets, self.device)
-        receiver = IpcReceiver(
+        self.timeout_s = cfg.engine_timeout_s
+        self.receiver = IpcReceiver(
             buckets, slots=self.slots, flat_weights=self.flat, copy_threads=cfg.copy_threads, payload=self.payload
         )
-        self.process = EngineProcess(spec, receiver, strategy=cfg.strategy, timeout_s=cfg.engine_timeout_s)
-        try:
-            self.process.call("open")
-        except BaseException:
-            self.close()
-            raise
+
+    def start_engine(self, spec: EngineSpec) -> EngineProcess:
+        """An engine process that maps this transport's buffers (its receiver holds them)."""
+        return EngineProcess(spec, self.receiver, strategy=self.strategy, timeout_s=self.timeout_s)
+
+    def connect(self, engine: EngineProcess) -> None:
+        self.engine = engine
+        engine.call("open")
 
     def units(self, weights: dict[str, torch.Tensor]) -> list[tuple[tuple, int, object]]:
         """(request key, elements, what to pack) per message: a bucket, or one tensor."""
@@ -149,8 +155,8 @@ class IpcTransport(ForwardsToEngineProcess):
                 with timer("pack", rows[-1]):
                     flat.pack(bucket, weights, buffer)
             timer.handoff()  # every bucket's bytes are in the engine's weights before it is told
-            self.process.send("update", ("landed", None, None))
-            reply = self.process.reply("update")
+            self.engine.send("update", ("landed", None, None))
+            reply = self.engine.reply("update")
             rows[-1]["transfer_time"] = reply.handoff
             transfer, load, engine_peak = reply.handoff, reply.result["load_time"], reply.result["peak_extra"]
         else:
@@ -170,7 +176,7 @@ class IpcTransport(ForwardsToEngineProcess):
                     with timer("pack", rows[-1]):
                         copy_into(buffer, source.reshape(-1))
                 timer.handoff()  # the bytes are in the buffer before the engine is told
-                self.process.send("update", message)
+                self.engine.send("update", message)
                 pending.append(len(rows) - 1)
             while pending:
                 engine_peak = max(engine_peak, self._finish(rows[pending.popleft()]))
@@ -186,13 +192,9 @@ class IpcTransport(ForwardsToEngineProcess):
         )
 
     def _finish(self, row: dict) -> int:
-        reply = self.process.reply("update")
+        reply = self.engine.reply("update")
         row["transfer_time"], row["load_time"] = reply.handoff, reply.result["load_time"]
         return reply.result["peak_extra"]
 
     def close(self) -> None:
-        try:
-            if getattr(self, "process", None) is not None:
-                self.process.close()
-        finally:
-            self.slots, self.flat = [], None
+        self.slots, self.flat, self.receiver = [], None, None

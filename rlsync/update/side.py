@@ -1,5 +1,5 @@
 """The update's side of a run or a benchmark, built once: the trainer's tensors in the update's layout,
-the bucket plan, the copy floors, the auto knobs resolved, the engine's spec and the transport to it.
+the bucket plan, the copy floors, the auto knobs resolved, the engine's spec, the engine and the transport to it.
 
 `python -m rlsync` (rlsync.run.loop), `python -m rlsync.bench` (rlsync.bench.runner) and their tests
 build it here, in this order: the floors are probed before the engine takes its memory, and the auto
@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 from rlsync.config.schema import Config, UpdateConfig
-from rlsync.engines.base import engine_class, engine_spec
+from rlsync.engines.base import EngineHandle, engine_class, engine_spec
 from rlsync.measure.devices import explicit_device
-from rlsync.measure.limits import Limits
+from rlsync.measure.floors import Floors
 from rlsync.model.architecture import Entry, params_layout, update_tensors
 from rlsync.model.build import torch_dtype
 from rlsync.model.lora import is_adapter
-from rlsync.update import is_out_of_memory, open_transport, out_of_memory, plan_for
+from rlsync.update import close_update, is_out_of_memory, open_update, out_of_memory, plan_for
 from rlsync.update.auto import resolve_for_run
 from rlsync.update.base import Transport
 from rlsync.update.buckets import Bucket
@@ -30,7 +30,7 @@ from rlsync.update.payload import payload_of
 @dataclass
 class UpdateSide:
     """What the update needs, planned once. Without an engine here (a data-parallel rank that only
-    follows the gathers) `limits` and `transport` are None and `update_cfg` is update.* as configured."""
+    follows the gathers) `floors`, `engine` and `transport` are None and `update_cfg` is update.* as configured."""
 
     layout: list[Entry]  # model.update_layout's plan over the trainer's parameters (views are made per update)
     weights: dict[str, torch.Tensor] | None  # the update's tensors as planned; release_views() drops them
@@ -38,8 +38,9 @@ class UpdateSide:
     read_bytes: int  # the trainer's bytes the update reads (fsdp2: the whole tensors', not a shard's)
     update_cfg: UpdateConfig  # update.* with its nulls (auto) resolved
     resolved: dict | None = None  # those resolved values and why (summary.json)
-    limits: Limits | None = None  # the copy floors, probed before the engine opened
-    transport: Transport | None = None
+    floors: Floors | None = None  # the copy floors, probed before the engine opened
+    engine: EngineHandle | None = None  # what the step generates with
+    transport: Transport | None = None  # the weight channel to it
     info: dict = field(default_factory=dict)  # tensors, params: for summary.json
 
     @property
@@ -50,6 +51,11 @@ class UpdateSide:
     def release_views(self) -> None:
         """Drop the planned tensors: held past the setup, a view would keep storage the offload frees."""
         self.weights = None
+
+    def close(self) -> None:
+        """The engine (its process too), then the transport; safe to call twice."""
+        engine, transport, self.engine, self.transport = self.engine, self.transport, None, None
+        close_update(engine, transport)
 
 
 def open_update_side(
@@ -76,13 +82,13 @@ def open_update_side(
     read_bytes = sum(t.numel() * t.element_size() for t in weights.values())  # fsdp2: the whole tensors'
     buckets = plan_for(weights, cfg.update, torch_dtype(cfg.rollout.dtype))  # every rank: the gather's order
     side = UpdateSide(layout=layout, weights=weights, buckets=buckets, read_bytes=read_bytes, update_cfg=cfg.update)
-    planned = [s.meta for b in buckets for s in b.slots]  # update.lora=merged: the adapters merged, not sent
+    planned = [s.meta for b in buckets for s in b.slots]  # a payload that merges the adapters: not sent
     side.info = {"tensors": len(planned), "params": sum(m.numel for m in planned)}
-    if payload_of(cfg.update).name == "lora_adapter":  # after the first update, only these cross
+    if payload_of(cfg.update).engine_lora(cfg) is not None:  # the engine's adapters: all each later update sends
         side.info["adapter_tensors"] = sum(is_adapter(m.name) for m in planned)
     if not engine:
         return side
-    side.limits = Limits(
+    side.floors = Floors(
         device,
         update_bytes=side.update_bytes,
         state_bytes=state_bytes or 2 * read_bytes,
@@ -105,10 +111,10 @@ def open_update_side(
         device=explicit_device(device),
         tokenizer=tokenizer,
         cpu_threads=cpu_threads,
-        lora=payload_of(cfg.update).engine_lora(cfg),  # update.lora=adapter: the engine holds the adapters too
+        lora=payload_of(cfg.update).engine_lora(cfg),  # update.payload=lora: the engine holds the adapters too
     )
     try:
-        side.transport = open_transport(side.update_cfg, spec=spec, buckets=buckets)
+        side.engine, side.transport = open_update(side.update_cfg, spec=spec, buckets=buckets)
     except Exception as err:  # the staging buffers are allocated here: name the bucket size
         if is_out_of_memory(err):
             raise out_of_memory(buckets, cfg.update, "opening the engine and its update buffers") from err

@@ -1,4 +1,4 @@
-"""The rollout engine in its own process, and the trainer's handle on it (shared by `ipc` and `broadcast`).
+"""An engine in its own process, and the trainer's handle on it (what the `ipc` and `broadcast` transports start).
 
 The engine process is started by torch.multiprocessing (spawn on a GPU, forkserver on a CPU: see
 `start_context`), so tensors sent through its pipe travel as shared memory (CPU) or CUDA IPC handles
@@ -9,7 +9,7 @@ one at a time, in order:
 
 `t_*` are CLOCK_MONOTONIC stamps (`time.monotonic`), one system-wide clock on Linux, so the trainer
 can tell a request's handoff latency from the engine's work on it. A transport plugs its engine-side
-half in as a `Receiver` (update/base.py: `open(engine)`, `handle(engine, request)`, `close()`): `ipc`
+half in as a `Receiver` (`open(engine)`, `handle(engine, request)`, `close()`): rlsync.update's `ipc`
 loads from shared staging buffers, `broadcast` receives from a process group.
 
 A dead engine never hangs the trainer: every wait polls in slices of `POLL_S` and checks the
@@ -17,9 +17,9 @@ process between them, raising `EngineDied` with its exit code. Both sides first 
 for `SPIN_S` (`spin_poll`): a per-tensor update is thousands of tiny messages, each answered within
 tens of microseconds, and a process that sleeps between them pays a wake-up per message.
 
-`EngineProcess.over_http` speaks the same protocol to an engine started on its own (`python -m
-rlsync.serve`, typed messages over HTTP: update/remote.py); there the engine is alive as long as its
-session is.
+`EngineConnection` is the trainer's side of that protocol over any message connection: `EngineProcess`
+(a pipe to the process it starts) and rlsync.client's `RemoteEngine` (a session with an engine started
+on its own, `python -m rlsync.serve`, typed messages over HTTP) are its two kinds.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import signal
 import threading
 import time
 import traceback
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -37,9 +38,8 @@ from contextlib import contextmanager
 import torch
 import torch.multiprocessing as mp
 
-from rlsync.engines.base import Engine, EngineSpec, engine_class
+from rlsync.engines.base import Engine, EngineHandle, EngineSpec, Preloaded, engine_class
 from rlsync.measure.devices import select_device
-from rlsync.update.base import Receiver, Transport
 
 POLL_S = 0.05  # liveness check interval while waiting on the engine
 SPIN_S = 5e-4  # how long a wait for the peer's next message polls without sleeping before it blocks
@@ -83,6 +83,26 @@ def exit_description(code: int | None) -> str:
 # ----------------------------------------------------------------------------------------------
 # Engine side
 # ----------------------------------------------------------------------------------------------
+
+
+class Receiver(Preloaded, ABC):
+    """The engine-side half of a transport whose engine runs in its own process.
+
+    It is pickled to the engine process, which calls `open` once the engine is built, `handle` for each
+    update request, and `close` on its way out. Results travel back to the trainer as plain dicts.
+    """
+
+    @abstractmethod
+    def open(self, engine: Engine) -> dict:
+        """Set up this side of the transport for `engine` (buffers, a process group); the reply's result."""
+
+    @abstractmethod
+    def handle(self, engine: Engine, request: tuple) -> dict:
+        """One update request from the trainer's side, into `engine`; the reply's result."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Free what `open` took; called once, as the engine process ends."""
 
 
 class EngineServer:
@@ -239,7 +259,8 @@ def passive_openmp(enabled: bool):
 
 
 class PipeReply:
-    """One request answered over the pipe (the HTTP one is messages.Reply): the result and the handoff latency around the engine's work."""
+    """One request answered (over HTTP the wire's is rlsync.client.messages.Reply, unpacked into this too):
+    the result and the handoff latency around the engine's work."""
 
     def __init__(
         self, result, *, sent: float, waited: float, received: float, t_recv: float, t_send: float, t_prev_send: float
@@ -250,61 +271,21 @@ class PipeReply:
         self.handoff = max(0.0, t_recv - max(sent, t_prev_send)) + max(0.0, received - max(t_send, waited))
 
 
-class EngineProcess:
-    """Start the engine process and talk to it; `close()` always leaves no process behind.
+class EngineConnection(EngineHandle):
+    """The trainer's handle on an engine behind a message connection (`conn`: send, recv, poll, close):
+    requests answered in order, every wait bounded and watching that the engine lives. `close()` always
+    leaves no engine of ours behind.
 
-    `EngineProcess.over_http(address, ...)` talks the same way to an engine started on its own.
-    """
+    Its kinds say what the engine is and how to tell it is gone: `EngineProcess` (a process started
+    here, through a pipe), rlsync.client's `RemoteEngine` (a standalone engine's session over HTTP)."""
 
-    def __init__(self, spec: EngineSpec, receiver: Receiver, *, strategy: str, timeout_s: float):
-        preload = (*engine_class(spec.rollout.engine).preload_modules(), *receiver.preload_modules())
-        ctx = start_context(torch.device(spec.device), preload)
-        conn, child = ctx.Pipe(duplex=True)
-        process = ctx.Process(
-            target=engine_main, args=(child, spec, receiver, strategy), name="rlsync-serve", daemon=True
-        )
-        with passive_openmp(engine_class(spec.rollout.engine).passive_cpu_threads):
-            process.start()
-        child.close()
-        self._attach(
-            conn,
-            process,
-            timeout_s,
-            who=f"the engine process (pid {process.pid})",
-            ended=lambda: (
-                f"died with {exit_description(process.exitcode)}{open_files_note() if process.exitcode == 0 else ''}"
-            ),
-        )
+    pid: int | None = None  # the engine's process, where it is ours
 
-    @classmethod
-    def over_http(
-        cls, address: str, receiver: Receiver, *, timeout_s: float, connect_timeout_s: float
-    ) -> EngineProcess:
-        """The engine serving at `address` (update/remote.py): open a session with this trainer's receiver
-        (the update's plan and settings) and wait until the engine has checked that plan against its model."""
-        # Here, not at the top: this module is preloaded in every engine process (forkserver, spawn), which
-        # would pay ~0.2 s for pydantic and the HTTP client only a trainer joining a standalone engine uses.
-        from rlsync.update.remote import RemotePeer, open_session
-
-        self = cls.__new__(cls)
-        wire = open_session(address, receiver, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
-        self._attach(
-            wire,
-            RemotePeer(wire),
-            timeout_s,
-            who=f"the engine at {address}",
-            ended=lambda: f"closed the connection (it stopped, or the network failed: {wire.why_closed})",
-        )
-        return self
-
-    def _attach(self, conn, process, timeout_s: float, *, who: str, ended: Callable[[], str]) -> None:
-        """Wait for the engine's "start" answer.
-
-        `process`: the engine's process, or what stands in for it (update/remote.py's RemotePeer);
-        `ended()`: how it went, said once it is gone."""
-        self.conn, self.process, self.timeout_s, self.who, self._ended = conn, process, timeout_s, who, ended
+    def _attach(self, conn, timeout_s: float, *, who: str) -> None:
+        """Wait for the engine's "start" answer on `conn`; `who` names the engine in messages."""
+        self.conn, self.timeout_s, self.who = conn, timeout_s, who
         self.closed = False
-        self.peak_rss_bytes: int | None = None  # the engine's own peak resident set, as its close() answered
+        self.peak_rss_bytes = None  # the engine's own peak resident set, as its close() answered
         self._sent: deque[tuple[str, float]] = deque()  # requests not answered yet, in order
         self._early: deque[tuple] = deque()  # replies read while waiting on something else
         try:
@@ -314,9 +295,23 @@ class EngineProcess:
             self.close()
             raise
 
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid
+    # -- what each kind says of its engine -------------------------------------------------------
+
+    @abstractmethod
+    def is_alive(self) -> bool:
+        """Whether the engine can still answer (its process runs, its session is on)."""
+
+    @abstractmethod
+    def join(self, timeout: float | None = None) -> None:
+        """Wait up to `timeout` for the engine to show whether it is gone."""
+
+    @abstractmethod
+    def kill(self) -> None:
+        """End the engine (ours: its process; a standalone one: only its session) and wait for it."""
+
+    @abstractmethod
+    def ended(self) -> str:
+        """How the engine went, said once it is gone ("died with exit code 1")."""
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -387,12 +382,12 @@ class EngineProcess:
 
     def blame(self, err: BaseException, what: str) -> None:
         """A transfer failed (a collective's "connection reset", say): if the engine died, say that instead."""
-        self.process.join(CLOSE_S / 2)  # a peer that reset the connection is usually exiting: let it
-        if not self.process.is_alive():
+        self.join(CLOSE_S / 2)  # a peer that reset the connection is usually exiting: let it
+        if not self.is_alive():
             raise EngineDied(self._death(what)) from err
 
     def check_alive(self, what: str) -> None:
-        if not self.process.is_alive():
+        if not self.is_alive():
             self._raise_died(what)
 
     # -- the engine's interface ------------------------------------------------------------------
@@ -415,6 +410,7 @@ class EngineProcess:
     def checksums(self) -> dict[str, int]:
         return self.call("checksums")
 
+    @property
     def weights(self) -> dict[str, torch.Tensor]:
         """CPU copies of the engine's weights (tests and debugging: it moves the whole model)."""
         return self.call("weights")
@@ -430,10 +426,10 @@ class EngineProcess:
         self.closed = True
         answered = False
         try:
-            if self.process.is_alive():
+            if self.is_alive():
                 self.conn.send(("close", ()))
                 deadline = time.monotonic() + CLOSE_S
-                while not answered and time.monotonic() < deadline and self.process.is_alive():
+                while not answered and time.monotonic() < deadline and self.is_alive():
                     if self.conn.poll(POLL_S):
                         message = self.conn.recv()  # drain answers to requests still outstanding
                         answered = message[1] == "close"
@@ -442,10 +438,9 @@ class EngineProcess:
         except (OSError, EOFError):
             pass
         finally:
-            self.process.join(CLOSE_S if answered else 0.1)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join()
+            self.join(CLOSE_S if answered else 0.1)
+            if self.is_alive():
+                self.kill()
             self.conn.close()
 
     # -- internals -------------------------------------------------------------------------------
@@ -454,11 +449,11 @@ class EngineProcess:
         try:
             return self.conn.recv()
         except (EOFError, ConnectionResetError):
-            self.process.join(CLOSE_S)  # the pipe closed: the process is exiting, get its code
+            self.join(CLOSE_S)  # the pipe closed: the process is exiting, get its code
             self._raise_died(what)
 
     def _death(self, what: str) -> str:
-        return f"{self.who} {self._ended()} while the trainer waited for {what}"
+        return f"{self.who} {self.ended()} while the trainer waited for {what}"
 
     def _unpack(self, message: tuple, *, sent: float, waited: float) -> PipeReply:
         received = time.monotonic()
@@ -472,31 +467,39 @@ class EngineProcess:
         )
 
     def _raise_died(self, what: str):
-        self.process.join(0.5)
+        self.join(0.5)
         raise EngineDied(self._death(what)) from None
 
 
-class ForwardsToEngineProcess(Transport):
-    """The engine-handle calls that only forward to the engine process (`self.process`); the ipc and
-    broadcast handles differ in how weights travel, not in these."""
+class EngineProcess(EngineConnection):
+    """The engine in a process started here, talked to through a pipe."""
 
-    process: EngineProcess
-
-    def generate(self, prompts, **kwargs):
-        return self.process.generate(prompts, **kwargs)
-
-    def release(self) -> None:
-        self.process.release()
-
-    def resume(self) -> None:
-        self.process.resume()
-
-    def checksums(self) -> dict[str, int]:
-        return self.process.checksums()
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        return self.process.weights()
+    def __init__(self, spec: EngineSpec, receiver: Receiver, *, strategy: str, timeout_s: float):
+        preload = (*engine_class(spec.rollout.engine).preload_modules(), *receiver.preload_modules())
+        ctx = start_context(torch.device(spec.device), preload)
+        conn, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(
+            target=engine_main, args=(child, spec, receiver, strategy), name="rlsync-serve", daemon=True
+        )
+        with passive_openmp(engine_class(spec.rollout.engine).passive_cpu_threads):
+            self.process.start()
+        child.close()
+        self._attach(conn, timeout_s, who=f"the engine process (pid {self.process.pid})")
 
     @property
-    def engine_peak_rss_bytes(self) -> int | None:
-        return self.process.peak_rss_bytes
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.process.join(timeout)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+
+    def ended(self) -> str:
+        code = self.process.exitcode
+        return f"died with {exit_description(code)}{open_files_note() if code == 0 else ''}"

@@ -1,21 +1,24 @@
-"""An engine at the other end of an HTTP connection: the trainer's side of `python -m rlsync.serve`.
+"""The client of an engine started on its own (`python -m rlsync.serve`): `RemoteEngine`, the one class
+a trainer holds for it, and what it is made of.
 
 The `broadcast` transport normally starts its engine process itself and talks to it through a
 pipe. With `update.engine_address=HOST:PORT` it joins an engine started on its own instead (on this
-machine or another): the same requests and replies as through the pipe (rlsync/update/engine_process.py)
-travel as typed JSON messages over HTTP (rlsync/update/messages.py; stdlib http.client, nothing is
+machine or another): the same requests and replies as through the pipe (rlsync/engines/process.py)
+travel as typed JSON messages over HTTP (rlsync/client/messages.py; stdlib http.client, nothing is
 ever unpickled), while the weights travel in the trainer-engine gloo group, as they do locally.
 
 - `reach`: wait (up to update.engine_connect_timeout_s) until `GET /health` answers; it also tells
   the address of this machine's interface toward the engine, where the group's store then listens.
-- `open_session`: send the plan; the engine accepts (the session's stream starts) or refuses (busy,
-  another model) in one line. `SessionWire` is the session as `EngineProcess` talks to it: a
-  request thread (one HTTP request at a time, in order) and a watch thread reading the session
-  stream's heartbeats, which sees the engine gone when the stream breaks or falls silent.
+- `RemoteEngine(address, receiver, ...)`: send the plan; the engine accepts (the session's stream
+  starts) or refuses (busy, another model) in one line. It is the engine's handle as an engine
+  process's is (rlsync.engines.process.EngineConnection), alive as long as its session is; its
+  `SessionWire` is the session as a message connection: a request thread (one HTTP request at a
+  time, in order) and a watch thread reading the session stream's heartbeats, which sees the engine
+  gone when the stream breaks or falls silent.
 - The heartbeat thread tells the engine every HEARTBEAT_S that this trainer is alive (`POST
   /v1/heartbeat`): an engine ends a session it hears nothing from (serve.session_timeout_s).
 - Every wait is bounded: each connection attempt and the handshake by the connect timeout, each
-  request and the stream's silence by update.engine_timeout_s (EngineProcess raises first).
+  request and the stream's silence by update.engine_timeout_s (RemoteEngine raises first).
 - A token (RLSYNC_ENGINE_TOKEN), when set, goes with every request; an engine listening beyond
   loopback requires it.
 """
@@ -32,8 +35,7 @@ from typing import Optional
 
 from pydantic import ValidationError
 
-from rlsync.errors import RlsyncError
-from rlsync.update.messages import (
+from rlsync.client.messages import (
     SESSION_HEADER,
     Failure,
     Health,
@@ -43,13 +45,15 @@ from rlsync.update.messages import (
     decode_result,
     request_body,
 )
+from rlsync.engines.process import EngineConnection, Receiver
+from rlsync.errors import RlsyncError
 
 TOKEN_ENV = "RLSYNC_ENGINE_TOKEN"  # the shared secret of the engine's control plane (required beyond loopback)
 DEFAULT_PORT = 29610  # where `python -m rlsync.serve` listens unless update.engine_address names a port
 CONNECT_RETRY_S = 0.2  # between attempts while the engine is still starting
 MAX_EVENT_BYTES = 4096  # one line of the session stream
 MAX_REPLY_BYTES = 1 << 34  # a reply's body (weights() of the largest model read back stays under it)
-REQUEST_SLACK_S = 5.0  # a request's socket timeout past update.engine_timeout_s: EngineProcess times out first
+REQUEST_SLACK_S = 5.0  # a request's socket timeout past update.engine_timeout_s: RemoteEngine times out first
 HEARTBEAT_S = 1.0  # how often the trainer tells the engine it is alive (the engine's serve.session_timeout_s: 30 s)
 
 
@@ -180,7 +184,7 @@ def open_session(address: str, receiver, *, timeout_s: float, connect_timeout_s:
     """Send this trainer's plan (the receiver's half of the transport) to the engine at `address`.
 
     Returns the session's wire with the engine's answer to "start" queued: accepted, or refused
-    (EngineBusy, PlanMismatch: EngineProcess raises it). EngineUnreachable if it cannot be asked."""
+    (EngineBusy, PlanMismatch: RemoteEngine raises it). EngineUnreachable if it cannot be asked."""
     plan = Plan.of(receiver).model_dump_json().encode()
     exchange = Exchange(address, connect_timeout_s)
     try:
@@ -202,7 +206,7 @@ def open_session(address: str, receiver, *, timeout_s: float, connect_timeout_s:
 
 class SessionWire:
     """The engine's session as a message connection (send, recv, poll, close, `closed`), the
-    interface EngineProcess uses for an engine process's pipe.
+    interface EngineConnection uses for an engine process's pipe.
 
     `send((op, args))` queues a request; a thread sends them one at a time, in order, each on a
     connection of its own, and queues each reply as the pipe would carry it:
@@ -335,21 +339,24 @@ class SessionWire:
         raise ValueError(f"the engine answered {op!r} with HTTP {response.status}: {failure_text(data)[:200]}")
 
 
-class RemotePeer:
-    """Stands in for the engine's process when the engine runs on its own: alive as long as its
-    session is; no pid, no exit code, and killing it only ends the session."""
+class RemoteEngine(EngineConnection):
+    """The engine serving at `address`, as the trainer holds it: a session opened with this trainer's
+    `receiver` (the update's plan and settings), ready once the engine has checked that plan against its
+    model. Alive as long as its session is; no pid, and killing it only ends the session."""
 
-    pid = exitcode = None
-
-    def __init__(self, wire: SessionWire):
-        self.wire = wire
+    def __init__(self, address: str, receiver: Receiver, *, timeout_s: float, connect_timeout_s: float):
+        self.address = address
+        self.wire = open_session(address, receiver, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+        self._attach(self.wire, timeout_s, who=f"the engine at {address}")
 
     def is_alive(self) -> bool:
         return not self.wire.closed
 
     def join(self, timeout: float | None = None) -> None:
-        """Wait up to `timeout` for the session to show whether the engine is gone."""
         self.wire.wait_closed(timeout)
 
     def kill(self) -> None:
         self.wire.close()  # ends the engine's session, not the engine
+
+    def ended(self) -> str:
+        return f"closed the connection (it stopped, or the network failed: {self.wire.why_closed})"

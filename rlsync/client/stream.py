@@ -5,17 +5,17 @@ answer with `POST /v1/stream` (a `StreamRequest`, JSON) and reads the answer as 
 `StreamLine` per token (its id, its log-prob under the weights that produced it, and the version of
 those weights: the number of updates the engine had swapped in), then an "end" line. `GET /v1/serving`
 answers a `ServingState`: the weights' version, the update policy, the streams being served, and the
-last update's pause as the engine timed it. Nothing is pickled; every read of the client is bounded.
+last update's hold as the engine timed it. Nothing is pickled; every read of the client is bounded.
 
 Time stamps are `time.perf_counter()` on both sides: CLOCK_MONOTONIC on Linux, one clock for every
-process of the machine, so a load generator on loopback can place the engine's pause among its own
+process of the machine, so a load generator on loopback can place the engine's hold among its own
 token arrivals.
 
     POST /v1/stream   StreamRequest -> 200 + StreamLine lines | 409 Failure (NoWeights) | 422 | 503 (Busy, Torn)
     GET  /v1/serving                -> ServingState
 
-This module sits in rlsync.update (below rlsync.serve and rlsync.bench), so that both the engine and the
-load generator (rlsync/bench/pause.py) speak it without importing each other.
+This module sits in rlsync.client (below rlsync.serve and rlsync.bench), so that both the engine and the
+load generator (rlsync/bench/stall.py) speak it without importing each other.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
-from rlsync.update.messages import TokenId
-from rlsync.update.remote import parse_address, token_headers
+from rlsync.client.client import parse_address, token_headers
+from rlsync.client.messages import TokenId
 
 MAX_LINE_BYTES = 4096  # one line of a stream
 
@@ -64,12 +64,12 @@ class SwapRecord(StreamMessage):
     """The last update as the engine saw it: when generation stopped and went on again (perf_counter)."""
 
     version: int  # the version the update made current
-    policy: Literal["pause", "stage"]
-    swap: Literal["paused receive", "pointer swap", "local copy"]  # what ran inside the pause
+    policy: str = Field(max_length=64)  # serve.update_policy (rlsync/serve/policies: a registered name)
+    swap: str = Field(max_length=64)  # how the update reached the weights (UpdatePolicy.swap_phrase)
     receive_start: float  # the update's receive began
     receive_end: float
-    pause_start: float  # generation stopped (between two tokens)
-    pause_end: float  # generation went on with the new weights
+    pause_start: float  # the engine's hold began: generation stopped (between two tokens)
+    pause_end: float  # the hold ended: generation went on with the new weights
     staged_bytes: int  # the side copy the policy holds (0 under pause)
     # CPU seconds spent during the receive (its wall time is receive_end - receive_start): the whole engine
     # process's, and its decoder thread's (the rest is the receive: gloo's threads, the copies, HTTP)
@@ -80,7 +80,7 @@ class SwapRecord(StreamMessage):
 class ServingState(StreamMessage):
     version: Optional[int]  # updates swapped in; None while the weights are torn (an update cut off midway)
     torn: Optional[str] = None  # why no answer is served until a complete update lands
-    policy: Literal["pause", "stage"]
+    policy: str = Field(max_length=64)  # serve.update_policy
     streams: int  # answers being generated now
     max_streams: int
     served: int  # answers started since the engine started

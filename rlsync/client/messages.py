@@ -5,7 +5,7 @@ arrival: a field of the wrong type, a dtype outside `WIRE_DTYPES`, a plan whose 
 up is rejected before anything acts on it. Nothing here is ever unpickled. Tensors that must cross
 (the sampler's state, the generated batch, the weights a test reads back) travel by value as
 `TensorData`: dtype name, shape and the raw bytes in base64. The weights of an update do not travel
-here: they go over the torch.distributed group (update/broadcast.py).
+here: they go over the torch.distributed group (rlsync/update/broadcast.py).
 
     GET  /health                      -> Health (no token needed; says whether a session is on)
     POST /v1/session   Plan           -> 200 + a stream of SessionEvent lines while the session lasts
@@ -35,7 +35,6 @@ from pydantic_core import PydanticCustomError
 
 from rlsync.config.schema import COPY_THREADS_MAX
 from rlsync.engines.base import Generation
-from rlsync.update.buckets import Bucket, Slot, TensorMeta
 
 # Every dtype that may cross the wire, by name (never looked up on torch by a name we were sent).
 WIRE_DTYPES = {
@@ -137,8 +136,9 @@ class PlanBucket(Message):
 
 
 class Plan(Message):
-    """The trainer's half of the broadcast transport (update/broadcast.py's BroadcastReceiver, less
-    what the engine decides itself: which addresses to use)."""
+    """The trainer's half of the broadcast transport (rlsync/update/broadcast.py's BroadcastReceiver, less
+    what the engine decides itself: which addresses to use); the engine reads its buckets back
+    with rlsync/serve/app.py's `received_buckets`, which checks that their layout adds up."""
 
     buckets: list[PlanBucket] = Field(min_length=1)
     strategy: Literal["bucketed", "per_tensor"]
@@ -169,27 +169,6 @@ class Plan(Message):
             timeout_s=receiver.timeout_s,
             join_timeout_s=receiver.join_timeout_s,
         )
-
-    def bucket_plan(self) -> list[Bucket]:
-        """The buckets, laid out as `plan_buckets` lays them out (each tensor right after the last,
-        no gaps, no overlaps, every name once); WireError otherwise."""
-        seen: set[str] = set()
-        buckets = []
-        for b in self.buckets:
-            dtype, offset, slots = WIRE_DTYPES[b.dtype], 0, []
-            if not dtype.is_floating_point:
-                raise WireError(f"bucket dtype {b.dtype} is not a floating-point dtype")
-            for s in b.slots:
-                meta = TensorMeta(s.name, tuple(s.shape), dtype)
-                if s.name in seen or s.offset != offset or any(d < 0 for d in s.shape):
-                    raise WireError(f"tensor {s.name!r} is repeated, negative or not at offset {offset} of its bucket")
-                seen.add(s.name)
-                slots.append(Slot(meta, offset))
-                offset += meta.numel
-            if offset != b.numel:
-                raise WireError(f"a bucket of {b.numel} elements holds {offset}")
-            buckets.append(Bucket(tuple(slots), b.numel, dtype))
-        return buckets
 
 
 class SessionEvent(Message):
