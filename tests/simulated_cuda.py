@@ -16,11 +16,11 @@ on a CPU, with real values: what would fail on a GPU for mixing devices fails he
 from __future__ import annotations
 
 import torch
+from conftest import CPU
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 DEVICE = torch.device("meta")  # stands for cuda:0: a device type that needs no driver to be named
-CPU = torch.device("cpu")
 aten = torch.ops.aten
 MOVES = {
     aten._to_copy.default,

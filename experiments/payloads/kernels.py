@@ -4,7 +4,7 @@
     python experiments/payloads/kernels.py --share 0.25 --rounds 5 --no-compile
 
 The trainer's fp32 tensors have Qwen3-0.6B's shapes (model=qwen3_0p6b, its checkpoint layout), packed into
-512 MiB buckets as the bench plans them. Each round times the copy probe first (rlsync.measure.limits: the
+512 MiB buckets as the bench plans them. Each round times the copy probe first (rlsync.measure.floors: the
 fastest fp32 -> bf16 copy at the update's size, bytes read + written per second) and then every variant once,
 so a drift of a shared machine's load falls on all alike; each variant's time is divided by its floor (the
 bytes its payload class declares, rlsync.update.payload: Payload.floor, over that round's probe) and the
@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rlsync.config.compose import register_configs, to_config  # noqa: E402
-from rlsync.measure.limits import copy_bandwidth  # noqa: E402
+from rlsync.measure.floors import copy_bandwidth  # noqa: E402
 from rlsync.measure.timing import HostTimer  # noqa: E402
 from rlsync.model.architecture import update_shapes  # noqa: E402
 from rlsync.update import flat  # noqa: E402

@@ -14,10 +14,8 @@ import tarfile
 import time
 from pathlib import Path
 
-import pytest
 from conftest import ROOT, cli_env
 
-pytestmark = pytest.mark.slow
 NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 SMOKE_SKIPS = {
     "small_tiny_bench_direct",

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import FAST, ROOT
 
-pytestmark = [pytest.mark.packaging, pytest.mark.slow]
+pytestmark = pytest.mark.packaging
 
 
 def sh(*cmd, cwd: Path, timeout: float = 300, **env) -> subprocess.CompletedProcess:

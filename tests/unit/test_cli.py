@@ -1,21 +1,16 @@
-"""The runner end to end on the tiny model: its entry point in this process (run_main), and real
-`python -m rlsync` processes where the process is what is tested (SIGKILL, W&B as a user sees it)."""
+"""The runner end to end on the tiny model: its entry point in this process (run_main); real
+`python -m rlsync` processes, where the process is what is tested (SIGKILL, W&B as a user sees it), are in
+tests/process/test_cli.py."""
 
 import json
-import signal
 import statistics
-import subprocess
-import sys
-import time
 
 import pytest
-from conftest import FAST, ROOT, cli_env, read_jsonl, run_cli, run_main
+from conftest import FAST, ROOT, read_jsonl, run_main
 
 from rlsync.config.apps import SCHEMAS
 from rlsync.config.help import key_comment
 from rlsync.config.validate import leaves
-
-HANG_S = 1800  # a child's time limit catches a hang only, never a slow (loaded) machine
 
 STEP_METRICS = [
     "perf/step_time",
@@ -73,104 +68,22 @@ def test_run_prints_table_and_verdict_and_writes_files(tmp_path):
     assert rows[1]["perf/wake_up_bytes"] == rows[0]["perf/sleep_bytes"]
 
 
-@pytest.mark.slow  # two whole runs
-def test_logprob_gap_is_the_proof_the_update_landed(tmp_path):
-    gaps = {}
-    for enabled in ("true", "false"):
-        out = tmp_path / enabled
-        proc = run_main(
-            *FAST,
-            "run.steps=4",
-            "trainer.lr=1e-3",
-            f"update.enabled={enabled}",
-            "wandb.mode=disabled",
-            f"hydra.run.dir={out}",
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        gaps[enabled] = [r["train/logprob_abs_diff"] for r in read_jsonl(out / "metrics.jsonl")]
-    # bf16 engine vs fp32 trainer: a small gap every step when the update lands ...
-    assert max(gaps["true"]) < 0.02
-    # ... and a growing one once the trainer has moved away from a stale engine
-    assert min(gaps["false"][1:]) > 10 * max(gaps["true"])
-    assert gaps["false"][0] < 0.02  # step 0: nothing trained yet, the engine is still current
-
-
-@pytest.mark.slow
-def test_killed_run_keeps_every_finished_step(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlsync", *FAST, "run.steps=200", "wandb.mode=disabled", f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT,
-        env=cli_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.time() + 600  # generous: a loaded 2-core machine can be slow
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    rows = read_jsonl(metrics)  # every line parses: no torn writes
-    assert len(rows) >= 2 and [r["step"] for r in rows] == list(range(len(rows)))
-
-
-@pytest.mark.slow
-def test_wandb_offline_run_holds_the_same_numbers(tmp_path):
-    run_dir = tmp_path / "run1"
-    proc = run_cli(
-        *FAST, "wandb.mode=offline", f"hydra.run.dir={run_dir}", WANDB_SILENT="false"
-    )  # W&B as a user sees it
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "of the step" in proc.stdout.splitlines()[-1]
-    assert "Run summary" not in proc.stderr and "Run history" not in proc.stderr  # no W&B footer after the verdict
-    wandb_dir = next((run_dir / "wandb").glob("offline-run-*"))
-    inspect = subprocess.run(
-        ["wandb", "leet", "inspect", "--summary", "--json", str(wandb_dir)],
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-    )
-    state = json.loads(inspect.stdout)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert state["state"] == "finished" and state["exit_code"] == 0
-    assert state["name"] == ",".join(a for a in FAST) + ",wandb.mode=offline"
-    assert state["config"]["update"]["bucket_mb"] == 512
-    assert state["config"]["wandb"]["group"] == "run1"  # the group the run joined (the run dir's name), not null
-    for key in ("perf/update_weights_time", "perf/step_time", "perf/sleep_time"):
-        assert state["summary"][key] == pytest.approx(summary["metrics"][key]["median"])
-    assert state["summary"]["verdict"] == summary["verdict"]
-    records = [
-        json.loads(x)
-        for x in subprocess.run(
-            ["wandb", "leet", "inspect", "--json", str(wandb_dir)], capture_output=True, text=True, timeout=HANG_S
-        ).stdout.splitlines()
-    ]
-    run_record = next(r for r in records if r.get("type") == "run")
-    assert run_record["run"]["run_group"] == "run1"
-
-
 def test_every_schema_key_has_its_one_line_comment():
     missing = [key for schema in SCHEMAS.values() for key, *_ in leaves(schema()) if not key_comment(schema, key)]
     assert not missing, f"keys without a trailing # comment in rlsync/config/schema.py: {missing}"
 
 
-# The runner's --help through its entry point in this process; the other commands' as real processes (slow):
-# their smoke test, and Hydra's help costs about 2.5 s a command either way.
-smoke = pytest.mark.slow
-
-
 @pytest.mark.parametrize(
-    "module, schema, run",
+    "module, schema",
     [
-        ("rlsync", "rlsync_schema", run_main),
-        pytest.param("rlsync.bench", "rlsync_bench_schema", run_cli, marks=smoke),
-        pytest.param("rlsync.serve", "rlsync_engine_schema", run_cli, marks=smoke),
-        pytest.param("rlsync.plan", "rlsync_plan_schema", run_cli, marks=smoke),
+        ("rlsync", "rlsync_schema"),
+        ("rlsync.bench", "rlsync_bench_schema"),
+        ("rlsync.serve", "rlsync_engine_schema"),
+        ("rlsync.plan", "rlsync_plan_schema"),
     ],
-    ids=["rlsync", "rlsync.bench", "rlsync.serve", "rlsync.plan"],
 )
-def test_help_lists_every_key_with_its_value_and_comment(module, schema, run):
-    proc = run("update.bucket_mb=64", "--help", module=module)
+def test_help_lists_every_key_with_its_value_and_comment(module, schema):
+    proc = run_main("update.bucket_mb=64", "--help", module=module)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     for key, *_ in leaves(SCHEMAS[schema]()):
@@ -184,7 +97,7 @@ def test_help_lists_every_key_with_its_value_and_comment(module, schema, run):
     assert bucket.split()[0] == "update.bucket_mb=64.0" and "bucket size in MiB" in bucket  # the composed value
     assert "model: qwen3_0p6b, qwen3_1p7b" in proc.stdout  # the config groups, Hydra's own listing
     assert "--hydra-help" in proc.stdout
-    assert "Hydra (" in run("--hydra-help", module=module).stdout  # Hydra's help is still there
+    assert "Hydra (" in run_main("--hydra-help", module=module).stdout  # Hydra's help is still there
 
 
 def test_completion_offers_the_keys_of_the_schema():

@@ -116,8 +116,8 @@ def test_a_deleted_group_is_refused_as_null_is(tmp_path, group):
     [
         ("offload", "bench.changed_ratio=0.5", "update"),  # P62
         ("update", "bench.offload_state=params", "offload"),
-        ("update", "bench.clients=4", "pause"),
-        ("offload", "bench.policies=[stage]", "pause"),
+        ("update", "bench.clients=4", "stall"),
+        ("offload", "bench.policies=[stage]", "stall"),
     ],
 )
 def test_a_bench_key_its_target_does_not_read_is_refused(tmp_path, target, override, applies_to):

@@ -13,12 +13,13 @@ import random
 
 import pytest
 import torch
-from conftest import Ids
+from conftest import CPU, SMALL, Ids
 from simulated_cuda import DEVICE, DeviceMismatch, SimulatedCuda
 
-from rlsync.config.schema import ModelConfig, RolloutConfig
+from rlsync.config.schema import RolloutConfig
 from rlsync.engines.base import Generation, answer_ids, token_logprobs
 from rlsync.engines.hf import sample_tokens
+from rlsync.engines.process import generator_here
 from rlsync.measure.devices import (
     cuda_index_to_select,
     device_memory_metric_names,
@@ -30,18 +31,6 @@ from rlsync.run.loop import score_rollout
 from rlsync.trainer.data_parallel import generation_rows
 from rlsync.trainer.grpo import grpo_loss
 from rlsync.trainer.task import make_prompts
-from rlsync.update.engine_process import generator_here
-
-CPU = torch.device("cpu")
-TINY = ModelConfig(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=300,
-)
 
 
 def batch(tokenizer, group_size: int = 2) -> tuple[list, Generation]:
@@ -97,8 +86,8 @@ def test_scoring_takes_the_batch_on_the_device_and_puts_advantages_there():
 def test_loss_and_log_probs_run_with_every_operand_on_the_device():
     tokenizer = ByteTokenizer()
     _, gen = batch(tokenizer)
-    allowed = tokenizer.allowed_ids(TINY.vocab_size)
-    logits = torch.randn(*gen.response_mask.shape, TINY.vocab_size, generator=torch.Generator().manual_seed(1))
+    allowed = tokenizer.allowed_ids(SMALL.vocab_size)
+    logits = torch.randn(*gen.response_mask.shape, SMALL.vocab_size, generator=torch.Generator().manual_seed(1))
     tokens = gen.sequences[:, gen.prompt_len :]
     want_logp = token_logprobs(logits, tokens, allowed=allowed, temperature=0.7)
     want_loss, want_metrics = grpo_loss(
@@ -128,7 +117,7 @@ def test_sampling_draws_where_the_generator_is():
 
 
 # Drawn by the engine before sampling moved to the engine's device (host multinomial, CPU generator):
-# the CPU stream must not change. Engine: TINY, bf16, trainer weights of seed 0, ids >= 280 masked, EOS 188.
+# the CPU stream must not change. Engine: SMALL, bf16, trainer weights of seed 0, ids >= 280 masked, EOS 188.
 RECORDED = {
     1.0: [
         [251, 135, 47, 206, 91, 255, 11, 171, 243, 33],
@@ -147,8 +136,8 @@ RECORDED = {
 
 def test_hf_engine_draws_the_same_tokens_on_the_cpu_as_before(tiny):
     ids = Ids(torch.arange(300) < 280, eos_id=188, pad_id=258)
-    engine = tiny.spec(model=TINY, rollout=RolloutConfig(), tokenizer=ids).build()
-    weights = tiny.weights(model=TINY)
+    engine = tiny.spec(model=SMALL, rollout=RolloutConfig(), tokenizer=ids).build()
+    weights = tiny.weights(model=SMALL)
     engine.load_weights((n, t.to(engine.dtype)) for n, t in weights.items())
     generator = torch.Generator().manual_seed(0)
     prompts = [[256, 72, 105], [256, 50, 43, 50, 61], [256, 33], [256, 40, 41, 42]]

@@ -60,15 +60,15 @@ def test_the_engine_wakes_before_the_update_only_where_its_release_took_the_weig
 ):
     """Level 2 frees the weights: the loop resumes the engine before the update too, inside the idle
     time's resume part; levels 0 and (on a CPU, host == device) 1 leave the weights where they are."""
-    from rlsync.update.direct import DirectTransport
+    from rlsync.engines.hf import HFEngine
 
     calls = []
-    resume = DirectTransport.resume
-    monkeypatch.setattr(DirectTransport, "resume", lambda self: (calls.append(1), resume(self))[1])
-    proc = run_main(*FAST, f"rollout.sleep_level={level}", "update.verify=true", f"hydra.run.dir={tmp_path}")
+    resume = HFEngine.resume
+    monkeypatch.setattr(HFEngine, "resume", lambda self: (calls.append(1), resume(self))[1])
+    proc = run_main(*FAST, f"rollout.release_level={level}", "update.verify=true", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["verification"] == "passed" and summary["setup"]["sleep_level"] == level
+    assert summary["verification"] == "passed" and summary["setup"]["release_level"] == level
     assert len(calls) == 3 * wakes_per_step  # FAST: 3 steps
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert all(r["perf/engine_idle_resume_time"] > 0 for r in rows[1:])

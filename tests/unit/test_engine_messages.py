@@ -1,4 +1,4 @@
-"""The standalone engine's typed messages (rlsync/update/messages.py): tensors by value, the plan, and
+"""The standalone engine's typed messages (rlsync/client/messages.py): tensors by value, the plan, and
 what a message that does not add up is refused with. No processes: the wire's own logic."""
 
 from __future__ import annotations
@@ -8,10 +8,7 @@ import torch
 from conftest import Tiny
 from pydantic import ValidationError
 
-from rlsync.config.schema import UpdateConfig
-from rlsync.update import plan_for
-from rlsync.update.broadcast import BroadcastReceiver
-from rlsync.update.messages import (
+from rlsync.client.messages import (
     VOCAB_SIZE,
     WIRE_DTYPES,
     GenerateRequest,
@@ -23,7 +20,11 @@ from rlsync.update.messages import (
     request_args,
     request_body,
 )
-from rlsync.update.stream import StreamRequest
+from rlsync.client.stream import StreamRequest
+from rlsync.config.schema import UpdateConfig
+from rlsync.serve.app import received_buckets
+from rlsync.update import plan_for
+from rlsync.update.broadcast import BroadcastReceiver
 
 
 @pytest.mark.parametrize("dtype", list(WIRE_DTYPES.values()), ids=list(WIRE_DTYPES))
@@ -61,7 +62,7 @@ def plan_of(update: UpdateConfig) -> tuple[Plan, list]:
 def test_the_plan_crosses_as_json_and_comes_back_as_the_same_buckets():
     plan, buckets = plan_of(UpdateConfig(bucket_mb=0.05))
     assert len(buckets) > 1
-    assert plan.bucket_plan() == buckets
+    assert received_buckets(plan) == buckets
 
 
 @pytest.mark.parametrize(
@@ -79,7 +80,7 @@ def test_a_plan_that_does_not_add_up_is_refused(edit, why):
     assert len(data["buckets"][0]["slots"]) > 1
     edit(data["buckets"])
     with pytest.raises(WireError, match=why):
-        Plan.model_validate(data).bucket_plan()
+        received_buckets(Plan.model_validate(data))
 
 
 @pytest.mark.parametrize(

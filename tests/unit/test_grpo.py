@@ -2,7 +2,7 @@ import math
 
 import pytest
 import torch
-from conftest import Tiny
+from conftest import SMALL, Tiny
 
 from rlsync.trainer.grpo import group_advantages, grpo_loss
 from rlsync.trainer.task import longest_common_subsequence, make_prompts, reward
@@ -89,13 +89,14 @@ def uneven_batch():
 
 
 def fresh_trainer(micro_batch_size: int):
-    """The same seeded weights every call, so every train step starts from the same model."""
-    from rlsync.config.schema import ModelConfig, TrainerConfig
+    """The same seeded weights every call, so every train step starts from the same model (the SMALL one: the
+    metrics' arithmetic over micro-batches does not depend on the model's size)."""
+    from rlsync.config.schema import TrainerConfig
     from rlsync.trainer.grpo import Trainer
 
-    model = Tiny().build(seed=3)
+    model = Tiny().build(seed=3, model=SMALL)
     cfg = TrainerConfig(micro_batch_size=micro_batch_size, kl_coef=0.1)
-    return Trainer(model, cfg, allowed_ids=torch.ones(ModelConfig().vocab_size, dtype=torch.bool), temperature=1.0)
+    return Trainer(model, cfg, allowed_ids=torch.ones(SMALL.vocab_size, dtype=torch.bool), temperature=1.0)
 
 
 def train_metrics(micro_batch_size: int, batch, advantages, old_logp, ref_logp, batch_tokens=None) -> dict:

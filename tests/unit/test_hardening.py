@@ -1,6 +1,7 @@
 """Nothing a config or a file can do hangs a run, ends in a traceback or touches another run's files
 (issue 26, items 2 to 8): each case is one line on stderr with its exit code, through the real entry
-points in this process (run_main); the two that need a pipe to a reader that goes away start processes.
+points in this process (run_main); the two that need a pipe to a reader that goes away start processes
+(tests/process/test_hardening.py).
 """
 
 from __future__ import annotations
@@ -10,11 +11,10 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST, ROOT, cli_env, read_jsonl, run_main
+from conftest import FAST, QUIET, ROOT, read_jsonl, run_main
 
 from rlsync.record.run_lock import RunLock
 from rlsync.record.sinks import MetricsFile
@@ -34,7 +34,6 @@ LLAMA = {  # a tiny llama config.json (tests/unit/test_models_from_config.py's)
     "rope_theta": 10000.0,
     "tie_word_embeddings": True,
 }
-QUIET = ["wandb.mode=disabled", "run.progress=false"]
 
 
 def one_line(proc: subprocess.CompletedProcess, code: int = 2) -> str:
@@ -332,41 +331,6 @@ def test_a_full_disk_leaves_no_partial_line_in_metrics(tmp_path):
     assert len(calls) == 2
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 0, "perf/step_time": 1.0}]
     assert (tmp_path / "metrics.jsonl").read_text().endswith("}\n")
-
-
-@pytest.mark.slow
-def test_help_into_a_pipe_closed_after_one_line_exits_0_quietly():
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlsync.bench", "--help"],
-        cwd=ROOT,
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    assert proc.stdout.readline()  # `| head -1`
-    proc.stdout.close()
-    assert proc.wait(timeout=120) == 0
-    assert proc.stderr.read() == b""
-
-
-@pytest.mark.slow
-def test_a_run_whose_stdout_reader_leaves_finishes_and_keeps_its_steps(tmp_path):
-    """`python -m rlsync ... | head -n 2`: unbuffered, so the writes after the reader left fail at once."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlsync", *FAST, *QUIET, f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT,
-        env=cli_env(PYTHONUNBUFFERED="1"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    first = [proc.stdout.readline(), proc.stdout.readline()]  # the header and step 0
-    proc.stdout.close()
-    assert proc.wait(timeout=300) == 0, proc.stderr.read()
-    assert first[0].startswith("step") and first[1].split()[0] == "0"
-    assert "BrokenPipe" not in proc.stderr.read()
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["status"] == "finished" and len(read_jsonl(tmp_path / "metrics.jsonl")) == 3
 
 
 def test_an_open_file_limit_too_low_for_an_engine_process_is_refused_before_anything_is_built(tmp_path, monkeypatch):

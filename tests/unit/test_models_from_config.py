@@ -160,10 +160,10 @@ def test_a_llama_config_runs_a_verified_step(tmp_path):
     "layout, extra",
     [
         ("checkpoint", ()),
-        ("checkpoint", ("update.transport=ipc", "update.strategy=per_tensor")),
+        ("checkpoint", ("update.strategy=per_tensor",)),
         ("fused", ("update.flat_engine_weights=true",)),
     ],
-)
+)  # per tensor over ipc, an engine process: tests/process/test_models_from_config.py
 def test_a_qwen3_moe_config_runs_a_verified_step(tmp_path, layout, extra):
     summary = run_step(tmp_path, write_config(tmp_path, "moe_tiny", MOE), f"model.update_layout={layout}", *extra)
     tensors, params = moe_by_hand(MOE, layout)
@@ -244,24 +244,3 @@ def test_model_keys_follow_the_config(tmp_path, compose):
         48,
         False,
     )
-
-
-@pytest.mark.slow  # the 30B MoE's shapes and the advice's presets
-def test_the_30b_moe_preset_is_refused_on_a_24_gib_machine_without_allocating(compose, monkeypatch):
-    from rlsync.check import estimate as memory
-    from rlsync.check import fit
-    from rlsync.config.validate import validate
-
-    cfg = compose("model=qwen3_30b_a3b")
-    validate(cfg)
-    monkeypatch.setattr(fit, "host_available_bytes", lambda: 20 * 2**30)  # a 24 GiB machine's MemAvailable
-    before = rss_bytes()
-    with pytest.raises(fit.DoesNotFit) as caught:
-        fit.check_fits(cfg, torch.device("cpu"))
-    assert rss_bytes() - before < 256 * 2**20
-    line = str(caught.value)
-    assert "\n" not in line and line.startswith("this run does not fit: host memory: estimated peak ")
-    assert "(model qwen3_30b_a3b, 30.53B parameters," in line
-    est = memory.estimate(cfg, cuda=False, runtime_bytes=0)
-    assert est.process["trainer_state"] == 30_532_122_624 * 4 * 4  # fp32 weights, grads, two AdamW moments
-    assert est.process["engine_weights"] == 30_532_122_624 * 2

@@ -3,7 +3,7 @@
 The runs here are fake job directories written the way the runner writes them (summary.json,
 metrics.jsonl, .hydra/), so the tests are fast and do not depend on the runner; the report runs through
 its entry point in this process, and as a real `python -m rlsync.report` process where the process is
-what is tested (a file size limit, a real sweep's report: marked slow).
+what is tested in tests/process/test_report.py (a file size limit, a real sweep's report, W&B offline).
 """
 
 from __future__ import annotations
@@ -12,246 +12,29 @@ import csv
 import json
 import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
-from conftest import run_main
+from conftest import (
+    BUCKETS,
+    ERROR_LINE,
+    MODELS,
+    PLOTS,
+    PNG_SIGNATURE,
+    TRANSPORT_COST,
+    WARMUP,
+    offline_env,
+    run_report,
+    write_bench_job,
+    write_job,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-PLOTS = (
-    "update_time_vs_bucket.png", "update_time_vs_bytes.png", "step_breakdown.png", "peak_memory_vs_bucket.png",
-    "step_timeline.png",
-)  # fmt: skip
-MODELS = {"tiny": 5_000_000, "small": 20_000_000}  # name -> update bytes
-TRANSPORT_COST = {"direct": (0.002, 5e9), "ipc": (0.004, 4e9), "broadcast": (0.02, 1e9)}  # fixed s, bytes/s
 MEASURED_JITTER = 1.035  # median of 1 + 0.01 * step over the measured steps 2..5
-BUCKETS = (1.0, 4.0)  # MiB
-STEPS, WARMUP = 6, 2
-ERROR_LINE = "ValueError: update.strategy must be one of bucketed, per_tensor (got 'banana')"
 
 
 # ----------------------------------------------------------------------------------------------
 # Fake job directories
 # ----------------------------------------------------------------------------------------------
-
-
-def step_metrics(step: int, update_bytes: int, bucket_mb: float) -> dict:
-    """One metrics.jsonl row; the warm-up steps are slower, as in the reference runs."""
-    slow = 3.0 if step < WARMUP else 1.0
-    jitter = 1 + 0.01 * step
-    update = (0.002 + update_bytes / 5e9) * jitter * slow
-    phases = {
-        "rollout": 0.8 * jitter,
-        "wake_up": 0.05 * slow * jitter,
-        "log_probs": 0.1 * jitter,
-        "train": 0.3 * jitter,
-        "update_weights": update,
-        "sleep": 0.06 * slow * jitter,
-    }
-    row = {"step": step, "perf/step_time": sum(phases.values()) + 0.01}
-    row.update({f"perf/{name}_time": t for name, t in phases.items()})
-    limit = update_bytes * 2 / 20e9
-    row.update(
-        {
-            "perf/update_weights_bytes": update_bytes,
-            "perf/update_weights_buckets": max(1, int(update_bytes / (bucket_mb * 2**20)) + 1),
-            "perf/update_weights_gbps": update_bytes / update / 1e9,
-            "perf/update_weights_limit_time": limit,
-            "perf/update_weights_efficiency": limit / update,
-            "perf/update_weights_peak_bytes": int(bucket_mb * 2**20 * 2),
-            "rollout/reward_mean": 0.0,
-            "train/loss": 0.1,
-            "train/logprob_abs_diff": 0.001,
-        }
-    )
-    return row
-
-
-def config_for(model: str, bucket_mb: float) -> dict:
-    return {
-        "model": {"name": model},
-        "update": {"bucket_mb": bucket_mb, "strategy": "bucketed", "transport": "direct", "source": "device"},
-        "rollout": {"engine": "hf", "max_response_len": 32},
-        "run": {"steps": STEPS, "warmup_steps": WARMUP, "device": "cpu"},
-        "wandb": {"mode": "offline", "project": "rlsync-test", "entity": None, "group": None, "tags": []},
-    }
-
-
-def write_hydra(job: Path, overrides: list[str], config: dict) -> None:
-    (job / ".hydra").mkdir(parents=True)
-    (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
-    (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
-
-
-def write_job(job: Path, model: str, bucket_mb: float, with_summary: bool = True) -> None:
-    """A finished job: .hydra/, metrics.jsonl and (unless told) summary.json."""
-    overrides = [f"model={model}", f"update.bucket_mb={bucket_mb:g}"]
-    config = config_for(model, bucket_mb)
-    write_hydra(job, overrides, config)
-    rows = [step_metrics(step, MODELS[model], bucket_mb) for step in range(STEPS)]
-    (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (job / "rlsync.log").write_text("[2026-11-29 08:00:00,000][rlsync][INFO] - done\n")
-    if not with_summary:
-        return
-    measured = [r for r in rows if r["step"] >= WARMUP]
-    metrics = measured_stats(measured)
-    step = metrics["perf/step_time"]["median"]
-    summary = {
-        "status": "finished",
-        "error": None,
-        "steps_requested": STEPS,
-        "steps_finished": STEPS,
-        "warmup_steps": WARMUP,
-        "measured_steps": len(measured),
-        "kind": "run",
-        "model": {"name": model, "params": MODELS[model] // 2, "update_bytes": MODELS[model], "tensors": 24},
-        "setup": {
-            "transport": "direct",
-            "strategy": "bucketed",
-            "bucket_mb": bucket_mb,
-            "source": "device",
-            "device": "cpu",
-            "engine": "hf",
-            "max_response_len": 32,
-        },
-        "metrics": metrics,
-        "share": {
-            p: metrics[f"perf/{p}_time"]["median"] / step
-            for p in ("update_weights", "sleep", "wake_up", "rollout", "log_probs", "train")
-        },
-        "verdict": f"update is {metrics['perf/update_weights_time']['median'] / step:.2%} of the step: tune rollout and training first",
-        "overrides": overrides,
-        "config": config,
-    }
-    (job / "summary.json").write_text(json.dumps(summary))
-
-
-def measured_stats(measured: list[dict]) -> dict:
-    """summary.json's "metrics": median, min and max of every metric over the measured rows."""
-    return {
-        key: {
-            "median": statistics.median(r[key] for r in measured),
-            "min": min(r[key] for r in measured),
-            "max": max(r[key] for r in measured),
-        }
-        for key in measured[0]
-        if key != "step"
-    }
-
-
-def timed(stem: str, nbytes: int, seconds: float, limit: float) -> dict:
-    """A bench row's metrics for one timed phase, as the bench logs them."""
-    return {
-        f"perf/{stem}_time": seconds,
-        f"perf/{stem}_bytes": nbytes,
-        f"perf/{stem}_limit_time": limit,
-        f"perf/{stem}_efficiency": limit / seconds,
-    }
-
-
-def bench_rows(
-    target: str,
-    update_bytes: int,
-    transport: str,
-    repeats: int = STEPS - WARMUP,
-    noise: float = 0.01,
-    per_bucket_s: float = 0.0,
-    bucket_mb: float = 512.0,
-    peak_bytes: int | None = None,
-) -> list[dict]:
-    """metrics.jsonl of a bench: one row per repeat (warm-up ones first), its target's metrics, no step.
-    Repeat i takes (1 + noise * i) times the base time; each bucket adds per_bucket_s."""
-    rows = []
-    for step in range(WARMUP + repeats):
-        slow = (3.0 if step < WARMUP else 1.0) * (1 + noise * step)
-        if target == "update":
-            fixed, bandwidth = TRANSPORT_COST[transport]
-            fixed += per_bucket_s * -(-update_bytes // int(bucket_mb * 2**20))  # ceil: the bucket count
-            metrics = timed(
-                "update_weights", update_bytes, (fixed + update_bytes / bandwidth) * slow, update_bytes * 2 / 20e9
-            )
-            metrics.update({"perf/update_weights_peak_bytes": peak_bytes} if peak_bytes else {})
-        else:
-            state_bytes = update_bytes * 8  # float32 weights, grads and two AdamW moments
-            metrics = timed("sleep", state_bytes, state_bytes / 4e9 * slow, state_bytes / 5e9)
-            metrics.update(timed("wake_up", state_bytes, state_bytes / 3e9 * slow, state_bytes / 5e9))
-        rows.append({"step": step, **metrics})
-    return rows
-
-
-def write_bench_job(
-    job: Path,
-    model: str,
-    transport: str = "direct",
-    target: str = "update",
-    *,
-    bucket_mb: float = 512.0,
-    strategy: str = "bucketed",
-    repeats: int = STEPS - WARMUP,
-    noise: float = 0.01,
-    per_bucket_s: float = 0.0,
-    update_bytes: int | None = None,
-) -> None:
-    """A finished `python -m rlsync.bench` job: summary.json of kind "bench" (no step, share or verdict)."""
-    update_bytes = update_bytes or MODELS[model]
-    overrides = [f"model={model}", f"update.transport={transport}", f"bench.target={target}"]
-    overrides += [f"update.bucket_mb={bucket_mb:g}"] if bucket_mb != 512.0 else []
-    overrides += [f"update.strategy={strategy}"] if strategy != "bucketed" else []
-    config = config_for(model, bucket_mb)
-    config["update"].update(transport=transport, strategy=strategy)
-    config["bench"] = {"target": target, "offload_state": "trainer", "warmup": WARMUP, "repeats": repeats}
-    write_hydra(job, overrides, config)
-    peak = update_bytes // 24 if strategy == "per_tensor" else int(min(bucket_mb * 2**20, update_bytes))  # 24 tensors
-    rows = bench_rows(target, update_bytes, transport, repeats, noise, per_bucket_s, bucket_mb, peak)
-    (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    summary = {
-        "kind": "bench",
-        "target": target,
-        "status": "finished",
-        "error": None,
-        "warmup_steps": WARMUP,
-        "measured_steps": repeats,
-        "model": {"name": model, "params": update_bytes // 2, "update_bytes": update_bytes, "tensors": 24},
-        "setup": {
-            "transport": transport,
-            "strategy": strategy,
-            "bucket_mb": bucket_mb,
-            "source": "device",
-            "flat_engine_weights": False,
-            "device": "cpu",
-            "engine": "hf",
-        },
-        "offload": {"state": "trainer", "mode": "full", "memory": "move"} if target == "offload" else None,
-        "metrics": measured_stats([r for r in rows if r["step"] >= WARMUP]),
-        "overrides": overrides,
-        "config": config,
-    }
-    (job / "summary.json").write_text(json.dumps(summary))
-
-
-def write_failed_job(job: Path) -> None:
-    """A job that died in config validation: only .hydra/ and a log ending in an error."""
-    write_hydra(job, ["model=tiny", "update.strategy=banana"], config_for("tiny", 512.0))
-    (job / "rlsync.log").write_text(
-        "[2026-11-29 08:00:00,000][rlsync][INFO] - composing config\n"
-        f"[2026-11-29 08:00:00,001][rlsync][ERROR] - {ERROR_LINE}\n"
-        "[2026-11-29 08:00:00,002][rlsync][INFO] - exiting\n"
-    )
-
-
-@pytest.fixture
-def sweep(tmp_path: Path) -> Path:
-    """A 2 x 2 sweep (two models x two bucket sizes, jobs 0-3) plus a failed job 4."""
-    root = tmp_path / "sweeps" / "2026-11-29_08-00-00"
-    jobs = [(m, b) for m in MODELS for b in BUCKETS]
-    for num, (model, bucket) in enumerate(jobs):
-        write_job(root / str(num), model, bucket)
-    write_failed_job(root / str(len(jobs)))
-    return root
 
 
 def set_wandb_config(sweep: Path, **values: str) -> None:
@@ -260,26 +43,6 @@ def set_wandb_config(sweep: Path, **values: str) -> None:
         summary = json.loads(path.read_text())
         summary["config"]["wandb"].update(values)
         path.write_text(json.dumps(summary))
-
-
-def run_report(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """`python -m rlsync.report *args` through its entry point in this process, with no W&B settings but `env`'s."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    full_env.update({"PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"})
-    full_env.update(env or {})
-    return run_main(*args, module="rlsync.report", environ=full_env, cwd=cwd)
-
-
-def offline_env(tmp_path: Path) -> dict:
-    """W&B offline, with no key and no home config to find one in."""
-    home = tmp_path / "home"
-    home.mkdir(exist_ok=True)
-    return {
-        "WANDB_MODE": "offline",
-        "WANDB_DIR": str(tmp_path / "wandb_dir"),
-        "HOME": str(home),
-        "WANDB_CONFIG_DIR": str(home / ".config" / "wandb"),
-    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -528,34 +291,6 @@ def test_step_timeline_draws_at_most_8_runs_and_notes_the_rest(tmp_path: Path, d
 # ----------------------------------------------------------------------------------------------
 
 
-def leet(*args: str) -> str:
-    proc = subprocess.run(["wandb", "leet", "inspect", *args], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
-@pytest.mark.slow  # W&B offline
-def test_report_run_logged_offline(sweep: Path, tmp_path: Path) -> None:
-    proc = run_report(str(sweep), env=offline_env(tmp_path))
-    assert proc.returncode == 0, proc.stderr
-    assert "W&B: report run logged offline" in proc.stdout
-    (run_dir,) = sorted((sweep / "wandb").glob("offline-run-*"))
-
-    state = json.loads(leet("--summary", "--json", str(run_dir)))
-    assert state["state"] == "finished" and state["project"] == "rlsync-test"
-    assert state["summary"]["report/runs"] == 4 and state["summary"]["report/failed"] == 1
-    assert state["summary"]["report/table"]["_type"] == "table-file"
-    assert state["summary"]["report/table"]["nrows"] == 4
-    for name in PLOTS:
-        assert state["summary"][f"report/{Path(name).stem}"]["_type"] == "image-file"
-
-    # --summary leaves out group and job_type: they are in the "run" record of the log
-    records = [json.loads(line) for line in leet("--json", str(run_dir)).splitlines() if line.strip()]
-    (run_record,) = [r["run"] for r in records if r.get("type") == "run"]
-    assert run_record["job_type"] == "report"
-    assert run_record["run_group"] == sweep.name
-
-
 def test_wandb_disabled_in_runs_logs_nothing(sweep: Path, tmp_path: Path) -> None:
     set_wandb_config(sweep, mode="disabled")
     proc = run_report(str(sweep), env=offline_env(tmp_path) | {"WANDB_MODE": ""})
@@ -630,40 +365,6 @@ def test_group_comes_from_wandb_group(sweep: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 # A real sweep
 # ----------------------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_real_two_by_two_sweep(tmp_path: Path) -> None:
-    sweep = tmp_path / "sweep"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {"PYTHONPATH": str(REPO)}
-    cmd = [
-        sys.executable, "-m", "rlsync", "-m", "run.steps=3", "run.progress=false", "wandb.mode=disabled",
-        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_response_len=8",  # seconds a job
-        "model.num_hidden_layers=1,2", "update.bucket_mb=0.25,2", f"hydra.sweep.dir={sweep}",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-
-    report = run_report(str(sweep))
-    assert report.returncode == 0, report.stderr
-    assert "W&B: not logged" in report.stdout  # the runs said wandb.mode=disabled
-    with (sweep / "report.csv").open() as f:
-        rows = {row["job"]: row for row in csv.DictReader(f)}
-    assert sorted(rows) == ["0", "1", "2", "3"]
-    for job, row in rows.items():
-        metrics = json.loads((sweep / job / "summary.json").read_text())["metrics"]
-        assert float(row["update_time_median"]) == metrics["perf/update_weights_time"]["median"]
-        assert float(row["step_time_median"]) == metrics["perf/step_time"]["median"]
-    for name in (*PLOTS, "update_phases.png"):
-        if name not in ("update_time_vs_bytes.png", "peak_memory_vs_bucket.png"):
-            assert (sweep / name).read_bytes()[:8] == PNG_SIGNATURE, name
-    # one measured step per run and two update sizes: a line through them would be noise, and the report says so
-    md = (sweep / "report.md").read_text()
-    # flat engine weights (the HF engine's default) stage nothing: a memory plot at 0 is not drawn
-    assert "peak_memory_vs_bucket.png skipped: every run's update held 0 bytes" in md
-    assert "No fit: two update sizes only, and runs 0, 1, 2, 3 measured fewer than 3 steps" in md
-    assert "update_time_vs_bytes.png skipped" in md and not (sweep / "update_time_vs_bytes.png").exists()
-    assert "too few to tell a real difference from noise (raise run.steps)" in md  # the best-setting warning
 
 
 # ----------------------------------------------------------------------------------------------
@@ -741,27 +442,3 @@ def test_a_full_disk_ends_with_one_line_naming_the_file(sweep: Path, tmp_path: P
     assert proc.stderr.strip().splitlines() == [
         f"rlsync.report: cannot write {out / 'report.md'}: the disk is full (No space left on device)"
     ]
-
-
-@pytest.mark.slow
-def test_a_file_size_limit_ends_with_one_line(sweep: Path, tmp_path: Path) -> None:
-    """RLIMIT_FSIZE makes the kernel refuse any write past 2 KiB (EFBIG; Python ignores SIGXFSZ)."""
-    import resource
-
-    out = tmp_path / "out"
-    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))  # noqa: E731
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    full_env.update({"PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"})
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlsync.report", str(sweep), "--no-wandb", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        cwd=REPO,
-        timeout=180,
-        preexec_fn=limit,
-    )
-    assert proc.returncode == 1, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"rlsync.report: cannot write {out}"), lines
-    assert "the file is too large" in lines[0]

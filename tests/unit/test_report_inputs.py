@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from test_report import run_report, write_job
+from conftest import run_report, write_job
 
 
 def test_a_folder_of_runs_named_by_time_is_reported(tmp_path: Path) -> None:

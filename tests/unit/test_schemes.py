@@ -2,7 +2,7 @@
 default `rlsync`, and the update's auto knobs (flat_engine_weights, copy_threads) resolved in one place.
 
 Each preset is composed through the real Hydra config (runner and benchmark) and runs one benchmark
-repeat on the tiny model, in this process (the ipc schemes start their engine process).
+repeat on the tiny model, in this process (the ipc schemes' in tests/process/: they start their engine process).
 """
 
 from __future__ import annotations
@@ -10,26 +10,19 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ROOT
-from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
+from conftest import ROOT, compose_app
 
 from rlsync.bench.runner import run_bench
-from rlsync.config.apps import BenchAppConfig
-from rlsync.config.compose import to_config
 from rlsync.config.derived import flat_engine_weights_choice
 from rlsync.config.schema import RolloutConfig, UpdateConfig
 from rlsync.update.auto import copy_threads_choice, resolve_update
 
 SCHEMES = sorted(p.stem for p in (ROOT / "rlsync" / "conf" / "scheme").glob("*.yaml"))
 FRAMEWORKS = {"miles", "verl", "trl", "nemo_rl", "checkpoint_engine"}
-
-
-def compose_app(config_name: str, *overrides: str):
-    schema = BenchAppConfig if config_name == "bench" else None
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        dcfg = hydra_compose(config_name=config_name, overrides=list(overrides))
-    return to_config(dcfg, schema) if schema else to_config(dcfg)
+# the schemes whose transport starts an engine process run their benchmark in tests/process/test_schemes.py
+IN_PROCESS = [
+    s for s in SCHEMES if "  transport: direct" in (ROOT / "rlsync" / "conf" / "scheme" / f"{s}.yaml").read_text()
+]
 
 
 def test_every_framework_has_a_preset_and_each_cites_the_code_it_follows():
@@ -71,7 +64,7 @@ def test_the_framework_schemes_knobs():
     assert all(u.flat_engine_weights is False for u in got.values())  # none of them loads in place
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", IN_PROCESS)  # the others: tests/process/test_schemes.py
 def test_each_scheme_runs_a_benchmark_repeat_on_the_tiny_model(scheme, tmp_path):
     cfg = compose_app(
         "bench",
@@ -110,7 +103,7 @@ def test_each_scheme_runs_a_benchmark_repeat_on_the_tiny_model(scheme, tmp_path)
 )
 def test_flat_engine_weights_auto_is_on_wherever_the_engine_can_hold_them(engine, transport, strategy, level, want):
     update = UpdateConfig(transport=transport, strategy=strategy)
-    on, why = flat_engine_weights_choice(update, RolloutConfig(engine=engine, sleep_level=level))
+    on, why = flat_engine_weights_choice(update, RolloutConfig(engine=engine, release_level=level))
     assert on is want and why.startswith("auto: " + ("on" if want else "off"))
 
 

@@ -45,36 +45,6 @@ def test_a_single_dry_run_says_whether_it_fits_and_how_long(tmp_path):
     assert refused.returncode == 0 and "would be refused: does not fit: host memory" in refused.stderr
 
 
-@pytest.mark.slow  # a whole sweep of runs
-def test_a_sweep_with_a_failed_and_a_refused_job_still_writes_its_report(tmp_path, monkeypatch):
-    """Hydra skips on_multirun_end when a job fails: the report is written from the entry point's error
-    handling instead, listing the failed job and the refused one beside the run that finished."""
-    from rlsync.run.loop import Experiment
-
-    step = Experiment.step
-
-    def fails_at_bucket_2(self, *args, **kwargs):
-        if self.cfg.update.bucket_mb == 2:
-            raise RuntimeError("an injected failure")
-        return step(self, *args, **kwargs)
-
-    monkeypatch.setattr(Experiment, "step", fails_at_bucket_2)
-    sweep = tmp_path / "sweep"
-    result = run_main("-m", *SHORT, f"model=tiny,{HUGE}", "update.bucket_mb=1,2", f"hydra.sweep.dir={sweep}")
-    assert result.returncode != 0
-    err = result.stderr
-    assert "rlsync: sweep of 4 jobs: 2 fit, 2 refused" in err
-    assert "rlsync: sweep job 0 (1 of 4: " in err and "rlsync: sweep job 1 (2 of 4: " in err
-    assert "1 done in " in err  # the ETA from the measured job
-    assert "RuntimeError: an injected failure" in err
-    assert "Error executing job with overrides" not in err  # Hydra's repeat of the job's own line
-    assert "rlsync: sweep ended with failed jobs" in err
-    report = (sweep / "report.md").read_text()
-    assert "an injected failure" in report and "does not fit" in report
-    out = result.stdout
-    assert "(1 run, 3 failed)" in out and "failed: 1 (" in out and "failed: 2 (" in out and "failed: 3 (" in out
-
-
 def test_the_plan_names_a_launcher_that_runs_jobs_side_by_side():
     plan = sweep_callback.SweepPlan(jobs=[sweep_callback.JobPlan(0, ["a=1"], seconds=30.0)], side_by_side="local")
     lines = plan.lines()

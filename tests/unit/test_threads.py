@@ -7,12 +7,10 @@ import json
 
 import pytest
 import torch
-from conftest import FAST, run_main
+from conftest import CPU, FAST, run_main
 
 from rlsync.measure import threads
 from rlsync.record.summary import noise_warning
-
-CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize(("busy", "expected"), [(0.0, 4), (0.4, 4), (1.2, 3), (2.6, 1), (9.0, 1)])

@@ -6,14 +6,12 @@ also through a real `direct` update of the tiny model.
 """
 
 import pytest
-import torch
+from conftest import CPU
 
 import rlsync.update.direct as direct
 from rlsync.config.schema import UpdateConfig
 from rlsync.measure.timing import EventTimer, HostTimer, unit_timer
-from rlsync.update import timed_update
-
-CPU = torch.device("cpu")
+from rlsync.update import close_update, timed_update
 
 
 class FakeDevice:
@@ -136,13 +134,13 @@ def test_direct_update_with_event_timing_syncs_once(monkeypatch, tiny, strategy)
     monkeypatch.setattr(direct, "unit_timer", fake_unit_timer)
     update = UpdateConfig(strategy=strategy, bucket_mb=0.05, flat_engine_weights=False)  # two copies: pack, load
     weights = tiny.weights(seed=1)
-    engine, buckets = tiny.open(update, weights)
+    engine, transport, buckets = tiny.open(update, weights)
     try:
-        metrics = timed_update(engine, weights, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
+        metrics = timed_update(transport, weights, buckets=buckets, cfg=update, device=CPU, floor_time=1e-3)
     finally:
-        engine.close()
+        close_update(engine, transport)
     assert len(made) == 1 and device.syncs == 1 and device.event_syncs == 0
-    rows = engine.last_update_buckets
+    rows = transport.last_update_buckets
     keys = {"per_tensor": {"bytes", "load_time"}, "bucketed": {"bytes", "pack_time", "load_time"}}[strategy]
     assert len(rows) == (len(weights) if strategy == "per_tensor" else len(buckets)) > 1
     floors = {"encode_floor_bytes", "decode_floor_bytes"}  # what the payload declares each side must move

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import FAST, read_jsonl
+from conftest import FAST, SMALL_MODEL, read_jsonl
 
 from rlsync.config.schema import UpdateConfig
 from rlsync.config.validate import validate
@@ -18,14 +18,6 @@ from rlsync.measure.timing import HostTimer
 from rlsync.run.loop import run_experiment
 from rlsync.update.base import TRANSPORTS, Transport, UpdateResult, register_transport
 from rlsync.update.buckets import Bucket
-
-SMALL_MODEL = [
-    "model.hidden_size=64",
-    "model.intermediate_size=128",
-    "model.num_hidden_layers=2",
-    "model.head_dim=16",
-    "model.vocab_size=300",
-]
 
 
 class ToyEngine(HFEngine):
@@ -42,21 +34,15 @@ class ToyEngine(HFEngine):
 class ToyTransport(Transport):
     """The engine in this process, its weights handed over one tensor at a time: no buckets, no staging.
 
-    It keeps `Transport`'s own `checksums` (computed from `weights()`), which update.verify compares."""
+    update.verify compares the engine's own checksums (`EngineHandle`'s default, computed from its weights)."""
 
     updates = 0
 
     def __init__(self, spec: EngineSpec, buckets: list[Bucket], cfg: UpdateConfig):
-        self.engine = spec.build(strategy=cfg.strategy)
+        self.strategy = cfg.strategy
 
-    def generate(self, prompts, **kwargs):
-        return self.engine.generate(prompts, **kwargs)
-
-    def release(self) -> None:
-        self.engine.release()
-
-    def resume(self) -> None:
-        self.engine.resume()
+    def start_engine(self, spec: EngineSpec):
+        return spec.build(strategy=self.strategy)  # in this process
 
     def send_weights(self, weights: dict[str, torch.Tensor]) -> UpdateResult:
         type(self).updates += 1
@@ -67,11 +53,8 @@ class ToyTransport(Transport):
                 self.engine.load_weights([(name, tensor)])
         return UpdateResult(dict(timer.seconds), rows)
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return self.engine.weights
-
     def close(self) -> None:
-        self.engine.close()
+        """Nothing of its own to free: the engine is closed by its handle."""
 
 
 @pytest.fixture

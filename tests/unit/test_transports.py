@@ -3,7 +3,8 @@
 Bit-exact engine weights after updates for every transport x strategy x source, with buckets
 smaller than the largest tensor; generation through the engine process equal to in-process
 generation; the staging accounting; a dead engine raising a clear error within seconds; the whole
-step through the CLI's entry point (in this process), and a real `python -m rlsync` whose engine is killed (slow).
+step through the CLI's entry point (in this process); a real `python -m rlsync` whose engine is killed is
+tests/process/test_transports.py's.
 """
 
 from __future__ import annotations
@@ -11,65 +12,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import FAST, ROOT, Tiny, cli_env, read_jsonl, run_main
+from conftest import BF16, CPU, FAST, SMALL_BUCKET_MB, Trainer, assert_engine_holds, read_jsonl, run_main
 
 from rlsync.config.schema import Config, UpdateConfig
-from rlsync.model.build import named_weights
-from rlsync.trainer.offload import Offloader
-from rlsync.update import WeightMismatch, checksum, timed_update
-from rlsync.update.engine_process import EngineDied
-
-CPU = torch.device("cpu")
-BF16 = torch.bfloat16
-SMALL_BUCKET_MB = 0.05  # tiny's largest tensor (the embedding, 512 x 256 in bf16) is 0.25 MiB
-
-
-class Trainer:
-    """The trainer side of a test: fp32 weights, their offloaded host copies, and an engine spec."""
-
-    def __init__(self, seed: int = 3):
-        self.tiny = Tiny()
-        self.model = self.tiny.build(seed=seed)
-        self.offloader = Offloader(self.model, None, mode="full", device=CPU)
-        self.weights = named_weights(self.model)
-        self.spec = self.tiny.spec()
-
-    def open(self, update: UpdateConfig) -> tuple:
-        """(engine, bucket plan): the engine behind `update`'s transport, for these weights."""
-        return self.tiny.open(update, self.weights, spec=self.spec)
-
-    def source(self, name: str) -> dict[str, torch.Tensor]:
-        """The weights to send, freshly changed (a trained step), live or from the host copy."""
-        if name == "device":
-            self.offloader.wake_up()
-            with torch.no_grad():
-                for t in self.weights.values():
-                    t.add_(torch.randn_like(t))
-            return self.weights
-        self.offloader.wake_up()
-        self.offloader.sleep()
-        host = self.offloader.host_weights(self.weights)
-        with torch.no_grad():
-            for t in host.values():
-                t.add_(torch.randn_like(t))
-        return host
-
-
-def assert_engine_holds(engine, weights: dict[str, torch.Tensor]) -> None:
-    got = engine.weights()
-    assert set(got) == set(weights)
-    for name, t in weights.items():
-        assert torch.equal(got[name], t.to(BF16)), f"engine tensor {name} differs from the trainer's"
-
+from rlsync.engines.process import EngineDied
+from rlsync.update import WeightMismatch, checksum, close_update, timed_update
 
 # Process engines cost a start each (the first about 7 s of imports, then about 1 s from the
 # forkserver), so each configuration is opened once per module and serves both sources.
@@ -83,11 +36,11 @@ PROCESS_CASES = [
 ]
 
 
-@pytest.mark.parametrize("transport,strategy,inflight,flat", PROCESS_CASES)
-def test_process_engine_is_bit_exact_for_both_sources(transport, strategy, inflight, flat):
+@pytest.mark.parametrize("name,strategy,inflight,flat", PROCESS_CASES)
+def test_process_engine_is_bit_exact_for_both_sources(name, strategy, inflight, flat):
     trainer = Trainer()
     update = UpdateConfig(
-        transport=transport,
+        transport=name,
         strategy=strategy,
         inflight_buckets=inflight,
         flat_engine_weights=flat,
@@ -95,17 +48,17 @@ def test_process_engine_is_bit_exact_for_both_sources(transport, strategy, infli
         verify=True,
         engine_timeout_s=120,
     )
-    engine, buckets = trainer.open(update)
+    engine, transport, buckets = trainer.open(update)
     largest_tensor = max(t.numel() * 2 for t in trainer.weights.values())
     assert max(b.nbytes for b in buckets) == largest_tensor > SMALL_BUCKET_MB * 2**20  # one tensor alone, oversized
     try:
         for source in ("device", "host", "device"):
             sent = trainer.source(source)
-            metrics = timed_update(engine, sent, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
+            metrics = timed_update(transport, sent, buckets=buckets, cfg=update, device=CPU, floor_time=1e-3)
             assert_engine_holds(engine, sent)
             for key in ("pack", "transfer", "load"):
                 assert metrics[f"perf/update_weights_{key}_time"] >= 0
-            rows = engine.last_update_buckets
+            rows = transport.last_update_buckets
             assert len(rows) == (len(buckets) if strategy == "bucketed" else len(trainer.weights))
             assert sum(r["bytes"] for r in rows) == metrics["perf/update_weights_bytes"]
 
@@ -117,10 +70,10 @@ def test_process_engine_is_bit_exact_for_both_sources(transport, strategy, infli
             ("broadcast", False): 2 * inflight * slot,
             ("broadcast", True): inflight * slot,
         }
-        assert metrics["perf/update_weights_peak_bytes"] == expected[transport, flat and strategy == "bucketed"]
+        assert metrics["perf/update_weights_peak_bytes"] == expected[name, flat and strategy == "bucketed"]
     finally:
-        engine.close()
-    assert not engine.process.process.is_alive()
+        close_update(engine, transport)
+    assert not engine.is_alive()
     assert not dist.is_initialized()
 
 
@@ -130,49 +83,50 @@ def test_process_engine_is_bit_exact_for_both_sources(transport, strategy, infli
 def test_direct_is_bit_exact(strategy, source, flat):
     trainer = Trainer()
     update = UpdateConfig(strategy=strategy, bucket_mb=SMALL_BUCKET_MB, flat_engine_weights=flat, verify=True)
-    engine, buckets = trainer.open(update)
+    engine, transport, buckets = trainer.open(update)
     for _ in range(2):
         sent = trainer.source(source)
-        metrics = timed_update(engine, sent, buckets=buckets, cfg=update, device=CPU, limit_time=1e-3)
+        metrics = timed_update(transport, sent, buckets=buckets, cfg=update, device=CPU, floor_time=1e-3)
         assert_engine_holds(engine, sent)
     if flat and strategy == "bucketed":
         assert metrics["perf/update_weights_peak_bytes"] == 0  # packing wrote the engine's weights: no staging
         assert "perf/update_weights_load_time" not in metrics
-    engine.close()
+    close_update(engine, transport)
 
 
 def test_ipc_generates_what_the_in_process_engine_generates():
     """Same weights, same sampler state: same tokens and log-probs, and the sampler advances the same."""
     trainer = Trainer()
     weights = trainer.source("device")
-    engines = {}
+    opened = {}  # transport name -> (engine, transport)
     try:
-        for transport in ("direct", "ipc"):
-            update = UpdateConfig(transport=transport)
-            engines[transport], buckets = trainer.tiny.open(update, weights, spec=trainer.spec)
-            timed_update(engines[transport], weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
+        for name in ("direct", "ipc"):
+            update = UpdateConfig(transport=name)
+            engine, transport, buckets = trainer.tiny.open(update, weights, spec=trainer.spec)
+            opened[name] = engine, transport
+            timed_update(transport, weights, buckets=buckets, cfg=update, device=CPU, floor_time=1.0)
         prompts = [[256, *b"12+7="], [256, *b"3*4=?"], [256, 65]]
         outs, states = {}, {}
-        for transport, engine in engines.items():
+        for name, (engine, _) in opened.items():
             engine.resume()
             sampler = torch.Generator().manual_seed(11)
-            outs[transport] = engine.generate(prompts, max_new_tokens=6, temperature=1.0, generator=sampler)
+            outs[name] = engine.generate(prompts, max_new_tokens=6, temperature=1.0, generator=sampler)
             engine.release()
-            states[transport] = sampler.get_state()
+            states[name] = sampler.get_state()
         for field in ("sequences", "attention_mask", "response_mask", "logprobs", "truncated"):
             assert torch.equal(getattr(outs["direct"], field), getattr(outs["ipc"], field)), field
         assert torch.equal(states["direct"], states["ipc"])
     finally:
-        for engine in engines.values():
-            engine.close()
+        for engine, transport in opened.values():
+            close_update(engine, transport)
 
 
 def test_verify_in_the_engine_process_names_the_tensor():
     trainer = Trainer()
     update = UpdateConfig(transport="ipc", verify=True)
-    engine, buckets = trainer.open(update)
+    engine, transport, buckets = trainer.open(update)
     try:
-        timed_update(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
+        timed_update(transport, trainer.weights, buckets=buckets, cfg=update, device=CPU, floor_time=1.0)
         sums = engine.checksums()  # computed in the engine process
         assert sums == {n: checksum(t.to(BF16)) for n, t in trainer.weights.items()}
         with torch.no_grad():
@@ -182,7 +136,7 @@ def test_verify_in_the_engine_process_names_the_tensor():
         with pytest.raises(WeightMismatch, match="model.norm.weight"):
             verify(trainer.weights, engine.checksums(), BF16)
     finally:
-        engine.close()
+        close_update(engine, transport)
 
 
 def kill_after(pid: int, seconds: float) -> threading.Timer:
@@ -191,25 +145,25 @@ def kill_after(pid: int, seconds: float) -> threading.Timer:
     return timer
 
 
-@pytest.mark.parametrize("transport", ["ipc", "broadcast"])
-def test_a_dead_engine_is_a_clear_error_within_seconds(transport):
+@pytest.mark.parametrize("name", ["ipc", "broadcast"])
+def test_a_dead_engine_is_a_clear_error_within_seconds(name):
     """Killed while the trainer waits on it (a long generation): EngineDied naming the exit code, fast;
     then close() still leaves no process and no process group behind."""
     trainer = Trainer()
-    update = UpdateConfig(transport=transport, bucket_mb=SMALL_BUCKET_MB)
-    engine, buckets = trainer.open(update)
+    update = UpdateConfig(transport=name, bucket_mb=SMALL_BUCKET_MB)
+    engine, transport, buckets = trainer.open(update)
     try:
-        timed_update(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
-        kill_after(engine.process.pid, 0.5)
+        timed_update(transport, trainer.weights, buckets=buckets, cfg=update, device=CPU, floor_time=1.0)
+        kill_after(engine.pid, 0.5)
         start = time.monotonic()
         with pytest.raises(EngineDied, match=r"exit code -9 \(killed by SIGKILL\)"):
             engine.generate([[256, 65]] * 8, max_new_tokens=100_000, temperature=1.0, generator=torch.Generator())
         assert time.monotonic() - start < 5.0
         with pytest.raises(EngineDied, match="exit code -9"):  # and every later call says the same at once
-            timed_update(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
+            timed_update(transport, trainer.weights, buckets=buckets, cfg=update, device=CPU, floor_time=1.0)
     finally:
-        engine.close()
-    assert not engine.process.process.is_alive()
+        close_update(engine, transport)
+    assert not engine.is_alive()
     assert not dist.is_initialized()
 
 
@@ -217,18 +171,18 @@ def test_a_broadcast_engine_killed_mid_update_does_not_hang_the_trainer():
     """The hardest wait: the trainer inside a collective whose peer is gone."""
     trainer = Trainer()
     update = UpdateConfig(transport="broadcast", bucket_mb=SMALL_BUCKET_MB, engine_timeout_s=120)
-    engine, buckets = trainer.open(update)
-    os.kill(engine.process.pid, signal.SIGSTOP)  # frozen: the trainer's broadcasts cannot complete
-    kill_after(engine.process.pid, 0.5)
+    engine, transport, buckets = trainer.open(update)
+    os.kill(engine.pid, signal.SIGSTOP)  # frozen: the trainer's broadcasts cannot complete
+    kill_after(engine.pid, 0.5)
     start = time.monotonic()
     try:
         with pytest.raises(
             EngineDied, match=r"exit code -9 \(killed by SIGKILL\) while the trainer waited for a weight"
         ):
-            timed_update(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
+            timed_update(transport, trainer.weights, buckets=buckets, cfg=update, device=CPU, floor_time=1.0)
         assert time.monotonic() - start < 5.0
     finally:
-        engine.close()
+        close_update(engine, transport)
     assert not dist.is_initialized()
 
 
@@ -238,12 +192,12 @@ def test_broadcast_leaves_the_default_process_group_alone():
     try:
         trainer = Trainer()
         update = UpdateConfig(transport="broadcast", bucket_mb=SMALL_BUCKET_MB)
-        engine, buckets = trainer.open(update)
+        engine, transport, buckets = trainer.open(update)
         try:
-            timed_update(engine, trainer.weights, buckets=buckets, cfg=update, device=CPU, limit_time=1.0)
+            timed_update(transport, trainer.weights, buckets=buckets, cfg=update, device=CPU, floor_time=1.0)
             assert_engine_holds(engine, trainer.weights)
         finally:
-            engine.close()
+            close_update(engine, transport)
         assert dist.is_initialized() and dist.get_world_size() == 1
     finally:
         dist.destroy_process_group()
@@ -280,98 +234,12 @@ def test_whole_step_runs_with_broadcast(tmp_path):
         assert row["perf/update_weights_peak_bytes"] > 0 and row["perf/update_weights_transfer_time"] > 0
 
 
-def engine_pid(parent: int, timeout: float = 60.0) -> int:
-    """The engine process among `parent`'s descendants (forked by the forkserver, itself a child)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for pid in descendants(parent):
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if "forkserver" in cmd and descendants(pid) == [] and is_forked_child(pid):
-                return pid
-        time.sleep(0.2)
-    raise AssertionError("no engine process appeared")
-
-
-def descendants(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children = [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-        for child in children:
-            out += [child, *descendants(child)]
-    return out
-
-
-def is_forked_child(pid: int) -> bool:
-    """A process the forkserver forked (its parent is the forkserver, not the trainer)."""
-    try:
-        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        parent_cmd = Path(f"/proc/{ppid}/cmdline").read_bytes()
-    except (OSError, ValueError, IndexError):
-        return False
-    return b"forkserver" in parent_cmd
-
-
-@pytest.mark.slow
-def test_whole_step_runs_with_ipc_and_a_killed_engine_ends_it_clearly(tmp_path):
-    """Steps run through the ipc engine; killing it mid-run fails the run within seconds with the engine's
-    exit code, and metrics.jsonl and summary.json keep the steps that finished."""
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rlsync",
-            *[o for o in FAST if not o.startswith("run.steps=")],
-            "run.steps=50",
-            "update.transport=ipc",
-            f"update.bucket_mb={SMALL_BUCKET_MB}",
-            "update.inflight_buckets=2",
-            "wandb.mode=disabled",
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=ROOT,
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and (not metrics.exists() or len(read_jsonl(metrics)) < 1):
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            time.sleep(0.2)
-        pid = engine_pid(proc.pid)  # looked up once steps run: the engine is certainly up by then
-        os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
-        _, stderr = proc.communicate(timeout=60)
-        assert time.monotonic() - killed < 15  # the error itself comes within POLL_S; the rest is the summary
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 1, stderr[-3000:]
-    assert "exit code -9 (killed by SIGKILL)" in stderr
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert len(rows) >= 1
-    for row in rows:
-        assert 0 <= row["train/logprob_abs_diff"] < 0.01
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["steps_finished"] == len(rows)
-    assert "EngineDied" in summary["error"]
-
-
 def test_validation_rejects_released_flat_ipc_weights_before_building_anything():
     from rlsync.config.validate import validate
     from rlsync.errors import ConfigError
 
     cfg = Config()
-    cfg.update.transport, cfg.update.flat_engine_weights, cfg.rollout.sleep_level = "ipc", True, 2
+    cfg.update.transport, cfg.update.flat_engine_weights, cfg.rollout.release_level = "ipc", True, 2
     with pytest.raises(ConfigError, match="update.flat_engine_weights"):
         validate(cfg)
     cfg.update.transport = "direct"  # there the engine's own buffers can be freed and refilled
@@ -383,7 +251,7 @@ def test_engine_processes_start_with_sleeping_openmp_threads_unless_told(monkeyp
     would take the trainer's cores between update messages), the trainer's environment is left as
     it was, a user's own setting wins, and an engine that binds its own threads (vLLM) is left alone."""
     from rlsync.engines.base import engine_class
-    from rlsync.update.engine_process import passive_openmp
+    from rlsync.engines.process import passive_openmp
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     with passive_openmp(True):
@@ -399,7 +267,7 @@ def test_engine_processes_start_with_sleeping_openmp_threads_unless_told(monkeyp
 def test_spin_poll_sees_a_waiting_message_at_once_and_gives_up_after_its_window():
     import multiprocessing
 
-    from rlsync.update.engine_process import spin_poll
+    from rlsync.engines.process import spin_poll
 
     ours, theirs = multiprocessing.Pipe()
     start = time.perf_counter()
@@ -409,3 +277,21 @@ def test_spin_poll_sees_a_waiting_message_at_once_and_gives_up_after_its_window(
     start = time.perf_counter()
     assert spin_poll(ours, 10.0) is True and time.perf_counter() - start < 1.0  # at once, not after the window
     assert ours.recv() == ("update", ("tensor", "w", 0))
+
+
+def test_the_engine_and_its_transport_are_two_objects(tiny):
+    """open_update returns what the loop generates with (an EngineHandle) and the weight channel (a Transport,
+    never an engine handle itself); closing the engine, then the channel, leaves both closed."""
+    from rlsync.engines.base import Engine, EngineHandle
+    from rlsync.update import open_update, plan_for
+    from rlsync.update.base import Transport, transport_class, transport_names
+
+    assert not any(issubclass(transport_class(name), EngineHandle) for name in transport_names())
+    update = UpdateConfig(bucket_mb=SMALL_BUCKET_MB)
+    weights = tiny.weights()
+    engine, transport = open_update(update, spec=tiny.spec(), buckets=plan_for(weights, update, BF16))
+    assert isinstance(engine, Engine) and isinstance(transport, Transport) and transport.engine is engine
+    transport.update_weights(weights)
+    assert_engine_holds(engine, weights)
+    close_update(engine, transport)
+    assert transport.staging is None

@@ -13,7 +13,7 @@ from conftest import FAST, run_main
 
 from rlsync.config.schema import RolloutConfig, UpdateConfig
 from rlsync.measure import threads
-from rlsync.measure.limits import Limits
+from rlsync.measure.floors import Floors
 from rlsync.record import summary as summaries
 from rlsync.update import auto, plan_for
 
@@ -138,8 +138,8 @@ def test_the_floor_is_recorded_with_its_spread_and_a_moving_one_is_said():
 def test_a_busy_run_far_below_its_floor_gives_no_verdict(tmp_path, monkeypatch, busy_machine):
     """The whole run, on a machine made busy and a floor made 1000x faster: the copy on the run's one
     thread, the verdict a broken measurement, summary.json's flag and figures for the report."""
-    update_time = Limits.update_time
-    monkeypatch.setattr(Limits, "update_time", lambda self, r, w: update_time(self, r, w) / 1000)
+    update_time = Floors.update_time
+    monkeypatch.setattr(Floors, "update_time", lambda self, r, w: update_time(self, r, w) / 1000)
     proc = run_main(*FAST, "wandb.mode=disabled", f"hydra.run.dir={tmp_path}", RLSYNC_NO_LOAD_WARNING="0")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -1,7 +1,7 @@
 """The floor of vLLM's own transfer counts what vLLM's receiving side must copy (issue 46, item 4).
 
 Each path declares its copies (Engine.receiver_copies; vLLM's per sender class, rlsync/engines/vllm_ipc.py),
-and the floor adds them at the bandwidth of a copy in the engine's dtype (rlsync.measure.limits). The
+and the floor adds them at the bandwidth of a copy in the engine's dtype (rlsync.measure.floors). The
 bandwidths are faked here: what is checked is what the floor counts, not how fast this machine copies.
 No vLLM import.
 """
@@ -13,7 +13,7 @@ import torch
 
 from rlsync.engines.base import engine_class
 from rlsync.engines.vllm_ipc import SENDERS, IpcSender, ShmSender
-from rlsync.measure import limits
+from rlsync.measure import floors
 from rlsync.model.build import build_tokenizer
 from rlsync.update import side as side_module
 
@@ -24,10 +24,10 @@ CAST_BPS, SAME_BPS = 3e9, 8e9  # fp32 -> bf16 and bf16 -> bf16, bytes read + wri
 def fake_bandwidth(monkeypatch):
     """copy_bandwidth by dtypes: a converting copy at CAST_BPS, a same-dtype one at SAME_BPS."""
 
-    def bandwidth(nbytes, *, src, dst, repeats=3, dtypes=limits.BYTES):
-        return limits.Bandwidth(SAME_BPS if dtypes[0] == dtypes[1] else CAST_BPS, f"fake {dtypes}")
+    def bandwidth(nbytes, *, src, dst, repeats=3, dtypes=floors.BYTES):
+        return floors.Bandwidth(SAME_BPS if dtypes[0] == dtypes[1] else CAST_BPS, f"fake {dtypes}")
 
-    monkeypatch.setattr(limits, "copy_bandwidth", bandwidth)
+    monkeypatch.setattr(floors, "copy_bandwidth", bandwidth)
 
 
 @pytest.mark.parametrize(
@@ -56,13 +56,15 @@ def test_the_declarations_are_the_sender_classes():
 def test_the_floor_adds_each_receiver_copy_at_the_engines_copy_bandwidth(fake_bandwidth):
     read, written = 4 << 20, 2 << 20  # fp32 trainer, bf16 engine
     kw = dict(update_bytes=written, state_bytes=2 * read, read_bytes=read, dtypes=(torch.float32, torch.bfloat16))
-    plain = limits.Limits(torch.device("cpu"), **kw)
-    assert plain.update_limit == pytest.approx((read + written) / CAST_BPS)
+    plain = floors.Floors(torch.device("cpu"), **kw)
+    assert plain.update_floor_time == pytest.approx((read + written) / CAST_BPS)
     assert "receiver_copies" not in plain.as_dict() and plain.engine_copy is None
     for copies in (("load",), ("clone", "load"), ("clone", "load", "copy back")):
-        floor = limits.Limits(torch.device("cpu"), **kw, receiver_copies=copies)
+        floor = floors.Floors(torch.device("cpu"), **kw, receiver_copies=copies)
         assert floor.engine_copy == SAME_BPS
-        assert floor.update_limit == pytest.approx((read + written) / CAST_BPS + len(copies) * 2 * written / SAME_BPS)
+        assert floor.update_floor_time == pytest.approx(
+            (read + written) / CAST_BPS + len(copies) * 2 * written / SAME_BPS
+        )
         assert floor.as_dict()["receiver_copies"] == list(copies)
         assert floor.as_dict()["engine_copy_gbps"] == pytest.approx(SAME_BPS / 1e9)
 
@@ -72,18 +74,18 @@ def test_the_benchmarks_probe_re_times_the_engines_copies_beside_the_update(monk
     seconds = {torch.float32: 0.004, torch.bfloat16: 0.001}  # by the source's dtype: converting, same-dtype
 
     def best_copy(dst, src, rounds, budget_s=0.5, *, warm_up=True, candidates=None, clock=None):
-        way = limits.Way("copy_", 1)
-        return limits.BestCopy(seconds[src.dtype], way, src.dtype, dst.dtype, src.device, dst.device)
+        way = floors.Way("copy_", 1)
+        return floors.BestCopy(seconds[src.dtype], way, src.dtype, dst.dtype, src.device, dst.device)
 
-    monkeypatch.setattr(limits, "best_copy", best_copy)
+    monkeypatch.setattr(floors, "best_copy", best_copy)
     read, written = 4 << 20, 2 << 20
     kw = dict(update_bytes=written, read_bytes=read, source="device", dtypes=(torch.float32, torch.bfloat16))
-    plain = limits.CopyProbe(torch.device("cpu"), **kw)
-    with_copies = limits.CopyProbe(torch.device("cpu"), **kw, receiver_copies=2)
+    plain = floors.CopyProbe(torch.device("cpu"), **kw)
+    with_copies = floors.CopyProbe(torch.device("cpu"), **kw, receiver_copies=2)
     cast_bps = plain.moved / seconds[torch.float32]
     same_bps = 2 * with_copies.engine_pair[0].nbytes / seconds[torch.bfloat16]
-    assert plain.limit_time() == pytest.approx((read + written) / cast_bps)
-    assert with_copies.limit_time() == pytest.approx((read + written) / cast_bps + 2 * 2 * written / same_bps)
+    assert plain.floor_time() == pytest.approx((read + written) / cast_bps)
+    assert with_copies.floor_time() == pytest.approx((read + written) / cast_bps + 2 * 2 * written / same_bps)
 
 
 @pytest.mark.parametrize(
@@ -99,11 +101,11 @@ def test_the_update_side_builds_its_floor_from_the_engines_declaration(
 ):
     """open_update_side, as the runner and the benchmark open it (the transport and the auto knobs faked)."""
     cfg = compose(*overrides)
-    monkeypatch.setattr(side_module, "open_transport", lambda update_cfg, *, spec, buckets: "transport")
+    monkeypatch.setattr(side_module, "open_update", lambda update_cfg, *, spec, buckets: ("engine", "transport"))
     monkeypatch.setattr(side_module, "resolve_for_run", lambda update, rollout, **kw: (update, {}))
     side = side_module.open_update_side(
         cfg, tiny.weights(), device=torch.device("cpu"), tokenizer=build_tokenizer(cfg.model)
     )
-    assert side.limits.as_dict().get("receiver_copies") == copies
+    assert side.floors.as_dict().get("receiver_copies") == copies
     base = (side.read_bytes + side.update_bytes) / CAST_BPS
-    assert side.limits.update_limit == pytest.approx(base + len(copies or ()) * 2 * side.update_bytes / SAME_BPS)
+    assert side.floors.update_floor_time == pytest.approx(base + len(copies or ()) * 2 * side.update_bytes / SAME_BPS)

