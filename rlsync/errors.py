@@ -168,9 +168,9 @@ def file_being_written(err: BaseException) -> Optional[str]:
             if isinstance(value, Path) and name == "self" and frame.f_code.co_name.startswith(("write", "open")):
                 return str(value)
             mode = getattr(value, "mode", None)
-            if hasattr(value, "write") and isinstance(getattr(value, "name", None), str) and isinstance(mode, str):
-                if any(c in mode for c in "wax+"):
-                    return value.name
+            writable = isinstance(mode, str) and any(c in mode for c in "wax+")
+            if hasattr(value, "write") and isinstance(getattr(value, "name", None), str) and writable:
+                return value.name
     return None
 
 
@@ -545,11 +545,10 @@ def renamed_key(schema, key: str, value: Any) -> Optional[ConfigError]:
 def sibling_keys(cause) -> str:
     """The keys that do exist next to the unknown one."""
     node = getattr(cause, "parent_node", None)
-    if node is None and getattr(cause, "object_type", None) is not None:
-        if is_dataclass(cause.object_type):
-            return ", ".join(f.name for f in fields(cause.object_type))
+    if node is None and getattr(cause, "object_type", None) is not None and is_dataclass(cause.object_type):
+        return ", ".join(f.name for f in fields(cause.object_type))
     try:
-        keys = [k for k in node.keys() if k != "hydra"]
+        keys = [k for k in node if k != "hydra"]
     except Exception:  # noqa: BLE001 - the message still names key and value
         return "a key of the schema in rlsync/config/schema.py"
     return ", ".join(str(k) for k in keys)

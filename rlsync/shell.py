@@ -10,6 +10,7 @@ same, writing the traceback to the run directory's error.log.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -88,7 +89,7 @@ def job_errors(
         yield
     except SystemExit:
         raise
-    except BaseException as err:  # noqa: BLE001 - every way a job ends gets its line
+    except BaseException as err:
         shown = translate(err) or err
         EARLY.reported(shown)
         ran = run_dir is not None and not isinstance(shown, BadInput)  # a run that may have kept finished steps
@@ -161,10 +162,8 @@ class PipeSafe:
             self._stream.flush()
         except BrokenPipeError:
             self._to_devnull()
-            try:
+            with contextlib.suppress(OSError):
                 self._stream.flush()  # what was buffered goes to /dev/null now
-            except OSError:
-                pass
 
     def _to_devnull(self) -> None:
         """Point the stream's file descriptor at /dev/null: later writes (ours, the interpreter's at exit) succeed."""

@@ -81,10 +81,7 @@ class SimulatedCuda(TorchDispatchMode):
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         asked = target_device(kwargs)
         if func in MOVES:
-            if func is aten._to_copy.default:
-                out_device = asked or device_of(args[0])
-            else:
-                out_device = device_of(args[0])
+            out_device = asked or device_of(args[0]) if func is aten._to_copy.default else device_of(args[0])
         elif func in INDEXING:
             out_device = device_of(args[0])
             for index in tree_leaves(args[1]):

@@ -29,16 +29,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rlsync.config.compose import register_configs, to_config  # noqa: E402
-from rlsync.measure.floors import copy_bandwidth  # noqa: E402
-from rlsync.measure.timing import HostTimer  # noqa: E402
-from rlsync.model.architecture import update_shapes  # noqa: E402
-from rlsync.update import flat  # noqa: E402
-from rlsync.update.buckets import TensorMeta, plan_buckets  # noqa: E402
-from rlsync.update.payload import kernels  # noqa: E402
-from rlsync.update.payload.base import FULL, SPARSE, Encoded  # noqa: E402
-from rlsync.update.payload.delta import DeltaEncoder, DeltaPayload, sparse_bytes  # noqa: E402
-from rlsync.update.payload.fp8 import FP8, Fp8Encoder, Fp8Payload, layout, quantize_blocks  # noqa: E402
+from rlsync.config.compose import register_configs, to_config
+from rlsync.measure.floors import copy_bandwidth
+from rlsync.measure.timing import HostTimer
+from rlsync.model.architecture import update_shapes
+from rlsync.update import flat
+from rlsync.update.buckets import TensorMeta, plan_buckets
+from rlsync.update.payload import kernels
+from rlsync.update.payload.base import FULL, SPARSE, Encoded
+from rlsync.update.payload.delta import DeltaEncoder, DeltaPayload, sparse_bytes
+from rlsync.update.payload.fp8 import FP8, Fp8Encoder, Fp8Payload, layout, quantize_blocks
 
 BF16, CPU = torch.bfloat16, torch.device("cpu")
 
@@ -264,7 +264,7 @@ def main() -> None:
         start = time.perf_counter()
         try:
             compiled = compiled_variants()
-            small = {k: v for k, v in list(weights.items())[:6]}
+            small = dict(list(weights.items())[:6])
             sb = plan_buckets([TensorMeta(n, tuple(t.shape), BF16) for n, t in small.items()], 512 << 20)
             d = CompiledDelta(sb, compiled[0])
             d.encode(0, sb[0], small, buffer)

@@ -41,7 +41,9 @@ ends (EngineServe.close), and on Linux dies with the bench even when it is SIGKI
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import itertools
 import math
 import os
 import random
@@ -229,10 +231,8 @@ class EngineServe:
         )
 
     def _signal_group(self, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, sig)  # its group: start_new_session made the engine its leader
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def close(self) -> None:
         """The engine's process group ended (SIGTERM, then SIGKILL), its output read, its directory removed; once."""
@@ -264,7 +264,7 @@ class Answer:
     def waits(self) -> list[tuple[float, float]]:
         """(start, end) of every wait of this answer's client: the request to its first token, then token to token."""
         stamps = [self.sent, *self.arrivals]
-        return list(zip(stamps, stamps[1:]))
+        return list(itertools.pairwise(stamps))
 
 
 class Clients:

@@ -3,6 +3,7 @@ model is built; refused in one line (DoesNotFit, exit 2) with the overrides that
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,15 +39,13 @@ def load_runtime(cfg: Config) -> None:
     check_companions()  # a torchvision built for another torch breaks the import below: say so in one line
     from transformers import AutoModelForCausalLM, Qwen3ForCausalLM  # noqa: F401 - the lazy module is most of it
 
-    import rlsync.engines.hf  # noqa: F401
-    import rlsync.trainer.grpo  # noqa: F401
+    import rlsync.engines.hf
+    import rlsync.trainer.grpo
     import rlsync.update  # noqa: F401
 
     if cfg.wandb.mode != "disabled":
-        try:
+        with contextlib.suppress(ImportError):
             import wandb  # noqa: F401
-        except ImportError:
-            pass
 
 
 # ----------------------------------------------------------------------------------------------

@@ -253,7 +253,7 @@ class Failure(Message):
     error: str
 
 
-REQUESTS: dict[str, type[Message]] = {op: Empty for op in OPS} | {"generate": GenerateRequest}
+REQUESTS: dict[str, type[Message]] = dict.fromkeys(OPS, Empty) | {"generate": GenerateRequest}
 RESULTS: dict[str, Optional[type[Message]]] = {
     "open": OpenResult,
     "update": LoadResult,

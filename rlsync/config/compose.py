@@ -41,7 +41,7 @@ def conf_file(path: str) -> str:
 
 def to_config(dcfg: DictConfig, schema: type = Config):
     """Resolve the composed config and turn it into the typed dataclass tree (`schema`'s)."""
-    plain = OmegaConf.masked_copy(dcfg, [k for k in dcfg.keys() if k != "hydra"]) if "hydra" in dcfg else dcfg
+    plain = OmegaConf.masked_copy(dcfg, [k for k in dcfg if k != "hydra"]) if "hydra" in dcfg else dcfg
     typed = OmegaConf.merge(OmegaConf.structured(schema), plain)
     return OmegaConf.to_object(typed)
 

@@ -12,7 +12,7 @@ module imports nothing of rlsync but the rules and the error type.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 from rlsync.config.rules import (
     ANY,
@@ -246,7 +246,7 @@ class RolloutConfig:
     # Keys renamed, old -> new: refused in one line naming the new one (rlsync.errors.renamed_key). Not a field.
     # sleep_level -> release_level: it is what the engine's `release` frees (vLLM's sleep levels), not the trainer's
     # offload, which the docs and metrics call offload and onload.
-    renamed_keys = {"sleep_level": "release_level"}
+    renamed_keys: ClassVar[dict[str, str]] = {"sleep_level": "release_level"}
 
     engine: str = key(
         "hf",

@@ -74,7 +74,7 @@ def check_group_choices() -> None:
 def check_known_keys(node, schema: type, prefix: str = "") -> None:
     """Keys added with `+key=value` that the schema lacks (merging into the schema would drop them silently)."""
     hints = typing.get_type_hints(schema)
-    for key in node.keys():
+    for key in node:
         if not prefix and key == "hydra":
             continue
         if key not in hints:

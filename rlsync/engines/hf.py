@@ -205,10 +205,7 @@ class HFEngine(Engine):
             scaled = logits / (temperature if temperature > 0 else 1.0)
             scaled = scaled.masked_fill(~self.allowed, float("-inf"))
             logp_all = torch.log_softmax(scaled, dim=-1)
-            if temperature > 0:
-                sampled = sample_tokens(logp_all.exp(), generator)
-            else:
-                sampled = logp_all.argmax(-1)
+            sampled = sample_tokens(logp_all.exp(), generator) if temperature > 0 else logp_all.argmax(-1)
             sampled = torch.where(finished, torch.full_like(sampled, self.pad_id), sampled)
             alive.append(~finished)
             tokens.append(sampled)

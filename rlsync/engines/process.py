@@ -33,7 +33,7 @@ import traceback
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import torch
 import torch.multiprocessing as mp
@@ -202,10 +202,8 @@ def serve_requests(conn, server: EngineServer) -> str:
                 return "the trainer closed it"
     except (EOFError, OSError) as err:  # the trainer is gone (pipe or socket closed, reset): nothing left to serve
         if isinstance(err, OSError) and err.errno in (errno.EMFILE, errno.ENFILE):  # a request's buffers, no fd left
-            try:
+            with suppress(OSError):
                 conn.send(("error", "receive", f"OSError: {err}{open_files_note()}\n"))
-            except OSError:
-                pass
         return "the trainer went away without closing it"
 
 

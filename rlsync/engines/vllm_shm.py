@@ -21,6 +21,7 @@ module imports vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
@@ -191,10 +192,8 @@ class SharedMemoryTrainerEngine(base.TrainerWeightTransferEngine):
     def shutdown(self) -> None:
         self.slots = []
         for path in self.paths:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
         self.paths = []
 
 
@@ -204,7 +203,5 @@ def register() -> None:
         (WeightTransferEngineFactory, "SharedMemoryWeightTransferEngine"),
         (WeightTransferTrainerFactory, "SharedMemoryTrainerEngine"),
     ):
-        try:
+        with contextlib.suppress(ValueError):  # registered already in this process
             factory.register_engine(BACKEND, __name__, cls)
-        except ValueError:  # registered already in this process
-            pass

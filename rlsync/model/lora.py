@@ -38,7 +38,7 @@ def update_names(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def is_adapter(name: str) -> bool:
-    return name.endswith(A_SUFFIX) or name.endswith(B_SUFFIX)
+    return name.endswith((A_SUFFIX, B_SUFFIX))
 
 
 def module_targeted(param_name: str, shape: tuple[int, ...], targets: list[str]) -> bool:

@@ -396,7 +396,7 @@ def run_job(cfg, runs: Path, i: int, job: tuple, *, log, label: str, suffix: str
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # each job's closing table: its summary.json has it
             summary = run_bench(bcfg, runs / name, name=name, group="calibration")
-    except Exception as err:  # one failed job (out of memory, say) leaves the others to fit
+    except Exception as err:  # noqa: BLE001 - one failed job (out of memory, say) leaves the others to fit
         summary = {"error": f"{type(err).__name__}: {err}"}
     o = observation(summary or {}, str(runs / name))
     if o:

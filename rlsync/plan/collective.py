@@ -38,7 +38,7 @@ def _collective_rank(rank: int, world: int, port: int, nbytes: int, small: int, 
         if rank == 0:
             found = {"gathered_per_second": big.per_second, "probe": big.how, "latency_s": latency.time(small)}
             queue.put({**found, "call_bytes": getattr(big, "call_bytes", None)})
-    except Exception as err:  # the parent names it in one line
+    except Exception as err:  # noqa: BLE001 - the parent names it in one line
         queue.put({"error": f"rank {rank}: {type(err).__name__}: {err}"})
 
 

@@ -230,7 +230,7 @@ def make_plan(
     u = cfg.update
     if cuda is None:
         cuda = bool((calibration or {}).get("machine", {}).get("cuda", False))
-    sizes = sorted(set([*bucket_sizes, u.bucket_mb]))
+    sizes = sorted({*bucket_sizes, u.bucket_mb})
     table = []
     for mb in sizes:
         row = p.buckets(mb)

@@ -17,6 +17,7 @@ a plan made with one says "unmeasured" beside every prediction, and its range is
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -142,10 +143,8 @@ def machine_now(device: str = "cpu") -> dict:
         from rlsync.measure.floors import llc_bytes
 
         info["llc_bytes"] = llc_bytes()
-    try:
+    with contextlib.suppress(OSError):
         info["load_average"] = list(os.getloadavg())
-    except OSError:
-        pass
     return info
 
 

@@ -16,6 +16,7 @@ once it holds the directory.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -129,9 +130,7 @@ class RunLock:
     def __exit__(self, *exc) -> None:
         if self.fd is None:
             return
-        try:
+        with contextlib.suppress(OSError):  # the lock is released below all the same; the next run only prints a note
             os.ftruncate(self.fd, 0)  # ended cleanly: no holder left to take over
-        except OSError:
-            pass  # the lock is released below all the same; the next run only prints a note
         os.close(self.fd)  # closing drops the flock
         self.fd = None

@@ -6,6 +6,7 @@ flushed and fsynced before the next step starts, so a killed run keeps every ste
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -44,7 +45,8 @@ class MetricsFile:
                 os.rename(previous, previous.with_name(previous.name + suffix))
         self.size = 0  # bytes of whole rows in the file: a failed write is cut back to it
         try:
-            self._f = open(self.path, "wb", buffering=0)  # unbuffered: nothing is left to flush at close
+            # unbuffered: nothing is left to flush at close; open for the run, closed by close()
+            self._f = open(self.path, "wb", buffering=0)  # noqa: SIM115
         except OSError as err:
             raise WriteFailed(self.path, err) from err
 
@@ -70,10 +72,8 @@ class MetricsFile:
         return os.write(fd, data)
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # every row was written and fsynced by write(), or write() raised already
             self._f.close()
-        except OSError:
-            pass  # every row was written and fsynced by write(), or write() raised already
 
 
 def previous_suffix(run_dir: Path, names: tuple[str, ...]) -> str:
@@ -94,10 +94,8 @@ def write_json(path: Path, obj: dict) -> None:
         tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n", encoding="utf-8")
         tmp.replace(path)  # never a half-written summary
     except OSError as err:
-        try:
+        with contextlib.suppress(OSError):  # nothing was created (its directory is gone or not a directory)
             tmp.unlink(missing_ok=True)
-        except OSError:
-            pass  # nothing was created (its directory is gone or not a directory)
         raise WriteFailed(path, err) from err
 
 

@@ -39,21 +39,23 @@ from rlsync.errors import EARLY, BadInput, Interrupted, RlsyncError, WriteFailed
 if sys.argv[:1] == ["-m"] or Path(sys.argv[0]).name == "rlsync-report":
     EARLY.install()
 
-from rlsync.fmt import plural  # noqa: E402 - this block and the next: after the signals are taken
-from rlsync.readers.base import MAX_DEPTH as READER_DEPTH  # noqa: E402
-from rlsync.report import sizing  # noqa: E402
-from rlsync.report.cells import idle_table, rows_markdown, stall_table  # noqa: E402
-from rlsync.report.fits import fit_by_setup, update_fit_lines  # noqa: E402
-from rlsync.report.imported import DEVICES, collect_all, is_rlsync  # noqa: E402
-from rlsync.report.markdown import write_csv, write_markdown  # noqa: E402
-from rlsync.report.output import check_targets  # noqa: E402
-from rlsync.report.output import write_text as write_file  # noqa: E402
-from rlsync.report.plots import PLOTS, write_plots  # noqa: E402
-from rlsync.report.ranking import best_settings  # noqa: E402
-from rlsync.report.rows import table_row  # noqa: E402
-from rlsync.report.runs import RUN_DEPTH, Run, job_label, load_job, unique_paths  # noqa: E402
-from rlsync.report.table import ReportResult, table_rows  # noqa: E402
-from rlsync.shell import pipe_safe_output  # noqa: E402
+import itertools
+
+from rlsync.fmt import plural
+from rlsync.readers.base import MAX_DEPTH as READER_DEPTH
+from rlsync.report import sizing
+from rlsync.report.cells import idle_table, rows_markdown, stall_table
+from rlsync.report.fits import fit_by_setup, update_fit_lines
+from rlsync.report.imported import DEVICES, collect_all, is_rlsync
+from rlsync.report.markdown import write_csv, write_markdown
+from rlsync.report.output import check_targets
+from rlsync.report.output import write_text as write_file
+from rlsync.report.plots import PLOTS, write_plots
+from rlsync.report.ranking import best_settings
+from rlsync.report.rows import table_row
+from rlsync.report.runs import RUN_DEPTH, Run, job_label, load_job, unique_paths
+from rlsync.report.table import ReportResult, table_rows
+from rlsync.shell import pipe_safe_output
 
 __all__ = ["load_job", "main", "print_result", "table_row", "write_report"]
 
@@ -98,7 +100,7 @@ def overlap_note(runs: list[Run]) -> Optional[str]:
         for r in runs
         if isinstance(r.summary.get("started_at"), (int, float)) and isinstance(r.summary.get("ended_at"), (int, float))
     )
-    pairs = [(a[2], b[2]) for a, b in zip(spans, spans[1:]) if b[0] < a[1]]
+    pairs = [(a[2], b[2]) for a, b in itertools.pairwise(spans) if b[0] < a[1]]
     if not pairs:
         return None
     named = ", ".join(f"{x} and {y}" for x, y in pairs[:3]) + (" and more" if len(pairs) > 3 else "")

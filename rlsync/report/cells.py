@@ -278,7 +278,7 @@ def machine_line(runs: list[Run]) -> str:
         from importlib.metadata import version
 
         torch_version = version("torch")  # no `import torch`: the report stays quick
-    except Exception:
+    except Exception:  # noqa: BLE001 - torch's metadata missing or unreadable: the report still renders
         torch_version = "not installed"
     return (
         f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, torch {torch_version},"

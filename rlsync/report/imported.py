@@ -133,7 +133,7 @@ def as_run(found: Answer, sizing: Optional[Sizing] = None) -> tuple[Run, Optiona
     if floor is not None:
         measured = [s for s in found.steps[found.warmup :] if s.get(UPDATE)]
         ratios = [floor["floor_s"] / s[UPDATE] for s in measured]
-        stats[FLOOR_METRIC] = {k: floor["floor_s"] for k in ("median", "min", "max")}
+        stats[FLOOR_METRIC] = dict.fromkeys(("median", "min", "max"), floor["floor_s"])
         if ratios:  # each step's own ratio, as rlsync's runs record it
             stats[EFFICIENCY_METRIC] = {
                 "median": statistics.median(ratios),

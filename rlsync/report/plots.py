@@ -655,7 +655,7 @@ def write_plots(rows: list[Row], fits: list[FitGroup], out_dir: Path) -> tuple[l
             note = plot(rows, fits, path)
         except RefusedTarget:  # planted while the report ran: the report's one line, not a plot's note
             raise
-        except Exception as exc:  # a plotting bug must not cost the table
+        except Exception as exc:  # noqa: BLE001 - a plotting bug must not cost the table
             path.unlink(missing_ok=True)
             note = f"{name} failed: {type(exc).__name__}: {exc}"
         stop_point()  # a stop signal a library swallowed (matplotlib's weakref callbacks) ends the report here

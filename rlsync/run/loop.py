@@ -67,7 +67,7 @@ def run_experiment(
     overrides: list[str] = (),
     hydra_record: Optional[dict[str, str]] = None,
 ) -> dict:
-    with DataParallel.from_env() as dp:  # a single process, or one rank of a data-parallel launch
+    with DataParallel.from_env() as dp:  # noqa: SIM117 - a single process, or one rank of a data-parallel launch
         # Ranks > 0 train their share and write nothing: rank 0 records every step. Rank 0 holds the
         # run directory: a second live run in it stops here, touching nothing.
         with Recorder(

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hmac
 import queue
 import secrets
@@ -446,10 +447,8 @@ class Control:
         session.ended = why or line
         if self.session is session:
             self.session = None
-        try:
+        with contextlib.suppress(RuntimeError):  # the server's loop is gone: the engine is exiting
             session.loop.call_soon_threadsafe(session.wake.set)
-        except RuntimeError:  # the server's loop is gone: the engine is exiting
-            pass
         self.log(f"session {session.number}: {line}")
         with self.changed:
             self.finished += 1

@@ -306,7 +306,7 @@ def rank_process(rank: int, port: int, out_dir: str) -> None:
             if parallel == "ddp":
                 dp.check_same_weights(dict(trainer.model.named_parameters()))  # the replicas stay identical
             else:  # the update's gather against full_tensor(), in calls that cut tensors, and in one call
-                shards = [p for p in trainer.model.parameters()]
+                shards = list(trainer.model.parameters())
                 results["gather_matches"] = all(
                     torch.equal(a, p.full_tensor())
                     for call_bytes in (1000, 1 << 30)

@@ -149,7 +149,7 @@ def test_a_traceback_cut_off_before_its_exception_line_is_said_to_be_not_given_a
         "    check_open_files(cfg.update)\n",
     ]
     reason = stall.engine_reason(cut)
-    assert "check_open_files(cfg.update)" != reason and reason.startswith("its traceback was cut off"), reason
+    assert reason != "check_open_files(cfg.update)" and reason.startswith("its traceback was cut off"), reason
     assert 'File "/x/rlsync/config/validate.py", line 104, in validate' in reason
 
 

@@ -37,7 +37,7 @@ def test_offsets_are_contiguous_and_sizes_add_up():
 
 
 def test_dtype_change_starts_a_new_bucket():
-    ms = metas(2, 2) + [TensorMeta("f", (2,), torch.float32)]
+    ms = [*metas(2, 2), TensorMeta("f", (2,), torch.float32)]
     assert [b.names for b in plan_buckets(ms, 1 << 20)] == [["t0", "t1"], ["f"]]
 
 

@@ -37,7 +37,7 @@ def batch(tokenizer, group_size: int = 2) -> tuple[list, Generation]:
     """A generated batch as the engine returns it: 2 prompts x `group_size` answers, EOS-terminated or cut."""
     prompts = make_prompts(2, rng=random.Random(0))
     prompt_ids = [tokenizer.encode(p.text) for p in prompts for _ in range(group_size)]
-    answers = [list(b"abc") + [tokenizer.eos_id], list(prompts[0].target.encode()), list(b"q"), list(b"zzzzz")]
+    answers = [[*list(b"abc"), tokenizer.eos_id], list(prompts[0].target.encode()), list(b"q"), list(b"zzzzz")]
     width, plen = max(map(len, answers)), max(map(len, prompt_ids))
     seqs, alive = [], []
     for p, a in zip(prompt_ids, answers):

@@ -2,6 +2,7 @@
 last token to this one's first, with every phase the trainer runs in between inside it, and its parts
 (metrics.IDLE_PARTS) adding up to it."""
 
+import itertools
 import json
 import statistics
 
@@ -31,7 +32,7 @@ def test_the_engine_idle_time_holds_every_phase_between_two_rollouts_and_its_par
     assert proc.returncode == 0, proc.stderr
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert "perf/engine_idle_time" not in rows[0]  # no rollout before the first
-    for before, row in zip(rows, rows[1:]):
+    for before, row in itertools.pairwise(rows):
         idle = row["perf/engine_idle_time"]
         inside = sum(before.get(f"perf/{p}_time", 0.0) for p in BETWEEN) + row["perf/engine_resume_time"]
         assert inside <= idle <= before["perf/step_time"] + 5.0, (row, before)

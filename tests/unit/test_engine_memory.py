@@ -81,7 +81,7 @@ def test_level_1_with_a_host_apart_offloads_the_weights_and_copies_them_back():
 def test_level_2_frees_the_weights_and_the_update_refills_them(strategy):
     weights = trainer_weights(0)
     cfg = UpdateConfig(strategy=strategy, bucket_mb=0.05)  # several buckets
-    engine, transport, buckets = Tiny().open(cfg, weights, spec=spec(2))
+    engine, transport, _buckets = Tiny().open(cfg, weights, spec=spec(2))
     reference = spec(0).build()  # never released: what the same weights generate
     try:
         transport.update_weights(weights)

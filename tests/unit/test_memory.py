@@ -118,7 +118,7 @@ def test_every_suggestion_is_a_configuration_the_same_check_accepts(compose, ove
             )
         assert machine.fits(est), (suggestion, machine.shortfalls(est))
     if not machine.fits(memory.estimate(cfg, cuda=False, runtime_bytes=machine.runtime_bytes)):
-        assert text.startswith("try ") or text.startswith("nothing smaller"), text
+        assert text.startswith(("try ", "nothing smaller")), text
     if gib == 0.1:  # nothing fits: said so, nothing suggested
         assert not found and text.startswith("nothing smaller in this configuration fits")
 
@@ -203,9 +203,7 @@ def test_the_2_rank_fsdp2_run_that_was_killed_is_refused_with_checked_advice(com
     """Qwen3-0.6B in fp32 over 2 fsdp2 ranks, each with its engine, was killed by the kernel in setup (12.7
     and 11.5 GB resident); on a 24 GiB machine (23 GiB available) it is refused, and what it offers fits."""
     two = memory.Ranks(world=2, local=2)
-    machine = fit.Machine(
-        cuda=False, runtime_bytes=500 * 2**20, host_bytes=int(23 * 2**30), device_bytes=None, ranks=two
-    )
+    machine = fit.Machine(cuda=False, runtime_bytes=500 * 2**20, host_bytes=23 * 2**30, device_bytes=None, ranks=two)
     overrides = ["model=qwen3_0p6b", "trainer.parallel=fsdp2", "rollout.placement=every_rank"]
     cfg = compose(*overrides)
     est = machine.estimate(cfg)

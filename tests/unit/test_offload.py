@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 
@@ -201,7 +202,7 @@ def test_pin_chunk_plan_covers_every_byte_and_keeps_the_cap(seed):
         assert start in bounds and end in bounds and end > start  # cut between tensors
         inside = [b for b in bounds if start < b < end]
         assert end - start <= cap or not inside, (start, end, cap)  # over the cap: one tensor alone
-    for (a, _b), (_, c) in zip(chunks, chunks[1:]):
+    for (a, _b), (_, c) in itertools.pairwise(chunks):
         assert c - a > cap  # greedy: no two neighbours fit one chunk
 
 

@@ -109,7 +109,7 @@ def test_an_update_adds_the_metrics_its_payload_declares(tiny, name):
         weights = tiny.weights(seed=1)
         engine, transport, buckets = tiny.open(update, weights)
         try:
-            kw = dict(buckets=buckets, cfg=update, device=CPU, floor_time=1.0, copy_bandwidth=1e10)
+            kw = {"buckets": buckets, "cfg": update, "device": CPU, "floor_time": 1.0, "copy_bandwidth": 1e10}
             return set(timed_update(transport, weights, **kw))
         finally:
             close_update(engine, transport)

@@ -118,7 +118,7 @@ def test_per_rank_memory_halves_the_state_under_fsdp2_over_2_ranks(compose):
 
 
 def test_does_not_fit_is_judged_per_rank(compose):
-    where, a100 = profiles.resolve("a100")
+    _where, a100 = profiles.resolve("a100")
     ddp = plan_of(compose, "model=qwen3_8b", "trainer.parallel=ddp", ranks=8, cal=a100)
     (flag,) = [f for f in ddp["flags"] if f["kind"] == "does_not_fit"]
     assert flag["bytes"] == ddp["memory"]["per_rank"]["rank0"]["device_bytes"] > 80 * 2**30

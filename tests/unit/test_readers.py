@@ -105,7 +105,7 @@ def miles_dashboard(root: Path, steps: list[tuple[float, float]], ranks: int = 2
         step = step if update < step else step + update  # a warm-up step holds its slow update
         for rank in range(ranks):
             scale = 1 + rank / 10
-            base = dict(node="n0", gpus=[rank], rank=rank, role="train")
+            base = {"node": "n0", "gpus": [rank], "rank": rank, "role": "train"}
             train_end = t + (step - update) * 0.9 * scale
             lines.append({"name": "train", "t0": t, "t1": -1.0, **base})
             lines.append({"name": "train", "t0": t, "t1": train_end, **base})
@@ -221,7 +221,7 @@ def test_every_framework_is_a_declared_map_detected_from_its_own_keys(name):
     row = {cls.update[0]: 1.0, readers_base.STEP: 0.0, readers_base.CLOCK: 0.0}
     row.update({cls.step[0]: 10.0} if cls.step else {})
     row.update({ks[0]: 2.0 for ks in cls.phases.values()})
-    row.update({k: 0.0 for k in cls.axis[:1]})
+    row.update(dict.fromkeys(cls.axis[:1], 0.0))
     assert detect(History(Path("x"), "history", "x", [row]))[0] == name
 
 

@@ -27,7 +27,9 @@ def victim(tmp_path: Path) -> Path:
 def leftovers(folder: Path) -> list[str]:
     """The report's files and temporary files in `folder` (what a refused report must not leave), links left out."""
     written = [p for p in folder.iterdir() if not p.is_symlink()]
-    return sorted(p.name for p in written if p.name.startswith(("report.", ".")) and p.is_file() or p.suffix == ".png")
+    return sorted(
+        p.name for p in written if (p.name.startswith(("report.", ".")) and p.is_file()) or p.suffix == ".png"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -71,10 +73,9 @@ def test_a_link_planted_while_a_file_is_written_is_replaced_not_followed(tmp_pat
 
     target = victim(tmp_path)
     path = tmp_path / "report.md"
-    with pytest.raises(RefusedTarget):
-        with replacing(path) as f:
-            f.write("# report\n")
-            path.symlink_to(target)  # planted after the first check
+    with pytest.raises(RefusedTarget), replacing(path) as f:
+        f.write("# report\n")
+        path.symlink_to(target)  # planted after the first check
     assert target.read_text() == VICTIM_TEXT
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "victim.txt"], "no temporary file left"
 
@@ -84,10 +85,9 @@ def test_a_file_stopped_midway_keeps_the_previous_one_whole_and_no_temporary_fil
 
     path = tmp_path / "report.md"
     write_text(path, "# the previous report\n")
-    with pytest.raises(KeyboardInterrupt):
-        with replacing(path) as f:
-            f.write("# half of the next")
-            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt), replacing(path) as f:
+        f.write("# half of the next")
+        raise KeyboardInterrupt
     assert path.read_text() == "# the previous report\n"
     assert [p.name for p in tmp_path.iterdir()] == ["report.md"]
     mask = os.umask(0)

@@ -119,9 +119,8 @@ def test_the_decoder_holds_between_tokens_a_hold_is_bounded_and_a_leaving_client
     while decoder.parked and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.05)  # inside a token now
-    with pytest.raises(NotHeld, match="within 0.2 s"):
-        with decoder.hold(0.2):
-            pass
+    with pytest.raises(NotHeld, match="within 0.2 s"), decoder.hold(0.2):
+        pass
     with decoder.hold(2) as stopped:  # waits for the token in progress to end, then nothing runs
         count = len(produced)
         time.sleep(0.8)

@@ -11,6 +11,7 @@ processes: tests/process/test_submitit_ranks.py.
 import logging
 import os
 import random
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, run_main
@@ -62,7 +63,7 @@ def slurm_task(rank: int, nodes: int = 2, per_node: int = 8, **extra: str) -> di
 def submitit_port(job_id: str) -> str:
     """The port a job's tasks draw from its id: below the ephemeral range, where no client socket holds one."""
     port = random.Random(job_id).randint(20000, 32767)
-    assert port < int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    assert port < int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     return str(port)
 
 

@@ -48,14 +48,19 @@ def test_each_vllm_path_declares_what_its_receiver_copies(compose, overrides, co
 
 
 def test_the_declarations_are_the_sender_classes():
-    assert SENDERS == {"vllm_ipc": IpcSender, "vllm_shm": ShmSender}
+    assert {"vllm_ipc": IpcSender, "vllm_shm": ShmSender} == SENDERS
     assert IpcSender.receiver_copies == ("clone", "load")  # packed_ipc_consumer clones, on purpose
     assert ShmSender.receiver_copies == ("load",)
 
 
 def test_the_floor_adds_each_receiver_copy_at_the_engines_copy_bandwidth(fake_bandwidth):
     read, written = 4 << 20, 2 << 20  # fp32 trainer, bf16 engine
-    kw = dict(update_bytes=written, state_bytes=2 * read, read_bytes=read, dtypes=(torch.float32, torch.bfloat16))
+    kw = {
+        "update_bytes": written,
+        "state_bytes": 2 * read,
+        "read_bytes": read,
+        "dtypes": (torch.float32, torch.bfloat16),
+    }
     plain = floors.Floors(torch.device("cpu"), **kw)
     assert plain.update_floor_time == pytest.approx((read + written) / CAST_BPS)
     assert "receiver_copies" not in plain.as_dict() and plain.engine_copy is None
@@ -79,7 +84,7 @@ def test_the_benchmarks_probe_re_times_the_engines_copies_beside_the_update(monk
 
     monkeypatch.setattr(floors, "best_copy", best_copy)
     read, written = 4 << 20, 2 << 20
-    kw = dict(update_bytes=written, read_bytes=read, source="device", dtypes=(torch.float32, torch.bfloat16))
+    kw = {"update_bytes": written, "read_bytes": read, "source": "device", "dtypes": (torch.float32, torch.bfloat16)}
     plain = floors.CopyProbe(torch.device("cpu"), **kw)
     with_copies = floors.CopyProbe(torch.device("cpu"), **kw, receiver_copies=2)
     cast_bps = plain.moved / seconds[torch.float32]

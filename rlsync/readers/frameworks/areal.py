@@ -1,6 +1,8 @@
 """AReaL (inclusionAI/AReaL): its stats tracker's timeperf/* scopes, each phase apart."""
 
-from rlsync.readers.frameworks.base import FrameworkMap
+from typing import ClassVar
+
+from rlsync.readers.frameworks.base import FrameworkMap, Phases
 
 
 class AReaL(FrameworkMap):
@@ -9,7 +11,7 @@ class AReaL(FrameworkMap):
     step = ()  # no whole-step time: the time between steps
     offload = ("timeperf/actor_offload",)
     onload = ("timeperf/actor_onload",)
-    phases = {
+    phases: ClassVar[Phases] = {
         "rollout": ("timeperf/rollout",),
         "log_probs": ("timeperf/recompute_logp",),
         "ref_log_probs": ("timeperf/ref_logp",),

@@ -19,6 +19,8 @@ from typing import Any, ClassVar, Optional
 from rlsync.readers.base import CLOCK, History, ReadRefused
 from rlsync.registry import Registry
 
+Phases = dict[str, tuple[str, ...]]  # rlsync phase name -> the framework's keys for it
+
 
 class FrameworkMap:
     """One framework's metric names and what they span."""
@@ -28,7 +30,7 @@ class FrameworkMap:
     step: ClassVar[tuple[str, ...]] = ()  # the whole step's time; () = from the clock (the time between steps)
     offload: ClassVar[tuple[str, ...]] = ()  # the trainer's offload (rlsync's perf/sleep_time)
     onload: ClassVar[tuple[str, ...]] = ()  # the trainer's onload (rlsync's perf/wake_up_time)
-    phases: ClassVar[dict[str, tuple[str, ...]]] = {}  # the step's other parts, by rlsync phase name
+    phases: ClassVar[Phases] = {}  # the step's other parts, by rlsync phase name
     axis: ClassVar[tuple[str, ...]] = ()  # the step axis' key; () = the writer's own step (W&B's _step, TB's step)
     carry_to_next: ClassVar[bool] = False  # rows without the axis belong to the next row with it (else dropped)
     warmup: ClassVar[int] = 2  # logged steps left out first (the guide's two)

@@ -1,6 +1,8 @@
 """Miles / slime (radixark/miles, THUDM/slime): rlsync took its metric names from Miles."""
 
-from rlsync.readers.frameworks.base import FrameworkMap
+from typing import ClassVar
+
+from rlsync.readers.frameworks.base import FrameworkMap, Phases
 
 
 class Miles(FrameworkMap):
@@ -9,7 +11,7 @@ class Miles(FrameworkMap):
     step = ("perf/step_time",)
     offload = ("perf/sleep_time",)
     onload = ("perf/wake_up_time",)
-    phases = {
+    phases: ClassVar[Phases] = {
         "rollout": ("perf/rollout_time",),
         "log_probs": ("perf/log_probs_time",),
         "ref_log_probs": ("perf/ref_log_probs_time",),

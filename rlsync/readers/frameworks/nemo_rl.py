@@ -1,13 +1,15 @@
 """NeMo-RL (NVIDIA-NeMo/RL): its GRPO loop's timer, logged under timing/train/."""
 
-from rlsync.readers.frameworks.base import FrameworkMap
+from typing import ClassVar
+
+from rlsync.readers.frameworks.base import FrameworkMap, Phases
 
 
 class NemoRL(FrameworkMap):
     title = "NeMo-RL"
     update = ("timing/train/prepare_for_generation/transfer_and_update_weights",)
     step = ("timing/train/total_step_time",)
-    phases = {
+    phases: ClassVar[Phases] = {
         "rollout": ("timing/train/generation",),
         "log_probs": ("timing/train/policy_and_reference_logprobs", "timing/train/get_logprobs"),
         "train": ("timing/train/policy_training",),

@@ -1,13 +1,15 @@
 """OpenRLHF (OpenRLHF/OpenRLHF): its PPO trainer's timing/* status, logged under train/ on train/global_step."""
 
-from rlsync.readers.frameworks.base import FrameworkMap
+from typing import ClassVar
+
+from rlsync.readers.frameworks.base import FrameworkMap, Phases
 
 
 class OpenRLHF(FrameworkMap):
     title = "OpenRLHF"
     update = ("train/timing/broadcast", "timing/broadcast")
     step = ("train/timing/step_total", "timing/step_total")
-    phases = {
+    phases: ClassVar[Phases] = {
         "rollout": ("train/timing/generation", "timing/generation"),
         "train": ("train/timing/ppo_train", "timing/ppo_train"),
     }

@@ -1,13 +1,15 @@
 """SkyRL (NovaSky-AI/SkyRL): its trainer's timing/* keys."""
 
-from rlsync.readers.frameworks.base import FrameworkMap
+from typing import ClassVar
+
+from rlsync.readers.frameworks.base import FrameworkMap, Phases
 
 
 class SkyRL(FrameworkMap):
     title = "SkyRL"
     update = ("timing/sync_weights",)
     step = ("timing/step",)
-    phases = {
+    phases: ClassVar[Phases] = {
         "rollout": ("timing/generate",),
         "log_probs": ("timing/fwd_logprobs_values_reward",),
         "train": ("timing/policy_train", "timing/train_critic_and_policy"),

@@ -1,6 +1,8 @@
 """TRL (huggingface/trl): GRPO and RLOO time the sync with their profiling decorator; AsyncGRPO logs its own."""
 
-from rlsync.readers.frameworks.base import FrameworkMap
+from typing import ClassVar
+
+from rlsync.readers.frameworks.base import FrameworkMap, Phases
 
 
 class TRL(FrameworkMap):
@@ -11,7 +13,9 @@ class TRL(FrameworkMap):
         "profiling/Time taken: GRPOTrainer._move_model_to_vllm",
     )
     step = ()  # no step time is logged: the time between the trainer's logged steps
-    phases = {"rollout": ("profiling/Time taken: GRPOTrainer._generate", "profiling/Time taken: RLOOTrainer._generate")}
+    phases: ClassVar[Phases] = {
+        "rollout": ("profiling/Time taken: GRPOTrainer._generate", "profiling/Time taken: RLOOTrainer._generate")
+    }
     axis = ("train/global_step",)
     carry_to_next = True
     spans = (

@@ -1,13 +1,15 @@
 """verl (volcengine/verl): its trainer's `timing_s/*` keys, on the global step."""
 
-from rlsync.readers.frameworks.base import FrameworkMap
+from typing import ClassVar
+
+from rlsync.readers.frameworks.base import FrameworkMap, Phases
 
 
 class Verl(FrameworkMap):
     title = "verl"
     update = ("timing_s/update_weights",)
     step = ("timing_s/step",)
-    phases = {
+    phases: ClassVar[Phases] = {
         "rollout": ("timing_s/gen",),
         "log_probs": ("timing_s/old_log_prob",),
         "ref_log_probs": ("timing_s/ref",),

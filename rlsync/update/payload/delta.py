@@ -89,7 +89,7 @@ class DeltaEncoder(Encoder):
 class DeltaPayload(Payload):
     name = "delta"
     title = "Delta"
-    metrics = BESIDE_FULL + ("perf/update_weights_changed_ratio",) + ENCODE_FLOOR + DECODE_FLOOR
+    metrics = (*BESIDE_FULL, "perf/update_weights_changed_ratio", *ENCODE_FLOOR, *DECODE_FLOOR)
     workers = Workers()  # the engine side's scatters over its threads (decode is a class method: no instance)
 
     @classmethod
