@@ -6,7 +6,7 @@ PEFT wraps each targeted linear layer: its weight becomes `X.base_layer.weight` 
 adapter (`X.weight`, `X.lora_A.weight`, `X.lora_B.weight`): one name per tensor on both sides
 (`update_names`), whichever adapter name PEFT used in memory.
 
-`MergedWeights` is what update.lora=merged sends: each targeted weight as W + scaling * B @ A, merged
+`MergedWeights` is what the merged LoRA payload sends: each targeted weight as W + scaling * B @ A, merged
 in fp32 when it is read (never in place, so there is nothing to unmerge and no drift from merging and
 unmerging in a low precision); `merge_errors` reports how far a bf16 merge would land from it.
 """
@@ -179,7 +179,7 @@ class MergedWeights(Mapping):
 def merge_errors(weights: Mapping[str, torch.Tensor], scale: float, dtype: torch.dtype) -> dict[str, float]:
     """How far the engine's merged weights (in `dtype`) land from the exact W + s*BA, over all targeted
     layers, relative to the adapters' own contribution ||s*BA||: merged in fp32 and cast once (what
-    update.lora=merged sends, the nearest `dtype` weights, so the floor: `update/lora_merge_error`), and
+    the merged LoRA payload sends, the nearest `dtype` weights, so the floor: `update/lora_merge_error`), and
     merged in `dtype` itself, W and s*BA cast first (a low-precision merge: `_in_dtype`), with the share
     of elements where the two differ. Empty while the adapters add nothing (B starts at zero)."""
     sent_sq = low_sq = delta_sq = 0.0
