@@ -930,3 +930,87 @@ def counting():
     CountingEngine.generate_calls = 0
     yield "counting"
     ENGINES.pop("counting")
+
+
+# ----------------------------------------------------------------------------------------------
+# The payloads' checks, run over direct (tests/unit) and the engine-process transports (tests/process)
+# ----------------------------------------------------------------------------------------------
+
+
+def check_delta_updates(tiny, transport_name: str) -> None:
+    """Three updates of changing weights with update.payload=delta: after each the engine equals the trainer's
+    weights in bf16, and only the changed elements crossed (6 bytes each in bf16) once the first, full, is done."""
+    from rlsync.config.schema import Config, UpdateConfig
+    from rlsync.update import close_update, timed_update
+    from rlsync.update.payload.delta import DeltaPayload, sparse_bytes
+
+    cfg = Config(update=UpdateConfig(payload="delta", transport=transport_name, bucket_mb=0.05, verify=True))
+    DeltaPayload.check_config(cfg)  # allowed
+    update = cfg.update
+    weights = tiny.weights(seed=3)
+    engine, transport, buckets = tiny.open(update, weights)
+    try:
+        first = timed_update(transport, weights, buckets=buckets, cfg=update, device=CPU, floor_time=1.0)
+        total = sum(b.numel for b in buckets)
+        assert first["perf/update_weights_changed_ratio"] == 1.0  # nothing sent before: all of it
+        assert first["perf/update_weights_bytes"] == sum(b.nbytes for b in buckets)
+        for step in range(2):
+            flipped = nudge(weights, 0.01, seed=step)
+            metrics = timed_update(transport, weights, buckets=buckets, cfg=update, device=CPU, floor_time=1.0)
+            assert metrics["perf/update_weights_changed_ratio"] == pytest.approx(flipped / total)
+            assert metrics["perf/update_weights_bytes"] == sparse_bytes(flipped, 2)
+            assert metrics["perf/update_weights_full_bytes"] == sum(b.nbytes for b in buckets)
+            assert metrics["perf/update_weights_encode_time"] > 0
+            got = engine.weights
+            for name, t in weights.items():
+                assert torch.equal(got[name], t.to(BF16)), name
+    finally:
+        close_update(engine, transport)
+
+
+def check_fp8_reference(tiny, transport_name: str) -> None:
+    """update.payload=fp8: the engine holds exactly the reference block quantization of the trainer's weights."""
+    from rlsync.config.schema import UpdateConfig
+    from rlsync.update import close_update, timed_update
+    from rlsync.update.payload.fp8 import layout, reference
+
+    update = UpdateConfig(transport=transport_name, payload="fp8", bucket_mb=0.05, verify=True)
+    weights = tiny.weights(seed=2)
+    engine, transport, buckets = tiny.open(update, weights)
+    try:
+        metrics = timed_update(transport, weights, buckets=buckets, cfg=update, device=CPU, floor_time=1.0)
+        assert metrics["perf/update_weights_bytes"] == sum(layout(b)[1] for b in buckets)
+        assert metrics["perf/update_weights_bytes"] < metrics["perf/update_weights_full_bytes"]
+        assert metrics["perf/update_weights_encode_time"] > 0
+        slots = {s.meta.name: s for b in buckets for s in b.slots}
+        got = engine.weights
+        for name, t in weights.items():
+            assert torch.equal(got[name], reference(slots[name], t, BF16)), name
+        assert any(not torch.equal(got[n], t.to(BF16)) for n, t in weights.items())  # FP8 did change some
+    finally:
+        close_update(engine, transport)
+
+
+LORA_LR = "trainer.lora.rank=16", "trainer.lr=0.01"  # a rate that moves the adapters far: a stale engine fails
+
+
+def lora_run(tmp_path, payload: str, transport: str):
+    """3 LoRA steps with update.verify: the engine's log-probs of its own samples stay on the trainer's (a stale
+    engine's are off by 0.1 or more), every update verified. (the process, its metrics rows)"""
+    proc = run_main(
+        *FAST,
+        *LORA_LR,
+        f"update.payload={payload}",
+        f"update.transport={transport}",
+        "update.verify=true",
+        f"hydra.run.dir={tmp_path}",
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert len(rows) == 3
+    for row in rows:
+        assert row["train/logprob_abs_diff"] < 0.02, row["train/logprob_abs_diff"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["verification"] == "passed"
+    assert summary["setup"]["payload"] == payload
+    return proc, rows

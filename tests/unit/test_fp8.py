@@ -3,14 +3,10 @@ holds exactly what the same quantize-dequantize of the trainer's weights gives."
 
 import pytest
 import torch
-from conftest import CPU, FAST, read_jsonl, run_main
+from conftest import BF16, FAST, check_fp8_reference, read_jsonl, run_main
 
-from rlsync.config.schema import UpdateConfig
-from rlsync.update import close_update, timed_update
 from rlsync.update.buckets import TensorMeta, plan_buckets
-from rlsync.update.payload.fp8 import E4M3_MAX, FP8, dequantize_blocks, layout, quantize_blocks, reference
-
-BF16 = torch.bfloat16
+from rlsync.update.payload.fp8 import E4M3_MAX, FP8, dequantize_blocks, layout, quantize_blocks
 
 
 def test_a_block_is_scaled_by_its_largest_magnitude_over_448():
@@ -42,23 +38,8 @@ def test_the_layout_keeps_embeddings_norms_and_small_tensors_in_the_engine_dtype
     assert nbytes < bucket.nbytes
 
 
-@pytest.mark.parametrize("transport", ["direct"])  # the engine processes: tests/process/test_fp8.py
-def test_the_engine_holds_the_reference_quantization(tiny, transport):
-    update = UpdateConfig(transport=transport, payload="fp8", bucket_mb=0.05, verify=True)
-    weights = tiny.weights(seed=2)
-    engine, transport, buckets = tiny.open(update, weights)
-    try:
-        metrics = timed_update(transport, weights, buckets=buckets, cfg=update, device=CPU, floor_time=1.0)
-        assert metrics["perf/update_weights_bytes"] == sum(layout(b)[1] for b in buckets)
-        assert metrics["perf/update_weights_bytes"] < metrics["perf/update_weights_full_bytes"]
-        assert metrics["perf/update_weights_encode_time"] > 0
-        slots = {s.meta.name: s for b in buckets for s in b.slots}
-        got = engine.weights
-        for name, t in weights.items():
-            assert torch.equal(got[name], reference(slots[name], t, BF16)), name
-        assert any(not torch.equal(got[n], t.to(BF16)) for n, t in weights.items())  # FP8 did change some
-    finally:
-        close_update(engine, transport)
+def test_the_engine_holds_the_reference_quantization(tiny):
+    check_fp8_reference(tiny, "direct")  # the engine processes: tests/process/test_fp8.py
 
 
 def test_qwen3_0p6b_crosses_in_under_two_thirds_of_its_bf16_bytes(compose):

@@ -1,10 +1,8 @@
 """trainer.lora.rank > 0: PEFT's adapters train; the update sends them alone (adapter) or merged (merged)."""
 
-import json
-
 import pytest
 import torch
-from conftest import FAST, read_jsonl, run_main
+from conftest import FAST, lora_run, read_jsonl, run_main
 
 from rlsync.config.schema import Config, LoraConfig, TrainerConfig, UpdateConfig
 from rlsync.config.validate import validate
@@ -123,23 +121,7 @@ def test_a_lora_run_keeps_the_engine_on_the_trainers_log_probs(tmp_path, tiny, p
     """3 steps at a learning rate that moves the adapters far: the engine's log-probs of its own samples stay
     on the trainer's (a stale engine's are off by 0.1 or more: the control test), every update verified;
     the adapter mode sends exactly the adapters after the first update, the merged one the whole model."""
-    proc = run_main(
-        *FAST,
-        "trainer.lora.rank=16",
-        f"update.payload={payload}",
-        f"update.transport={transport}",
-        "update.verify=true",
-        LR,
-        f"hydra.run.dir={tmp_path}",
-    )
-    assert proc.returncode == 0, proc.stderr
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert len(rows) == 3
-    for row in rows:
-        assert row["train/logprob_abs_diff"] < 0.02, row["train/logprob_abs_diff"]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["verification"] == "passed"
-    assert summary["setup"]["payload"] == payload
+    proc, rows = lora_run(tmp_path, payload, transport)
     if payload == "lora":
         assert all(row["perf/update_weights_bytes"] == adapter_bytes(tiny.model) for row in rows)
         assert "LoRA adapters only" in proc.stdout
