@@ -1014,3 +1014,30 @@ def lora_run(tmp_path, payload: str, transport: str):
     assert summary["verification"] == "passed"
     assert summary["setup"]["payload"] == payload
     return proc, rows
+
+
+def check_scheme_bench(scheme: str, tmp_path: Path) -> None:
+    """One benchmark repeat of a framework's scheme on the tiny model (tests/unit: in this process; tests/process:
+    the schemes whose transport starts an engine process): finished, verified, its setup recorded and explained."""
+    from rlsync.bench.runner import run_bench
+
+    cfg = compose_app(
+        "bench",
+        f"scheme={scheme}",
+        "bench.warmup=0",
+        "bench.repeats=1",
+        "wandb.mode=disabled",
+        "update.bucket_mb=1",
+        "update.verify=true",
+    )  # small buckets: several of them; verify: the weights landed
+    result = run_bench(cfg, tmp_path, name=scheme, group="test")
+    assert result["status"] == "finished", result
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    setup = summary["setup"]
+    assert setup["scheme"] == scheme and summary["config"]["update"]["scheme"] == scheme
+    assert summary["metrics"]["perf/update_weights_time"]["median"] > 0
+    assert isinstance(setup["flat_engine_weights"], bool) and setup["flat_engine_weights_why"]
+    assert isinstance(setup["copy_threads"], int) and setup["copy_threads_why"]
+    if scheme == "rlsync":  # the HF engine holds bucket-shaped views: one copy, nothing but the pack
+        assert setup["flat_engine_weights"] is True and setup["flat_engine_weights_why"].startswith("auto: on")
+        assert "perf/update_weights_load_time" not in summary["metrics"]
