@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rlsync.measure.devices import copy_into
 from rlsync.measure.timing import HostTimer
 from rlsync.update.buckets import TensorMeta, plan_buckets
+from rlsync.update.payload import kernels
 from rlsync.update.payload.base import Floor
 from rlsync.update.payload.delta import DeltaEncoder, DeltaPayload
 from rlsync.update.payload.fp8 import Fp8Encoder, Fp8Payload
@@ -106,6 +107,7 @@ def eager_in_one_thread(monkeypatch):
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     monkeypatch.setattr(Compiled, "enabled", False)
+    monkeypatch.setattr(kernels, "NUMPY_ON_CPU", False)  # numpy's loops run outside the dispatcher too
     yield
     torch.set_num_threads(before)
 
