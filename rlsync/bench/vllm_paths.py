@@ -321,6 +321,22 @@ class VllmPathsTarget:
             "match the weights just sent (timed all the same: its time is not a correct update's)"
         )
 
+    @staticmethod
+    def verdict(metrics: dict) -> str | None:
+        """The report's verdict line: each path's median update against its own floor, and whether every timed
+        repeat verified it ("rlsync_reload 20.9 ms (1.4x its floor); vllm_reload 19.7 ms (1.3x its floor, NOT
+        VERIFIED); ..."). None where no path was timed."""
+        parts = []
+        for path in PATHS:
+            seconds = path_stat(metrics, path, "update_weights_time").get("median")
+            if seconds is None:
+                continue
+            eff = path_stat(metrics, path, "update_weights_efficiency").get("median")
+            against = f"{fmt_ratio(1 / eff)} its floor" if eff else "no floor measured"
+            ok = "" if path_stat(metrics, path, "verified").get("min") == 1 else ", NOT VERIFIED"
+            parts.append(f"{path} {fmt_seconds(seconds)} ({against}{ok})")
+        return "; ".join(parts) or None
+
     # -- the table -----------------------------------------------------------------------------
 
     @staticmethod
@@ -391,6 +407,11 @@ class VllmPathsTarget:
                 "GEMM re-pack and the per-call overheads weigh differently there."
             )
         return "\n".join(out)
+
+
+def path_stat(metrics: dict, path: str, key: str) -> dict:
+    """One path's statistics of `key` in summary.json's metrics (median, min, max, ...), {} where not recorded."""
+    return metrics.get(f"vllm_paths/{path}/{key}") or {}
 
 
 def verified(mean: float, old: float) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from rlsync.bench.stall import METRIC, compared, measured_policies
+from rlsync.bench.vllm_paths import VllmPathsTarget
 from rlsync.config.apps import RENAMED_TARGETS, update_policy_names
 from rlsync.config.schema import VERDICT_THRESHOLD
 from rlsync.fmt import fmt_bytes, fmt_seconds, is_number
@@ -337,6 +338,8 @@ def bench_verdict(run: Run, target: str, stalls: Optional[dict] = None) -> str:
         parts.append(f"{label}: {fmt_seconds(seconds)} median, {ratio:.2f}x the copy floor of {fmt_seconds(limit)}")
     if stalls:  # a stall bench: no copy floor of its own; its clients' gaps beside the receive
         parts = [stall_verdict(stalls)]
+    if target == "vllm_paths" and (line := VllmPathsTarget.verdict(run.summary.get("metrics") or {})):
+        parts = [line]  # each path against its own floor, verified or not
     if not parts:
         return f"{run.measured_steps} timed repeats, no {target} time measured"
     return f"{'; '.join(parts)} ({bench_setup(run, target)})"

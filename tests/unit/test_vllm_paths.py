@@ -82,6 +82,29 @@ def test_the_table_and_warning_name_a_path_that_failed_its_check():
     assert all(f"| {path} |" in table for path in PATHS)
     assert "NO (2 / 0.5, 0.45)" in table and "yes (0.01 / 0.003, 0.45)" in table
     assert "rollout.vllm_reload_mode=direct" in table and "2.0 of 2 cores busy" in table
+    verdict = VllmPathsTarget.verdict(stats)
+    assert verdict.startswith(
+        "rlsync_reload 20.0 ms (20.0x its floor); vllm_reload 20.0 ms (20.0x its floor, NOT VERIFIED)"
+    )
+
+
+def test_the_reports_verdict_of_a_vllm_paths_job_names_each_path_not_a_missing_time(tmp_path):
+    """A vllm_paths job records its paths' figures under vllm_paths/<path>/..., no perf/update_weights_time: the
+    report's verdict reads them (it said "no vllm_paths time measured")."""
+    from rlsync.report import load_job, table_row
+
+    vllm_bench_job(tmp_path / "job", mode=None, recorded=True)
+    summary = json.loads((tmp_path / "job" / "summary.json").read_text())
+    summary["target"] = "vllm_paths"
+    summary["metrics"] = {
+        f"vllm_paths/{p}/{k}": {"median": v, "min": v, "max": v}
+        for p in PATHS
+        for k, v in (("update_weights_time", 0.5), ("update_weights_efficiency", 0.25), ("verified", 1.0))
+    }
+    (tmp_path / "job" / "summary.json").write_text(json.dumps(summary))
+    verdict = table_row(load_job(tmp_path / "job"))["verdict"]
+    assert verdict.startswith("rlsync_reload 0.50 s (4.00x its floor); vllm_reload 0.50 s"), verdict
+    assert "NOT VERIFIED" not in verdict and "no vllm_paths time" not in verdict
 
 
 # -- rollout.vllm_reload_mode in the report's setup ----------------------------------------------
