@@ -29,7 +29,7 @@ register_configs()
 
 
 def run_plan(cfg: PlanAppConfig, run_dir) -> dict:
-    from rlsync.plan import calibrate, planner, profiles, render
+    from rlsync.plan import calibrate, payload_fit, planner, profiles, render
 
     p = cfg.plan
     if p.calibrate or p.fit_from:
@@ -46,7 +46,7 @@ def run_plan(cfg: PlanAppConfig, run_dir) -> dict:
                     "a directory holding rlsync.bench runs (their summary.json)",
                     "no such directory",
                 )
-            observations = calibrate.observations_under(root)
+            observations, coded = calibrate.bench_runs_under(root)  # the full update's runs; other payloads' sides
             if not observations:
                 raise ConfigError(
                     "plan.fit_from",
@@ -54,7 +54,7 @@ def run_plan(cfg: PlanAppConfig, run_dir) -> dict:
                     "a directory holding rlsync.bench update runs (kind bench, target update, strategy bucketed or per_tensor)",
                     "holds no finished rlsync.bench update runs to fit",
                 )
-            data = calibrate.calibration_file(observations, device="from runs")
+            data = calibrate.calibration_file(observations, device="from runs", payload_runs=coded)
             data["machine"] = {**data["machine"], **fitted_machine(data)}
         data = calibrate.checked_fit(data, p)  # a fit that determines no setup: refused, nothing written
         where = profiles.save(data, p.calibration)
@@ -62,6 +62,7 @@ def run_plan(cfg: PlanAppConfig, run_dir) -> dict:
         took = f", {calibrate.fmt_minutes(data['seconds'])}" if data.get("seconds") else ""
         print(f"Calibration written to {fmt_path(where)} ({len(data['observations'])} runs{took}):")
         print("\n".join(calibrate.coefficient_lines(data)))
+        print("\n".join(payload_fit.fit_lines(data)))  # each fitted payload's encode and decode
         print()
     where, data = profiles.resolve(p.calibration)
     plan = planner.make_plan(

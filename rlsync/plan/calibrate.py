@@ -14,6 +14,9 @@ that calls, tensors and bytes vary independently enough to separate the three co
   (over ipc all four: a message per tensor, tensors copied on one thread (deep) or on the thread
   pool (the others), and bytes (wide) each cost their own);
 - direct and ipc (flat engine weights too with `plan.calibrate_flat=true`);
+- then the fitted payloads' jobs (`payload_grid`: each payload whose class declares `fit_terms`, at two changed
+  shares where it counts changes, on slab, deep and pool over the first in-process transport), whose encode
+  and decode against their floors the calibration's `payloads` fits (rlsync/plan/payload_fit.py);
 - then an all-gather over 2 gloo ranks on loopback (`measure_collective`, the run's own GatherFloor probe in
   two spawned processes): its bus bandwidth and per-call latency, the calibration's `collective`, at which the
   planner predicts the trainer.parallel=fsdp2 update's gather from the shards (plan.ranks).
@@ -47,10 +50,11 @@ from rlsync.config.apps import BenchAppConfig, calibrated_transports
 from rlsync.config.files import SUMMARY_MAX, UnreadableFile, read_json
 from rlsync.config.schema import Config
 from rlsync.errors import ConfigError, RlsyncError
-from rlsync.plan import cost, profiles
+from rlsync.plan import cost, payload_fit, profiles
 from rlsync.plan.collective import measure_collective
 from rlsync.plan.profiles import underdetermined
-from rlsync.update.base import STRATEGIES
+from rlsync.update.base import STRATEGIES, transport_class
+from rlsync.update.payload import payload_class, recorded_payload
 
 DEEP = {
     "name": "deep",
@@ -134,6 +138,30 @@ QUICK_MODELS = (
 )  # plan.calibrate_quick=true: the small ones, every coefficient still determined
 
 
+# The fitted payloads' jobs (payload_fit), on the small models only, both grids: bytes for few tensors (slab),
+# tensors for few bytes (deep), and between (pool), so that the floor and per-tensor terms separate; a payload
+# that compares what changed at two changed shares, so that its per-changed-element term does too.
+PAYLOAD_MODELS = ("slab", "deep", "pool")
+CHANGED_RATIOS = (0.01, 0.1)
+PAYLOAD_BUCKET_MB = 512  # the grid's large buckets: each small model in one or two
+
+
+def payload_grid(transports: Iterable[str]) -> list[tuple[str, str, str, float]]:
+    """(model, transport, payload, changed ratio): each fitted payload over one transport, the first whose engine
+    is in this process (no engine process to start: the encode and decode are the payload's, whatever carries
+    them)."""
+    transports = list(transports)
+    if not transports:
+        return []
+    transport = next((t for t in transports if transport_class(t).engine_in_process), transports[0])
+    return [
+        (model, transport, name, ratio)
+        for name in payload_fit.fitted_names()
+        for model in PAYLOAD_MODELS
+        for ratio in (CHANGED_RATIOS if "changed" in payload_class(name).fit_terms else (0.0,))
+    ]
+
+
 def grid(*, quick: bool, flat: bool, transports: Iterable[str]) -> list[tuple[str, str, str, float, bool]]:
     jobs = [(m, t, s, b, False) for m, t, s, b in GRID if t in transports and (not quick or m in QUICK_MODELS)]
     if flat:
@@ -142,9 +170,19 @@ def grid(*, quick: bool, flat: bool, transports: Iterable[str]) -> list[tuple[st
 
 
 def bench_config(
-    cfg: Config, model: str, transport: str, strategy: str, bucket_mb: float, flat: bool, repeats: int
+    cfg: Config,
+    model: str,
+    transport: str,
+    strategy: str,
+    bucket_mb: float,
+    flat: bool,
+    repeats: int,
+    *,
+    payload: Optional[str] = None,
+    changed_ratio: float = 0.0,
 ) -> BenchAppConfig:
-    """The benchmark job: the plan's config (dtypes, copy_threads, device) with the grid point's model and update."""
+    """The benchmark job: the plan's config (dtypes, copy_threads, device) with the grid point's model and update:
+    the full update (`payload`: another, at bench.changed_ratio=`changed_ratio`), without LoRA adapters."""
     from rlsync.config.validate import validate
 
     base = OmegaConf.structured(BenchAppConfig)
@@ -159,7 +197,9 @@ def bench_config(
         flat_engine_weights=flat,
         verify=False,
         engine_address=None,
+        payload=payload or payload_fit.full_name(),  # the plan's own update.payload is not what the grid times
     )
+    keep["trainer"]["lora"]["rank"] = 0  # the full update and the fitted payloads carry no adapters
     keep["rollout"]["release_level"] = 1  # a bench never sleeps the engine; level 2 would refuse flat ipc weights
     merged = OmegaConf.merge(
         base,
@@ -167,7 +207,7 @@ def bench_config(
         {
             "model": model_keys(model),
             "wandb": {"mode": "disabled"},
-            "bench": {"target": "update", "warmup": 1, "repeats": repeats},
+            "bench": {"target": "update", "warmup": 1, "repeats": repeats, "changed_ratio": changed_ratio},
         },
     )
     out = OmegaConf.to_object(merged)
@@ -183,6 +223,8 @@ def observation(summary: dict, source: str = "") -> Optional[cost.Observation]:
     t = summary.get("metrics", {}).get("perf/update_weights_time") or {}
     if s.get("strategy") not in STRATEGIES or not t.get("median"):
         return None
+    if recorded_payload(s, payload_fit.dotted(summary.get("config") or {})) != payload_fit.full_name():
+        return None  # another payload's update is its encode and decode (payload_fit), not the transport's copies
     setup = cost.Setup(
         s["transport"], s["strategy"], bool(s.get("flat_engine_weights")) and s["strategy"] == "bucketed"
     )
@@ -227,26 +269,35 @@ AGAIN = "_again"  # a calibration job run again (RETRY_RESIDUAL): its directory 
 
 
 def observations_under(root: Path, warn=None) -> list[cost.Observation]:
-    """Every finished update benchmark under `root`; of a calibration job and its rerun, the faster.
+    """Every finished update benchmark of the full update under `root` (`bench_runs_under`)."""
+    return bench_runs_under(root, warn)[0]
+
+
+def bench_runs_under(root: Path, warn=None) -> tuple[list[cost.Observation], list[payload_fit.PayloadRun]]:
+    """Every finished update benchmark under `root`: the full update's as the cost model's observations (of a
+    calibration job and its rerun, the faster), another payload's as its encode and decode rows (payload_fit).
     A summary.json that cannot be read or has the wrong shape is skipped with one line (`warn`, else stderr)."""
     warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
     found: dict[str, cost.Observation] = {}
+    coded: list[payload_fit.PayloadRun] = []
     for path in sorted(Path(root).rglob("summary.json")):
+        o, rows = None, []
         try:
             data = read_json(path, max_bytes=SUMMARY_MAX)  # a regular file only: a FIFO would block
-            o = observation(data, str(path.parent)) if isinstance(data, dict) else None
-            if not isinstance(data, dict):
+            if isinstance(data, dict):
+                o, rows = observation(data, str(path.parent)), payload_fit.payload_runs(data, str(path.parent))
+            else:
                 warn(f"rlsync: warning: skipped {path}: it holds a JSON {type(data).__name__}, not an object")
         except UnreadableFile as err:
             warn(f"rlsync: warning: skipped {path}: {err}")
-            o = None
         except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError) as err:
             warn(f"rlsync: warning: skipped {path}: not a summary the fit can read ({type(err).__name__}: {err})")
-            o = None
+            o, rows = None, []
+        coded += rows
         key = str(path.parent).removesuffix(AGAIN)
         if o is not None and (key not in found or o.time_s < found[key].time_s):
             found[key] = o
-    return list(found.values())
+    return list(found.values()), coded
 
 
 def at_floor_dict(c: cost.Coefficients) -> dict:
@@ -257,8 +308,15 @@ def at_floor_dict(c: cost.Coefficients) -> dict:
     return d
 
 
-def calibration_file(observations: list[cost.Observation], *, device: str, seconds: Optional[float] = None) -> dict:
-    """The calibration: coefficients per setup, the machine, and the runs behind them."""
+def calibration_file(
+    observations: list[cost.Observation],
+    *,
+    device: str,
+    seconds: Optional[float] = None,
+    payload_runs: Optional[list[payload_fit.PayloadRun]] = None,
+) -> dict:
+    """The calibration: coefficients per setup, the machine, and the runs behind them; with `payload_runs`, the
+    fitted payloads' encode and decode (`payloads`, rlsync/plan/payload_fit.py)."""
     if not observations:
         raise ValueError(
             "no finished rlsync.bench update runs to fit (kind bench, target update, strategy bucketed or per_tensor)"
@@ -290,6 +348,7 @@ def calibration_file(observations: list[cost.Observation], *, device: str, secon
             }
         )
     trainer, engine = next(iter(dtypes)) if len(dtypes) == 1 else ("mixed", "mixed")
+    payloads = {"payloads": payload_fit.fit(payload_runs)} if payload_runs is not None else {}
     return {
         "kind": profiles.KIND,
         "version": profiles.VERSION,
@@ -303,6 +362,7 @@ def calibration_file(observations: list[cost.Observation], *, device: str, secon
         "coefficients_at_floor": {k: at_floor_dict(c) for k, c in coef_floor.items()},
         "floor_gbps": 1e-9 / statistics.median(floors) if floors else None,  # the runs' median copy floor
         "observations": rows,
+        **payloads,
     }
 
 
@@ -337,7 +397,11 @@ def calibrate(cfg, out_dir: Path, *, log=print) -> dict:
 
     p = cfg.plan
     jobs = grid(quick=p.calibrate_quick, flat=p.calibrate_flat, transports=p.calibrate_transports)
-    log(f"calibration: {len(jobs)} benchmark jobs, {duration_line(jobs)}")
+    coded_jobs = len(payload_grid(p.calibrate_transports))
+    log(
+        f"calibration: {len(jobs)} benchmark jobs, {duration_line(jobs)}; then {coded_jobs} payload jobs "
+        "(the fitted payloads' encode and decode on the small models: not in that time)"
+    )
     started = time.perf_counter()
     runs = Path(out_dir) / "calibration"
     observations: dict[int, cost.Observation] = {}
@@ -360,12 +424,56 @@ def calibrate(cfg, out_dir: Path, *, log=print) -> dict:
             )
             if again and again.time_s < o.time_s:
                 observations[i] = again
+    before = time.perf_counter()
+    coded = run_payload_jobs(cfg, runs, len(jobs), log=log)
+    coded_s = time.perf_counter() - before
     device = str(resolve_device(cfg.run.device))
     collective = collective_or_none(device, log=log)
-    data = calibration_file(list(observations.values()), device=device, seconds=time.perf_counter() - started)
+    data = calibration_file(
+        list(observations.values()), device=device, seconds=time.perf_counter() - started, payload_runs=coded
+    )
+    data["payloads"]["seconds"] = coded_s  # apart from the grid's time: estimate_seconds scales by the grid's alone
     if collective:
         data["collective"] = collective
     return data
+
+
+def run_payload_jobs(cfg, runs: Path, first: int, *, log=print) -> list[payload_fit.PayloadRun]:
+    """The fitted payloads' benchmark jobs (`payload_grid`, numbered after the grid's), their encode and decode
+    rows; one line each, and one for what they added to the calibration's time."""
+    from rlsync.bench.runner import run_bench
+
+    jobs = payload_grid(cfg.plan.calibrate_transports)
+    started, out = time.perf_counter(), []
+    for i, (model, transport, payload, ratio) in enumerate(jobs, start=first):
+        name = f"{i:02d}_{model}_{transport}_{payload}_{ratio:g}"
+        bcfg = bench_config(
+            cfg,
+            model,
+            transport,
+            "bucketed",
+            PAYLOAD_BUCKET_MB,
+            False,
+            cfg.plan.calibrate_repeats,
+            payload=payload,
+            changed_ratio=ratio,
+        )
+        t0 = time.perf_counter()
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # each job's closing table: its summary.json has it
+                summary = run_bench(bcfg, runs / name, name=name, group="calibration")
+        except Exception as err:  # noqa: BLE001 - one failed job leaves the others to fit
+            summary = {"error": f"{type(err).__name__}: {err}"}
+        rows = payload_fit.payload_runs(summary or {}, str(runs / name))
+        took = ", ".join(f"{r.side} {r.time_s * 1e3:.2f} ms ({r.floor_s / r.time_s:.2f} of its floor)" for r in rows)
+        log(
+            f"calibration payload {i - first + 1}/{len(jobs)} {name}: "
+            + (f"{took}, {time.perf_counter() - t0:.1f} s" if rows else f"failed ({(summary or {}).get('error')})")
+        )
+        out += rows
+    if jobs:
+        log(f"calibration: {len(jobs)} payload jobs took {fmt_minutes(time.perf_counter() - started)}")
+    return out
 
 
 def collective_or_none(device: str, *, log=print) -> Optional[dict]:
@@ -444,6 +552,8 @@ def estimate_seconds(jobs: list[tuple], reference: Optional[dict]) -> Optional[f
         key = cost.Setup(transport, strategy, flat).key
         total += walls.get((model, key, float(bucket_mb)), typical)
     whole = reference.get("seconds")
+    if whole:  # the grid's jobs, their reruns and the collective: less the payload jobs, timed apart
+        whole -= ((reference.get("payloads") or {}).get("seconds")) or 0.0
     return total * (whole / sum(walls.values()) if whole and len(walls) == len(rows) else 1.0)
 
 

@@ -297,7 +297,7 @@ def make_plan(
         },
         "gather": gathered,
     }
-    plan["kinds"] = kinds(cfg, p.plan(u.bucket_mb), model_shapes(cfg.model), p.floor_gbps)  # each payload's row
+    plan["kinds"] = kinds(cfg, p, calibration)  # each payload's row, its floor and predicted time
     # the update's share of plan.step_s (with an fsdp2 gather, the gather and the copy), and what the figure spans
     plan["verdict"] = plan_verdict(cfg, (gathered or {}).get("whole_update") or prediction)
     plan["flags"] = flags(plan, configured)

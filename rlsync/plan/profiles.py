@@ -28,9 +28,12 @@ from rlsync.config.files import CALIBRATION_MAX, UnreadableFile, read_json
 from rlsync.errors import ConfigError
 from rlsync.fmt import GIB, fmt_path, is_number
 from rlsync.plan.cost import Coefficients, Setup
+from rlsync.plan.payload_fit import section_problem
 
 KIND = "rlsync_calibration"
-VERSION = 1
+# 2: the fitted payloads' encode and decode (`payloads`, rlsync/plan/payload_fit.py); a file of version 1 has none
+# and still loads (its plans say "no payload fit")
+VERSION = 2
 REFERENCE = Path(__file__).resolve().parent / "reference" / "cpu.json"
 REFERENCE_NAME = "reference"  # plan.calibration=reference
 # A published-figure profile's range, as multiples of its prediction: the bytes at 100 % down to 50 % of
@@ -256,6 +259,13 @@ def calibration_problem(data) -> Optional[str]:
         return f"it holds a JSON {type(data).__name__}, not an object"
     if data.get("kind") != KIND:
         return f"not an rlsync calibration file (kind={data.get('kind')!r})"
+    version = data.get("version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= VERSION:
+        return f"its version is {version!r}: this rlsync reads versions 1 to {VERSION} (a newer rlsync wrote it?)"
+    if "payloads" in data:
+        problem = section_problem(data["payloads"])
+        if problem:
+            return problem
     for name, kind in (("machine", dict), ("dtypes", dict), ("observations", list)):
         if name in data and not isinstance(data[name], kind):
             return f"its {name} is a {type(data[name]).__name__}, not a {kind.__name__}"

@@ -110,6 +110,11 @@ class Payload(ABC):
     metrics: ClassVar[tuple[str, ...]] = BESIDE_FULL + DECODE_FLOOR
     # the phase a check after each update is timed as (perf/<phase>_time, outside the update), or None
     after_update_phase: ClassVar[str | None] = None
+    # the terms of its encode's and decode's time the planner fits from runs that timed them (FIT_TERMS,
+    # rlsync/plan/payload_fit.py): "floor" (a multiple of its floor), "tensors" (a cost per tensor), "changed" (per
+    # changed element, a payload that compares what changed); () where its work is the transport's own copies
+    # (the pack and the load), whose cost model is its time
+    fit_terms: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def key(cls) -> str:
@@ -189,12 +194,29 @@ class Payload(ABC):
         return 0, 0
 
     @classmethod
+    def planned_encoded(cls, bucket: Bucket, ctx: PlanContext) -> Encoded:
+        """What one later update's encoding of `bucket` would be, from the config alone: whole by default."""
+        return Encoded(FULL, bucket.numel, bucket.nbytes, None)
+
+    @classmethod
     def planned(cls, ctx: PlanContext) -> dict[str, Any] | None:
         """The planner's row for this payload, from the config alone (plan.json's kinds, rlsync/plan/kinds.py):
-        `bytes`, what one update sends, and `moved`, the bytes its trainer's side reads and writes (at the copy
-        floor: its floor's time), with what its label needs; None where it has no row of its own."""
-        moved = ctx.elements * (ctx.trainer_itemsize + ctx.engine_itemsize)  # read the trainer's, write the bucket
-        return {"bytes": sum(b.nbytes for b in ctx.buckets), "moved": moved}
+        `bytes`, what one update sends (`planned_encoded`), its floor's bytes as the class declares them for each
+        bucket (`floor`: `encode_floor_bytes`, `decode_floor_bytes`), what its copies span (`elements`,
+        `tensors`, `buckets`), with what its label needs; None where it has no row of its own."""
+        sent = encode = decode = 0
+        for bucket in ctx.buckets:
+            encoded = cls.planned_encoded(bucket, ctx)
+            floor = cls.floor(bucket, encoded, bucket.numel * ctx.trainer_itemsize)
+            sent, encode, decode = sent + encoded.nbytes, encode + floor.encode, decode + floor.decode
+        return {
+            "bytes": sent,
+            "encode_floor_bytes": encode,
+            "decode_floor_bytes": decode,
+            "elements": ctx.elements,
+            "tensors": sum(len(b.slots) for b in ctx.buckets),
+            "buckets": len(ctx.buckets),
+        }
 
     @classmethod
     def plan_lines(cls, row: dict[str, Any]) -> tuple[str, list[str]]:
@@ -218,6 +240,7 @@ class PlanContext:
     floor_gbps: float | None = None  # the copy floor (GB/s read + written), where the plan has one
     model_shapes: list = field(default_factory=list)  # (name, shape) of the model's weights (rlsync.model)
     lora: Any = None  # trainer.lora (a LoraConfig)
+    bucket_bytes: int = 0  # update.bucket_mb in bytes (a payload that plans buckets of its own)
 
     @property
     def elements(self) -> int:

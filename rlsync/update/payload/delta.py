@@ -90,6 +90,7 @@ class DeltaPayload(Payload):
     name = "delta"
     title = "Delta"
     metrics = (*BESIDE_FULL, "perf/update_weights_changed_ratio", *ENCODE_FLOOR, *DECODE_FLOOR)
+    fit_terms = ("floor", "tensors", "changed")  # its compare and scatter cost per changed element beside its floor
     workers = Workers()  # the engine side's scatters over its threads (decode is a class method: no instance)
 
     @classmethod
@@ -137,31 +138,27 @@ class DeltaPayload(Payload):
                 raise ConfigError(key, value, allowed, f"not allowed with {cls.key()}")
 
     @classmethod
+    def planned_encoded(cls, bucket: Bucket, ctx: PlanContext) -> Encoded:
+        """At plan.changed_ratio: the positions and values of the changed elements, or the bucket whole where
+        they are no smaller (or an int32 cannot index it), as `DeltaEncoder.encode` decides."""
+        changed = round(ctx.changed_ratio * bucket.numel)
+        sparse = sparse_bytes(changed, ctx.engine_itemsize)
+        if sparse < bucket.nbytes and bucket.numel <= INDEX_MAX:
+            return Encoded(SPARSE, changed, sparse, changed)
+        return Encoded(FULL, bucket.numel, bucket.nbytes, changed)
+
+    @classmethod
     def planned(cls, ctx: PlanContext) -> dict:
-        """At plan.changed_ratio: the positions and values of the changed elements, each bucket at most whole;
-        its pass packs (read the trainer's, write the engine's dtype), reads the last values and writes a
-        changed mask, then the sparse bytes. `pays_below_gbps`: the link below which the bytes it saves take
-        longer to cross than its compare costs (in one machine's memory it never beats the full update)."""
-        e, ratio = ctx.engine_itemsize, ctx.changed_ratio
-        sent = sum(min(b.nbytes, sparse_bytes(round(ratio * b.numel), e)) for b in ctx.buckets)
-        row = {"bytes": sent, "changed_ratio": ratio, "moved": ctx.elements * (ctx.trainer_itemsize + 2 * e + 1) + sent}
-        if ctx.floor_gbps:
-            compare_s = ctx.elements * (e + 1) / (ctx.floor_gbps * 1e9)  # what it adds before any byte crosses
-            saved = sum(b.nbytes for b in ctx.buckets) - sent
-            row["pays_below_gbps"] = saved / compare_s / 1e9 if saved > 0 else 0.0
+        """A later update's bytes and floor at plan.changed_ratio (the first one is full)."""
+        row = super().planned(ctx)
+        row.update(
+            changed_ratio=ctx.changed_ratio, changed=sum(round(ctx.changed_ratio * b.numel) for b in ctx.buckets)
+        )
         return row
 
     @classmethod
     def plan_lines(cls, row: dict) -> tuple[str, list[str]]:
-        label = f"{cls.title.lower()} at {fmt_share(row['changed_ratio'])} changed ({cls.key()})"
-        pays = row.get("pays_below_gbps")
-        if pays is None:
-            return label, []
-        return label, [
-            f"The delta never beats the full update in one machine's memory (it packs as the full update does, "
-            f"then compares); it pays only where the bytes cross a link slower than {pays:.2f} GB/s at this "
-            f"changed ratio."
-        ]
+        return f"{cls.title.lower()} at {fmt_share(row['changed_ratio'])} changed ({cls.key()})", []
 
     @classmethod
     def encoder(cls, buckets: list[Bucket], device: torch.device) -> Encoder:

@@ -166,6 +166,7 @@ class Fp8Payload(Payload):
     title = "FP8 on the wire"
     verified = "the same block quantization of the trainer's"  # quantized, then dequantized: not the weights
     metrics = BESIDE_FULL + ENCODE_FLOOR + DECODE_FLOOR
+    fit_terms = ("floor", "tensors")  # one pass each way: a multiple of its floor and a cost per tensor
     workers = Workers()  # the engine side's chunks over its threads (decode is a class method: no instance)
 
     @classmethod
@@ -195,11 +196,9 @@ class Fp8Payload(Payload):
             )
 
     @classmethod
-    def planned(cls, ctx: PlanContext) -> dict:
-        """Its byte layout of each bucket; it reads every trainer element and writes each in FP8 or kept."""
-        row = super().planned(ctx)
-        row["bytes"] = sum(layout(b)[1] for b in ctx.buckets)
-        return row
+    def planned_encoded(cls, bucket: Bucket, ctx: PlanContext) -> Encoded:
+        """Its byte layout of the bucket (values, scales, kept tensors, aligned), as `Fp8Encoder.encode` writes it."""
+        return Encoded(QUANTIZED_MODE, bucket.numel, layout(bucket)[1], None)
 
     @classmethod
     def plan_lines(cls, row: dict) -> tuple[str, list[str]]:

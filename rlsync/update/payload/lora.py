@@ -147,16 +147,15 @@ class LoraAdapterPayload(Payload):
 
     @classmethod
     def planned(cls, ctx: PlanContext) -> dict:
-        """The adapters at trainer.lora.rank (or at RANK_SHOWN without LoRA), read and cast as a full update's."""
+        """A later update: the adapter buckets at trainer.lora.rank (or at RANK_SHOWN without LoRA), each layer's A
+        and B in one bucket as `plan` puts them, read and cast as a full update's (its declared floor)."""
         rank = ctx.lora.rank or RANK_SHOWN
         adapters = adapter_shapes(list(ctx.model_shapes), dataclasses.replace(ctx.lora, rank=rank))
-        elements = sum(a * b for _, (a, b) in adapters)
-        return {
-            "bytes": elements * ctx.engine_itemsize,
-            "moved": elements * (ctx.trainer_itemsize + ctx.engine_itemsize),
-            "rank": rank,
-            "configured": bool(ctx.lora.rank),
-        }
+        metas = [TensorMeta(name, tuple(shape), ctx.buckets[0].dtype) for name, shape in adapters]  # engine dtype
+        size = ctx.bucket_bytes or sum(m.nbytes for m in metas)  # no bucket size given: all in one bucket
+        buckets = plan_units(adapter_units(metas), size) if metas else []
+        row = super().planned(dataclasses.replace(ctx, buckets=buckets))
+        return {**row, "rank": rank, "configured": bool(ctx.lora.rank)}
 
     @classmethod
     def plan_lines(cls, row: dict) -> tuple[str, list[str]]:
