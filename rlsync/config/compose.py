@@ -10,6 +10,7 @@ the code only reads attributes of that tree (no `cfg.update` surprises: on a Dic
 
 from __future__ import annotations
 
+from hydra._internal.hydra import Hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
@@ -25,6 +26,26 @@ from rlsync.errors import CONF_DIR
 ConfigStore.__deepcopy__ = lambda self, memo: self
 
 CONFIG_PATH = "pkg://rlsync.conf"  # every entry point's @hydra.main: the YAML configs inside the package (rlsync/conf)
+
+# The config sources of an entry point's Hydra: Hydra's own configs, rlsync/conf, the ConfigStore's schemas
+OWN_SOURCES = ("pkg://hydra.conf", CONFIG_PATH, "structured://")
+MODE_KEYS = ("hydra.mode", "hydra.searchpath")  # the overrides that can set hydra.mode, or bring configs that do
+compose_for_mode = Hydra.get_mode
+
+
+def run_mode(self: Hydra, config_name, overrides: list[str]):
+    """Hydra's `get_mode` (the hydra.mode its composition holds; None where unset or where composition fails)
+    without composing the whole config, which Hydra then composes again for the run (~0.1 s of every command):
+    no config under rlsync/conf sets hydra.mode (tests/unit/test_config.py checks), so it is None unless an
+    override sets it or names other configs, or another config directory is searched: then Hydra composes."""
+    keys = (o.lstrip("+~").split("=", 1)[0] for o in overrides)
+    foreign = any(e.path not in OWN_SOURCES for e in self.config_loader.get_search_path().get_path())
+    if foreign or any(k.startswith(MODE_KEYS) for k in keys):
+        return compose_for_mode(self, config_name, overrides)
+    return None
+
+
+Hydra.get_mode = run_mode
 
 
 def register_configs() -> None:

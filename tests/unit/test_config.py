@@ -135,3 +135,65 @@ def test_a_bench_key_set_to_its_default_is_no_change():
     cfg = BenchAppConfig()
     cfg.bench.target, cfg.bench.changed_ratio, cfg.bench.policies = "offload", 0.0, ["pause", "stage"]
     validate(cfg)
+
+
+def test_no_config_of_rlsync_sets_hydras_mode_or_search_path():
+    """rlsync.config.compose.run_mode answers Hydra's run mode without composing because no file under
+    rlsync/conf sets hydra.mode or hydra.searchpath (at the top level, or under a `_global_` or `hydra` package)."""
+    import yaml
+
+    from rlsync.errors import CONF_DIR
+
+    files = sorted(CONF_DIR.rglob("*.yaml"))
+    assert len(files) > 20
+    for path in files:
+        text = path.read_text()
+        node = yaml.safe_load(text) or {}
+        hydra = node if "@package hydra" in text else node.get("hydra") or {}
+        assert not {"mode", "searchpath"} & set(hydra), path
+
+
+@pytest.mark.parametrize(
+    "config_name,overrides",
+    [
+        ("config", ["update.bucket_mb=0", "~hydra.callbacks.sweep_report"]),  # a single run, refused later
+        ("config", ["model=qwen9"]),  # composition fails: None, as Hydra's own answer
+        ("bench", ["+experiment=delta", "update.transport=direct,ipc"]),  # a sweep's overrides
+        ("config", ["hydra.mode=MULTIRUN"]),  # set by an override: Hydra composes and reads it
+        ("plan", ["+hydra.mode=RUN"]),
+        ("engine", ["hydra.searchpath=[pkg://rlsync.conf]"]),  # other configs searched: Hydra composes
+    ],
+)
+def test_the_run_mode_is_hydras_own_answer_with_one_composition(monkeypatch, config_name, overrides):
+    """An entry point composes its config once (not once for Hydra's run mode and again for the run): the mode
+    rlsync.config.compose.run_mode answers is the one Hydra's own composition gives, composing only where an
+    override can change it."""
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from rlsync.config import compose
+
+    composed = []
+    with initialize_config_module(config_module="rlsync.conf", version_base="1.3"):
+        hydra = GlobalHydra.instance().hydra
+        compose.register_configs()
+        real = hydra.config_loader.load_configuration
+        monkeypatch.setattr(
+            hydra.config_loader, "load_configuration", lambda *a, **k: composed.append(1) or real(*a, **k)
+        )
+        answer = compose.run_mode(hydra, config_name, list(overrides))
+        fast = len(composed)
+        assert answer == compose.compose_for_mode(hydra, config_name, list(overrides))
+    assert fast == (1 if any("hydra.mode" in o or "hydra.searchpath" in o for o in overrides) else 0)
+
+
+def test_a_refused_value_is_composed_once_in_process(monkeypatch):
+    """`python -m rlsync update.bucket_mb=0` composes its config once: Hydra's own run mode composed it twice."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    calls = []
+    real = ConfigLoaderImpl.load_configuration
+    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", lambda *a, **k: calls.append(1) or real(*a, **k))
+    result = run_main("update.bucket_mb=0")
+    assert result.returncode == 2 and result.stderr.startswith("rlsync: config error: update.bucket_mb=0"), result
+    assert len(calls) == 1
