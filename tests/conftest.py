@@ -38,6 +38,11 @@ from rlsync.engines.base import ENGINES, Engine, EngineSpec, engine_class, regis
 # both, or run_cli would read a copy of the hooks' state (whether the test running is slow) that no hook sets.
 sys.modules.setdefault("conftest", sys.modules[__name__])
 
+# torch.compile's C++ kernels (the FP8 payload's, vLLM's) without inductor's precompiled headers: in one whole-suite
+# run on a cold cache, vLLM's kernels failed to build ("'at::vec' has not been declared") while two workers compiled
+# beside a header first written during the run; the same file then passed alone. Off, each kernel parses its headers.
+os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
+
 ROOT = Path(__file__).resolve().parents[1]
 UNIT, PROCESS = ROOT / "tests" / "unit", ROOT / "tests" / "process"
 CPU = torch.device("cpu")
@@ -105,6 +110,61 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"{len(misplaced)} test(s) under tests/unit/ start processes (marked slow or calling run_cli): {shown}; "
             "move them to tests/process/<same file name>.py, where the folder marks them slow"
         )
+
+
+# The suite's longest tests, longest first (node ids without their parameters: every case counts). Under xdist
+# each worker starts with its share of them (LongestFirst), so that no worker is left alone behind one at the end.
+LONGEST = (
+    "tests/process/test_gpu_check.py::test_the_smoke_runs_every_step_and_brings_back_three_files",
+    "tests/process/test_memory.py::test_qwen3_0p6b_in_bf16_that_the_check_accepts_finishes_within_its_estimate",
+    "tests/process/test_report_verdicts.py::test_real_bench_sweep_reported_twice_keeps_one_wandb_report_run",
+    "tests/process/test_bench.py::test_bench_sweep_writes_runs_files_for_each_transport",
+    "tests/process/test_report_pause.py::test_the_stall_bench_prints_its_table_and_the_report_reads_its_run",
+    "tests/process/test_submitit_ranks.py::test_a_sweep_through_submitit_runs_each_point_as_one_two_rank_job",
+    "tests/process/test_report.py::test_real_two_by_two_sweep",
+    "tests/process/test_serve_pause.py::test_an_engine_under_load_takes_an_update_and_answers_after_it_come_from_the_new_weights",
+    "tests/process/test_plan.py::test_calibrate_quick_end_to_end_then_compare_and_refit",
+    "tests/process/test_bench_pause.py::test_a_bench_whose_requests_fail_fails_and_says_why",
+    "tests/process/test_data_parallel.py::test_a_failing_rank_is_named_as_the_runs_error",
+    "tests/process/test_data_parallel.py::test_two_ranks_train_as_one_process_under_ddp_and_fsdp2",
+    "tests/process/test_bench_pause.py::test_a_moe_model_is_benched_and_the_ratio_names_its_figures",
+    "tests/unit/test_payload_kernels.py::test_the_compiled_fp8_kernels_are_the_reference_bit_for_bit",  # compiles
+)
+
+
+def longest_first(items: list, workers: int) -> list:
+    """`items` in the order xdist's worksteal should see them. It sends each of `workers` workers one contiguous
+    share of the list (the tests left // the workers left, in turn), then an idle worker takes half of the
+    longest queue's tail: so the LONGEST tests are dealt over the shares in turn, each share starting with its
+    own, and the other tests fill the shares in their collected order."""
+    rank = {name: k for k, name in enumerate(LONGEST)}
+    name = lambda item: item.nodeid.split("[", 1)[0]  # noqa: E731
+    long = sorted((item for item in items if name(item) in rank), key=lambda item: rank[name(item)])
+    if workers < 2 or not long:
+        return items
+    others = [item for item in items if name(item) not in rank]
+    ordered, left = [], len(items)
+    for worker in range(workers):
+        own = long[worker::workers]
+        fill = max(0, left // (workers - worker) - len(own))
+        share = own + others[:fill]
+        others = others[fill:]
+        ordered += share
+        left -= len(share)
+    return ordered + others
+
+
+class LongestFirst:
+    """After the deselection (-m, -k): the order of the tests that run, for xdist's workers (longest_first)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+        items[:] = longest_first(items, workers)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(LongestFirst(), "rlsync-longest-first")
 
 
 def cli_env(**extra) -> dict:
@@ -286,6 +346,21 @@ def torch_threads():
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+
+
+LOAD_SAMPLE_S = 0.05  # the machine's load sampled before a run in this process picks its threads
+
+
+@pytest.fixture(autouse=True)
+def short_load_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run or benchmark in this process samples the machine's load over LOAD_SAMPLE_S, not 0.3 s, before it
+    picks its threads (rlsync.measure.threads.CpuLoad.sample: it sleeps meanwhile; the fast tier starts about 60
+    of them). Under pytest -n 2 the other worker's core is what it finds either way; a test that fakes the load
+    patches `sample` itself, after this."""
+    from rlsync.measure.threads import CpuLoad
+
+    sample = CpuLoad.sample.__func__
+    monkeypatch.setattr(CpuLoad, "sample", classmethod(lambda cls, seconds=LOAD_SAMPLE_S: sample(cls, seconds)))
 
 
 @pytest.fixture(autouse=True)
@@ -966,6 +1041,16 @@ def check_delta_updates(tiny, transport_name: str) -> None:
                 assert torch.equal(got[name], t.to(BF16)), name
     finally:
         close_update(engine, transport)
+
+
+@pytest.fixture
+def eager_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The payloads' kernels in their eager chunks (kernels.Compiled off), for a test of what an FP8 update records
+    or how a run goes, not of the compiled kernels: their first torch.compile costs a worker 6 to 15 s (inductor's
+    C++ build, per shape). tests/unit/test_payload_kernels.py checks the compiled kernels bit for bit."""
+    from rlsync.update.payload.kernels import Compiled
+
+    monkeypatch.setattr(Compiled, "enabled", False)
 
 
 def check_fp8_reference(tiny, transport_name: str) -> None:

@@ -38,8 +38,10 @@ def test_the_layout_keeps_embeddings_norms_and_small_tensors_in_the_engine_dtype
     assert nbytes < bucket.nbytes
 
 
-def test_the_engine_holds_the_reference_quantization(tiny):
-    check_fp8_reference(tiny, "direct")  # the engine processes: tests/process/test_fp8.py
+def test_the_engine_holds_the_reference_quantization(tiny, eager_kernels):
+    """Through the update's eager chunks: the compiled kernels are checked against the same reference by
+    tests/unit/test_payload_kernels.py, and through the update over the engine processes by tests/process/test_fp8.py."""
+    check_fp8_reference(tiny, "direct")
 
 
 def test_qwen3_0p6b_crosses_in_under_two_thirds_of_its_bf16_bytes(compose):
@@ -52,7 +54,7 @@ def test_qwen3_0p6b_crosses_in_under_two_thirds_of_its_bf16_bytes(compose):
     assert 0.55 < ratio < 0.67, ratio
 
 
-def test_a_run_in_fp8_verifies_every_step_and_reports_the_logprob_gap(tmp_path):
+def test_a_run_in_fp8_verifies_every_step_and_reports_the_logprob_gap(tmp_path, eager_kernels):
     proc = run_main(*FAST, "update.payload=fp8", "update.verify=true", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
     rows = read_jsonl(tmp_path / "metrics.jsonl")

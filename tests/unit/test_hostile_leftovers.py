@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-BOUND_S = 3  # the join bound the engine's open is given (serve.max_wait_s caps a plan's to it)
+BOUND_S = 1  # the join bound the engine's open is given (serve.max_wait_s caps a plan's to it); short: waited out
 
 
 def open_receiver(port: int) -> tuple[list, float]:

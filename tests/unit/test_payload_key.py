@@ -99,7 +99,7 @@ def test_each_payload_describes_itself():
 
 
 @pytest.mark.parametrize("name", ["delta", "fp8"])
-def test_an_update_adds_the_metrics_its_payload_declares(tiny, name):
+def test_an_update_adds_the_metrics_its_payload_declares(tiny, name, eager_kernels):
     """Over direct, with the copy probe's bandwidth: the first update's metrics are the full update's and the
     payload's declared ones (a delta's decode of a first, whole, update has a floor to rate)."""
     from rlsync.update import close_update, timed_update

@@ -62,3 +62,22 @@ def test_the_conftest_tests_import_is_the_one_whose_hooks_run(request):
     tests/, beside pytest's own import of it) would hold a state no hook sets."""
     assert request.config.pluginmanager.is_registered(conftest)
     assert conftest._in_slow_test == [False]  # this test, in tests/unit/, is not slow: set by the hook
+
+
+def test_each_worker_starts_with_its_share_of_the_longest_tests_and_the_shares_stay_whole(monkeypatch):
+    """longest_first: worksteal sends worker k the k-th contiguous share (len // workers, in turn); each share
+    starts with the LONGEST tests dealt to it, longest first, and holds the others in their collected order."""
+    monkeypatch.setattr(conftest, "LONGEST", ("process/test_x.py::long_a", "process/test_x.py::long_b"))
+    items = [item(PROCESS, name, None) for name in ("quick_1", "quick_2", "long_b[case]", "quick_3", "long_a")]
+    items += [item(UNIT, f"unit_{k}", None) for k in range(5)]
+    ordered = [i.nodeid.split("::")[1] for i in conftest.longest_first(items, 2)]
+    assert ordered[:5] == ["long_a", "quick_1", "quick_2", "quick_3", "unit_0"]  # worker 0's 10 // 2
+    assert ordered[5:] == ["long_b[case]", "unit_1", "unit_2", "unit_3", "unit_4"]  # worker 1's
+    assert conftest.longest_first(items, 1) == items  # one process: the collected order
+
+
+def test_every_longest_test_is_a_test_of_the_suite():
+    """A renamed test would silently lose its place at the front: each LONGEST name is a test function in its file."""
+    for name in conftest.LONGEST:
+        path, function = name.split("::")
+        assert f"def {function}(" in (conftest.ROOT / path).read_text(), name
