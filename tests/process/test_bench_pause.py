@@ -18,6 +18,7 @@ import pytest
 from conftest import ROOT, cli_env, run_cli
 
 from rlsync.bench import stall
+from rlsync.errors import CONF_DIR
 
 QUICK = ["bench.target=stall", "bench.repeats=1", "bench.warmup=0", "wandb.mode=disabled", "run.progress=false"]
 
@@ -72,17 +73,30 @@ def test_an_engine_that_cannot_start_names_its_reason_and_leaves_nothing(tmp_pat
     assert not list(tmp_path.glob("rlsync-stall-*")) and not engines_of(str(tmp_path))
 
 
+def small_moe(folder: Path) -> Path:
+    """The tiny_moe preset's config.json at 2 layers of 8 experts (2 per token): the same architecture and
+    per-expert checkpoint layout (69 tensors, not 3,219), so the bench's two engines start and update in seconds."""
+    config = json.loads((CONF_DIR / "model" / "hf" / "tiny_moe.json").read_text())
+    config.update(num_hidden_layers=2, max_window_layers=2, num_experts=8, num_experts_per_tok=2)
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 @pytest.mark.slow
 def test_a_moe_model_is_benched_and_the_ratio_names_its_figures(tmp_path):
     """Q24: the standalone engine takes the update in its checkpoint layout (per-expert names)."""
+    moe = f"model.config={small_moe(tmp_path / 'moe')}"
     done = run_cli(
-        *QUICK, "model=tiny_moe", "bench.repeats=2", f"hydra.run.dir={tmp_path}", module="rlsync.bench", timeout=900
+        *QUICK, "model=tiny_moe", moe, f"hydra.run.dir={tmp_path / 'run'}", module="rlsync.bench", timeout=900
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "stage / pause, longest gap: " in done.stdout and "(the medians above" in done.stdout, done.stdout
     assert "| stage | local copy |" in done.stdout, done.stdout  # its experts are views: copied, and said so
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["status"] == "finished" and summary["measured_steps"] == 2
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["measured_steps"] == 1
+    # per layer 9 tensors (q, k, v, o, two norms and the router) and 3 per expert; the embedding, norm and lm_head
+    assert summary["model"]["name"] == "tiny_moe" and summary["model"]["tensors"] == 2 * (9 + 8 * 3) + 3, summary
     verified = sum(summary["metrics"][f"pause/{p}/answers_verified_total"]["max"] for p in ("pause", "stage"))
     # every answer checked came from the new weights (a miss fails the bench); on a busy machine none may start
     assert ("Verified: " if verified else "Not verified: no answer started") in done.stdout, done.stdout

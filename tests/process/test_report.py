@@ -47,6 +47,7 @@ def test_real_two_by_two_sweep(tmp_path: Path) -> None:
     cmd = [
         sys.executable, "-m", "rlsync", "-m", "run.steps=3", "run.progress=false", "wandb.mode=disabled",
         "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_response_len=8",  # seconds a job
+        "run.limit_probe=start",  # the copy floors probed once a job, not before each step (as FAST)
         "model.num_hidden_layers=1,2", "update.bucket_mb=0.25,2", f"hydra.sweep.dir={sweep}",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
