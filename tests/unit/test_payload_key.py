@@ -147,16 +147,18 @@ def test_a_run_recorded_before_the_key_reads_its_payload(setup, config, payload)
 
 
 def test_the_report_reads_runs_recorded_with_the_old_keys(tmp_path):
-    """The study's runs (experiments/payloads) recorded LoRA as lora_adapter, and one copied without
-    setup.payload (as runs before it) is read from its config's update.wire_dtype."""
+    """The study's runs (experiments/payloads) recorded LoRA as lora_adapter, and an FP8 run rewritten as runs
+    before update.payload recorded it (no setup.payload, update.wire_dtype in its config) is read as fp8."""
     from rlsync.report import write_report
 
     runs = ROOT / "experiments/payloads/results_cpu/runs"
     older = tmp_path / "older"
     shutil.copytree(runs / "fp8" / "0", older / "0")
     summary = json.loads((older / "0" / "summary.json").read_text())
-    assert summary["config"]["update"]["wire_dtype"] == "float8_e4m3fn"
-    del summary["setup"]["payload"]
+    assert summary["setup"].pop("payload") == "fp8"
+    update = summary["config"]["update"]
+    del update["payload"]
+    update["wire_dtype"] = "float8_e4m3fn"
     (older / "0" / "summary.json").write_text(json.dumps(summary))
     result = write_report([runs / "lora_vs_full", older], tmp_path / "report", log_wandb=False)
     assert {r["payload"] for r in result.rows} == {"full", "lora", "fp8"}
