@@ -130,6 +130,9 @@ class Predictor:
         return {**out, "share": lo, "pays": "below"}
 
 
+ONLY_AT_ZERO = 1e-4  # a break-even below 0.01 % changed: the payload pays only when nothing changed
+
+
 def kinds(cfg, planner, calibration: Optional[dict] = None) -> dict:
     """plan.json's `kinds`: per payload its bytes, share of the full update's, floor seconds and predicted time
     over each calibrated transport; the break-even changed share of the payloads whose fit counts changes. The
@@ -246,6 +249,11 @@ def kinds_lines(plan: dict) -> list[str]:
                 )
             elif b["pays"] == "always":
                 said.append(f"over {t} none, faster at any changed share")
+            elif b["share"] < ONLY_AT_ZERO:  # the first changed element's per-tensor costs already tip it
+                said.append(
+                    f"over {t} faster only when nothing changed ({fmt_seconds(b['at_zero_s'])} at 0 % against "
+                    f"{fmt_seconds(b['full_s'])})"
+                )
             else:
                 said.append(f"over {t} {fmt_share(b['share'])} changed (faster below it)")
         lines.append(

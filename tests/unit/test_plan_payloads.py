@@ -281,3 +281,13 @@ def test_the_calibration_grid_runs_each_fitted_payload_on_the_small_models():
         assert (bcfg.update.payload, bcfg.bench.changed_ratio) == (payload, ratio)
     ratios = {r for _, _, p, r in jobs if "changed" in payload_class(p).fit_terms}
     assert len(ratios) >= 2
+
+
+def test_a_break_even_below_a_hundredth_of_a_percent_reads_as_only_when_nothing_changed():
+    """Where the first changed element's per-tensor costs already make the delta slower, the bisection lands on a
+    share like 2e-9: the line says the delta pays only when nothing changed, not "0.0000002 %"."""
+    _, plan = break_even(1 / 2e9)
+    plan["kinds"]["break_even"]["delta"]["direct"].update(share=2e-9, at_zero_s=0.19, full_s=0.2)
+    line = next(ln for ln in render.render(plan).splitlines() if ln.startswith("Break-even share"))
+    assert "over direct faster only when nothing changed (0.19 s at 0 % against 0.20 s)" in line, line
+    assert "0.0000002" not in line
