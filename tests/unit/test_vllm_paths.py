@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_main, run_report, write_bench_job
+from conftest import needs_vllm, run_main, run_report, write_bench_job
 
 from rlsync.bench import vllm_paths
 from rlsync.bench.vllm_paths import PATHS, SEPARATION, VllmPathsTarget, verified
@@ -41,6 +41,7 @@ def one_line_refusal(proc, start: str) -> None:
         (("rollout.engine=vllm", "update.payload=fp8"), "rlsync: config error: update.payload=fp8"),
     ],
 )
+@needs_vllm  # without vLLM the first refusal is that it does not import (the test below)
 def test_the_target_refuses_what_it_would_not_compare(tmp_path, overrides, start):
     proc = run_main("bench.target=vllm_paths", *overrides, f"hydra.run.dir={tmp_path}", module="rlsync.bench")
     one_line_refusal(proc, start)
