@@ -15,12 +15,12 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rlsync.plan import payload_fit, profiles
 from rlsync.plan.calibrate import bench_runs_under
 
+ROOT = Path(__file__).resolve().parents[2]
 RUNS = ROOT / "experiments/payloads/results_cpu/runs"
 REFERENCE = ROOT / "rlsync/plan/reference/cpu.json"
 
