@@ -33,7 +33,9 @@ def main() -> None:
     data["payloads"] = section
     data["version"] = profiles.VERSION
     REFERENCE.write_text(json.dumps(data, indent=2) + "\n")
-    print(f"{REFERENCE.relative_to(ROOT)}: payloads fitted from {len(runs)} encode and decode rows under {section['source']}")
+    print(
+        f"{REFERENCE.relative_to(ROOT)}: payloads fitted from {len(runs)} encode and decode rows under {section['source']}"
+    )
     print("\n".join(payload_fit.fit_lines(data)))
 
 
