@@ -1126,3 +1126,24 @@ def check_scheme_bench(scheme: str, tmp_path: Path) -> None:
     if scheme == "rlsync":  # the HF engine holds bucket-shaped views: one copy, nothing but the pack
         assert setup["flat_engine_weights"] is True and setup["flat_engine_weights_why"].startswith("auto: on")
         assert "perf/update_weights_load_time" not in summary["metrics"]
+
+
+# -- the planner with data-parallel ranks (tests/unit and tests/process test_plan_ranks.py) ----------------------
+
+PLAN_COPY = {"direct/bucketed/flat": (60e-6, 40e-6, 1 / 6e9), "direct/bucketed": (60e-6, 40e-6, 1 / 6e9)}
+
+
+def copy_calibration() -> dict:
+    """A calibration file's copy part, as a fit writes it (no collective: a test adds the probe's or its own)."""
+    from rlsync.plan import cost, profiles
+
+    return {
+        "kind": profiles.KIND,
+        "version": 1,
+        "measured": True,
+        "machine": {"device": "cpu", "cpus": 2},
+        "dtypes": {"trainer": "float32", "engine": "bfloat16"},
+        "coefficients": {
+            k: cost.Coefficients(*v, points=5, rel_residual_max=0.1).as_dict() for k, v in PLAN_COPY.items()
+        },
+    }

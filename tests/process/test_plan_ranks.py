@@ -4,23 +4,10 @@ measures it. The rest of the planner with data-parallel ranks runs in-process: t
 from __future__ import annotations
 
 import pytest
+from conftest import copy_calibration
 
-from rlsync.plan import cost, profiles
+from rlsync.plan import profiles
 from rlsync.plan.collective import measure_collective
-
-COPY = {"direct/bucketed/flat": (60e-6, 40e-6, 1 / 6e9), "direct/bucketed": (60e-6, 40e-6, 1 / 6e9)}
-
-
-def calibration() -> dict:
-    """A calibration file's copy part, as a fit writes it: the probe's collective joins it."""
-    return {
-        "kind": profiles.KIND,
-        "version": 1,
-        "measured": True,
-        "machine": {"device": "cpu", "cpus": 2},
-        "dtypes": {"trainer": "float32", "engine": "bfloat16"},
-        "coefficients": {k: cost.Coefficients(*v, points=5, rel_residual_max=0.1).as_dict() for k, v in COPY.items()},
-    }
 
 
 def test_the_calibration_measures_an_all_gather_over_2_gloo_ranks():
@@ -29,4 +16,4 @@ def test_the_calibration_measures_an_all_gather_over_2_gloo_ranks():
     assert found["bus_gbps"] > 0 and found["gathered_gbps"] == pytest.approx(2 * found["bus_gbps"])
     assert 0 < found["latency_s"] < 1 and "all_gather" in found["probe"] and "2 ranks, gloo" in found["probe"]
     assert found["call_bytes"] is None or 0 < found["call_bytes"] <= 16 * 2**20  # the fastest call size probed
-    assert profiles.calibration_problem({**calibration(), "collective": found}) is None
+    assert profiles.calibration_problem({**copy_calibration(), "collective": found}) is None

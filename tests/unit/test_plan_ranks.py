@@ -8,23 +8,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_main
+from conftest import copy_calibration, run_main
 
-from rlsync.plan import cost, planner, profiles, render
+from rlsync.plan import planner, profiles, render
 
 BUS_GBPS, LATENCY_S, CALL_BYTES = 2.0, 100e-6, 16 * 2**20  # a collective as a calibration would hold it
-COPY = {"direct/bucketed/flat": (60e-6, 40e-6, 1 / 6e9), "direct/bucketed": (60e-6, 40e-6, 1 / 6e9)}
 
 
 def calibration(collective: bool = True) -> dict:
-    data = {
-        "kind": profiles.KIND,
-        "version": 1,
-        "measured": True,
-        "machine": {"device": "cpu", "cpus": 2},
-        "dtypes": {"trainer": "float32", "engine": "bfloat16"},
-        "coefficients": {k: cost.Coefficients(*v, points=5, rel_residual_max=0.1).as_dict() for k, v in COPY.items()},
-    }
+    data = copy_calibration()
     if collective:
         data["collective"] = {
             "bus_gbps": BUS_GBPS,
