@@ -185,6 +185,12 @@ def ranking_warning(best: dict[str, Any], other: dict[str, Any], stem: str, rank
             f"the copy floor moved {floors} {unit} between runs {jobs}: the machine changed under them, so the "
             f"difference is not called; rerun on a quiet machine."
         )
+    if threads := auto_threads_differ(best, other):
+        return (
+            f"runs {best['job']} and {other['job']} copied on {threads[0]} and {threads[1]} threads, as "
+            f"update.copy_threads=auto chose for each: the difference may be the thread count, not the setting, so "
+            f"it is not called (set update.copy_threads to compare)."
+        )
     if spans_overlap(time_span([best], stem), time_span([other], stem)):
         return (
             f"the min-max ranges of runs {best['job']} and {other['job']} overlap: the difference may be noise "
@@ -198,6 +204,19 @@ def ranking_warning(best: dict[str, Any], other: dict[str, Any], stem: str, rank
             f"{best['job']} and {other['job']} differently, so the difference is not called; rerun on a quiet machine."
         )
     return ""
+
+
+def auto_threads_differ(best: dict[str, Any], other: dict[str, Any]) -> Optional[tuple[int, int]]:
+    """(best's, other's) copy threads where they differ and auto chose them for at least one run (its probe picks
+    1 or 2 threads within noise: a sweep's jobs can resolve it apart, moving a ratio by up to 1.4x on a 2-core CPU);
+    None where they agree, are unknown, or a run set them (then the threads are the setting compared)."""
+    threads = (best.get("copy_threads"), other.get("copy_threads"))
+    if not all(is_number(t) for t in threads) or threads[0] == threads[1]:
+        return None
+    setups = [r.get("setup") if isinstance(r.get("setup"), dict) else {} for r in (best, other)]
+    if not any(str(s.get("copy_threads_why", "")).startswith("auto") for s in setups):
+        return None
+    return int(threads[0]), int(threads[1])
 
 
 def job_order(row: dict[str, Any]) -> tuple:

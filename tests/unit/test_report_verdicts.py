@@ -332,6 +332,25 @@ def test_runs_that_ran_at_the_same_time_are_never_called_real(tmp_path: Path) ->
     assert "the difference is real" in best_update_line(sweep)
 
 
+def test_copy_threads_that_auto_chose_apart_are_no_real_difference(tmp_path: Path) -> None:
+    """The payload study's sweep: update.copy_threads=auto took 1 thread in one job and 2 in the next (its probe
+    within noise), which moved the ratio between them by up to 1.4x. Ranges apart, it is not called; where a run
+    set the threads (a sweep of update.copy_threads), the threads are the setting and it is."""
+    sweep = bucket_sweep(tmp_path / "sweep", (1.0, 16.0))
+    for job, threads, why in (("0", 1, "auto: within the probe's spread: 1 thread"), ("1", 2, "auto: fastest on 2")):
+        data = json.loads((sweep / job / "summary.json").read_text())
+        data["setup"].update(copy_threads=threads, copy_threads_used=threads, copy_threads_why=why)
+        (sweep / job / "summary.json").write_text(json.dumps(data))
+    line = best_update_line(sweep)
+    assert "Warning: runs 1 and 0 copied on 2 and 1 threads, as update.copy_threads=auto chose for each" in line
+    assert "the difference is real" not in line
+    for job in "01":
+        data = json.loads((sweep / job / "summary.json").read_text())
+        data["setup"]["copy_threads_why"] = "set explicitly"
+        (sweep / job / "summary.json").write_text(json.dumps(data))
+    assert "the difference is real" in best_update_line(sweep)
+
+
 def test_runs_whose_setups_read_alike_are_labelled_by_what_differs(tmp_path: Path) -> None:
     """The ddp and fsdp2 runs of a sweep both read "direct, bucket 512 MiB": each is labelled with its own
     overrides; runs given by path with the same overrides, by the setup keys summary.json resolved."""
