@@ -1128,22 +1128,30 @@ def check_scheme_bench(scheme: str, tmp_path: Path) -> None:
         assert "perf/update_weights_load_time" not in summary["metrics"]
 
 
-# -- the planner with data-parallel ranks (tests/unit and tests/process test_plan_ranks.py) ----------------------
+# -- a calibration file, as a fit writes it (the planner's tests in both tiers) ----------------------------------
 
 PLAN_COPY = {"direct/bucketed/flat": (60e-6, 40e-6, 1 / 6e9), "direct/bucketed": (60e-6, 40e-6, 1 / 6e9)}
 
 
-def copy_calibration() -> dict:
-    """A calibration file's copy part, as a fit writes it (no collective: a test adds the probe's or its own)."""
+def copy_calibration(
+    coefficients: dict | None = None,
+    *,
+    measured: bool = True,
+    version: int = 1,
+    dtypes: tuple[str, str] = ("float32", "bfloat16"),
+) -> dict:
+    """A calibration file's copy part: `coefficients` setup key -> (per_call_s, per_tensor_s, per_byte_s), PLAN_COPY
+    by default (no collective, no payload fit: a test adds the probe's or its own)."""
     from rlsync.plan import cost, profiles
 
     return {
         "kind": profiles.KIND,
-        "version": 1,
-        "measured": True,
+        "version": version,
+        "measured": measured,
         "machine": {"device": "cpu", "cpus": 2},
-        "dtypes": {"trainer": "float32", "engine": "bfloat16"},
+        "dtypes": {"trainer": dtypes[0], "engine": dtypes[1]},
         "coefficients": {
-            k: cost.Coefficients(*v, points=5, rel_residual_max=0.1).as_dict() for k, v in PLAN_COPY.items()
+            k: cost.Coefficients(*v, points=5, rel_residual_max=0.1).as_dict()
+            for k, v in (coefficients or PLAN_COPY).items()
         },
     }

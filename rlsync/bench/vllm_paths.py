@@ -346,7 +346,7 @@ class VllmPathsTarget:
         paths = info.get("paths") or {}
 
         def get(path: str, key: str, which: str = "median"):
-            return m.get(f"vllm_paths/{path}/{key}", {}).get(which)
+            return path_stat(m, path, key).get(which)
 
         def spread(path: str, key: str) -> str:
             return fmt_spread(*(get(path, key, w) for w in ("median", "min", "max")))
@@ -425,7 +425,7 @@ def verified_cell(metrics: dict, path: str) -> str:
     new weights, smallest to the old), "NO" when any timed repeat failed the check."""
 
     def st(key: str) -> dict:
-        return metrics.get(f"vllm_paths/{path}/{key}", {})
+        return path_stat(metrics, path, key)
 
     ok = st("verified")
     figures = f"{st('logprob_max_diff').get('max', math.nan):.3g} / {st('logprob_mean_diff').get('max', math.nan):.3g}"

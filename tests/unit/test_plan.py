@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_main
+from conftest import ROOT, copy_calibration, run_main
 
 from rlsync.plan import cost, planner, profiles, render
 from rlsync.plan.calibrate import calibration_file, observations_under
@@ -105,16 +105,7 @@ def test_moved_bytes_count_the_copies_and_the_conversion():
 
 
 def calibration_of(coefficients=KNOWN, measured=True) -> dict:
-    return {
-        "kind": profiles.KIND,
-        "version": 1,
-        "measured": measured,
-        "machine": {"device": "cpu", "cpus": 2},
-        "dtypes": {"trainer": "bfloat16", "engine": "bfloat16"},
-        "coefficients": {
-            k: cost.Coefficients(*v, points=5, rel_residual_max=0.1).as_dict() for k, v in coefficients.items()
-        },
-    }
+    return copy_calibration(coefficients, measured=measured, dtypes=("bfloat16", "bfloat16"))
 
 
 def test_plan_schema_prediction_and_flags(compose):

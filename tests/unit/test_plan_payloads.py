@@ -9,13 +9,14 @@ import random
 
 import pytest
 import torch
+from conftest import copy_calibration
 
 from rlsync.config.apps import PlanAppConfig, PlanConfig
 from rlsync.config.schema import UpdateConfig
 from rlsync.config.validate import validate
 from rlsync.errors import ConfigError
 from rlsync.measure.timing import HostTimer
-from rlsync.plan import calibrate, cost, kinds, payload_fit, planner, profiles, render
+from rlsync.plan import calibrate, kinds, payload_fit, planner, profiles, render
 from rlsync.update.payload import payload_class, payload_names
 from rlsync.update.payload.kernels import Compiled
 
@@ -142,24 +143,11 @@ def test_a_side_its_runs_do_not_determine_is_left_out():
     assert "UNDERDETERMINED" in "\n".join(payload_fit.fit_lines({"payloads": section}))
 
 
-def coefficients(per_byte_s: float) -> dict:
-    """A calibration's coefficients for direct's bucketed setups, its bytes at 1 / per_byte_s."""
-    return {
-        key: cost.Coefficients(50e-6, 10e-6, per_byte_s, points=5, rel_residual_max=0.1).as_dict()
-        for key in ("direct/bucketed", "direct/bucketed/flat")
-    }
-
-
 def calibration(per_byte_s: float = 1e-9, payloads: dict | None = None, version: int = profiles.VERSION) -> dict:
-    data = {
-        "kind": profiles.KIND,
-        "version": version,
-        "measured": True,
-        "machine": {"device": "cpu", "cpus": 2},
-        "dtypes": {"trainer": "float32", "engine": "bfloat16"},
-        "coefficients": coefficients(per_byte_s),
-        "floor_gbps": GBPS,
-    }
+    """direct's bucketed setups at 50 us a call, 10 us a tensor and `per_byte_s`."""
+    setups = ("direct/bucketed", "direct/bucketed/flat")
+    data = copy_calibration(dict.fromkeys(setups, (5e-05, 1e-05, per_byte_s)), version=version)
+    data["floor_gbps"] = GBPS
     if payloads is not None:
         data["payloads"] = payloads
     return data

@@ -400,9 +400,8 @@ def quantize_whole(source: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, s
     `q` and `scale`, through `scratch` (the kernel cannot write into the staging buffer itself: Compiled's
     note; reused scratch, not a fresh tensor per call, whose first touch faults its pages in); False where it
     does not apply or did not compile (the caller's chunks serve)."""
-    if source.dtype != torch.float32 or source.device != q.device or not whole_blocks(source):
-        return False
-    if not source.is_contiguous():  # block_view needs the rows in order
+    fits = source.dtype == torch.float32 and source.device == q.device and whole_blocks(source)
+    if not fits or not source.is_contiguous():  # block_view needs the rows in order
         return False
     values = scratch.get("q", q.numel(), FP8, q.device).view(q.shape)
     scales = scratch.get("scale", scale.numel(), torch.float32, q.device).view(scale.shape)
