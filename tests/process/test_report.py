@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,9 +71,18 @@ def test_real_two_by_two_sweep(tmp_path: Path) -> None:
     md = (sweep / "report.md").read_text()
     # flat engine weights (the HF engine's default) stage nothing: a memory plot at 0 is not drawn
     assert "peak_memory_vs_bucket.png skipped: every run's update held 0 bytes" in md
-    assert "No fit: two update sizes only, and runs 0, 1, 2, 3 measured fewer than 3 steps" in md
+    # a run that a busy machine made a broken measurement is left out of the fit and the ranking, by name
+    left_out = re.search(r"Left out of the fit: runs ([\d, ]+) \(a broken measurement\)", md)
+    broken = set(left_out.group(1).split(", ")) if left_out else set()
+    kept = [job for job in "0123" if job not in broken]
+    sizes = [{"0", "1"} - broken, {"2", "3"} - broken]  # 1 layer, 2 layers
+    if all(sizes):
+        assert f"No fit: two update sizes only, and runs {', '.join(kept)} measured fewer than 3 steps" in md
+    else:
+        assert "No fit: " in md
     assert "update_time_vs_bytes.png skipped" in md and not (sweep / "update_time_vs_bytes.png").exists()
-    assert "too few to tell a real difference from noise (raise run.steps)" in md  # the best-setting warning
+    if any(len(jobs) == 2 for jobs in sizes):  # the best-setting warning, where two runs of one size are ranked
+        assert "too few to tell a real difference from noise (raise run.steps)" in md
 
 
 def test_a_file_size_limit_ends_with_one_line(sweep: Path, tmp_path: Path) -> None:
