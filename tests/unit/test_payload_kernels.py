@@ -1,26 +1,47 @@
-"""The delta's two implementations of one compaction agree: numpy's on a CPU, torch's (CUDA's, and the one
-tests/unit/test_payload_floors.py counts the bytes of) element for element, and both are bit for bit."""
+"""The delta's three implementations of one compaction agree: the C kernel's on a CPU (delta.c), numpy's where it
+did not build, torch's (CUDA's, and the one tests/unit/test_payload_floors.py counts the bytes of) element for
+element, all bit for bit; the C kernel's build falls back to numpy with its reason, and two builds at once both
+load."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
-from rlsync.update.payload import kernels
-from rlsync.update.payload.kernels import Scratch, changed_in_chunk, scatter_changed
+from rlsync.update.payload import kernels, native
+from rlsync.update.payload.base import SPARSE
+from rlsync.update.payload.kernels import Scratch, changed_in_chunk, compact_chunk, scatter_changed
 
 BF16 = torch.bfloat16
+BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # signed: the sign bit is iinfo's min
 
 
-def changed_pair(share: float, numel: int, offset: int, seed: int = 0):
+def has_compiler() -> bool:
+    try:
+        native.compiler()
+    except native.Unavailable:
+        return False
+    return True
+
+
+needs_cc = pytest.mark.skipif(
+    not has_compiler(), reason="no C compiler on this machine (cc, gcc, clang or $CC): delta.c cannot be built"
+)
+
+
+def changed_pair(share: float, numel: int, offset: int, seed: int = 0, dtype: torch.dtype = BF16):
     g = torch.Generator().manual_seed(seed)
-    old = torch.randn(numel + offset, generator=g).to(BF16)[offset:]
+    old = torch.randn(numel + offset, generator=g).to(dtype)[offset:]
     new = old.clone()
     flips = torch.rand(numel, generator=g) < share
-    new[flips] = -new[flips]
+    bits = new.view(BITS[dtype.itemsize])
+    bits[flips] ^= torch.iinfo(bits.dtype).min  # the sign bit: a negation (float8 has no neg)
     if numel > 3:  # the comparisons a value compare would miss: -0.0 against 0.0, a NaN kept
-        old[1], new[1] = 0.0, -0.0
-        old[2] = new[2] = float("nan")
+        zeros = torch.tensor([0.0, -0.0, float("nan")]).to(dtype)
+        old[1], new[1] = zeros[0], zeros[1]
+        old[2] = new[2] = zeros[2]
     return new, old
 
 
@@ -83,3 +104,178 @@ def test_the_compiled_fp8_kernels_are_the_reference_bit_for_bit():
     out = torch.empty(x.shape, dtype=BF16)
     assert dequantize_whole(q, scale, out), DEQUANTIZE.failed
     assert torch.equal(out.view(torch.int16), dequantize_blocks(ref_q, ref_scale, BF16).view(torch.int16))
+
+
+# ---- the C kernel (delta.c through native.py) ----------------------------------------------------------------
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [BF16, torch.float32, torch.float64, torch.float8_e4m3fn])
+@pytest.mark.parametrize("share", [0.0, 0.01, 0.3, 1.0])
+@pytest.mark.parametrize(("numel", "offset"), [(4096, 0), (4099, 0), (4096, 1), (1, 0), (70001, 3)])
+def test_the_c_compaction_is_numpy_s_bit_for_bit(monkeypatch, dtype, share, numel, offset):
+    """Whole runs of 64 words and a tail, an odd length, an unaligned chunk, every width; signed zeros and a NaN
+    kept count as changed. Positions int32 with the chunk's offset in the bucket added, `old` left as `new`."""
+    assert native.DELTA.why_not() is None  # a compiler is here: the kernel must build
+    bits, at = BITS[dtype.itemsize], 1000
+    found = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(native, "ENABLED", enabled)
+        new, old = changed_pair(share, numel, offset, dtype=dtype)
+        assert (kernels.native_compaction(new, old) is not None) == enabled  # which path ran
+        before = old.clone()
+        where, values = compact_chunk(new, old, Scratch(), at)
+        expect = torch.nonzero(new.view(bits) != before.view(bits)).view(-1)
+        assert where.dtype == torch.int32
+        assert torch.equal(where.long(), expect + at)
+        assert torch.equal(values.view(bits), new.view(bits)[expect])
+        assert torch.equal(old.view(bits), new.view(bits))
+        found[enabled] = (where, values.view(bits))
+    assert all(torch.equal(a, b) for a, b in zip(found[True], found[False]))
+
+
+@needs_cc
+@pytest.mark.parametrize(("numel", "offset"), [(4099, 1), (1 << 16, 0)])
+def test_the_c_count_counts_and_remembers_as_the_mask_does(monkeypatch, numel, offset):
+    """A bucket already going whole: its chunks counted (no positions) and `old` overwritten, as the mask's sum."""
+    counts = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(native, "ENABLED", enabled)
+        new, old = changed_pair(0.3, numel, offset)
+        counts[enabled] = int(kernels.count_chunk(new, old, Scratch()))
+        assert torch.equal(old.view(torch.int16), new.view(torch.int16))
+    assert counts[True] == counts[False] > 0
+
+
+def fresh_library(monkeypatch, cache, cls=native.Library) -> native.Library:
+    """delta.c's library as a new process sees it, building into `cache` (the user's cache dir)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    library = cls(native.DELTA.source, check=native.bind_delta)
+    monkeypatch.setattr(native, "DELTA", library)
+    return library
+
+
+def test_without_a_compiler_numpy_s_steps_run_and_the_reason_names_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    library = fresh_library(monkeypatch, tmp_path / "cache")
+    new, old = changed_pair(0.01, 4096, 0)
+    before = old.clone()
+    where, values = compact_chunk(new, old, Scratch(), 7)
+    assert library.lib is None and "no-such-cc" in library.why_not() and "no C compiler" in library.why_not()
+    assert kernels.native_compaction(new, old) is None
+    expect = torch.nonzero(new.view(torch.int16) != before.view(torch.int16)).view(-1)
+    assert torch.equal(where.long(), expect + 7)  # numpy's steps, offset and narrowed
+    assert torch.equal(values.view(torch.int16), new.view(torch.int16)[expect])
+    assert not (tmp_path / "cache").exists()  # nothing built
+
+
+@needs_cc
+def test_a_source_that_does_not_compile_is_unavailable_with_the_compiler_s_line(monkeypatch, tmp_path):
+    source = tmp_path / "broken.c"
+    source.write_text("int broken( {\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    library = native.Library(source)
+    assert library.get() is None
+    assert "broken.c" in library.why_not() and "exit" in library.why_not()
+    assert not list((tmp_path / "cache").rglob("*broken*"))  # its temporary file removed
+
+
+def test_turned_off_the_kernel_is_not_built_and_says_so(monkeypatch, tmp_path):
+    library = fresh_library(monkeypatch, tmp_path / "cache")
+    monkeypatch.setattr(native, "ENABLED", False)
+    assert native.compaction(2) is None and library.why_not() == native.OFF
+    assert not library.tried and not (tmp_path / "cache").exists()
+
+
+@needs_cc
+def test_two_builds_at_once_into_one_empty_cache_both_load(monkeypatch, tmp_path):
+    """Two processes' first use at once (two libraries, as two processes hold): both compile, each to its own
+    temporary name renamed into place, and both load the one build; no temporary file is left."""
+    both = threading.Barrier(2, timeout=60)
+
+    class AtOnce(native.Library):
+        def compile(self, command, path):
+            both.wait()  # each has seen no build in the cache: both compile
+            super().compile(command, path)
+
+    first = fresh_library(monkeypatch, tmp_path, AtOnce)
+    second = AtOnce(native.DELTA.source, check=native.bind_delta)
+    threads = [threading.Thread(target=lib.get) for lib in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert first.why_not() is None and second.why_not() is None
+    assert first.compiled and second.compiled and first.path == second.path
+    assert [p.name for p in (tmp_path / "rlsync" / "kernels").iterdir()] == [first.path.name]
+
+
+class Engine:
+    """The engine side as the delta's apply sees it: bf16 weights by trainer name, written in place."""
+
+    holds_flat_weights = True
+
+    def __init__(self, shapes: dict):
+        self.weights = {n: torch.zeros(s, dtype=BF16) for n, s in shapes.items()}
+
+    def load_weights(self, named):
+        for name, tensor in named:
+            self.weights[name].copy_(tensor)
+
+
+@needs_cc
+def test_a_home_shared_by_another_cpu_or_compiler_gets_its_own_build(monkeypatch, tmp_path):
+    """The build's name hashes the CPU's model and features and the compiler's version: another node's CPU (a
+    -march=native build would fault here) or compiler never loads this one's build."""
+    here = fresh_library(monkeypatch, tmp_path)
+    assert here.get() is not None and here.flags  # compiled here, with the flags it took
+    monkeypatch.setattr(native, "cpu_identity", lambda: "model name : another CPU")
+    other = native.Library(native.DELTA.source, check=native.bind_delta)
+    assert other.get() is not None and other.compiled and other.path != here.path
+    monkeypatch.setattr(native, "version_of", lambda command: "another compiler 1.0")
+    third = native.Library(native.DELTA.source, check=native.bind_delta)
+    assert third.get() is not None and len({here.path, other.path, third.path}) == 3
+
+
+@needs_cc
+def test_a_delta_update_through_the_payload_is_numpy_s_byte_for_byte(monkeypatch, tmp_path):
+    """DeltaEncoder over several buckets of small chunks on 2 threads: the first update, 1 % changed, nothing
+    changed, half changed (the buckets turn whole part-way: counted, not compacted) and 2 %, with the C kernel
+    and with numpy's steps: the same encodings, bytes sent and last values, and the engine where the trainer is."""
+    from rlsync.measure.timing import HostTimer
+    from rlsync.update.buckets import TensorMeta, plan_buckets
+    from rlsync.update.payload.delta import DeltaEncoder, DeltaPayload
+
+    library = fresh_library(monkeypatch, tmp_path)  # built by the first update: none of the later ones waits for it
+    monkeypatch.setattr(kernels, "CPU_CHUNK", 4096)  # many chunks a bucket, split over the threads
+    g = torch.Generator().manual_seed(5)
+    shapes = {"embed": (300, 64), "q": (128, 129), "norm": (65,), "down": (77, 300), "odd": (3, 5, 7)}
+    weights = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    buckets = plan_buckets([TensorMeta(n, tuple(t.shape), BF16) for n, t in weights.items()], 48 << 10)
+    assert len(buckets) > 1
+    encoders = {on: DeltaEncoder(buckets) for on in (True, False)}
+    buffers = {on: torch.zeros(max(b.numel for b in buckets), dtype=BF16) for on in (True, False)}
+    engine = Engine(shapes)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for step, share in enumerate((0.0, 0.01, 0.0, 0.5, 0.02)):
+            for t in weights.values():
+                t[torch.rand(t.shape, generator=g) < share] *= -1
+            for i, bucket in enumerate(buckets):
+                encoded, sent = {}, {}
+                for on in (True, False):
+                    monkeypatch.setattr(native, "ENABLED", on)
+                    encoded[on] = encoders[on].encode(i, bucket, weights, buffers[on], HostTimer(), {})
+                    sent[on] = buffers[on].view(torch.uint8)[: encoded[on].nbytes].clone()
+                assert encoded[True] == encoded[False], (step, i)
+                assert torch.equal(sent[True], sent[False]), (step, i)
+                last = [encoders[on].last[i].view(torch.int16) for on in (True, False)]
+                assert torch.equal(*last), (step, i)
+                DeltaPayload.decode(engine, bucket, buffers[True], encoded[True])
+            for name, t in weights.items():
+                assert torch.equal(engine.weights[name].view(torch.int16), t.to(BF16).view(torch.int16)), (step, name)
+            assert library.lib is not None, library.why_not()  # from the first update on
+        assert encoded[True].mode == SPARSE and encoded[True].count > 0  # the last step's 2 % went sparse
+    finally:
+        torch.set_num_threads(before)

@@ -3,8 +3,9 @@
 A chunk (`chunk_elements`) is small enough that its intermediates (the engine-dtype cast, the changed
 mask, the fp32 quotients) stay in the CPU's L2 while the chunk's source is read once from memory and its
 result written once; on CUDA, where each op is a kernel launch and a count a sync, the chunk is large
-(a few such per bucket). The same torch ops run on both; nothing here reads a pointer.
-Chosen over torch.compile by measurement (experiments/payloads/kernels.py, docs/payloads.md).
+(a few such per bucket). The same torch ops run on both, but for the delta's compaction on a CPU: a C kernel
+(delta.c, built at first use by native.py) where a C compiler is found, else numpy's steps. Chosen over
+torch.compile by measurement (experiments/payloads/kernels.py, docs/payloads.md).
 
 - `DeltaWriter`: cast, compare bit for bit with the last values, count, compact the changed positions
   and values into the staging buffer and remember them, chunk by chunk; a bucket whose changes would
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from rlsync.measure.devices import copy_into
+from rlsync.update.payload import native
 
 CPU_CHUNK = 1 << 20  # elements: 4 MiB of fp32 read, its bf16 cast and mask in cache (measured: kernels.py)
 CUDA_CHUNK = 1 << 24  # elements: launches and count syncs few per bucket; the GPU's L2 holds tens of MiB
@@ -32,8 +34,8 @@ E4M3_MAX = 448.0
 FP8 = torch.float8_e4m3fn
 INDEX_BYTES = 4  # an int32 position within its bucket
 SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bit-for-bit comparison
-NUMPY_ON_CPU = True  # the delta's compaction and apply through numpy on a CPU (False: torch's ops, which a
-# TorchDispatchMode sees one by one: tests/unit/test_payload_floors.py counts their bytes)
+NUMPY_ON_CPU = True  # the delta's compaction (C, else numpy) and apply (numpy) outside torch on a CPU (False: torch's
+# ops, which a TorchDispatchMode sees one by one: tests/unit/test_payload_floors.py counts their bytes)
 
 
 def chunk_elements(device: torch.device) -> int:
@@ -223,6 +225,53 @@ def changed_on_host(new: torch.Tensor, old: torch.Tensor, scratch: Scratch) -> t
     return torch.from_numpy(where), torch.from_numpy(values).view(new.dtype)
 
 
+def native_compaction(new: torch.Tensor, old: torch.Tensor):
+    """delta.c's compaction for this chunk (`native.compaction`), or None: off a CPU, with NUMPY_ON_CPU off, on a
+    chunk that is not contiguous (it reads pointers), or where it did not build (`native.DELTA.why_not()`)."""
+    if new.device.type != "cpu" or not NUMPY_ON_CPU or not (new.is_contiguous() and old.is_contiguous()):
+        return None
+    return native.compaction(new.element_size())
+
+
+def compact_chunk(new: torch.Tensor, old: torch.Tensor, scratch: Scratch, at: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`changed_in_chunk` with the positions in the bucket (int32, the chunk's first element `at` added).
+
+    Which runs: on a CPU delta.c's one pass (compare, count, compact and remember, no mask, the positions written
+    as int32 with `at` added: 1.3x less CPU time than numpy's steps at 0 % changed, 2 to 2.6x at 1 to 5 %,
+    experiments/payloads/kernels.py --compaction) where it built; else `changed_in_chunk`: numpy's steps on a
+    CPU (no C compiler: `native.DELTA.why_not()` says why), torch's ops on CUDA and where NUMPY_ON_CPU is off,
+    its int64 positions then offset and narrowed here (by numpy on a CPU)."""
+    fn = native_compaction(new, old)
+    if fn is not None:
+        k = new.numel()
+        where = scratch.get("where", k, torch.int32, new.device)  # room for every element; `count` written
+        values = scratch.get("values", k, new.dtype, new.device)
+        count = fn(new.data_ptr(), old.data_ptr(), k, at, where.data_ptr(), values.data_ptr())
+        # copied out (the scratch serves the next chunk) by numpy: torch's copy of over 32 Ki elements takes
+        # torch's threads, whose barrier a busy machine stalls for milliseconds (Workers' note)
+        bits = SAME_WIDTH_INT[new.element_size()]
+        kept = values.view(bits).numpy()[:count].copy()
+        return torch.from_numpy(where.numpy()[:count].copy()), torch.from_numpy(kept).view(new.dtype)
+    where, values = changed_in_chunk(new, old, scratch)
+    if where.device.type == "cpu" and NUMPY_ON_CPU:  # numpy's add and narrowing: no torch threads (above)
+        return torch.from_numpy((where.numpy() + at).astype(np.int32)), values
+    return torch.add(where, at).to(torch.int32), values
+
+
+def count_chunk(new: torch.Tensor, old: torch.Tensor, scratch: Scratch) -> int | torch.Tensor:
+    """How many elements of `new` differ bit for bit from `old`, which then holds `new` (a bucket already going
+    whole: counted, not compacted). delta.c's pass where it runs (no mask); else a mask and its sum (on CUDA kept
+    on the device: no sync per chunk)."""
+    fn = native_compaction(new, old)
+    if fn is not None:
+        return fn(new.data_ptr(), old.data_ptr(), new.numel(), 0, None, None)
+    mask = scratch.get("mask", new.numel(), torch.bool, new.device)
+    bits = SAME_WIDTH_INT[new.element_size()]
+    torch.ne(new.view(bits), old.view(bits), out=mask)
+    old.copy_(new)
+    return mask.sum()
+
+
 @torch.no_grad()
 def delta_encode(bucket, weights, buffer: torch.Tensor, last: torch.Tensor, workers: Workers, *, first: bool):
     """One bucket's delta into `buffer` against `last`, which it leaves holding the new values: each chunk of
@@ -230,14 +279,16 @@ def delta_encode(bucket, weights, buffer: torch.Tensor, last: torch.Tensor, work
     and values compacted there and scattered into `last`; then the positions (int32, ascending) and values
     written from the buffer's start. Where they would be no smaller than the bucket, the bucket goes whole
     (the buffer from `last`, now the new values). `first`: nothing kept yet, every element whole and kept.
+    Each chunk's compaction is `compact_chunk` (which kernel runs where, and why: its docstring).
 
     Returns (whole, changed elements, the trainer's bytes read)."""
     n, itemsize = last.numel(), last.element_size()
-    bits = SAME_WIDTH_INT[itemsize]
     most = (n * itemsize - 1) // (INDEX_BYTES + itemsize)  # sparse below this many changed: smaller
     items, read = chunks_of(bucket, weights, buffer.device)
-    found: dict[int, tuple | torch.Tensor] = {}  # per chunk: (int32 positions, values), or (whole) a count
+    found: dict[int, tuple | int | torch.Tensor] = {}  # per chunk: (int32 positions, values), or (whole) a count
     changed = [0]  # so far, over every run: once past `most` the chunks are counted, not compacted
+    if first and buffer.device.type == "cpu" and NUMPY_ON_CPU:
+        native.DELTA.get()  # the C kernel built (once a process) in the first update, which compacts nothing
 
     def work(run, scratch: Scratch) -> None:
         for at, k, pieces in run:
@@ -252,14 +303,11 @@ def delta_encode(bucket, weights, buffer: torch.Tensor, last: torch.Tensor, work
                 old.copy_(new)
                 continue
             if changed[0] > most:  # whole anyway: counted, not compacted
-                mask = scratch.get("mask", k, torch.bool, last.device)
-                torch.ne(new.view(bits), old.view(bits), out=mask)
-                found[at] = mask.sum()  # on CUDA kept on the device: no sync per chunk
-                old.copy_(new)
+                found[at] = count_chunk(new, old, scratch)
                 continue
-            where, values = changed_in_chunk(new, old, scratch)  # on CUDA a sync: what follows is sized by it
+            where, values = compact_chunk(new, old, scratch, at)  # on CUDA a sync: what follows is sized by it
             if where.numel():
-                found[at] = (torch.add(where, at).to(torch.int32), values)
+                found[at] = (where, values)
                 changed[0] += where.numel()
 
     workers.run(buffer.device, items, lambda item: item[1], work)
