@@ -2,6 +2,7 @@
 
     python experiments/payloads/kernels.py                 # the whole model's 2-D and 1-D tensors, 3 rounds
     python experiments/payloads/kernels.py --share 0.25 --rounds 5 --no-compile
+    python experiments/payloads/kernels.py --compaction --rounds 9   # delta.c against numpy's steps, A/B
 
 The trainer's fp32 tensors have Qwen3-0.6B's shapes (model=qwen3_0p6b, its checkpoint layout), packed into
 512 MiB buckets as the bench plans them. Each round times the copy probe first (rlsync.measure.floors: the
@@ -13,13 +14,23 @@ median over rounds printed with its spread (min to max).
 Variants: `eager` (the kernels before issue 45: whole-bucket ops, each a pass over memory), `chunked`
 (rlsync.update.payload.kernels at several chunk sizes, FP8's with its eager casts), `payload` (FP8 as the
 payload runs it: whole tensors through its compiled kernels, the kept and padded ones in chunks), `compile` (torch.compile over whole tensors, dynamic shapes, the inductor CPU
-backend: its compile time is printed; the delta's compaction stays eager, inductor cannot size it).
+backend: its compile time is printed; the delta's compaction stays eager, inductor cannot size it). The chunked
+delta runs delta.c's compaction (rlsync.update.payload.native) where it built; `chunked 1024K, numpy` the same
+with numpy's steps (native.ENABLED off), beside it in every round.
+
+`--compaction`: the compaction alone, delta.c's against numpy's steps (kernels.compact_chunk with native.ENABLED
+on and off: the positions int32 with the chunk's offset, as delta_encode takes them), alternating in one process
+(the first of each round alternates too) on 1 Mi-element bf16 chunks at 0, 1 and 5 % changed at random places,
+on one thread with one torch thread (as each of the update's chunk threads):
+each chunk copied into cache first, untimed (as the encode's cast leaves it), the last values read from memory;
+the median (min to max) of each round's ns per element and per changed element, the load average beside them.
 Results: experiments/payloads/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -35,7 +46,7 @@ from rlsync.measure.timing import HostTimer
 from rlsync.model.architecture import update_shapes
 from rlsync.update import flat
 from rlsync.update.buckets import TensorMeta, plan_buckets
-from rlsync.update.payload import kernels
+from rlsync.update.payload import kernels, native
 from rlsync.update.payload.base import FULL, SPARSE, Encoded
 from rlsync.update.payload.delta import DeltaEncoder, DeltaPayload, sparse_bytes
 from rlsync.update.payload.fp8 import FP8, Fp8Encoder, Fp8Payload, layout, quantize_blocks
@@ -229,6 +240,67 @@ def compiled_fp8_decode(fn, engine, bucket, buffer):
             engine.weights[meta.name].copy_(raw[values : values + meta.nbytes].view(BF16).view(meta.shape))
 
 
+# ---- the compaction alone: delta.c against numpy's steps ----------------------------------------
+
+
+def compaction_ab(rounds: int, numel: int, shares=(0.0, 0.01, 0.05)) -> None:
+    """`--compaction`: kernels.compact_chunk with delta.c and with numpy's steps, alternating, on one thread."""
+    why = native.DELTA.why_not()
+    print(f"delta.c: {'built, ' + str(native.DELTA.path) if why is None else 'unavailable: ' + why}")
+    if why is not None:
+        return
+    chunk = kernels.CPU_CHUNK
+    torch.set_num_threads(1)  # as each of the update's chunk threads runs (kernels.Workers)
+    g = torch.Generator().manual_seed(0)
+    base = (torch.randn(numel, generator=g) * 0.02).to(BF16)
+    last, scratch = base.clone(), kernels.Scratch()
+    new = scratch.get("cached", chunk, BF16, CPU)
+    print(
+        f"{numel / 2**20:.0f} Mi bf16 elements in {chunk // 1024}K chunks, {rounds} rounds; load average before: "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
+    print("| changed | kernel | ns / element, median (min to max) | ns / changed element | CPU time / element |")
+    print("|---|---|---|---|---|")
+    for share in shares:
+        source = base.clone()
+        picked = torch.randperm(numel, generator=g)[: round(share * numel)]
+        source.view(torch.int16)[picked] ^= -32768  # the sign bit: every pick changes
+        changed = len(picked)
+        times: dict[str, list[tuple[float, float]]] = {"delta.c": [], "numpy": []}
+        for r in range(rounds):
+            order = list(times) if r % 2 == 0 else list(times)[::-1]
+            for name in order:
+                native.ENABLED = name == "delta.c"
+                last.copy_(base)  # untimed: the last values are the old ones again (and leave the cache)
+                wall = cpu = 0.0
+                found = 0
+                for at in range(0, numel, chunk):
+                    k = min(chunk, numel - at)
+                    new[:k].copy_(source[at : at + k])  # in cache, as the cast leaves a chunk
+                    w0, c0 = time.perf_counter(), time.thread_time()
+                    where, _ = kernels.compact_chunk(new[:k], last[at : at + k], scratch, at)
+                    wall += time.perf_counter() - w0
+                    cpu += time.thread_time() - c0
+                    found += where.numel()
+                assert found == changed and torch.equal(last.view(torch.int16), source.view(torch.int16))
+                times[name].append((wall, cpu))
+        native.ENABLED = True
+        for name, ts in times.items():
+            per = [w * 1e9 / numel for w, _ in ts]
+            per_cpu = [c * 1e9 / numel for _, c in ts]
+            per_changed = [w * 1e9 / changed for w, _ in ts] if changed else None
+            cell = (
+                f"{statistics.median(per_changed):.1f} ({min(per_changed):.1f} to {max(per_changed):.1f})"
+                if per_changed
+                else "-"
+            )
+            print(
+                f"| {share:.0%} | {name} | {statistics.median(per):.3f} ({min(per):.3f} to {max(per):.3f}) | {cell} "
+                f"| {statistics.median(per_cpu):.3f} |"
+            )
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
 # ---- the benchmark ------------------------------------------------------------------------------
 
 
@@ -245,8 +317,13 @@ def main() -> None:
     parser.add_argument("--changed", type=float, default=0.01, help="share of elements flipped per round")
     parser.add_argument("--chunks", default="65536,262144,1048576", help="chunk sizes (elements)")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--compaction", action="store_true", help="only the delta's compaction: delta.c against numpy")
+    parser.add_argument("--elements", type=int, default=64 << 20, help="--compaction's elements (bf16)")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
+    if args.compaction:
+        compaction_ab(args.rounds, args.elements)
+        return
     weights = model_weights(args.share)
     metas = [TensorMeta(n, tuple(t.shape), BF16) for n, t in weights.items()]
     buckets = plan_buckets(metas, 512 << 20)
@@ -280,6 +357,8 @@ def main() -> None:
         out = {"eager": EagerDelta(buckets)}
         for c in chunks:
             out[f"chunked {c // 1024}K"] = (c, DeltaEncoder(buckets))
+            if c == 1 << 20:  # the default chunk with numpy's compaction: delta.c's gain within each round
+                out[f"chunked {c // 1024}K, numpy"] = (c, DeltaEncoder(buckets), False)
         if compiled:
             out["compile"] = CompiledDelta(buckets, compiled[0])
         return out
@@ -289,7 +368,7 @@ def main() -> None:
 
     def run_delta(name, v, index, bucket):
         if isinstance(v, tuple):
-            kernels.CPU_CHUNK = v[0]
+            kernels.CPU_CHUNK, native.ENABLED = v[0], v[2] if len(v) > 2 else True
             return v[1].encode(index, bucket, weights, buffer, timer, {})
         return v.encode(index, bucket, weights, buffer)
 
@@ -318,7 +397,9 @@ def main() -> None:
                     enc = run_delta(name, v, i, b)
                     total += time.perf_counter() - t0
                     floor += DeltaPayload.floor(b, enc, source).encode
-                    if isinstance(v, tuple) and v[0] == 1 << 20:  # the apply once per round, after the default chunk
+                    if (
+                        isinstance(v, tuple) and v[0] == 1 << 20 and len(v) == 2
+                    ):  # the apply once per round, after the default chunk
                         dec_total += timed(DeltaPayload.decode, engine, b, buffer, enc)
                         dec_floor += DeltaPayload.floor(b, enc, source).decode
                 record(f"delta encode {label}, {name}", total, floor, bw)
