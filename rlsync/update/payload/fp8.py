@@ -43,6 +43,8 @@ from rlsync.update.payload.kernels import (
     chunk_elements,
     dequantize_rows,
     dequantize_whole,
+    native_dequantize,
+    native_quantize,
     quantize_rows,
     quantize_whole,
 )
@@ -132,26 +134,33 @@ class Fp8Encoder(Encoder):
         parts, nbytes = layout(bucket)
         raw = buffer.view(torch.uint8)
         device = buffer.device
-        with timer("encode", row):  # each quantized tensor a group of block rows at a time (kernels.quantize_rows)
+        with timer("encode", row):  # each quantized tensor a group of block rows at a time, on the threads
             items, read = [], 0
             for slot, fp8, values, scales in parts:
                 source, meta = weights[slot.meta.name], slot.meta
                 read += source.numel() * source.element_size()
+                kind = "copy"
                 if fp8:
                     q, scale = fp8_views(raw, meta, values, scales)
-                    if quantize_whole(source, q, scale, self.scratch):  # the compiled kernel (kernels.Compiled)
+                    job = native_quantize(source, q, scale)  # fp8.c (kernels' FP8 note: which runs where)
+                    if job is not None:
+                        kind, dst = "native", job
+                    elif quantize_whole(source, q, scale, self.scratch):  # the compiled kernel (kernels.Compiled)
                         continue
-                    dst = (q, scale)
+                    else:
+                        kind, dst = "rows", (q, scale)
                 else:
                     dst = raw[values : values + meta.nbytes].view(bucket.dtype).view(meta.shape)
                 width = meta.numel // max(1, meta.shape[0] if meta.shape else 1)  # elements a row
-                items += [(source, dst, fp8, r0, h, h * width) for r0, h in row_groups(meta, fp8, device)]
+                items += [(kind, source, dst, r0, h, h * width) for r0, h in row_groups(meta, fp8, device)]
 
             def work(run, scratch):
-                for source, dst, fp8, r0, h, _ in run:
-                    if fp8:
+                for kind, source, dst, r0, h, _ in run:
+                    b0, b1 = r0 // BLOCK, -(-(r0 + h) // BLOCK)
+                    if kind == "native":
+                        dst(b0, b1)
+                    elif kind == "rows":
                         q, scale = dst
-                        b0, b1 = r0 // BLOCK, -(-(r0 + h) // BLOCK)
                         quantize_rows(source[r0 : r0 + h], q[r0 : r0 + h], scale[b0:b1], scratch)
                     else:
                         copy_into(rows_of(dst, r0, h), rows_of(source, r0, h))
@@ -212,8 +221,9 @@ class Fp8Payload(Payload):
     @torch.no_grad()
     def decode(cls, engine: Engine, bucket: Bucket, buffer: torch.Tensor, encoded: Encoded) -> None:
         """Each tensor a chunk at a time straight into the engine's weight where the engine holds its weights by
-        trainer name (`holds_flat_weights`: the HF engine), the quantized ones dequantized on the way
-        (kernels.dequantize_rows); else into tensors handed to its loader in one call."""
+        trainer name (`holds_flat_weights`: the HF engine), the quantized ones dequantized on the way (fp8.c's
+        block rows on the threads, else the compiled kernel, else kernels.dequantize_rows: kernels' FP8 note);
+        else into tensors handed to its loader in one call."""
         parts, _ = layout(bucket)
         raw = buffer.view(torch.uint8)
         device = buffer.device
@@ -232,16 +242,23 @@ class Fp8Payload(Payload):
             else:
                 target = torch.empty(meta.shape, dtype=bucket.dtype, device=device)
                 named.append((meta.name, target))
-            if fp8 and dequantize_whole(*src, target):  # the compiled kernel, whole (kernels.Compiled)
-                continue
+            kind = "rows" if fp8 else "copy"
+            if fp8:
+                job = native_dequantize(*src, target)  # fp8.c (kernels' FP8 note: which runs where)
+                if job is not None:
+                    kind, src = "native", job
+                elif dequantize_whole(*src, target):  # the compiled kernel, whole (kernels.Compiled)
+                    continue
             width = meta.numel // max(1, meta.shape[0] if meta.shape else 1)  # elements a row
-            items += [(src, target, fp8, r0, h, h * width) for r0, h in row_groups(meta, fp8, device)]
+            items += [(kind, src, target, r0, h, h * width) for r0, h in row_groups(meta, fp8, device)]
 
         def work(run, scratch):
-            for src, target, fp8, r0, h, _ in run:
-                if fp8:
+            for kind, src, target, r0, h, _ in run:
+                b0, b1 = r0 // BLOCK, -(-(r0 + h) // BLOCK)
+                if kind == "native":
+                    src(b0, b1)
+                elif kind == "rows":
                     q, scale = src
-                    b0, b1 = r0 // BLOCK, -(-(r0 + h) // BLOCK)
                     dequantize_rows(q[r0 : r0 + h], scale[b0:b1], target[r0 : r0 + h], scratch)
                 else:
                     copy_into(rows_of(target, r0, h), rows_of(src, r0, h))

@@ -3,17 +3,22 @@
 A chunk (`chunk_elements`) is small enough that its intermediates (the engine-dtype cast, the changed
 mask, the fp32 quotients) stay in the CPU's L2 while the chunk's source is read once from memory and its
 result written once; on CUDA, where each op is a kernel launch and a count a sync, the chunk is large
-(a few such per bucket). The same torch ops run on both, but for the delta's compaction on a CPU: a C kernel
-(delta.c, built at first use by native.py) where a C compiler is found, else numpy's steps. Chosen over
+(a few such per bucket). The same torch ops run on both, but for the delta's compaction and FP8's quantize and
+dequantize on a CPU: C kernels (delta.c, fp8.c, built at first use by native.py) where a C compiler is found,
+else numpy's steps (the delta) or torch's kernels (FP8). Chosen over
 torch.compile by measurement (experiments/payloads/kernels.py, docs/payloads.md).
 
 - `DeltaWriter`: cast, compare bit for bit with the last values, count, compact the changed positions
   and values into the staging buffer and remember them, chunk by chunk; a bucket whose changes would
   make the sparse form no smaller than the bucket switches to whole mid-way, without a second pass.
 - `scatter_changed`: the delta's apply, one scatter per engine tensor.
-- `quantize_into`, `dequantize_into`: FP8's block amax, scale, divide and e4m3 cast per group of
-  128-row blocks into the staging buffer; the multiply and the engine-dtype cast straight into the
-  engine's weights. Bit for bit the reference block quantization (rlsync/update/payload/fp8.py).
+- FP8's block amax, scale, divide and e4m3 cast into the staging buffer; the multiply and the engine-dtype
+  cast straight into the engine's weights. Bit for bit the reference block quantization
+  (rlsync/update/payload/fp8.py). Which runs: on a CPU fp8.c (`native_quantize`, `native_dequantize`: one
+  vectorised C pass, the block rows over the update's threads) where it built and the tensor is float32 (the
+  engine's bf16 or float32), contiguous, whole blocks; else torch.compile's kernels on whole tensors
+  (`quantize_whole`, `dequantize_whole`: on CUDA always); else the eager chunks (`quantize_rows`,
+  `dequantize_rows`).
 """
 
 from __future__ import annotations
@@ -411,7 +416,8 @@ class Compiled:
     float8 casts are scalar loops on a CPU (3 ns an element for e4m3 -> float32, 0.5 for float32 -> e4m3 on
     this project's machine, against 0.1 for the float32 <-> bf16 casts), which the compiled kernels vectorise.
     Called on whole tensors from the caller's thread (inductor's loops take the update's threads): faster
-    than compiled per chunk over Python threads, measured (experiments/payloads/kernels.py). Where the compile
+    than compiled per chunk over Python threads, measured (experiments/payloads/kernels.py). On a CPU only where
+    fp8.c does not run (`native_quantize`: no C compiler, NUMPY_ON_CPU off); on CUDA always. Where the compile
     fails (no compiler), `failed` says why after the first call and the eager chunks serve. The quantize
     writes into scratch tensors, then copied into the staging buffer: aot_autograd refuses input mutations on
     views of one storage with two dtypes (the buffer's values and scales)."""
@@ -436,18 +442,58 @@ class Compiled:
 
 QUANTIZE = Compiled(quantize_blocks_whole)
 DEQUANTIZE = Compiled(dequantize_blocks_whole)
+NATIVE_TARGETS = {torch.bfloat16: "bf16", torch.float32: "f32"}  # fp8.c's dequantize targets (native.FP8_TARGETS)
 
 
 def whole_blocks(t: torch.Tensor) -> bool:
     return t.shape[0] % BLOCK == 0 and t.shape[1] % BLOCK == 0
 
 
+def native_fp8(*tensors: torch.Tensor):
+    """fp8.c's library (`native.fp8_kernels`) for these tensors, or None: off a CPU, with NUMPY_ON_CPU off (torch's
+    ops only: tests/unit/test_payload_floors.py watches them), on a tensor that is not contiguous (it reads
+    pointers) or not whole 128x128 blocks, or where it did not build (`native.FP8.why_not()`)."""
+    first = tensors[0]
+    if first.device.type != "cpu" or not NUMPY_ON_CPU or first.dim() != 2 or not whole_blocks(first):
+        return None
+    if any(t.device != first.device or not t.is_contiguous() for t in tensors):
+        return None
+    return native.fp8_kernels()
+
+
+def native_quantize(source: torch.Tensor, q: torch.Tensor, scale: torch.Tensor):
+    """fp8.c's quantize of `source` (float32, 2-D, whole blocks, contiguous) into `q` (e4m3, its shape) and `scale`
+    (its blocks) as `job(b0, b1)` over its block rows [b0, b1) (ctypes releases the GIL: the encoder's Workers run
+    the jobs of a bucket's block rows on its threads), or None where `native_fp8` says no or `source` is not
+    float32 (the caller runs `quantize_whole`, else `quantize_rows`)."""
+    lib = native_fp8(source, q, scale) if source.dtype == torch.float32 else None
+    if lib is None:
+        return None
+    rows, cols = source.shape
+    x, out, s = source.data_ptr(), q.data_ptr(), scale.data_ptr()
+    return lambda b0, b1: lib.rlsync_fp8_quantize(x, rows, cols, b0, b1, out, s)
+
+
+def native_dequantize(q: torch.Tensor, scale: torch.Tensor, target: torch.Tensor):
+    """fp8.c's dequantize of e4m3 `q` times its block `scale` into `target` (bf16 or float32, contiguous) as
+    `job(b0, b1)` over block rows, as `native_quantize`; None where it does not apply (the caller runs
+    `dequantize_whole`, else `dequantize_rows`)."""
+    name = NATIVE_TARGETS.get(target.dtype)
+    lib = native_fp8(q, scale, target) if name is not None and target.shape == q.shape else None
+    if lib is None:
+        return None
+    fn = getattr(lib, f"rlsync_fp8_dequantize_{name}")
+    rows, cols = q.shape
+    src, s, out = q.data_ptr(), scale.data_ptr(), target.data_ptr()
+    return lambda b0, b1: fn(src, s, rows, cols, b0, b1, out)
+
+
 @torch.no_grad()
 def quantize_whole(source: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scratch: Scratch) -> bool:
-    """A whole tensor of whole 128x128 blocks (float32, on `q`'s device) quantized by the compiled kernel into
-    `q` and `scale`, through `scratch` (the kernel cannot write into the staging buffer itself: Compiled's
-    note; reused scratch, not a fresh tensor per call, whose first touch faults its pages in); False where it
-    does not apply or did not compile (the caller's chunks serve)."""
+    """A whole tensor of whole 128x128 blocks (float32, on `q`'s device) quantized by the compiled kernel into `q`
+    and `scale`, through `scratch` (the kernel cannot write into the staging buffer itself: Compiled's note;
+    reused scratch, not a fresh tensor per call, whose first touch faults its pages in); False where it does not
+    apply or did not compile (the caller's chunks serve). The encoder asks `native_quantize` first (fp8.c)."""
     fits = source.dtype == torch.float32 and source.device == q.device and whole_blocks(source)
     if not fits or not source.is_contiguous():  # block_view needs the rows in order
         return False
@@ -463,7 +509,7 @@ def quantize_whole(source: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, s
 @torch.no_grad()
 def dequantize_whole(q: torch.Tensor, scale: torch.Tensor, target: torch.Tensor) -> bool:
     """A whole tensor of whole blocks dequantized by the compiled kernel straight into `target` (the engine's
-    weight); False where it does not apply or did not compile."""
+    weight); False where it does not apply or did not compile. The decode asks `native_dequantize` first."""
     if target.device != q.device or not whole_blocks(q) or not target.is_contiguous():
         return False
     return DEQUANTIZE(block_view(q), scale, block_view(target)) is not None

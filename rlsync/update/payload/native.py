@@ -1,8 +1,9 @@
 """The payloads' C kernels on a CPU: compiled at first use by the system's C compiler, cached per user, loaded
 with ctypes, as inductor builds its CPU kernels.
 
-`DELTA` is delta.c (the delta's compaction, one pass per chunk: kernels.compact_chunk). Its first use in a
-process compiles it (once: a lock) with `$CC` (split as a shell would, no shell run), else the first of cc, gcc,
+`DELTA` is delta.c (the delta's compaction, one pass per chunk: kernels.compact_chunk); `FP8` is fp8.c (FP8's
+block quantize and dequantize of whole tensors by block rows: kernels.quantize_whole, kernels.dequantize_whole).
+Each one's first use in a process compiles it (once: a lock) with `$CC` (split as a shell would, no shell run), else the first of cc, gcc,
 clang on PATH, for this CPU (`-march=native`; without it where the compiler refuses it), into
 `$XDG_CACHE_HOME/rlsync/kernels` (else ~/.cache/rlsync/kernels), named by a hash of the source, the flags, the
 compiler's version, the machine and the CPU's model and features (/proc/cpuinfo), so a home directory shared by
@@ -12,7 +13,8 @@ renamed into place (`os.replace`: two processes compiling at once both load a wh
 config or model goes into the command.
 
 Any failure (no compiler, a compile error, a load error, its self-check) leaves the kernel unavailable, its
-reason in `why_not()`, and the caller runs numpy's steps: never an exception into a run. Off with
+reason in `why_not()`, and the caller runs its other path (numpy's steps, torch's kernels): never an exception
+into a run. Off with
 RLSYNC_NATIVE_KERNELS=0 in the environment or `native.ENABLED = False`.
 """
 
@@ -217,3 +219,57 @@ def compaction(width: int):
     if lib is None or width not in WIDTHS:
         return None
     return getattr(lib, f"rlsync_delta_w{width}")
+
+
+BLOCK_CHECK = 128  # fp8.c's block, each way
+FP8_TARGETS = {"bf16": 2, "f32": 4}  # the engine dtypes fp8.c dequantizes into (rlsync_fp8_dequantize_<name>)
+# The self-check: e4m3fn bytes of float32 values whose conversion takes each of c10's paths (zeros, a subnormal
+# result and a tie between two subnormals, a normal one and ties rounding to even either way, a carry into the
+# next power of two, 448 and what rounds or saturates to it (470: a carry into NaN's bits), infinity, NaN), as
+# torch gives them.
+FP8_CHECK = (
+    (0.0, 0x00), (-0.0, 0x80), (0.001953125, 0x01), (0.0029296875, 0x02), (-0.005859375, 0x83), (1.0, 0x38),
+    (1.0625, 0x38), (1.1875, 0x3A), (-3.75, 0xC7), (1.9375, 0x40), (448.0, 0x7E), (464.0, 0x7E), (470.0, 0x7E),
+    (1e9, 0x7E), (float("inf"), 0x7E), (float("-inf"), 0xFE), (float("nan"), 0x7F),
+)  # fmt: skip
+
+
+def bind_fp8(lib: ctypes.CDLL) -> None:
+    """The kernels' signatures, then a self-check: the conversion of `FP8_CHECK`'s values and back, and one
+    block's quantize and bf16 dequantize (its scale 2: every value exact). A build that computes otherwise is not
+    used."""
+    lib.rlsync_fp8_quantize.argtypes = [POINTER, COUNT, COUNT, COUNT, COUNT, POINTER, POINTER]  # x, rows, cols,
+    lib.rlsync_fp8_quantize.restype = None  # first and last block row + 1, q, scale
+    for name in FP8_TARGETS:
+        fn = getattr(lib, f"rlsync_fp8_dequantize_{name}")
+        fn.argtypes = [POINTER, POINTER, COUNT, COUNT, COUNT, COUNT, POINTER]  # q, scale, rows, cols, b0, b1, out
+        fn.restype = None
+    for fn in (lib.rlsync_fp8_from_float, lib.rlsync_fp8_to_float):
+        fn.argtypes = [POINTER, COUNT, POINTER]  # in, n, out
+        fn.restype = None
+    n = len(FP8_CHECK)
+    values = (ctypes.c_float * n)(*(v for v, _ in FP8_CHECK))
+    got = (ctypes.c_uint8 * n)()
+    lib.rlsync_fp8_from_float(values, n, got)
+    back = (ctypes.c_float * n)()
+    lib.rlsync_fp8_to_float(got, n, back)
+    if list(got) != [b for _, b in FP8_CHECK] or list(back[:4]) != [0.0, -0.0, 0.001953125, 0.00390625]:
+        raise Unavailable(f"{lib._name}: its self-check's e4m3 conversions differ from torch's (miscompiled?)")
+    k = BLOCK_CHECK * BLOCK_CHECK  # one block: -448 and 448 (scale 2 * 448 = 896) among values 2 * small integers
+    x = (ctypes.c_float * k)(*(float(2 * ((i % 17) - 8)) for i in range(k)))
+    x[5], x[k - 1] = -896.0, 896.0
+    q, scale, out = (ctypes.c_uint8 * k)(), (ctypes.c_float * 1)(), (ctypes.c_uint16 * k)()
+    lib.rlsync_fp8_quantize(x, BLOCK_CHECK, BLOCK_CHECK, 0, 1, q, scale)
+    lib.rlsync_fp8_dequantize_bf16(q, scale, BLOCK_CHECK, BLOCK_CHECK, 0, 1, out)
+    exact = [ctypes.c_uint32.from_buffer_copy(ctypes.c_float(v)).value >> 16 for v in x]  # bf16's bits
+    if scale[0] != 2.0 or list(out) != exact:
+        raise Unavailable(f"{lib._name}: its self-check's block quantize and dequantize differ (miscompiled?)")
+
+
+FP8 = Library(Path(__file__).with_name("fp8.c"), check=bind_fp8)
+
+
+def fp8_kernels():
+    """fp8.c's loaded library (`rlsync_fp8_quantize`, `rlsync_fp8_dequantize_<FP8_TARGETS name>`), or None where
+    it is off or failed (`FP8.why_not()` says why)."""
+    return FP8.get()

@@ -1,0 +1,222 @@
+"""fp8.c (FP8's block quantize and dequantize on a CPU, built by native.py) is fp8.py's reference bit for bit: its
+e4m3 conversions are torch's, its blocks' scales and values and its bf16 and float32 dequantize the reference's on
+every kind of value, and an FP8 update through the payload runs it over the threads; without a C compiler the
+torch path runs and the reason says why."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from rlsync.update.payload import kernels, native
+from rlsync.update.payload.fp8 import dequantize_blocks, quantize_blocks
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+BITS = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+
+
+def has_compiler() -> bool:
+    try:
+        native.compiler()
+    except native.Unavailable:
+        return False
+    return True
+
+
+needs_cc = pytest.mark.skipif(
+    not has_compiler(), reason="no C compiler on this machine (cc, gcc, clang or $CC): fp8.c cannot be built"
+)
+
+
+def library() -> ctypes.CDLL:
+    lib = native.fp8_kernels()
+    assert lib is not None, native.FP8.why_not()  # a compiler is here: the kernel must build
+    return lib
+
+
+def e4m3_values() -> torch.Tensor:
+    """Every finite e4m3fn value, ascending, as float32."""
+    every = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    return every[torch.isfinite(every)].unique()
+
+
+def hard_values(rows: int, cols: int) -> torch.Tensor:
+    """Magnitudes over 15 decades (e4m3's subnormal results and its top, after scaling), signed zeros, and per
+    block (as many as fit): exact ties between two e4m3 values (scale 1: the block's amax is 448), values that
+    round up to 448, a NaN, an infinity, an all-zero block."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-12, 3, rows * cols)[
+        torch.randperm(rows * cols, generator=g)
+    ].view(rows, cols)
+    x[0, :6] = torch.tensor([-0.0, 0.0, 1e-30, -1e-30, 1e-12, -3e-9])
+    e4m3 = e4m3_values()
+    ties = (e4m3[1:] + e4m3[:-1]) / 2  # exact in float32: round to even decides
+    ties = ties[ties.abs() < 448]
+    k = min(ties.numel(), 128 * 128 - 8)
+    tie_block = torch.zeros(128 * 128)
+    tie_block[:k] = ties[torch.randperm(ties.numel(), generator=g)[:k]]
+    tie_block[-8:] = torch.tensor([448.0, -448.0, 432.0, -432.0, 447.9, 440.0, 1e-3 * 2**-3, 2**-9 * 1.5])
+    blocks = [tie_block.view(128, 128)]
+    nan_block = x[:128, :128].clone()
+    nan_block[7, 9] = float("nan")
+    inf_block = x[:128, :128].clone()
+    inf_block[3, 5], inf_block[100, 2] = float("inf"), -float("inf")
+    blocks += [nan_block, inf_block, torch.zeros(128, 128)]
+    for i, block in enumerate(blocks[: (rows // 128) * (cols // 128) - 1]):
+        r, c = divmod(i + 1, cols // 128)  # block (0, 0) keeps the spread of magnitudes
+        x[r * 128 : (r + 1) * 128, c * 128 : (c + 1) * 128] = block
+    return x
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(
+        a.view(BITS.get(a.dtype, torch.uint8)), b.view(BITS.get(b.dtype, torch.uint8))
+    )
+
+
+@needs_cc
+def test_the_e4m3_conversions_are_torch_s_for_every_byte_and_many_floats():
+    lib = library()
+    every = torch.arange(256, dtype=torch.uint8)
+    wide = torch.empty(256)
+    lib.rlsync_fp8_to_float(every.data_ptr(), 256, wide.data_ptr())
+    assert torch.equal(wide.view(torch.int32), every.view(FP8).float().view(torch.int32))  # NaNs' bits too
+    g = torch.Generator().manual_seed(1)
+    e4m3 = e4m3_values()
+    ties = (e4m3[1:] + e4m3[:-1]) / 2
+    near = torch.cat([ties, torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1)])
+    random_bits = torch.randint(-(2**31), 2**31, (1 << 18,), generator=g, dtype=torch.int64).to(torch.int32)
+    specials = torch.tensor([0.0, -0.0, 448.0, 464.0, 480.0, 1e38, float("inf"), -float("inf"), float("nan")])
+    x = torch.cat([near, -near, random_bits.view(torch.float32), specials])
+    q = torch.empty(x.numel(), dtype=torch.uint8)
+    lib.rlsync_fp8_from_float(x.data_ptr(), x.numel(), q.data_ptr())
+    assert torch.equal(q, x.to(FP8).view(torch.uint8))
+
+
+@needs_cc
+@pytest.mark.parametrize("shape", [(128, 128), (256, 384), (1024, 128), (128, 8448)])
+def test_the_quantize_and_dequantize_are_the_reference_bit_for_bit(shape):
+    """Over its block rows in two calls (as two threads split them), into bf16 and float32; 8448 columns: a band
+    read by 64 block columns, then one (fp8.c's GROUP)."""
+    library()
+    x = hard_values(*shape)
+    q, scale = torch.empty(shape, dtype=FP8), torch.empty(shape[0] // 128, shape[1] // 128)
+    job = kernels.native_quantize(x, q, scale)
+    assert job is not None
+    half = scale.shape[0] // 2
+    job(half, scale.shape[0])
+    job(0, half)
+    ref_q, ref_scale = quantize_blocks(x)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(scale.view(torch.int32), ref_scale.view(torch.int32))
+    if shape == (256, 384):  # the kinds of value the blocks hold: each reached
+        assert torch.isnan(q.float()).any() and (q.view(torch.uint8) == 0x7E).any()  # NaN; 448
+        assert ((q.view(torch.uint8) & 0x78) == 0).logical_and(q.float() != 0).any()  # subnormal results
+        assert (scale == 1).sum() >= 3  # the ties' (amax 448), the NaN's and the all-zero block's
+        assert torch.isinf(scale).any()
+    for dtype in (BF16, torch.float32):
+        out = torch.empty(shape, dtype=dtype)
+        job = kernels.native_dequantize(q, scale, out)
+        assert job is not None
+        job(0, half)
+        job(half, scale.shape[0])
+        assert bits_equal(out, dequantize_blocks(ref_q, ref_scale, dtype)), dtype
+
+
+def test_what_fp8_c_does_not_take_goes_elsewhere(monkeypatch):
+    """Not whole blocks, not contiguous, not float32 at the source or an engine dtype it has no kernel for, and
+    NUMPY_ON_CPU off (tests/unit/test_payload_floors.py's torch ops): None, the torch path serves."""
+    x, q, scale = torch.zeros(256, 256), torch.empty(256, 256, dtype=FP8), torch.empty(2, 2)
+    assert kernels.native_quantize(torch.zeros(256, 200), torch.empty(256, 200, dtype=FP8), scale) is None
+    assert kernels.native_quantize(x.t().contiguous().t()[:, :128], q[:, :128], scale[:, :1]) is None
+    assert kernels.native_quantize(x.to(BF16), q, scale) is None
+    assert kernels.native_dequantize(q, scale, torch.empty(256, 256, dtype=torch.float16)) is None
+    monkeypatch.setattr(kernels, "NUMPY_ON_CPU", False)
+    assert kernels.native_quantize(x, q, scale) is None
+    assert kernels.native_dequantize(q, scale, torch.empty(256, 256, dtype=BF16)) is None
+
+
+class Engine:
+    holds_flat_weights = True
+
+    def __init__(self, shapes: dict[str, tuple], dtype: torch.dtype):
+        self.weights = {n: torch.zeros(s, dtype=dtype) for n, s in shapes.items()}
+
+
+def fp8_update(weights: dict[str, torch.Tensor], dtype: torch.dtype, threads: int):
+    """Every bucket of `weights` encoded by Fp8Encoder and decoded into an engine of `dtype` on `threads` threads
+    (small chunks: each tensor's block rows split over them); the engine's weights and the reference's."""
+    from rlsync.measure.timing import HostTimer
+    from rlsync.update.buckets import TensorMeta, plan_buckets
+    from rlsync.update.payload.fp8 import Fp8Encoder, Fp8Payload, reference
+
+    buckets = plan_buckets([TensorMeta(n, tuple(t.shape), dtype) for n, t in weights.items()], 1 << 20)
+    engine = Engine({n: tuple(t.shape) for n, t in weights.items()}, dtype)
+    encoder = Fp8Encoder()
+    buffer = torch.zeros(max(b.numel for b in buckets), dtype=dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for i, bucket in enumerate(buckets):
+            encoded = encoder.encode(i, bucket, weights, buffer, HostTimer(), {})
+            Fp8Payload.decode(engine, bucket, buffer, encoded)
+    finally:
+        torch.set_num_threads(before)
+    slots = {s.meta.name: s for b in buckets for s in b.slots}
+    return engine.weights, {n: reference(slots[n], t, dtype) for n, t in weights.items()}
+
+
+SHAPES = {"q_proj": (512, 256), "down_proj": (256, 640), "odd_proj": (200, 130), "norm": (256,), "wide": (128, 1152)}
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_an_fp8_update_through_the_payload_runs_fp8_c_on_the_threads_and_is_the_reference(
+    monkeypatch, eager_kernels, dtype
+):
+    library()
+    monkeypatch.setattr(kernels, "CPU_CHUNK", 128 * 128)  # a block row a chunk: several per tensor, split
+    ran = []
+    for name in ("native_quantize", "native_dequantize"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(
+            f"rlsync.update.payload.fp8.{name}", lambda *a, real=real, name=name: ran.append(name) or real(*a)
+        )
+    g = torch.Generator().manual_seed(4)
+    weights = {n: torch.randn(s, generator=g) * 0.02 for n, s in SHAPES.items()}
+    weights["wide"][5, 7] = float("nan")
+    got, expected = fp8_update(weights, dtype, threads=2)
+    for name in SHAPES:
+        assert bits_equal(got[name], expected[name]), name
+    assert ran.count("native_quantize") == ran.count("native_dequantize") == 4  # every 2-D tensor went to fp8.c
+
+
+@needs_cc
+def test_without_a_compiler_the_torch_kernels_run_and_the_reason_names_it(monkeypatch, tmp_path, eager_kernels):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    fresh = native.Library(native.FP8.source, check=native.bind_fp8)
+    monkeypatch.setattr(native, "FP8", fresh)
+    g = torch.Generator().manual_seed(6)
+    weights = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    got, expected = fp8_update(weights, BF16, threads=1)
+    for name in SHAPES:
+        assert bits_equal(got[name], expected[name]), name
+    assert fresh.lib is None and "no C compiler" in fresh.why_not() and "no-such-cc" in fresh.why_not()
+    assert kernels.native_quantize(weights["q_proj"], torch.empty(512, 256, dtype=FP8), torch.empty(4, 2)) is None
+    assert not (tmp_path / "cache").exists()  # nothing built
+
+
+@needs_cc
+def test_a_build_whose_self_check_fails_is_not_used(monkeypatch, tmp_path):
+    """fp8.c with its saturation at 448 broken: built, loaded, refused by bind_fp8's check, the reason given."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    text = native.FP8.source.read_text()
+    broken = text.replace("normal = normal == 0x7F ? 0x7E : normal;", "")
+    assert broken != text
+    source = tmp_path / "fp8.c"
+    source.write_text(broken)
+    wrong = native.Library(source, check=native.bind_fp8)
+    assert wrong.get() is None and "self-check" in wrong.why_not()
