@@ -13,8 +13,11 @@ median over rounds printed with its spread (min to max).
 
 Variants: `eager` (the kernels before issue 45: whole-bucket ops, each a pass over memory), `chunked`
 (rlsync.update.payload.kernels at several chunk sizes, FP8's with its eager casts), `payload` (FP8 as the
-payload runs it: whole tensors through its compiled kernels, the kept and padded ones in chunks), `compile` (torch.compile over whole tensors, dynamic shapes, the inductor CPU
-backend: its compile time is printed; the delta's compaction stays eager, inductor cannot size it). The chunked
+payload runs it: fp8.c's block rows over the update's threads, or on the caller's thread alone; with fp8.c off
+(native.ENABLED) whole tensors through its compiled kernels; the kept and padded ones in chunks), `compile`
+(torch.compile over whole tensors, dynamic shapes, the inductor CPU backend: its compile time is printed; the
+delta's compaction stays eager, inductor cannot size it). Each row's ns per element is over all the buckets'
+elements; the load average before and after is printed. The chunked
 delta runs delta.c's compaction (rlsync.update.payload.native) where it built; `chunked 1024K, numpy` the same
 with numpy's steps (native.ENABLED off), beside it in every round.
 
@@ -378,10 +381,14 @@ def main() -> None:
             run_delta(name, v, i, b)
     results: dict[str, list[float]] = {}
     bw_seen = []
+    native.ENABLED = True  # the delta's variants left it as their last one wants
+    print(f"fp8.c: {'built, ' + str(native.FP8.path) if native.FP8.why_not() is None else native.FP8.why_not()}")
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
 
-    def record(key, seconds, floor_bytes, bw):
+    def record(key, seconds, floor_bytes, bw, elements=numel):
         results.setdefault(key, []).append(seconds / (floor_bytes / bw))
         results.setdefault(key + " [s]", []).append(seconds)
+        results.setdefault(key + " [ns]", []).append(seconds / elements * 1e9)
 
     for r in range(args.rounds):
         bw = copy_bandwidth(read + numel * 2, src=CPU, dst=CPU, dtypes=(torch.float32, BF16)).per_second
@@ -411,9 +418,12 @@ def main() -> None:
                     for i, b in enumerate(buckets):
                         run_delta(name, v, i, b)
         # FP8: quantize and dequantize each bucket
-        fp8_variants = {"eager": None, **{f"chunked {c // 1024}K, eager casts": (c, False) for c in chunks}}
-        if compiled:  # what runs (the payload's whole-tensor compiled kernels, the chunks for the rest), and the same
-            fp8_variants["payload: compiled whole tensors, 1024K chunks for the rest"] = (1 << 20, True)
+        # (chunk, kernels.Compiled.enabled, native.ENABLED, threads: None the update's, 1 the caller's alone)
+        fp8_variants = {"eager": None, **{f"chunked {c // 1024}K, eager casts": (c, False, False) for c in chunks}}
+        fp8_variants["payload: fp8.c, block rows over the threads"] = (1 << 20, True, True, None)
+        fp8_variants["payload: fp8.c, the caller's thread"] = (1 << 20, True, True, 1)
+        if compiled:  # the payload's whole-tensor compiled kernels (fp8.c off), the chunks for the rest; the same
+            fp8_variants["payload: compiled whole tensors, 1024K chunks for the rest"] = (1 << 20, True, False)
             fp8_variants["compile, whole tensors (this script's)"] = "compile"  # kernels, outside the payload
         enc8 = Fp8Encoder()
         for name, v in fp8_variants.items():
@@ -430,36 +440,42 @@ def main() -> None:
                     enc = Encoded(2, b.numel, layout(b)[1], None)
                     td += timed(compiled_fp8_decode, compiled[2], engine, b, buffer)
                 else:
-                    kernels.CPU_CHUNK, kernels.Compiled.enabled = v
-                    t0 = time.perf_counter()
-                    enc = enc8.encode(0, b, weights, buffer, timer, {})
-                    te += time.perf_counter() - t0
-                    td += timed(Fp8Payload.decode, engine, b, buffer, enc)
+                    kernels.CPU_CHUNK, kernels.Compiled.enabled, native.ENABLED = v[:3]
+                    threads = torch.get_num_threads()
+                    torch.set_num_threads(v[3] if len(v) > 3 and v[3] else threads)  # Workers' count
+                    try:
+                        t0 = time.perf_counter()
+                        enc = enc8.encode(0, b, weights, buffer, timer, {})
+                        te += time.perf_counter() - t0
+                        td += timed(Fp8Payload.decode, engine, b, buffer, enc)
+                    finally:
+                        torch.set_num_threads(threads)
                 floor = Fp8Payload.floor(b, enc, source)
                 fe, fd = fe + floor.encode, fd + floor.decode
-            record(f"fp8 quantize, {name}", te, fe, bw)
-            record(f"fp8 dequantize, {name}", td, fd, bw)
+            record(f"fp8 quantize, {name}", te, fe, bw, numel)
+            record(f"fp8 dequantize, {name}", td, fd, bw, numel)
         # the full update's copy, for the goals' ratios: pack (fp32 -> bf16) then load (bf16 -> bf16)
         t_full = 0.0
         for b in buckets:
             t_full += timed(flat.pack, b, weights, buffer[: b.numel])
             t_full += timed(engine.load_weights, flat.views(b, buffer[: b.numel]))
         record("full update (pack + load)", t_full, read + 3 * numel * 2, bw)
-    kernels.CPU_CHUNK, kernels.Compiled.enabled = 1 << 20, True
+    kernels.CPU_CHUNK, kernels.Compiled.enabled, native.ENABLED = 1 << 20, True, True
     gbps = [b / 1e9 for b in bw_seen]
+    print(f"load average before: {load_before}, after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(
         f"copy probe (fp32 -> bf16, read + written): {statistics.median(gbps):.1f} GB/s ({min(gbps):.1f} to {max(gbps):.1f})"
     )
-    print("| kernel | time, median (min to max) | time / its floor, median (min to max) | efficiency |")
-    print("|---|---|---|---|")
+    print("| kernel | time, median (min to max) | ns/element | time / its floor, median (min to max) | efficiency |")
+    print("|---|---|---|---|---|")
     for key, ratios in results.items():
-        if key.endswith(" [s]"):
+        if key.endswith((" [s]", " [ns]")):
             continue
-        secs = results[key + " [s]"]
+        secs, ns = results[key + " [s]"], results[key + " [ns]"]
         m = statistics.median(ratios)
         print(
             f"| {key} | {statistics.median(secs):.3f} s ({min(secs):.3f} to {max(secs):.3f}) "
-            f"| {m:.2f}x ({min(ratios):.2f} to {max(ratios):.2f}) | {1 / m:.2f} |"
+            f"| {statistics.median(ns):.2f} | {m:.2f}x ({min(ratios):.2f} to {max(ratios):.2f}) | {1 / m:.2f} |"
         )
 
 
