@@ -167,6 +167,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(LongestFirst(), "rlsync-longest-first")
 
 
+def replace_environ(new: dict) -> None:
+    """os.environ made `new` without clearing it first: a thread of this process (an engine's, a payload's kernel
+    build) never sees a moment without PATH (gcc's linker, run then, was not found)."""
+    for key in [k for k in os.environ if k not in new]:
+        del os.environ[key]
+    os.environ.update(new)
+
+
 def cli_env(**extra) -> dict:
     env = {
         **os.environ,
@@ -238,8 +246,7 @@ def run_main(
     shell.REPORTED.clear()
     shell.SWEEP_ENDED.clear()  # a sweep of an earlier call that ended early left no report hook behind
     try:
-        os.environ.clear()
-        os.environ.update(environ if environ is not None else cli_env(**env))
+        replace_environ(environ if environ is not None else cli_env(**env))
         os.chdir(cwd or ROOT)
         sys.argv = [str(argv0), *map(str, args)]
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -258,8 +265,7 @@ def run_main(
             sys.modules["wandb"].teardown()
         sys.argv = saved_argv
         os.chdir(saved_cwd)
-        os.environ.clear()
-        os.environ.update(saved_env)
+        replace_environ(saved_env)
         for handler in root.handlers[:]:
             if handler not in saved_handlers:
                 root.removeHandler(handler)
@@ -371,8 +377,7 @@ def environment():
     before = dict(os.environ)
     yield
     if os.environ != before:
-        os.environ.clear()
-        os.environ.update(before)
+        replace_environ(before)
 
 
 class Ids:

@@ -188,6 +188,20 @@ def test_turned_off_the_kernel_is_not_built_and_says_so(monkeypatch, tmp_path):
 
 
 @needs_cc
+def test_a_process_without_path_still_builds_and_shares_the_build_of_one_with_it(monkeypatch, tmp_path):
+    """Without PATH gcc's collect2 found no `ld` (a whole-suite run hit it): the compiler's environment gets the
+    system's default path; the build is named by the compiler's real file, so both processes share one."""
+    library = fresh_library(monkeypatch, tmp_path / "cache")
+    assert library.why_not() is None
+    monkeypatch.delenv("PATH")
+    again = native.Library(library.source, check=native.bind_delta)
+    assert again.why_not() is None and again.path == library.path and not again.compiled
+    library.path.unlink()
+    rebuilt = native.Library(library.source, check=native.bind_delta)
+    assert rebuilt.why_not() is None and rebuilt.compiled
+
+
+@needs_cc
 def test_two_builds_at_once_into_one_empty_cache_both_load(monkeypatch, tmp_path):
     """Two processes' first use at once (two libraries, as two processes hold): both compile, each to its own
     temporary name renamed into place, and both load the one build; no temporary file is left."""

@@ -59,18 +59,29 @@ def compiler() -> list[str]:
         found = shutil.which(words[0])
         if found is None:
             raise Unavailable(f"no C compiler: $CC={cc!r} ({words[0]} not found)")
-        return [found, *words[1:]]
+        return [os.path.realpath(found), *words[1:]]
     for name in COMPILERS:
         found = shutil.which(name)
-        if found:
-            return [found]
+        if found:  # its real file: one build's name whichever link on PATH found it (/bin/cc, /usr/bin/cc)
+            return [os.path.realpath(found)]
     raise Unavailable(f"no C compiler: none of {', '.join(COMPILERS)} on PATH and $CC unset")
+
+
+def compiler_env(command: list[str]) -> dict[str, str]:
+    """The compiler's environment: this process's, with a PATH where the compiler's own helpers (the linker,
+    the assembler) are found: a process may run without PATH (gcc's collect2 then cannot find `ld`), so the
+    system's default path and the compiler's own folder stand in for a missing one or follow a given one."""
+    given = os.environ.get("PATH") or os.defpath
+    folders = [given, os.defpath, str(Path(command[0]).parent)]
+    return {**os.environ, "PATH": os.pathsep.join(dict.fromkeys(f for f in folders if f))}
 
 
 def version_of(command: list[str]) -> str:
     """The compiler's `--version` text, part of the build's key (another compiler, another build)."""
     try:
-        done = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=30, check=False)
+        done = subprocess.run(
+            [*command, "--version"], capture_output=True, text=True, timeout=30, check=False, env=compiler_env(command)
+        )
     except (OSError, subprocess.SubprocessError) as err:
         raise Unavailable(f"{command[0]} --version failed: {err}") from err
     if done.returncode:
@@ -175,6 +186,7 @@ class Library:
                         text=True,
                         timeout=COMPILE_TIMEOUT_S,
                         check=False,
+                        env=compiler_env(command),
                     )
                 except (OSError, subprocess.SubprocessError) as err:
                     raise Unavailable(f"{command[0]} could not compile {self.source.name}: {err}") from err
