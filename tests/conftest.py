@@ -900,6 +900,26 @@ def ours(result: subprocess.CompletedProcess) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
+# The payloads' C kernels (rlsync/update/payload/native.py): a C compiler to build them
+# ----------------------------------------------------------------------------------------------
+
+
+def has_c_compiler() -> bool:
+    from rlsync.update.payload import native
+
+    try:
+        native.compiler()
+    except native.Unavailable:
+        return False
+    return True
+
+
+needs_cc = pytest.mark.skipif(
+    not has_c_compiler(), reason="no C compiler on this machine (cc, gcc, clang or $CC): the C kernels cannot be built"
+)
+
+
+# ----------------------------------------------------------------------------------------------
 # vLLM: installed, and its releases' wheels
 # ----------------------------------------------------------------------------------------------
 

@@ -9,25 +9,13 @@ import ctypes
 
 import pytest
 import torch
+from conftest import needs_cc
 
 from rlsync.update.payload import kernels, native
 from rlsync.update.payload.fp8 import dequantize_blocks, quantize_blocks
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 BITS = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
-
-
-def has_compiler() -> bool:
-    try:
-        native.compiler()
-    except native.Unavailable:
-        return False
-    return True
-
-
-needs_cc = pytest.mark.skipif(
-    not has_compiler(), reason="no C compiler on this machine (cc, gcc, clang or $CC): fp8.c cannot be built"
-)
 
 
 def library() -> ctypes.CDLL:

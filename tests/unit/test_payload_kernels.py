@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from conftest import needs_cc
 
 from rlsync.update.payload import kernels, native
 from rlsync.update.payload.base import SPARSE
@@ -16,19 +17,6 @@ from rlsync.update.payload.kernels import Scratch, changed_in_chunk, compact_chu
 
 BF16 = torch.bfloat16
 BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # signed: the sign bit is iinfo's min
-
-
-def has_compiler() -> bool:
-    try:
-        native.compiler()
-    except native.Unavailable:
-        return False
-    return True
-
-
-needs_cc = pytest.mark.skipif(
-    not has_compiler(), reason="no C compiler on this machine (cc, gcc, clang or $CC): delta.c cannot be built"
-)
 
 
 def changed_pair(share: float, numel: int, offset: int, seed: int = 0, dtype: torch.dtype = BF16):
