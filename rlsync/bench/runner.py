@@ -276,6 +276,7 @@ class Bench:
                 "scheme": update.scheme,
                 "transport": self.setup.get("transport") or update.transport,  # stall: always broadcast
                 "payload": payload_name(update),  # what each bucket carried (rlsync/update/payload)
+                "payload_kernels": payload_of(update).kernels(str(self.device)),  # which encoded it, and why
                 "strategy": update.strategy,
                 "bucket_mb": update.bucket_mb,
                 "source": update.source,
@@ -415,7 +416,7 @@ def update_table(result: dict) -> str:
             f"{fmt_bytes(result['model'].get('update_bytes'))} (model.update_layout={s.get('layout')})."
         )
     if other:  # update.payload other than full: what crossed, against the full update
-        out.append(payload_line(m, s.get("payload")))
+        out.append(payload_line(m, s.get("payload"), s.get("payload_kernels")))
         if floors := payload_floor_line(m):  # its encode and decode against their own floors
             out.append(floors)
     if auto := summaries.auto_line(s):

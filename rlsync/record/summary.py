@@ -184,10 +184,11 @@ def verdict(
     return f"{share_verdict(update, threshold)}. This run used transport={setup['transport']}, {how}{at_floor}.{sent}"
 
 
-def payload_line(stats: dict, payload: str | None) -> str | None:
+def payload_line(stats: dict, payload: str | None, kernels: str | None = None) -> str | None:
     """A payload other than full (update.payload, as its class calls itself): the bytes that crossed
-    against the full update's, the share of elements that changed (a payload that compares) and the encoding's time
-    (medians over the measured updates); None for a full update."""
+    against the full update's, the share of elements that changed (a payload that compares), the encoding's time
+    (medians over the measured updates) and the kernels that ran (setup's `payload_kernels`, where recorded);
+    None for a full update."""
     full = stats.get("perf/update_weights_full_bytes", {}).get("median")
     if not full:
         return None
@@ -217,6 +218,8 @@ def payload_line(stats: dict, payload: str | None) -> str | None:
             f" merged in fp32 then cast (the nearest engine-dtype weights), {fmt_sig(low)} merged in the"
             f" engine's dtype ({fmt_share(differ)} of the merged elements differ)."
         )
+    if kernels:
+        line += f" Kernels: {kernels}."
     return line
 
 

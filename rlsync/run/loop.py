@@ -508,6 +508,7 @@ def run_summary(
         "vllm_reload_mode": cfg.rollout.vllm_reload_mode,  # VLLM_RELOAD_MODE (vLLM 0.34+); null: vLLM's default
         "release_level": cfg.rollout.release_level,  # what the engine's release gives back (vLLM's levels)
         "payload": payload_name(cfg.update),  # what each bucket carried: update.payload (rlsync/update/payload)
+        "payload_kernels": payload_of(cfg.update).kernels(str(device)),  # which encoded and decoded it, and why
         "engine_address": cfg.update.engine_address,  # null: the engine ran on this machine, started by the run
         "max_response_len": cfg.rollout.max_response_len,
         "offload": cfg.trainer.offload,
@@ -610,7 +611,9 @@ def print_closing(result: dict) -> None:
     if "warning" in result:
         print(f"WARNING: {result['warning']}", file=out)
     print(result["verdict"], file=out)
-    line = summaries.payload_line(result["metrics"], result["setup"].get("payload"))
+    line = summaries.payload_line(
+        result["metrics"], result["setup"].get("payload"), result["setup"].get("payload_kernels")
+    )
     if line:
         print(line, file=out)
     if result.get("verification") == "passed":

@@ -281,3 +281,21 @@ def test_a_delta_update_through_the_payload_is_numpy_s_byte_for_byte(monkeypatch
         assert encoded[True].mode == SPARSE and encoded[True].count > 0  # the last step's 2 % went sparse
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_run_names_the_kernels_that_timed_its_payload_and_why_a_faster_one_did_not_run(monkeypatch, tmp_path):
+    """summary.json's setup `payload_kernels` and the payload's closing line: numpy's steps time another delta
+    than delta.c's, so a run says which ran (and, where the C kernel could not, why)."""
+    from rlsync.record.summary import payload_line
+    from rlsync.update.payload import payload_class
+
+    stats = {"perf/update_weights_full_bytes": {"median": 100.0}, "perf/update_weights_bytes": {"median": 10.0}}
+    assert payload_class("full").kernels("cpu") is None and payload_class("delta").kernels("cuda:0") == "torch's ops"
+    assert payload_line(stats, "delta", None).endswith("(10.0 %).")  # a run recorded before the key: as it was
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    fresh_library(monkeypatch, tmp_path / "cache")
+    kernels = payload_class("delta").kernels("cpu")
+    assert kernels.startswith("numpy's steps (delta.c: no C compiler: $CC=") and "no-such-cc" in kernels
+    assert payload_line(stats, "delta", kernels).endswith(f" Kernels: {kernels}.")
+    monkeypatch.setattr(native, "ENABLED", False)
+    assert payload_class("fp8").kernels("cpu").endswith(f"(fp8.c: {native.OFF})")

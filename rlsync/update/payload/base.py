@@ -127,6 +127,13 @@ class Payload(ABC):
         return f"{cls.title} ({cls.key()}{'; ' + cls.note if cls.note else ''})"
 
     @classmethod
+    def kernels(cls, device: str) -> str | None:
+        """Which kernels encode and decode it on `device` ("cpu", "cuda:0"), with why where a faster one could
+        not run (summary.json's setup `payload_kernels`, the payload's closing line): times from other kernels
+        are other measurements. None: the transport's own copies."""
+        return None
+
+    @classmethod
     def check_config(cls, cfg) -> None:
         """This payload's rules across the config's keys: a ConfigError naming the key. Every payload's: the
         LoRA ones need trainer.lora.rank > 0, the others refuse it (a payload that ignored the adapters would

@@ -24,6 +24,7 @@ from rlsync.engines.base import Engine, engine_class
 from rlsync.errors import ConfigError
 from rlsync.fmt import fmt_share
 from rlsync.update.buckets import Bucket
+from rlsync.update.payload import native
 from rlsync.update.payload.base import (
     BESIDE_FULL,
     DECODE_FLOOR,
@@ -92,6 +93,13 @@ class DeltaPayload(Payload):
     metrics = (*BESIDE_FULL, "perf/update_weights_changed_ratio", *ENCODE_FLOOR, *DECODE_FLOOR)
     fit_terms = ("floor", "tensors", "changed")  # its compare and scatter cost per changed element beside its floor
     workers = Workers()  # the engine side's scatters over its threads (decode is a class method: no instance)
+
+    @classmethod
+    def kernels(cls, device: str) -> str | None:
+        if not device.startswith("cpu"):
+            return "torch's ops"
+        why = native.DELTA.why_not()
+        return "delta.c" if why is None else f"numpy's steps (delta.c: {why})"
 
     @classmethod
     def check_config(cls, cfg) -> None:

@@ -22,6 +22,7 @@ from rlsync.engines.base import Engine
 from rlsync.errors import ConfigError
 from rlsync.measure.devices import copy_into
 from rlsync.update.buckets import Bucket, Slot
+from rlsync.update.payload import native
 from rlsync.update.payload.base import (
     BESIDE_FULL,
     DECODE_FLOOR,
@@ -177,6 +178,13 @@ class Fp8Payload(Payload):
     metrics = BESIDE_FULL + ENCODE_FLOOR + DECODE_FLOOR
     fit_terms = ("floor", "tensors")  # one pass each way: a multiple of its floor and a cost per tensor
     workers = Workers()  # the engine side's chunks over its threads (decode is a class method: no instance)
+
+    @classmethod
+    def kernels(cls, device: str) -> str | None:
+        if not device.startswith("cpu"):
+            return "torch.compile's (Triton), else the eager chunks"
+        why = native.FP8.why_not()
+        return "fp8.c" if why is None else f"torch.compile's, else the eager chunks (fp8.c: {why})"
 
     @classmethod
     def check_config(cls, cfg) -> None:
