@@ -96,10 +96,7 @@ class DeltaPayload(Payload):
 
     @classmethod
     def kernels(cls, device: str) -> str | None:
-        if not device.startswith("cpu"):
-            return "torch's ops"
-        why = native.DELTA.why_not()
-        return "delta.c" if why is None else f"numpy's steps (delta.c: {why})"
+        return native.DELTA.describe("numpy's steps") if device.startswith("cpu") else "torch's ops"
 
     @classmethod
     def check_config(cls, cfg) -> None:

@@ -183,8 +183,7 @@ class Fp8Payload(Payload):
     def kernels(cls, device: str) -> str | None:
         if not device.startswith("cpu"):
             return "torch.compile's (Triton), else the eager chunks"
-        why = native.FP8.why_not()
-        return "fp8.c" if why is None else f"torch.compile's, else the eager chunks (fp8.c: {why})"
+        return native.FP8.describe("torch.compile's, else the eager chunks")
 
     @classmethod
     def check_config(cls, cfg) -> None:

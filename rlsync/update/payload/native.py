@@ -141,6 +141,11 @@ class Library:
         self.get()
         return self.reason
 
+    def describe(self, fallback: str) -> str:
+        """What runs in its place on a CPU, for a run's record: its file's name, or `fallback` and why it did not."""
+        why = self.why_not()
+        return self.source.name if why is None else f"{fallback} ({self.source.name}: {why})"
+
     def key(self, command: list[str]) -> str:
         parts = [
             self.source.read_bytes(),
