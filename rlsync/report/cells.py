@@ -123,7 +123,7 @@ def rows_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-PAYLOAD_FLOOR_HEADER = ("run", "payload", "changed share", "encode (floor)", "encode efficiency", "decode (floor)", "decode efficiency")  # fmt: skip
+PAYLOAD_FLOOR_HEADER = ("run", "payload", "kernels", "changed share", "encode (floor)", "encode efficiency", "decode (floor)", "decode efficiency")  # fmt: skip
 
 
 def payload_floor_table(rows: list[dict[str, Any]], common: Iterable[str] = ()) -> Optional[str]:
@@ -138,6 +138,7 @@ def payload_floor_table(rows: list[dict[str, Any]], common: Iterable[str] = ()) 
         [
             run_label(row, common),
             f"{row['transport']}, {row['payload']}",
+            row.get("kernels") or "-",  # which encoded and decoded it (setup.payload_kernels); "-": not recorded
             "-" if row.get("update_changed_ratio_median") is None else fmt_share(row["update_changed_ratio_median"]),
             side(row, "encode"),
             fmt_efficiency(row.get("update_encode_efficiency_median")),
@@ -149,7 +150,10 @@ def payload_floor_table(rows: list[dict[str, Any]], common: Iterable[str] = ()) 
     ]
     if not cells:
         return None
-    note = "Each payload against its own floors: the bytes its kernels must read and write over the copy probe."
+    note = (
+        "Each payload against its own floors: the bytes its kernels (those that ran, summary.json's "
+        "setup.payload_kernels) must read and write over the copy probe."
+    )
     return "\n".join([note, "", markdown_table(PAYLOAD_FLOOR_HEADER, cells)])
 
 

@@ -1,12 +1,14 @@
 """Which setting won: per model the fastest update and step against the runner-up, and whether the
 gap is real. A gap is called real only when it survives the machine the runs ran on: enough samples,
 runs that did not run at the same time, copy floors (the plain copy probed beside each run) that agree,
+the same setup facts beside the setting compared (MUST_MATCH: auto's copy threads, the payload's kernels),
 min-max ranges apart, and the same order by time over the floor as by time. A run whose update ran far
 below its own floor on a busy machine is a broken measurement (rows.broken_measurement, on the run's own
 threshold record.summary.BROKEN_EFFICIENCY): named, never ranked."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -185,12 +187,9 @@ def ranking_warning(best: dict[str, Any], other: dict[str, Any], stem: str, rank
             f"the copy floor moved {floors} {unit} between runs {jobs}: the machine changed under them, so the "
             f"difference is not called; rerun on a quiet machine."
         )
-    if threads := auto_threads_differ(best, other):
-        return (
-            f"runs {best['job']} and {other['job']} copied on {threads[0]} and {threads[1]} threads, as "
-            f"update.copy_threads=auto chose for each: the difference may be the thread count, not the setting, so "
-            f"it is not called (set update.copy_threads to compare)."
-        )
+    for fact in MUST_MATCH:  # what the two ran with, beside the setting compared, that moves their times
+        if said := fact.warning(best, other):
+            return said
     if spans_overlap(time_span([best], stem), time_span([other], stem)):
         return (
             f"the min-max ranges of runs {best['job']} and {other['job']} overlap: the difference may be noise "
@@ -206,8 +205,28 @@ def ranking_warning(best: dict[str, Any], other: dict[str, Any], stem: str, rank
     return ""
 
 
-def auto_threads_differ(best: dict[str, Any], other: dict[str, Any]) -> Optional[tuple[int, int]]:
-    """(best's, other's) copy threads where they differ and auto chose them for at least one run (its probe picks
+@dataclass(frozen=True)
+class SetupFact:
+    """Something a run ran with, beside the setting its sweep compares, that moves its times: where two runs differ
+    in it, their difference may be that fact's, not the setting's, and it is not called."""
+
+    apart: Callable[[dict[str, Any], dict[str, Any]], Optional[str]]  # "copied on 2 and 1 threads, ...": None: alike
+    cause: str  # what the difference may be instead of the setting
+    remedy: str  # how to compare the two runs
+
+    def warning(self, best: dict[str, Any], other: dict[str, Any]) -> str:
+        """ "runs 1 and 0 copied on 2 and 1 threads, ...: the difference may be ..." where they differ in it, else ""."""
+        said = self.apart(best, other)
+        if said is None:
+            return ""
+        return (
+            f"runs {best['job']} and {other['job']} {said}: the difference may be {self.cause}, not the setting, so it "
+            f"is not called ({self.remedy})."
+        )
+
+
+def auto_threads_apart(best: dict[str, Any], other: dict[str, Any]) -> Optional[str]:
+    """Best's and other's copy threads where they differ and auto chose them for at least one run (its probe picks
     1 or 2 threads within noise: a sweep's jobs can resolve it apart, moving a ratio by up to 1.4x on a 2-core CPU);
     None where they agree, are unknown, or a run set them (then the threads are the setting compared)."""
     threads = (best.get("copy_threads"), other.get("copy_threads"))
@@ -216,7 +235,33 @@ def auto_threads_differ(best: dict[str, Any], other: dict[str, Any]) -> Optional
     setups = [r.get("setup") if isinstance(r.get("setup"), dict) else {} for r in (best, other)]
     if not any(str(s.get("copy_threads_why", "")).startswith("auto") for s in setups):
         return None
-    return int(threads[0]), int(threads[1])
+    return f"copied on {int(threads[0])} and {int(threads[1])} threads, as update.copy_threads=auto chose for each"
+
+
+def kernels_apart(best: dict[str, Any], other: dict[str, Any]) -> Optional[str]:
+    """The kernels that encoded and decoded the same payload in each run where they differ (rows.kernel_names: one
+    machine built delta.c, another had no C compiler and ran numpy's steps); None where they agree, either run
+    recorded none (a run from before setup.payload_kernels: unknown, never different) or the payloads or the kinds
+    of device differ (then the kernels come with the setting compared: a CPU's and a GPU's are their own)."""
+    kernels = (best.get("kernels"), other.get("kernels"))
+    if None in kernels or kernels[0] == kernels[1] or best.get("payload") != other.get("payload"):
+        return None
+    kinds = {str(r["device"]).partition(":")[0] for r in (best, other) if r.get("device")}  # cuda:0 and cuda alike
+    if len(kinds) > 1:
+        return None
+    return f"ran their {best['payload']} payload's encode and decode on {kernels[0]} and {kernels[1]}"
+
+
+# What two runs must share for their difference to be called, checked in this order after the machine's own checks.
+MUST_MATCH = (
+    SetupFact(auto_threads_apart, "the thread count", "set update.copy_threads to compare"),
+    SetupFact(
+        kernels_apart,
+        "the kernels",
+        "compare runs whose payload ran on the same kernels: each summary.json's setup.payload_kernels says why a "
+        "faster one did not run",
+    ),
+)
 
 
 def job_order(row: dict[str, Any]) -> tuple:

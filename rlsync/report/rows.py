@@ -42,8 +42,8 @@ CSV_TAIL = (
     "release_level", "engine_idle_time_min", "engine_idle_time_median", "engine_idle_time_max", "update_idle_share",
 )  # fmt: skip
 CSV_END = (
-    "update_limit_time_min", "update_limit_time_max", "copy_threads", "cpu_threads", "cpu_cores", "broken",
-    "started_at", "ended_at", "verdict",
+    "update_limit_time_min", "update_limit_time_max", "copy_threads", "payload_kernels", "cpu_threads", "cpu_cores",
+    "broken", "started_at", "ended_at", "verdict",
 )  # fmt: skip
 
 
@@ -133,6 +133,9 @@ def table_row(run: Run) -> dict[str, Any]:
     row["setup"] = setup  # what the update ran with, as resolved: tells apart runs whose labels read alike
     threads = setup.get("copy_threads_used", setup.get("copy_threads", run.cfg("update.copy_threads")))
     row["copy_threads"] = threads if is_number(threads) else None  # the update's copies ran on (0: torch's default)
+    recorded = setup.get("payload_kernels")  # the kernels that encoded and decoded the payload, and why; None: unknown
+    row["payload_kernels"] = str(recorded) if recorded else None
+    row["kernels"] = kernel_names(row["payload_kernels"])  # their names alone: what the ranking compares
     cpu = run.summary.get("cpu") if isinstance(run.summary.get("cpu"), dict) else {}
     row["cpu_threads"] = cpu.get("threads") if is_number(cpu.get("threads")) else None  # the run's torch threads
     cores = setup.get("cores", cpu.get("cores"))
@@ -148,6 +151,14 @@ def table_row(run: Run) -> dict[str, Any]:
     row["timeline"] = timeline(run)
     row["source"], row["framework"] = run.summary.get("source"), run.summary.get("framework")  # None: rlsync's own
     return row
+
+
+def kernel_names(recorded: Optional[str]) -> Optional[str]:
+    """The kernels' names in a run's setup.payload_kernels, the part before " (": "numpy's steps" of "numpy's steps
+    (delta.c: no C compiler: ...)" (native.Library.describe's "FALLBACK (FILE: WHY)"). Parsed from the recorded string,
+    not asked of the payload: a run from another machine holds only it, and the why after " (" is worded per machine (a
+    compiler's message, a path) where the kernels that ran are the same. None where the run recorded none."""
+    return (recorded.partition(" (")[0].strip() or None) if recorded else None
 
 
 def update_efficiency(row: dict[str, Any]) -> Optional[float]:
