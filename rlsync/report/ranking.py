@@ -240,7 +240,7 @@ def auto_threads_apart(best: dict[str, Any], other: dict[str, Any]) -> Optional[
 
 def kernels_apart(best: dict[str, Any], other: dict[str, Any]) -> Optional[str]:
     """The kernels that encoded and decoded the same payload in each run where they differ (rows.kernel_names: one
-    machine built delta.c, another had no C compiler and ran numpy's steps); None where they agree, either run
+    machine built the payload's C kernel, another had no C compiler and ran numpy's steps); None where they agree, either run
     recorded none (a run from before setup.payload_kernels: unknown, never different) or the payloads or the kinds
     of device differ (then the kernels come with the setting compared: a CPU's and a GPU's are their own)."""
     kernels = (best.get("kernels"), other.get("kernels"))

@@ -155,7 +155,7 @@ def table_row(run: Run) -> dict[str, Any]:
 
 def kernel_names(recorded: Optional[str]) -> Optional[str]:
     """The kernels' names in a run's setup.payload_kernels, the part before " (": "numpy's steps" of "numpy's steps
-    (delta.c: no C compiler: ...)" (native.Library.describe's "FALLBACK (FILE: WHY)"). Parsed from the recorded string,
+    (KERNEL.c: no C compiler: ...)" (native.Library.describe's "FALLBACK (FILE: WHY)"). Parsed from the recorded string,
     not asked of the payload: a run from another machine holds only it, and the why after " (" is worded per machine (a
     compiler's message, a path) where the kernels that ran are the same. None where the run recorded none."""
     return (recorded.partition(" (")[0].strip() or None) if recorded else None
