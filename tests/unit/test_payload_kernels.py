@@ -50,19 +50,48 @@ def test_numpy_and_torch_compactions_agree_bit_for_bit(monkeypatch, share, numel
     assert all(torch.equal(a, b) for a, b in zip(found[True], found[False]))
 
 
-@pytest.mark.parametrize("on_host", [True, False])
-def test_the_apply_writes_the_changed_elements_of_whole_tensors_and_of_views_into_fused_ones(monkeypatch, on_host):
+@pytest.mark.parametrize("origin", [0, 1000])
+@pytest.mark.parametrize(("on_host", "c"), [(True, True), (True, False), (False, False)])
+def test_the_apply_writes_the_changed_elements_of_whole_tensors_and_of_views_into_fused_ones(
+    monkeypatch, on_host, c, origin
+):
+    """delta.c's scatter (a contiguous target), numpy's and torch's: positions as they crossed (the tensor's
+    offset in its bucket, `origin`, still in them), into whole tensors, an expert's rows and a strided view."""
     monkeypatch.setattr(kernels, "NUMPY_ON_CPU", on_host)
+    monkeypatch.setattr(native, "ENABLED", c)
     fused = torch.zeros(4, 6, 8, dtype=BF16)
     expert = fused[2]  # contiguous rows of a fused tensor
     strided = fused[:, 1]  # a view with gaps
     for target in (torch.zeros(6, 8, dtype=BF16), expert, strided):
         where = torch.tensor([0, 5, 17, target.numel() - 1], dtype=torch.int32)
         values = torch.tensor([1.0, -2.0, 3.0, 4.5], dtype=BF16)
-        scatter_changed(target, where, values)
+        scatter_changed(target, where + origin, values, origin)
         assert torch.equal(target.reshape(-1)[where.long()], values)
         assert int((target != 0).sum()) == 4
     assert int((fused != 0).sum()) == 8  # the expert's four and the strided view's four, nothing else
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [BF16, torch.float32, torch.float8_e4m3fn, torch.float64])
+def test_the_c_apply_is_numpy_s_bit_for_bit(monkeypatch, dtype):
+    """Every width, NaN and signed-zero bits among the values, the first and last element, a tensor's positions
+    with its bucket offset in them."""
+    bits = BITS[dtype.itemsize]
+    g = torch.Generator().manual_seed(5)
+    numel, origin = 50_000, 12_345
+    where = torch.sort(torch.randperm(numel, generator=g)[:700]).values.to(torch.int32)
+    where[0], where[-1] = 0, numel - 1
+    where = torch.unique(where) + origin
+    values = torch.randint(-128, 127, (where.numel(),), generator=g, dtype=torch.int8).to(bits).view(dtype)
+    out = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(native, "ENABLED", enabled)
+        assert (native.scatter(dtype.itemsize) is not None) == enabled
+        target = torch.zeros(numel, dtype=dtype).view(100, 500)
+        scatter_changed(target, where, values, origin)
+        out[enabled] = target.view(bits).clone()
+    assert torch.equal(out[True], out[False])
+    assert torch.equal(out[True].view(-1)[(where - origin).long()], values.view(bits))
 
 
 def hard_values(rows: int, cols: int) -> torch.Tensor:
@@ -112,14 +141,17 @@ def test_the_c_compaction_is_numpy_s_bit_for_bit(monkeypatch, dtype, share, nume
         new, old = changed_pair(share, numel, offset, dtype=dtype)
         assert (kernels.native_compaction(new, old) is not None) == enabled  # which path ran
         before = old.clone()
-        where, values = compact_chunk(new, old, Scratch(), at)
+        where, values, lines = compact_chunk(new, old, Scratch(), at)
         expect = torch.nonzero(new.view(bits) != before.view(bits)).view(-1)
         assert where.dtype == torch.int32
         assert torch.equal(where.long(), expect + at)
         assert torch.equal(values.view(bits), new.view(bits)[expect])
         assert torch.equal(old.view(bits), new.view(bits))
-        found[enabled] = (where, values.view(bits))
-    assert all(torch.equal(a, b) for a, b in zip(found[True], found[False]))
+        ids = ((expect + at) * dtype.itemsize) // 64  # the 64-byte lines of the bucket they fall in
+        assert lines == ((len(set(ids.tolist())), int(ids[0]), int(ids[-1])) if len(ids) else (0, -1, -1))
+        found[enabled] = (where, values.view(bits), lines)
+    assert all(torch.equal(a, b) for a, b in zip(found[True][:2], found[False][:2]))
+    assert found[True][2] == found[False][2]
 
 
 @needs_cc
@@ -148,7 +180,7 @@ def test_without_a_compiler_numpy_s_steps_run_and_the_reason_names_it(monkeypatc
     library = fresh_library(monkeypatch, tmp_path / "cache")
     new, old = changed_pair(0.01, 4096, 0)
     before = old.clone()
-    where, values = compact_chunk(new, old, Scratch(), 7)
+    where, values, _ = compact_chunk(new, old, Scratch(), 7)
     assert library.lib is None and "no-such-cc" in library.why_not() and "no C compiler" in library.why_not()
     assert kernels.native_compaction(new, old) is None
     expect = torch.nonzero(new.view(torch.int16) != before.view(torch.int16)).view(-1)

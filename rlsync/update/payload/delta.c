@@ -1,10 +1,17 @@
-/* The delta's compaction of one chunk in one pass (rlsync/update/payload/native.py compiles and loads it).
+/* The delta's compaction of one chunk in one pass, and its apply (rlsync/update/payload/native.py compiles and
+   loads it).
 
-   rlsync_delta_wW(new, old, n, base, pos, val), for n elements of W bytes (1, 2, 4, 8): compares `new` with
-   `old` bit for bit (-0.0 against 0.0 and NaNs count as changed: bits are compared, never values); for each
-   changed element writes base + its index as an int32 to pos[] and its bits to val[] (both sized by the caller
-   for n elements), and its bits into old[]; returns the count. With pos == NULL it counts and copies only (a
-   bucket already going whole). No mask in memory, no second pass, positions ascending.
+   rlsync_delta_wW(new, old, n, base, pos, val, shift, lines), for n elements of W bytes (1, 2, 4, 8): compares
+   `new` with `old` bit for bit (-0.0 against 0.0 and NaNs count as changed: bits are compared, never values);
+   for each changed element writes base + its index as an int32 to pos[] and its bits to val[] (both sized by the
+   caller for n elements), and its bits into old[]; returns the count. With pos == NULL it counts and copies only
+   (a bucket already going whole). No mask in memory, no second pass, positions ascending. Where `lines` is not
+   NULL, lines[0..2] receive how many memory lines of 2^shift bytes the changed elements fall in (counted from
+   the bucket's start: the delta's floor, rlsync/update/payload/delta.py), the first one's and the last one's
+   (a line a chunk shares with the next is then counted once by the caller).
+
+   rlsync_scatter_wW(dst, pos, val, n, origin): the apply, dst[pos[i] - origin] = val[i] for n positions
+   (ascending, as the compaction wrote them).
 
    64 8-byte words (512 bytes) at a time: XOR-ed and OR-ed together first, so an unchanged run costs a few
    instructions a word; in a changed run a bit per changed word (a vectorised compare to bytes, packed to bits
@@ -92,9 +99,39 @@ INLINE int64_t compact(const unsigned char *a, unsigned char *b, int64_t n, int6
     return count;
 }
 
+/* The distinct lines of 2^shift bytes among `count` ascending positions of W-byte elements: counted by
+   comparing each line with the one before (no branch: vectorised; the positions were just written, in cache). */
+INLINE void count_lines(const int32_t *pos, int64_t count, const int64_t width, int shift, int64_t *lines) {
+    if (!count) {
+        lines[0] = 0, lines[1] = lines[2] = -1;
+        return;
+    }
+    int64_t distinct = 1;
+    for (int64_t i = 1; i < count; i++)
+        distinct += ((int64_t)pos[i] * width) >> shift != ((int64_t)pos[i - 1] * width) >> shift;
+    lines[0] = distinct;
+    lines[1] = ((int64_t)pos[0] * width) >> shift;
+    lines[2] = ((int64_t)pos[count - 1] * width) >> shift;
+}
+
+/* The apply: each position's element written from val[] (loads and stores of W bytes through memcpy, as above). */
+INLINE void scatter(unsigned char *dst, const int32_t *pos, const unsigned char *val, int64_t n, int64_t origin,
+                    const int64_t width) {
+    for (int64_t i = 0; i < n; i++)
+        memcpy(dst + ((int64_t)pos[i] - origin) * width, val + i * width, width);
+}
+
 #define EXPORT(W)                                                                                                  \
-    int64_t rlsync_delta_w##W(const void *new_, void *old_, int64_t n, int64_t base, int32_t *pos, void *val) {   \
-        return compact((const unsigned char *)new_, (unsigned char *)old_, n, base, pos, (unsigned char *)val, W); \
+    int64_t rlsync_delta_w##W(const void *new_, void *old_, int64_t n, int64_t base, int32_t *pos, void *val,     \
+                              int shift, int64_t *lines) {                                                         \
+        int64_t count =                                                                                            \
+            compact((const unsigned char *)new_, (unsigned char *)old_, n, base, pos, (unsigned char *)val, W);    \
+        if (pos && lines)                                                                                          \
+            count_lines(pos, count, W, shift, lines);                                                              \
+        return count;                                                                                              \
+    }                                                                                                              \
+    void rlsync_scatter_w##W(void *dst, const int32_t *pos, const void *val, int64_t n, int64_t origin) {         \
+        scatter((unsigned char *)dst, pos, (const unsigned char *)val, n, origin, W);                              \
     }
 
 EXPORT(1)

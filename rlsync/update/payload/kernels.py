@@ -11,7 +11,7 @@ torch.compile by measurement (experiments/payloads/kernels.py, docs/payloads.md)
 - `DeltaWriter`: cast, compare bit for bit with the last values, count, compact the changed positions
   and values into the staging buffer and remember them, chunk by chunk; a bucket whose changes would
   make the sparse form no smaller than the bucket switches to whole mid-way, without a second pass.
-- `scatter_changed`: the delta's apply, one scatter per engine tensor.
+- `scatter_changed`: the delta's apply, one scatter per engine tensor (delta.c's on a CPU).
 - FP8's block amax, scale, divide and e4m3 cast into the staging buffer; the multiply and the engine-dtype
   cast straight into the engine's weights. Bit for bit the reference block quantization
   (rlsync/update/payload/fp8.py). Which runs: on a CPU fp8.c (`native_quantize`, `native_dequantize`: one
@@ -38,9 +38,11 @@ BLOCK = 128  # FP8's scale block, each way
 E4M3_MAX = 448.0
 FP8 = torch.float8_e4m3fn
 INDEX_BYTES = 4  # an int32 position within its bucket
+# what memory moves per access, read and written whole: a CPU's cache line, a GPU's L2 sector (the delta's floor)
+LINE_BYTES = {"cpu": 64, "cuda": 32}
 SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bit-for-bit comparison
-NUMPY_ON_CPU = True  # the delta's compaction (C, else numpy) and apply (numpy) outside torch on a CPU (False: torch's
-# ops, which a TorchDispatchMode sees one by one: tests/unit/test_payload_floors.py counts their bytes)
+NUMPY_ON_CPU = True  # the delta's compaction and apply (C, else numpy) outside torch on a CPU (False: torch's ops,
+# which a TorchDispatchMode sees one by one: tests/unit/test_payload_floors.py counts their bytes)
 
 
 def chunk_elements(device: torch.device) -> int:
@@ -238,29 +240,56 @@ def native_compaction(new: torch.Tensor, old: torch.Tensor):
     return native.compaction(new.element_size())
 
 
-def compact_chunk(new: torch.Tensor, old: torch.Tensor, scratch: Scratch, at: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`changed_in_chunk` with the positions in the bucket (int32, the chunk's first element `at` added).
+def line_bytes(device: torch.device) -> int:
+    return LINE_BYTES.get(device.type, LINE_BYTES["cpu"])
+
+
+def lines_of(where: torch.Tensor, itemsize: int) -> tuple[int, int, int]:
+    """The memory lines (`line_bytes`, counted from the bucket's start) that the ascending positions `where` fall
+    in: (how many, the first one, the last one); (0, -1, -1) for none. delta.c counts them in its pass; this is
+    its fallback's (numpy on a CPU, torch's ops and one sync elsewhere)."""
+    if not where.numel():
+        return 0, -1, -1
+    shift = line_bytes(where.device).bit_length() - 1
+    if where.device.type == "cpu":
+        ids = (where.numpy().astype(np.int64) * itemsize) >> shift
+        return 1 + int(np.count_nonzero(ids[1:] != ids[:-1])), int(ids[0]), int(ids[-1])
+    ids = (where.long() * itemsize) >> shift
+    ends = torch.stack([(ids[1:] != ids[:-1]).sum() + 1, ids[0], ids[-1]])
+    return tuple(int(v) for v in ends.tolist())
+
+
+def compact_chunk(
+    new: torch.Tensor, old: torch.Tensor, scratch: Scratch, at: int
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+    """`changed_in_chunk` with the positions in the bucket (int32, the chunk's first element `at` added), and the
+    memory lines they fall in (`lines_of`).
 
     Which runs: on a CPU delta.c's one pass (compare, count, compact and remember, no mask, the positions written
-    as int32 with `at` added: 1.3x less CPU time than numpy's steps at 0 % changed, 2 to 2.6x at 1 to 5 %,
-    experiments/payloads/kernels.py --compaction) where it built; else `changed_in_chunk`: numpy's steps on a
-    CPU (no C compiler: `native.DELTA.why_not()` says why), torch's ops on CUDA and where NUMPY_ON_CPU is off,
-    its int64 positions then offset and narrowed here (by numpy on a CPU)."""
+    as int32 with `at` added and their lines counted: 1.3x less CPU time than numpy's steps at 0 % changed, 2 to
+    2.6x at 1 to 5 %, experiments/payloads/kernels.py --compaction) where it built; else `changed_in_chunk`:
+    numpy's steps on a CPU (no C compiler: `native.DELTA.why_not()` says why), torch's ops on CUDA and where
+    NUMPY_ON_CPU is off, its int64 positions then offset and narrowed here (by numpy on a CPU)."""
     fn = native_compaction(new, old)
     if fn is not None:
         k = new.numel()
         where = scratch.get("where", k, torch.int32, new.device)  # room for every element; `count` written
         values = scratch.get("values", k, new.dtype, new.device)
-        count = fn(new.data_ptr(), old.data_ptr(), k, at, where.data_ptr(), values.data_ptr())
+        lines = scratch.get("lines", 3, torch.int64, new.device)
+        shift = line_bytes(new.device).bit_length() - 1
+        count = fn(new.data_ptr(), old.data_ptr(), k, at, where.data_ptr(), values.data_ptr(), shift, lines.data_ptr())
         # copied out (the scratch serves the next chunk) by numpy: torch's copy of over 32 Ki elements takes
         # torch's threads, whose barrier a busy machine stalls for milliseconds (Workers' note)
         bits = SAME_WIDTH_INT[new.element_size()]
         kept = values.view(bits).numpy()[:count].copy()
-        return torch.from_numpy(where.numpy()[:count].copy()), torch.from_numpy(kept).view(new.dtype)
+        spans = tuple(int(v) for v in lines.numpy())
+        return torch.from_numpy(where.numpy()[:count].copy()), torch.from_numpy(kept).view(new.dtype), spans
     where, values = changed_in_chunk(new, old, scratch)
     if where.device.type == "cpu" and NUMPY_ON_CPU:  # numpy's add and narrowing: no torch threads (above)
-        return torch.from_numpy((where.numpy() + at).astype(np.int32)), values
-    return torch.add(where, at).to(torch.int32), values
+        where = torch.from_numpy((where.numpy() + at).astype(np.int32))
+    else:
+        where = torch.add(where, at).to(torch.int32)
+    return where, values, lines_of(where, new.element_size())
 
 
 def count_chunk(new: torch.Tensor, old: torch.Tensor, scratch: Scratch) -> int | torch.Tensor:
@@ -269,7 +298,7 @@ def count_chunk(new: torch.Tensor, old: torch.Tensor, scratch: Scratch) -> int |
     on the device: no sync per chunk)."""
     fn = native_compaction(new, old)
     if fn is not None:
-        return fn(new.data_ptr(), old.data_ptr(), new.numel(), 0, None, None)
+        return fn(new.data_ptr(), old.data_ptr(), new.numel(), 0, None, None, 0, None)
     mask = scratch.get("mask", new.numel(), torch.bool, new.device)
     bits = SAME_WIDTH_INT[new.element_size()]
     torch.ne(new.view(bits), old.view(bits), out=mask)
@@ -286,7 +315,8 @@ def delta_encode(bucket, weights, buffer: torch.Tensor, last: torch.Tensor, work
     (the buffer from `last`, now the new values). `first`: nothing kept yet, every element whole and kept.
     Each chunk's compaction is `compact_chunk` (which kernel runs where, and why: its docstring).
 
-    Returns (whole, changed elements, the trainer's bytes read)."""
+    Returns (whole, changed elements, the trainer's bytes read, the memory lines the changed elements fall in:
+    `lines_of` over the bucket, a line two chunks share counted once; None where it goes whole)."""
     n, itemsize = last.numel(), last.element_size()
     most = (n * itemsize - 1) // (INDEX_BYTES + itemsize)  # sparse below this many changed: smaller
     items, read = chunks_of(bucket, weights, buffer.device)
@@ -310,44 +340,55 @@ def delta_encode(bucket, weights, buffer: torch.Tensor, last: torch.Tensor, work
             if changed[0] > most:  # whole anyway: counted, not compacted
                 found[at] = count_chunk(new, old, scratch)
                 continue
-            where, values = compact_chunk(new, old, scratch, at)  # on CUDA a sync: what follows is sized by it
+            where, values, lines = compact_chunk(new, old, scratch, at)  # on CUDA a sync: sized by it
             if where.numel():
-                found[at] = (where, values)
+                found[at] = (where, values, lines)
                 changed[0] += where.numel()
 
     workers.run(buffer.device, items, lambda item: item[1], work)
     if first:
-        return True, n, read
+        return True, n, read, None
     parts = [found[at] for at, _, _ in items if at in found]
     count = sum(p[1].numel() if isinstance(p, tuple) else int(p) for p in parts)
     if count > most:  # no smaller than the bucket: whole, from the last values (now the new ones)
         buffer[:n].copy_(last)
-        return True, count, read
+        return True, count, read, None
+    lines, previous = 0, None
+    for _, _, (k, first_line, last_line) in parts:  # the chunks in the bucket's order
+        lines += k - (first_line == previous)  # a line the chunk before ended in
+        previous = last_line
     if count:
         raw = buffer.view(torch.uint8)
         torch.cat([p[0] for p in parts], out=raw[: count * INDEX_BYTES].view(torch.int32))
         values = raw[count * INDEX_BYTES : count * (INDEX_BYTES + itemsize)].view(last.dtype)
         torch.cat([p[1] for p in parts], out=values)
-    return False, count, read
+    return False, count, read, lines
 
 
-def scatter_changed(target: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
-    """`target`'s elements at flat positions `where` (int32 or int64, ascending) set to `values`, in one scatter:
-    on a CPU numpy's (its fancy assignment takes the int32 positions as they crossed: 1.4x torch's index_copy_,
-    which wants them widened to int64 first), elsewhere torch's."""
+def scatter_changed(target: torch.Tensor, where: torch.Tensor, values: torch.Tensor, origin: int = 0) -> None:
+    """`target`'s elements at flat positions `where - origin` (`where` int32 or int64, ascending) set to `values`,
+    in one scatter: on a CPU delta.c's (`native.scatter`: the int32 positions as they crossed, no offset
+    subtracted first) where it built and `target` is contiguous, else numpy's (its fancy assignment takes int32
+    positions: 1.4x torch's index_copy_, which wants them widened to int64 first); elsewhere torch's."""
     if target.device.type == "cpu" and NUMPY_ON_CPU:
+        fn = native.scatter(target.element_size()) if where.dtype == torch.int32 else None
+        if fn is not None and target.is_contiguous() and where.is_contiguous() and values.is_contiguous():
+            fn(target.data_ptr(), where.data_ptr(), values.data_ptr(), where.numel(), origin)
+            return
         bits = SAME_WIDTH_INT[target.element_size()]
         into = target.detach().view(bits).numpy()  # the engine's own memory, strided or not
         changed = values.view(bits).numpy()
+        at = where.numpy() - origin if origin else where.numpy()
         if target.is_contiguous():
-            into.reshape(-1)[where.numpy()] = changed  # a view: the array is contiguous
+            into.reshape(-1)[at] = changed  # a view: the array is contiguous
         else:  # a view into a fused tensor (per-expert weights of a MoE model)
-            into[np.unravel_index(where.numpy(), into.shape)] = changed
+            into[np.unravel_index(at, into.shape)] = changed
         return
+    at = where.long() - origin if origin else where.long()
     if target.is_contiguous():
-        target.view(-1).index_copy_(0, where.long(), values)
+        target.view(-1).index_copy_(0, at, values)
     else:  # a view into a fused tensor (per-expert weights of a MoE model)
-        target[torch.unravel_index(where.long(), target.shape)] = values
+        target[torch.unravel_index(at, target.shape)] = values
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The payloads' C kernels on a CPU: compiled at first use by the system's C compiler, cached per user, loaded
 with ctypes, as inductor builds its CPU kernels.
 
-`DELTA` is delta.c (the delta's compaction, one pass per chunk: kernels.compact_chunk); `FP8` is fp8.c (FP8's
-block quantize and dequantize of whole tensors by block rows: kernels.quantize_whole, kernels.dequantize_whole).
+`DELTA` is delta.c (the delta's compaction, one pass per chunk: kernels.compact_chunk; its apply:
+kernels.scatter_changed); `FP8` is fp8.c (FP8's block quantize and dequantize of whole tensors by block rows: kernels.quantize_whole, kernels.dequantize_whole).
 Each one's first use in a process compiles it (once: a lock) with `$CC` (split as a shell would, no shell run), else the first of cc, gcc,
 clang on PATH, for this CPU (`-march=native`; without it where the compiler refuses it), into
 `$XDG_CACHE_HOME/rlsync/kernels` (else ~/.cache/rlsync/kernels), named by a hash of the source, the flags, the
@@ -211,31 +211,55 @@ POINTER, COUNT = ctypes.c_void_p, ctypes.c_int64
 
 
 def bind_delta(lib: ctypes.CDLL) -> None:
-    """The compaction's signature on each width's function, then a self-check of one small case (a run of 64
-    words and a tail, changes in both): a build that computes otherwise is not used."""
+    """The compaction's and the apply's signatures on each width's functions, then a self-check of one small case
+    (a run of 64 words and a tail, changes in both; their lines; the apply of what it found): a build that
+    computes otherwise is not used."""
     for width in WIDTHS:
         fn = getattr(lib, f"rlsync_delta_w{width}")
-        fn.argtypes = [POINTER, POINTER, COUNT, COUNT, POINTER, POINTER]  # new, old, n, base, pos, val
+        # new, old, n, base, pos, val, the line's log2 bytes, lines (count, first, last)
+        fn.argtypes = [POINTER, POINTER, COUNT, COUNT, POINTER, POINTER, ctypes.c_int, POINTER]
         fn.restype = COUNT
-    n, changed = 300, [3, 130, 255, 299]
+        fn = getattr(lib, f"rlsync_scatter_w{width}")
+        fn.argtypes = [POINTER, POINTER, POINTER, COUNT, COUNT]  # dst, pos, val, n, origin
+        fn.restype = None
+    n, changed = 300, [3, 130, 131, 255, 299]
     new = (ctypes.c_uint16 * n)(*range(n))
     old = (ctypes.c_uint16 * n)(*(0 if i in changed else i for i in range(n)))
-    pos, val = (ctypes.c_int32 * n)(), (ctypes.c_uint16 * n)()
-    count = lib.rlsync_delta_w2(new, old, n, 10, pos, val)
-    if (list(pos[:count]), list(val[:count]), list(old)) != ([10 + i for i in changed], changed, list(new)):
+    pos, val, lines = (ctypes.c_int32 * n)(), (ctypes.c_uint16 * n)(), (ctypes.c_int64 * 3)()
+    count = lib.rlsync_delta_w2(new, old, n, 10, pos, val, 6, lines)
+    # positions 13, 140, 141, 265, 309: 2-byte elements in 64-byte lines 0, 4, 4, 8 and 9
+    if (list(pos[:count]), list(val[:count]), list(old), list(lines)) != (
+        [10 + i for i in changed],
+        changed,
+        list(new),
+        [4, 0, 9],
+    ):
         raise Unavailable(f"{lib._name}: its self-check found {count} changes, not {len(changed)} (miscompiled?)")
+    target = (ctypes.c_uint16 * n)()
+    lib.rlsync_scatter_w2(target, pos, val, count, 10)
+    if [target[i] for i in changed] != changed or sum(target) != sum(changed):
+        raise Unavailable(f"{lib._name}: its self-check's apply wrote other elements (miscompiled?)")
 
 
 DELTA = Library(Path(__file__).with_name("delta.c"), check=bind_delta)
 
 
 def compaction(width: int):
-    """The C compaction for elements of `width` bytes, `fn(new, old, n, base, pos, val) -> count` (pointers as
-    ints; pos None: count and copy only), or None where it is off, failed or has no such width."""
+    """The C compaction for elements of `width` bytes, `fn(new, old, n, base, pos, val, shift, lines) -> count`
+    (pointers as ints; pos None: count and copy only; lines None: no lines counted), or None where it is off,
+    failed or has no such width."""
     lib = DELTA.get()
     if lib is None or width not in WIDTHS:
         return None
     return getattr(lib, f"rlsync_delta_w{width}")
+
+
+def scatter(width: int):
+    """The C apply for elements of `width` bytes, `fn(dst, pos, val, n, origin)`, or None (as `compaction`)."""
+    lib = DELTA.get()
+    if lib is None or width not in WIDTHS:
+        return None
+    return getattr(lib, f"rlsync_scatter_w{width}")
 
 
 BLOCK_CHECK = 128  # fp8.c's block, each way
