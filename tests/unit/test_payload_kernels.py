@@ -155,6 +155,31 @@ def test_the_c_compaction_is_numpy_s_bit_for_bit(monkeypatch, dtype, share, nume
 
 
 @needs_cc
+def test_the_c_cast_in_the_compaction_is_torch_s_float32_to_bfloat16_bit_for_bit():
+    """Every bf16 value's float32 neighbours (its ties, just below and above them: rounding to even either way, the
+    carries into the next exponent and into infinity, NaN payloads, subnormals, signed zeros) and random bit
+    patterns: the last values left as torch's cast, the changed ones' positions and values as it gives them."""
+    top = torch.arange(1 << 16, dtype=torch.int64) << 16
+    low = torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF])
+    g = torch.Generator().manual_seed(9)
+    patterns = torch.cat([(top.unsqueeze(1) | low).reshape(-1), torch.randint(0, 1 << 32, (1 << 20,), generator=g)])
+    new = (patterns - ((patterns >= 1 << 31).long() << 32)).to(torch.int32).view(torch.float32)  # the uint32 bits
+    expect = new.to(BF16)
+    old = torch.zeros_like(expect)
+    old[::3] = expect[::3]  # a third unchanged
+    before = old.clone()
+    n = new.numel()
+    pos, val = torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=BF16)
+    fn = native.cast_compaction()
+    count = fn(new.data_ptr(), old.data_ptr(), n, 5, pos.data_ptr(), val.data_ptr(), 6, None)
+    assert torch.equal(old.view(torch.int16), expect.view(torch.int16))
+    changed = torch.nonzero(expect.view(torch.int16) != before.view(torch.int16)).view(-1)
+    assert count == changed.numel()
+    assert torch.equal(pos[:count].long(), changed + 5)
+    assert torch.equal(val[:count].view(torch.int16), expect.view(torch.int16)[changed])
+
+
+@needs_cc
 @pytest.mark.parametrize(("numel", "offset"), [(4099, 1), (1 << 16, 0)])
 def test_the_c_count_counts_and_remembers_as_the_mask_does(monkeypatch, numel, offset):
     """A bucket already going whole: its chunks counted (no positions) and `old` overwritten, as the mask's sum."""
@@ -275,16 +300,26 @@ def test_a_home_shared_by_another_cpu_or_compiler_gets_its_own_build(monkeypatch
 def test_a_delta_update_through_the_payload_is_numpy_s_byte_for_byte(monkeypatch, tmp_path):
     """DeltaEncoder over several buckets of small chunks on 2 threads: the first update, 1 % changed, nothing
     changed, half changed (the buckets turn whole part-way: counted, not compacted) and 2 %, with the C kernel
-    and with numpy's steps: the same encodings, bytes sent and last values, and the engine where the trainer is."""
+    and with numpy's steps: the same encodings (their floors' lines too), bytes sent and last values, and the
+    engine where the trainer is. The C kernel casts the float32 tensors in its pass (`bits`: every float32 bit
+    pattern, NaNs, infinities, subnormals and bf16 ties among them, as torch's cast rounds them) and compares the
+    bfloat16 one as it is."""
     from rlsync.measure.timing import HostTimer
     from rlsync.update.buckets import TensorMeta, plan_buckets
     from rlsync.update.payload.delta import DeltaEncoder, DeltaPayload
 
     library = fresh_library(monkeypatch, tmp_path)  # built by the first update: none of the later ones waits for it
     monkeypatch.setattr(kernels, "CPU_CHUNK", 4096)  # many chunks a bucket, split over the threads
+    straight = []  # the chunks compared straight from the trainer's tensors
+    compact_pieces = kernels.compact_pieces
+    monkeypatch.setattr(kernels, "compact_pieces", lambda *a, **k: straight.append(1) or compact_pieces(*a, **k))
     g = torch.Generator().manual_seed(5)
     shapes = {"embed": (300, 64), "q": (128, 129), "norm": (65,), "down": (77, 300), "odd": (3, 5, 7)}
     weights = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    weights["bits"] = torch.randint(-(2**31), 2**31 - 1, (90, 70), generator=g, dtype=torch.int32).view(torch.float32)
+    weights["bits"][0, :4] = torch.tensor([1.00390625, 1.01171875, -0.0, float("inf")])  # bf16 ties either way
+    weights["bf16"] = torch.randn(40, 33, generator=g).to(BF16)  # the engine's dtype already
+    shapes.update(bits=(90, 70), bf16=(40, 33))
     buckets = plan_buckets([TensorMeta(n, tuple(t.shape), BF16) for n, t in weights.items()], 48 << 10)
     assert len(buckets) > 1
     encoders = {on: DeltaEncoder(buckets) for on in (True, False)}
@@ -300,6 +335,7 @@ def test_a_delta_update_through_the_payload_is_numpy_s_byte_for_byte(monkeypatch
                 encoded, sent = {}, {}
                 for on in (True, False):
                     monkeypatch.setattr(native, "ENABLED", on)
+                    assert (kernels.native.cast_compaction() is not None) == on  # which path ran
                     encoded[on] = encoders[on].encode(i, bucket, weights, buffers[on], HostTimer(), {})
                     sent[on] = buffers[on].view(torch.uint8)[: encoded[on].nbytes].clone()
                 assert encoded[True] == encoded[False], (step, i)
@@ -311,6 +347,7 @@ def test_a_delta_update_through_the_payload_is_numpy_s_byte_for_byte(monkeypatch
                 assert torch.equal(engine.weights[name].view(torch.int16), t.to(BF16).view(torch.int16)), (step, name)
             assert library.lib is not None, library.why_not()  # from the first update on
         assert encoded[True].mode == SPARSE and encoded[True].count > 0  # the last step's 2 % went sparse
+        assert len(straight) > 4 * len(buckets)
     finally:
         torch.set_num_threads(before)
 

@@ -219,6 +219,10 @@ def bind_delta(lib: ctypes.CDLL) -> None:
         # new, old, n, base, pos, val, the line's log2 bytes, lines (count, first, last)
         fn.argtypes = [POINTER, POINTER, COUNT, COUNT, POINTER, POINTER, ctypes.c_int, POINTER]
         fn.restype = COUNT
+    for fn in [lib.rlsync_delta_f32_bf16]:  # float32 cast to bfloat16 in the pass, then as width 2
+        fn.argtypes = [POINTER, POINTER, COUNT, COUNT, POINTER, POINTER, ctypes.c_int, POINTER]
+        fn.restype = COUNT
+    for width in WIDTHS:
         fn = getattr(lib, f"rlsync_scatter_w{width}")
         fn.argtypes = [POINTER, POINTER, POINTER, COUNT, COUNT]  # dst, pos, val, n, origin
         fn.restype = None
@@ -239,6 +243,12 @@ def bind_delta(lib: ctypes.CDLL) -> None:
     lib.rlsync_scatter_w2(target, pos, val, count, 10)
     if [target[i] for i in changed] != changed or sum(target) != sum(changed):
         raise Unavailable(f"{lib._name}: its self-check's apply wrote other elements (miscompiled?)")
+    # float32 -> bfloat16 in the pass: 1.0 (0x3F80), a tie rounding down to even and one rounding up, NaN (0xFFFF)
+    src = (ctypes.c_uint32 * 4)(0x3F800000, 0x3F808000, 0x3F818000, 0x7FC00000)
+    old = (ctypes.c_uint16 * 4)(0x3F80, 0, 0, 0)
+    count = lib.rlsync_delta_f32_bf16(src, old, 4, 0, pos, val, 6, None)
+    if (count, list(pos[:count]), list(old)) != (3, [1, 2, 3], [0x3F80, 0x3F80, 0x3F82, 0xFFFF]):
+        raise Unavailable(f"{lib._name}: its self-check's float32 -> bfloat16 pass differs from torch's (miscompiled?)")
 
 
 DELTA = Library(Path(__file__).with_name("delta.c"), check=bind_delta)
@@ -252,6 +262,13 @@ def compaction(width: int):
     if lib is None or width not in WIDTHS:
         return None
     return getattr(lib, f"rlsync_delta_w{width}")
+
+
+def cast_compaction():
+    """The C compaction of float32 elements against bfloat16 last values, each cast as torch casts it (`fn` as
+    `compaction`'s), or None where it is off or failed."""
+    lib = DELTA.get()
+    return None if lib is None else lib.rlsync_delta_f32_bf16
 
 
 def scatter(width: int):
