@@ -12,7 +12,8 @@ bytes its payload class declares, rlsync.update.payload: Payload.floor, over tha
 median over rounds printed with its spread (min to max).
 
 Variants: `eager` (the kernels before issue 45: whole-bucket ops, each a pass over memory), `chunked`
-(rlsync.update.payload.kernels at several chunk sizes, FP8's with its eager casts), `payload` (FP8 as the
+(rlsync.update.payload.kernels at several chunk sizes, FP8's with its eager casts; `cast first`: delta.c after
+torch's cast of each chunk into scratch, as before it read the trainer's tensors itself), `payload` (FP8 as the
 payload runs it: fp8.c's block rows over the update's threads, or on the caller's thread alone; with fp8.c off
 (native.ENABLED) whole tensors through its compiled kernels; the kept and padded ones in chunks), `compile`
 (torch.compile over whole tensors, dynamic shapes, the inductor CPU backend: its compile time is printed; the
@@ -362,16 +363,20 @@ def main() -> None:
             out[f"chunked {c // 1024}K"] = (c, DeltaEncoder(buckets))
             if c == 1 << 20:  # the default chunk with numpy's compaction: delta.c's gain within each round
                 out[f"chunked {c // 1024}K, numpy"] = (c, DeltaEncoder(buckets), False)
+                # delta.c after torch's cast into the chunk's scratch (before it read the trainer's tensors)
+                out[f"chunked {c // 1024}K, cast first"] = (c, DeltaEncoder(buckets), True, False)
         if compiled:
             out["compile"] = CompiledDelta(buckets, compiled[0])
         return out
 
     variants = delta_variants()
     timer = HostTimer()
+    source_compaction = kernels.source_compaction
 
     def run_delta(name, v, index, bucket):
         if isinstance(v, tuple):
             kernels.CPU_CHUNK, native.ENABLED = v[0], v[2] if len(v) > 2 else True
+            kernels.source_compaction = source_compaction if len(v) < 4 or v[3] else lambda pieces, old: None
             return v[1].encode(index, bucket, weights, buffer, timer, {})
         return v.encode(index, bucket, weights, buffer)
 
