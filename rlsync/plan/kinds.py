@@ -24,10 +24,12 @@ from typing import Optional
 
 from rlsync.check.estimate import DTYPE_BYTES
 from rlsync.fmt import MIB, fmt_bytes, fmt_seconds, fmt_share, markdown_table
+from rlsync.measure.devices import resolve_device
 from rlsync.model.architecture import model_shapes
 from rlsync.plan import cost, payload_fit
 from rlsync.update.buckets import Bucket
 from rlsync.update.payload import PlanContext, payload_class, payload_names, recorded_class
+from rlsync.update.payload.kernels import line_bytes
 
 CHANGED_RATIO = 0.05  # a tree without plan.* (a run's config): plan.changed_ratio's default
 FIT_COMMAND = "python -m rlsync.plan plan.calibrate=true"
@@ -45,6 +47,7 @@ def context(cfg, buckets: list[Bucket], model_shapes, floor_gbps: Optional[float
         model_shapes=list(model_shapes),
         lora=cfg.trainer.lora,
         bucket_bytes=int(cfg.update.bucket_mb * MIB),
+        line_bytes=line_bytes(resolve_device(cfg.run.device)),
     )
 
 

@@ -213,8 +213,8 @@ class Payload(ABC):
         `tensors`, `buckets`), with what its label needs; None where it has no row of its own."""
         sent = encode = decode = 0
         for bucket in ctx.buckets:
-            encoded = cls.planned_encoded(bucket, ctx)
-            floor = cls.floor(bucket, encoded, bucket.numel * ctx.trainer_itemsize)
+            encoded = cls.planned_encoded(bucket, ctx)  # its floor where the payload declared one for the plan
+            floor = encoded.floor or cls.floor(bucket, encoded, bucket.numel * ctx.trainer_itemsize)
             sent, encode, decode = sent + encoded.nbytes, encode + floor.encode, decode + floor.decode
         return {
             "bytes": sent,
@@ -248,6 +248,7 @@ class PlanContext:
     model_shapes: list = field(default_factory=list)  # (name, shape) of the model's weights (rlsync.model)
     lora: Any = None  # trainer.lora (a LoraConfig)
     bucket_bytes: int = 0  # update.bucket_mb in bytes (a payload that plans buckets of its own)
+    line_bytes: int = 64  # what the device's memory moves per access (kernels.LINE_BYTES: a scatter's floor)
 
     @property
     def elements(self) -> int:

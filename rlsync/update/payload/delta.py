@@ -165,8 +165,11 @@ class DeltaPayload(Payload):
         changed = round(ctx.changed_ratio * bucket.numel)
         sparse = sparse_bytes(changed, ctx.engine_itemsize)
         if sparse < bucket.nbytes and bucket.numel <= INDEX_MAX:
-            return Encoded(SPARSE, changed, sparse, changed)
-        return Encoded(FULL, bucket.numel, bucket.nbytes, changed)
+            encoded = Encoded(SPARSE, changed, sparse, changed)
+        else:
+            encoded = Encoded(FULL, bucket.numel, bucket.nbytes, changed)
+        read = bucket.numel * ctx.trainer_itemsize  # the lines changes at random places touch, on the plan's device
+        return replace(encoded, floor=cls.floor(bucket, encoded, read, grain=ctx.line_bytes))
 
     @classmethod
     def planned(cls, ctx: PlanContext) -> dict:
