@@ -6,10 +6,11 @@ torch path runs and the reason says why."""
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import needs_cc
+from conftest import has_c_compiler, needs_cc
 
 from rlsync.update.payload import kernels, native
 from rlsync.update.payload.fp8 import dequantize_blocks, quantize_blocks
@@ -199,12 +200,126 @@ def test_without_a_compiler_the_torch_kernels_run_and_the_reason_names_it(monkey
 
 @needs_cc
 def test_a_build_whose_self_check_fails_is_not_used(monkeypatch, tmp_path):
-    """fp8.c with its saturation at 448 broken: built, loaded, refused by bind_fp8's check, the reason given."""
+    """fp8.c with its saturation at 448 broken (the portable C's and the AVX-512 one's): built, loaded, refused by
+    bind_fp8's check, the reason given."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     text = native.FP8.source.read_text()
-    broken = text.replace("normal = normal == 0x7F ? 0x7E : normal;", "")
-    assert broken != text
+    scalar, vector = "normal = normal == 0x7F ? 0x7E : normal;", "r = _mm512_min_epu32(r, SPLAT(0x7E));"
+    assert scalar in text and vector in text
+    broken = text.replace(scalar, "").replace(vector, "")
     source = tmp_path / "fp8.c"
     source.write_text(broken)
     wrong = native.Library(source, check=native.bind_fp8)
     assert wrong.get() is None and "self-check" in wrong.why_not()
+
+
+# ---- fp8.c's implementations: the AVX-512 ones where this CPU has them, the portable C, each bit for bit ----
+
+AVX512 = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
+# what a build is given before fp8.c's source: the portable C throughout; the AVX-512 quantize with the portable
+# bf16 dequantize (a CPU without VBMI's byte permutes); nothing (this CPU's build, as native.FP8 builds it)
+BUILDS = {
+    "portable": "#define RLSYNC_FP8_PORTABLE 1\n",
+    "avx512 without vbmi": "#define RLSYNC_FP8_NO_VBMI 1\n",
+    "native": "",
+}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo: this CPU's features are unknown")
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> dict[str, ctypes.CDLL]:
+    """fp8.c built as each of BUILDS says, through native.Library (its compiler, flags and self-check), into a
+    cache of the test's own."""
+    if not has_c_compiler():
+        pytest.skip("no C compiler")
+    root = tmp_path_factory.mktemp("fp8_builds")
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(root / "cache"))
+        for i, (name, prefix) in enumerate(BUILDS.items()):
+            source = root / str(i) / "fp8.c"
+            source.parent.mkdir()
+            source.write_text(prefix + native.FP8.source.read_text())
+            lib = native.Library(source, check=native.bind_fp8)
+            assert lib.get() is not None, f"{name}: {lib.why_not()}"
+            out[name] = lib.lib
+    return out
+
+
+@needs_cc
+def test_this_cpu_s_build_runs_the_avx512_paths_where_it_has_them(builds):
+    """rlsync_fp8_paths: 1 the AVX-512 quantize and float32 dequantize, 2 the VBMI lookup of the bf16 one; the
+    portable build neither, the build without VBMI the first alone, and the cached build native.FP8 loads is
+    this CPU's."""
+    flags = cpu_flags()
+    avx512 = all(f in flags for f in AVX512)
+    expected = int(avx512) | int(avx512 and "avx512vbmi" in flags) << 1
+    paths = {name: lib.rlsync_fp8_paths() for name, lib in builds.items()}
+    assert paths == {"portable": 0, "avx512 without vbmi": int(avx512), "native": expected}
+    assert library().rlsync_fp8_paths() == expected
+
+
+def edge_blocks() -> torch.Tensor:
+    """One band of blocks whose scale is not a normal float or whose values sit at the range's ends: a subnormal
+    scale (amax 1e-41, 1e-37), a zero one (amax 1e-44: x / 0), float32's largest magnitudes, an all-zero block,
+    and a block of e4m3's subnormal results beside 448 (their quotients' smallest and largest)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(128, 128 * 7, generator=g)
+    for j, amax in enumerate([1e-41, 1e-37, 1e-44, 3.0e38, 0.0, 1.0]):
+        block = x[:, j * 128 : (j + 1) * 128]
+        block.mul_(amax / block.abs().max())
+    last = x[:, 6 * 128 :]
+    last.mul_(2.0**-12)  # quotients near e4m3's subnormals, some below its smallest
+    last[0, 0] = 448.0
+    return x
+
+
+@needs_cc
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("shape", [(256, 384), (128, 8448), (512, 1024), "edges"])
+def test_each_build_s_quantize_and_dequantize_are_the_reference_bit_for_bit(builds, build, shape):
+    """Each build over its block rows in two calls, into outputs 64-byte aligned (streaming stores) and not (an
+    element further: regular stores), into bf16 and float32."""
+    lib = builds[build]
+    x = edge_blocks() if shape == "edges" else hard_values(*shape)
+    rows, cols = x.shape
+    nb, half = rows // 128, rows // 256
+    ref_q, ref_scale = quantize_blocks(x)
+    for skew in (0, 1):
+        store = torch.empty(x.numel() + 64, dtype=torch.uint8)
+        q, scale = store[skew : skew + x.numel()], torch.empty(nb, cols // 128)
+        lib.rlsync_fp8_quantize(x.data_ptr(), rows, cols, half, nb, q.data_ptr(), scale.data_ptr())
+        lib.rlsync_fp8_quantize(x.data_ptr(), rows, cols, 0, half, q.data_ptr(), scale.data_ptr())
+        assert torch.equal(q.view(rows, cols), ref_q.view(torch.uint8)), skew
+        assert torch.equal(scale.view(torch.int32), ref_scale.view(torch.int32)), skew
+        for dtype, name in ((BF16, "bf16"), (torch.float32, "f32")):
+            out = torch.empty(x.numel() + 64, dtype=dtype)[skew : skew + x.numel()].view(rows, cols)
+            fn = getattr(lib, f"rlsync_fp8_dequantize_{name}")
+            fn(ref_q.data_ptr(), ref_scale.data_ptr(), rows, cols, half, nb, out.data_ptr())
+            fn(ref_q.data_ptr(), ref_scale.data_ptr(), rows, cols, 0, half, out.data_ptr())
+            assert bits_equal(out, dequantize_blocks(ref_q, ref_scale, dtype)), (name, skew)
+
+
+@needs_cc
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_each_build_s_e4m3_conversions_are_torch_s(builds, build):
+    """Every byte to float32 and back, and 2^18 random float32 bit patterns (NaNs, infinities, subnormals), over
+    a count that leaves a tail past the vectors' 16."""
+    lib = builds[build]
+    every = torch.arange(256, dtype=torch.uint8)
+    wide = torch.empty(256)
+    lib.rlsync_fp8_to_float(every.data_ptr(), 256, wide.data_ptr())
+    assert torch.equal(wide.view(torch.int32), every.view(FP8).float().view(torch.int32))
+    g = torch.Generator().manual_seed(8)
+    bits = torch.randint(-(2**31), 2**31, ((1 << 18) + 7,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = torch.cat([wide, bits.view(torch.float32)])
+    q = torch.empty(x.numel(), dtype=torch.uint8)
+    lib.rlsync_fp8_from_float(x.data_ptr(), x.numel(), q.data_ptr())
+    assert torch.equal(q, x.to(FP8).view(torch.uint8))

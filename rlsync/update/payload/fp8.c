@@ -1,18 +1,37 @@
 /* FP8's block quantize and dequantize on a CPU (rlsync/update/payload/native.py compiles and loads it;
-   kernels.quantize_whole and kernels.dequantize_whole call it). Bit for bit rlsync/update/payload/fp8.py's
+   kernels.native_quantize and kernels.native_dequantize call it). Bit for bit rlsync/update/payload/fp8.py's
    reference: torch's float32 -> e4m3fn and e4m3fn -> float32 conversions (c10's fp8e4m3fn_from_fp32_value and
-   fp8e4m3fn_to_fp32_value) and its float32 -> bfloat16 cast, each written without a branch (selects) so that
-   gcc vectorises them; the quotient a true IEEE divide (no reciprocal: never built with -ffast-math).
+   fp8e4m3fn_to_fp32_value) and its float32 -> bfloat16 cast, each written without a branch (selects); the
+   quotient a true IEEE divide (no reciprocal: never built with -ffast-math).
 
    A tensor is (rows x cols) row-major, both multiples of 128, one float32 scale per 128x128 block (block rows x
    block columns, row-major). Each exported function takes a range of block rows [b0, b1) of the whole tensor,
-   so that threads split a tensor by block rows. The quantize reads each 128-row band a group of GROUP block
-   columns at a time: first the group's block amaxes, then its divide and conversion from cache, so the source
-   crosses from memory once. Bits are read by memcpy (no type punning
-   through pointers: strict aliasing holds). */
+   so that threads split a tensor by block rows. The quantize reads each 128-row band a group of block columns at
+   a time: first the group's block amaxes, then its divide and conversion from cache, so the source crosses from
+   memory once. Bits are read by memcpy (no type punning through pointers: strict aliasing holds).
+
+   Two implementations of each function: the portable C (gcc vectorises its loops), and where the build's -march
+   has AVX-512 the same arithmetic written in its intrinsics (below), faster 1.5x (quantize) and 1.9x (bf16
+   dequantize) on this project's AMD EPYC (Zen 4). rlsync_fp8_paths() says which this build holds. */
 
 #include <stdint.h>
 #include <string.h>
+
+/* The AVX-512 paths where this build's -march has them; RLSYNC_FP8_PORTABLE forces the portable C, and
+   RLSYNC_FP8_NO_VBMI the portable bf16 dequantize beside the AVX-512 rest (the tests build both so, to check
+   them too). The bf16 dequantize's lookup needs VBMI's byte permutes besides. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
+    !defined(RLSYNC_FP8_PORTABLE)
+#define FP8_AVX512 1
+#include <immintrin.h>
+#else
+#define FP8_AVX512 0
+#endif
+#if FP8_AVX512 && defined(__AVX512VBMI__) && !defined(RLSYNC_FP8_NO_VBMI)
+#define FP8_VBMI 1
+#else
+#define FP8_VBMI 0
+#endif
 
 #define BLOCK 128
 /* Block columns a band is read by (up to 128 rows x 8192 float32: 4 MiB, in L3). Measured on this project's
@@ -87,6 +106,7 @@ INLINE float scale_of(uint32_t amax_bits) {
     return amax_bits > UINT32_C(0x7F800000) || !(amax > 0.0f) ? 1.0f : amax / 448.0f;
 }
 
+#if !FP8_AVX512
 /* One block's row: each value over the block's scale (a true divide), as e4m3. Not inlined: inlined into the
    band's loops gcc 12 leaves it scalar ("complicated access pattern"); a call per 128 elements costs nothing. */
 OUTLINE void quantize_run(const float *restrict p, uint8_t *restrict o, const float d) {
@@ -126,6 +146,8 @@ void rlsync_fp8_quantize(const float *x, int64_t rows, int64_t cols, int64_t b0,
     }
 }
 
+#endif
+
 #define DEQUANTIZE(NAME, T, CONVERT)                                                                               \
     INLINE void NAME##_run(const uint8_t *restrict p, T *restrict o, const float d) {                              \
         for (int k = 0; k < BLOCK; k++)                                                                            \
@@ -142,16 +164,284 @@ void rlsync_fp8_quantize(const float *x, int64_t rows, int64_t cols, int64_t b0,
     }
 
 #define AS_FLOAT(f) (f)
+#if !FP8_VBMI
 DEQUANTIZE(rlsync_fp8_dequantize_bf16, uint16_t, bf16_of)
+#endif
+#if !FP8_AVX512
 DEQUANTIZE(rlsync_fp8_dequantize_f32, float, AS_FLOAT)
+#endif
 
-/* The conversions alone, element by element over n (the self-check and the tests). */
+
+#if FP8_AVX512
+/* ---- AVX-512 (F, BW, DQ, VL): the arithmetic above on 16 lanes. Measured beside the portable C in one process
+   (one 1024 x 16384, 3072 x 4096 and 2048 x 8192, 2 threads, a copy probe of 35 GB/s): the quantize 0.33 ns an
+   element a thread against 0.49, the bf16 dequantize 0.16 against 0.32, the float32 one 0.30 against 0.32. */
+
+#define SPLAT(v) _mm512_set1_epi32((int)(v))
+/* Block columns the quantize reads a band by (128 rows x 512 float32: 256 KiB, in L2), the next group's rows
+   prefetched (T2) while this one converts, so that its amax pass reads from cache and the memory's reads overlap
+   the arithmetic: 0.33 to 0.36 ns an element a thread (four runs), against 0.34 to 0.38 with 2 block columns,
+   0.36 to 0.41 with 8, 0.42 to 0.47 prefetching into L1 (T0), 0.46 with no prefetch and 64 (the portable C's). */
+#define VGROUP 4
+
+/* Streaming (non-temporal) stores for the outputs where 64-byte aligned (every row of a block is then, its
+   tensor's rows being whole blocks): a regular store first reads the line it writes, so the bf16 dequantize's 3
+   bytes an element of traffic were 5. The quantize's e4m3 0.33 ns an element against 0.39 stored regularly, the
+   bf16 dequantize 0.16 against 0.31. An sfence before returning orders them before the caller's next access. */
+#define STREAM_OK(p) (((uintptr_t)(p) & 63) == 0)
+
+INLINE void store64(void *p, __m512i v, int stream) {
+    if (stream)
+        _mm512_stream_si512((__m512i *)p, v);
+    else
+        _mm512_storeu_si512(p, v);
+}
+
+/* e4m3_of on 16 lanes, every path: the conversions alone and the blocks whose scale is not a normal float. The
+   round-to-even bit of the normal path as a masked add (one op fewer than its shift and mask). */
+INLINE __m512i e4m3_of_v(__m512 y) {
+    const __m512i u = _mm512_castps_si512(y);
+    const __m512i a = _mm512_and_si512(u, SPLAT(0x7FFFFFFF));
+    const __m512i small = _mm512_sub_epi32(
+        _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(SPLAT(141u << 23)))),
+        SPLAT(141u << 23));
+    const __m512i t = _mm512_add_epi32(a, SPLAT(0xC407FFFFu)); /* a + ((7 - 127) << 23) + 0x7FFFF */
+    __m512i r = _mm512_srli_epi32(_mm512_mask_add_epi32(t, _mm512_test_epi32_mask(a, SPLAT(1u << 20)), t, SPLAT(1)),
+                                  20);
+    r = _mm512_min_epu32(r, SPLAT(0x7E)); /* where the normal path is kept, 0x7F only from [464, 480) */
+    r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epu32_mask(a, SPLAT(121u << 23)), small);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpge_epu32_mask(a, SPLAT(1087u << 20)), SPLAT(0x7E));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epu32_mask(a, SPLAT(0x7F800000)), SPLAT(0x7F));
+    return _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(u, 24), SPLAT(0x80), 0xF8); /* r | (u >> 24 & 0x80) */
+}
+
+/* Four vectors of bytes in dwords (each <= 0xFF) as 64 bytes in order: two unsigned-saturating packs leave them
+   interleaved by 128-bit lane (lane L: 4 of each vector), one dword permute puts them back. */
+INLINE __m512i pack_bytes(const __m512i r[4]) {
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512i w = _mm512_packus_epi16(_mm512_packus_epi32(r[0], r[1]), _mm512_packus_epi32(r[2], r[3]));
+    return _mm512_permutexvar_epi32(order, w);
+}
+
+/* One block's row of 128: over the scale (vdivps: a true IEEE divide), as e4m3, 2 x 64 bytes out. */
+INLINE void quantize_run_v(const float *p, uint8_t *o, __m512 d, int stream) {
+    for (int h = 0; h < 2; h++) {
+        __m512i r[4];
+        for (int k = 0; k < 4; k++)
+            r[k] = e4m3_of_v(_mm512_div_ps(_mm512_loadu_ps(p + 64 * h + 16 * k), d));
+        store64(o + 64 * h, pack_bytes(r), stream);
+    }
+}
+
+/* The same where every quotient is finite and below 464 (a block whose scale is a normal float: |x| <= amax, so
+   |x / scale| <= 448 (1 + 2^-23)): no saturation or NaN, and e4m3's subnormal results computed only for the 64
+   values that hold one (a test of four masks): 9 vector ops for 16 values, the divide's among them, not 17. */
+INLINE void quantize_run_bounded(const float *p, uint8_t *o, __m512 d, int stream) {
+    for (int h = 0; h < 2; h++) {
+        __m512i u[4], a[4], r[4];
+        __mmask16 tiny[4];
+        for (int k = 0; k < 4; k++) {
+            u[k] = _mm512_castps_si512(_mm512_div_ps(_mm512_loadu_ps(p + 64 * h + 16 * k), d));
+            a[k] = _mm512_and_si512(u[k], SPLAT(0x7FFFFFFF));
+            const __m512i t = _mm512_add_epi32(a[k], SPLAT(0xC407FFFFu));
+            r[k] = _mm512_srli_epi32(
+                _mm512_mask_add_epi32(t, _mm512_test_epi32_mask(a[k], SPLAT(1u << 20)), t, SPLAT(1)), 20);
+            tiny[k] = _mm512_cmplt_epu32_mask(a[k], SPLAT(121u << 23));
+        }
+        if (__builtin_expect((tiny[0] | tiny[1] | tiny[2] | tiny[3]) != 0, 0))
+            for (int k = 0; k < 4; k++) {
+                const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(a[k]), _mm512_castsi512_ps(SPLAT(141u << 23)));
+                const __m512i small = _mm512_sub_epi32(_mm512_castps_si512(sum), SPLAT(141u << 23));
+                r[k] = _mm512_mask_mov_epi32(r[k], tiny[k], small);
+            }
+        for (int k = 0; k < 4; k++)
+            r[k] = _mm512_ternarylogic_epi32(r[k], _mm512_srli_epi32(u[k], 24), SPLAT(0x80), 0xF8);
+        store64(o + 64 * h, pack_bytes(r), stream);
+    }
+}
+
+void rlsync_fp8_quantize(const float *x, int64_t rows, int64_t cols, int64_t b0, int64_t b1, uint8_t *q,
+                         float *scale) {
+    const int64_t bcols = cols / BLOCK;
+    const int stream = STREAM_OK(q);
+    (void)rows;
+    for (int64_t br = b0; br < b1; br++) {
+        const float *band = x + br * BLOCK * cols;
+        uint8_t *out = q + br * BLOCK * cols;
+        for (int64_t g0 = 0; g0 < bcols; g0 += VGROUP) {
+            const int64_t n = g0 + VGROUP < bcols ? VGROUP : bcols - g0;
+            __m512i amax[VGROUP];
+            __m512 d[VGROUP];
+            int bounded[VGROUP];
+            for (int64_t j = 0; j < n; j++)
+                amax[j] = _mm512_setzero_si512();
+            for (int64_t r = 0; r < BLOCK; r++)
+                for (int64_t j = 0; j < n; j++) {
+                    const float *p = band + r * cols + (g0 + j) * BLOCK;
+                    __m512i m = amax[j];
+                    for (int k = 0; k < BLOCK; k += 16)
+                        m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_loadu_si512(p + k), SPLAT(0x7FFFFFFF)));
+                    amax[j] = m;
+                }
+            for (int64_t j = 0; j < n; j++) {
+                const uint32_t bits = _mm512_reduce_max_epu32(amax[j]);
+                const float s = scale_of(bits);
+                scale[br * bcols + g0 + j] = s;
+                d[j] = _mm512_set1_ps(s);
+                bounded[j] = bits < UINT32_C(0x7F800000) && s >= 0x1p-126f; /* finite amax, a normal scale */
+            }
+            /* the next group, this band's or the next band's first (within [b0, b1)): its rows fetched as this
+               group's convert, one prefetch a line */
+            const int64_t g1 = g0 + n, at_next = g1 < bcols ? g1 : 0;
+            const float *next = g1 < bcols ? band + g1 * BLOCK : br + 1 < b1 ? band + BLOCK * cols : NULL;
+            const int64_t next_n = at_next + VGROUP < bcols ? VGROUP : bcols - at_next;
+            for (int64_t r = 0; r < BLOCK; r++) {
+                for (int64_t j = 0; j < n; j++) {
+                    const int64_t at = r * cols + (g0 + j) * BLOCK;
+                    if (bounded[j])
+                        quantize_run_bounded(band + at, out + at, d[j], stream);
+                    else
+                        quantize_run_v(band + at, out + at, d[j], stream);
+                }
+                if (next != NULL)
+                    for (int64_t k = 0; k < next_n * BLOCK; k += 16)
+                        _mm_prefetch((const char *)(next + r * cols + k), _MM_HINT_T2);
+            }
+        }
+    }
+    if (stream)
+        _mm_sfence();
+}
+
+/* float_of_e4m3 on 16 lanes of bytes in dwords. */
+INLINE __m512 float_of_e4m3_v(__m512i b) {
+    const __m512i m = _mm512_and_si512(b, SPLAT(0x7F));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, SPLAT(0x80)), 24);
+    const __m512i sub = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0x1p-9f)));
+    __m512i r = _mm512_add_epi32(_mm512_slli_epi32(m, 20), SPLAT(120u << 23));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epu32_mask(m, SPLAT(8)), sub);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpeq_epu32_mask(m, SPLAT(0x7F)), SPLAT(0x7FF00000));
+    return _mm512_castsi512_ps(_mm512_or_si512(r, sign));
+}
+
+void rlsync_fp8_dequantize_f32(const uint8_t *q, const float *scale, int64_t rows, int64_t cols, int64_t b0,
+                               int64_t b1, float *out) {
+    const int64_t bcols = cols / BLOCK;
+    const int stream = STREAM_OK(out);
+    (void)rows;
+    for (int64_t r = b0 * BLOCK; r < b1 * BLOCK; r++) {
+        const float *s = scale + (r / BLOCK) * bcols;
+        for (int64_t j = 0; j < bcols; j++) {
+            const __m512 d = _mm512_set1_ps(s[j]);
+            const uint8_t *p = q + r * cols + j * BLOCK;
+            float *o = out + r * cols + j * BLOCK;
+            for (int k = 0; k < BLOCK; k += 16) {
+                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + k)));
+                store64(o + k, _mm512_castps_si512(_mm512_mul_ps(float_of_e4m3_v(b), d)), stream);
+            }
+        }
+    }
+    if (stream)
+        _mm_sfence();
+}
+
+#if FP8_VBMI
+/* bf16_of on 16 lanes. */
+INLINE __m512i bf16_of_v(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), SPLAT(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, SPLAT(0x7FFF)), lsb), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, SPLAT(0x7FFFFFFF)), SPLAT(0x7F800000));
+    return _mm512_mask_mov_epi32(r, nan, SPLAT(0xFFFF));
+}
+
+/* The bf16 dequantize as a lookup: a block has one scale, so its 256 possible e4m3 bytes have 256 bf16 results,
+   computed once a block (256 conversions for 16384 values, by the same arithmetic) as two 256-byte tables (the
+   results' low and high bytes), looked up 64 bytes at a time by VBMI byte permutes over each table's two
+   128-byte halves, chosen by the byte's top bit. */
+typedef struct {
+    __m512i lo[4], hi[4];
+} table_t;
+
+INLINE void table_of(float d, table_t *t) {
+    const __m512 dv = _mm512_set1_ps(d);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    uint8_t lo[256] __attribute__((aligned(64))), hi[256] __attribute__((aligned(64)));
+    for (int b = 0; b < 256; b += 16) {
+        const __m512i v = bf16_of_v(_mm512_mul_ps(float_of_e4m3_v(_mm512_add_epi32(SPLAT(b), lanes)), dv));
+        _mm_store_si128((__m128i *)(lo + b), _mm512_cvtepi32_epi8(v));
+        _mm_store_si128((__m128i *)(hi + b), _mm512_cvtepi32_epi8(_mm512_srli_epi32(v, 8)));
+    }
+    for (int k = 0; k < 4; k++) {
+        t->lo[k] = _mm512_load_si512(lo + 64 * k);
+        t->hi[k] = _mm512_load_si512(hi + 64 * k);
+    }
+}
+
+/* 64 e4m3 bytes as 64 bf16 (128 bytes) from a block's table. The bytes are first reordered (lane L: bytes 8L to
+   8L + 7, then 32 + 8L to 32 + 8L + 7) so that the in-lane interleave of the low and high bytes (unpacklo,
+   unpackhi) leaves the 64 results in order. */
+INLINE void lookup64(const uint8_t *p, uint16_t *o, const table_t *t, __m512i order, int stream) {
+    const __m512i idx = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(p));
+    const __mmask64 top = _mm512_movepi8_mask(idx);
+    const __m512i lo = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t->lo[0], idx, t->lo[1]),
+                                              _mm512_permutex2var_epi8(t->lo[2], idx, t->lo[3]));
+    const __m512i hi = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t->hi[0], idx, t->hi[1]),
+                                              _mm512_permutex2var_epi8(t->hi[2], idx, t->hi[3]));
+    store64(o, _mm512_unpacklo_epi8(lo, hi), stream);
+    store64(o + 32, _mm512_unpackhi_epi8(lo, hi), stream);
+}
+
+/* A block column at a time down its 128 rows (the tables stay in registers). */
+void rlsync_fp8_dequantize_bf16(const uint8_t *q, const float *scale, int64_t rows, int64_t cols, int64_t b0,
+                                int64_t b1, uint16_t *out) {
+    const int64_t bcols = cols / BLOCK;
+    const int stream = STREAM_OK(out);
+    const __m512i order = _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 31, 30, 29, 28, 27, 26, 25, 24, 55, 54,
+                                          53, 52, 51, 50, 49, 48, 23, 22, 21, 20, 19, 18, 17, 16, 47, 46, 45, 44, 43,
+                                          42, 41, 40, 15, 14, 13, 12, 11, 10, 9, 8, 39, 38, 37, 36, 35, 34, 33, 32, 7,
+                                          6, 5, 4, 3, 2, 1, 0);
+    (void)rows;
+    for (int64_t br = b0; br < b1; br++)
+        for (int64_t j = 0; j < bcols; j++) {
+            table_t t;
+            table_of(scale[br * bcols + j], &t);
+            for (int64_t r = br * BLOCK; r < (br + 1) * BLOCK; r++) {
+                const int64_t at = r * cols + j * BLOCK;
+                lookup64(q + at, out + at, &t, order, stream);
+                lookup64(q + at + 64, out + at + 64, &t, order, stream);
+            }
+        }
+    if (stream)
+        _mm_sfence();
+}
+#endif /* FP8_VBMI */
+#endif /* FP8_AVX512 */
+
+/* Which implementations this build holds: 1 the AVX-512 quantize and float32 dequantize, 2 the VBMI lookup of
+   the bf16 dequantize (0: the portable C throughout). */
+int rlsync_fp8_paths(void) {
+    return FP8_AVX512 | FP8_VBMI << 1;
+}
+
+/* The conversions alone, element by element over n (the self-check and the tests): the AVX-512 ones where built,
+   the scalar ones for the rest. */
 void rlsync_fp8_from_float(const float *x, int64_t n, uint8_t *q) {
-    for (int64_t i = 0; i < n; i++)
+    int64_t i = 0;
+#if FP8_AVX512
+    for (; i + 16 <= n; i += 16)
+        _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(e4m3_of_v(_mm512_loadu_ps(x + i))));
+#endif
+    for (; i < n; i++)
         q[i] = e4m3_of(x[i]);
 }
 
 void rlsync_fp8_to_float(const uint8_t *q, int64_t n, float *x) {
-    for (int64_t i = 0; i < n; i++)
+    int64_t i = 0;
+#if FP8_AVX512
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(x + i, float_of_e4m3_v(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + i)))));
+#endif
+    for (; i < n; i++)
         x[i] = float_of_e4m3(q[i]);
 }
