@@ -5,11 +5,14 @@ load."""
 
 from __future__ import annotations
 
+import ctypes
 import threading
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from conftest import needs_cc
+from conftest import has_c_compiler, needs_cc
 
 from rlsync.update.payload import kernels, native
 from rlsync.update.payload.base import SPARSE
@@ -368,3 +371,132 @@ def test_a_run_names_the_kernels_that_timed_its_payload_and_why_a_faster_one_did
     assert payload_line(stats, "delta", kernels).endswith(f" Kernels: {kernels}.")
     monkeypatch.setattr(native, "ENABLED", False)
     assert payload_class("fp8").kernels("cpu").endswith(f"(fp8.c: {native.OFF})")
+
+
+# ---- delta.c's implementations: the AVX-512 compaction where this CPU has it, the portable C, each bit for bit ----
+
+# what a build is given before delta.c's source: the portable C throughout; nothing (this CPU's, as native.DELTA's)
+DELTA_BUILDS = {"portable": "#define RLSYNC_DELTA_PORTABLE 1\n", "native": ""}
+AVX512_DELTA = ("avx512f", "avx512bw", "avx512_vbmi2")  # the AVX-512 compaction's features (widths 2 and 4)
+NP_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+GUARD = 8  # elements past n in pos[] and val[]: never written
+
+
+@pytest.fixture(scope="module")
+def delta_builds(tmp_path_factory) -> dict[str, ctypes.CDLL]:
+    """delta.c built as each of DELTA_BUILDS says, through native.Library (its compiler, flags and self-check), into
+    a cache of the test's own."""
+    if not has_c_compiler():
+        pytest.skip("no C compiler")
+    root = tmp_path_factory.mktemp("delta_builds")
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(root / "cache"))
+        for i, (name, prefix) in enumerate(DELTA_BUILDS.items()):
+            source = root / str(i) / "delta.c"
+            source.parent.mkdir()
+            source.write_text(prefix + native.DELTA.source.read_text())
+            lib = native.Library(source, check=native.bind_delta)
+            assert lib.get() is not None, f"{name}: {lib.why_not()}"
+            out[name] = lib.lib
+    return out
+
+
+@needs_cc
+def test_this_cpu_s_delta_build_runs_the_avx512_compaction_where_it_has_it(delta_builds):
+    """rlsync_delta_paths: 1 the AVX-512 compaction of widths 2 and 4; the portable build never, the cached build
+    native.DELTA loads this CPU's."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo: this CPU's features are unknown")
+    flags = {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+    expected = int(all(f in flags for f in AVX512_DELTA))
+    assert {name: lib.rlsync_delta_paths() for name, lib in delta_builds.items()} == {
+        "portable": 0,
+        "native": expected,
+    }
+    assert native.DELTA.get().rlsync_delta_paths() == expected
+
+
+def reference(new: np.ndarray, old: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray, tuple[int, int, int]]:
+    """numpy's compaction: the changed elements' positions (base + index) and bits, and their 64-byte lines."""
+    where = np.flatnonzero(new != old)
+    lines = (where + base) * new.itemsize // 64
+    return (
+        (where + base).astype(np.int32),
+        new[where],
+        (len(np.unique(lines)), *lines[[0, -1]]) if len(lines) else (0, -1, -1),
+    )
+
+
+@needs_cc
+@pytest.mark.parametrize("build", list(DELTA_BUILDS))
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("share", [0.0, 0.01, 0.05, 0.3, 1.0])
+def test_each_delta_build_s_compaction_is_numpy_s_bit_for_bit(delta_builds, build, width, share):
+    """Lengths around the vectors (32 and 16 lanes) and the runs of 64 words, at element offsets that leave the
+    pointers unaligned; signed zeros and a NaN kept count as changed (bits compared); positions and values
+    written up to the count and never past n, `old` left as `new` and nothing around it touched; without
+    positions a count and the copy alone."""
+    lib = delta_builds[build]
+    fn = getattr(lib, f"rlsync_delta_w{width}")
+    bits = NP_BITS[width]
+    dtype = {1: torch.float8_e4m3fn, 2: BF16, 4: torch.float32, 8: torch.float64}[width]
+    for numel in (1, 15, 16, 17, 31, 32, 33, 255, 256, 257, 1000, 4099, 70001):
+        for offset in (0, 1, 3):
+            new_t, old_t = changed_pair(share, numel + 2 * offset, 0, seed=numel + offset, dtype=dtype)
+            new = new_t.view(BITS[width]).numpy().view(bits)[offset : offset + numel]  # offset from both ends
+            whole = old_t.view(BITS[width]).numpy().view(bits)
+            before = whole.copy()
+            old = whole[offset : offset + numel]
+            at = 12_345 + offset
+            where, values, lines = reference(new, old, at)
+            pos = np.full(numel + GUARD, -7, dtype=np.int32)
+            val = np.full(numel + GUARD, 0x5A, dtype=bits)
+            got_lines = (ctypes.c_int64 * 3)()
+            count = fn(new.ctypes.data, old.ctypes.data, numel, at, pos.ctypes.data, val.ctypes.data, 6, got_lines)
+            case = (numel, offset)
+            assert count == len(where), case
+            assert np.array_equal(pos[:count], where) and np.array_equal(val[:count], values), case
+            assert tuple(got_lines) == lines, case
+            assert (pos[numel:] == -7).all() and (val[numel:] == 0x5A).all(), case  # nothing past n
+            assert np.array_equal(old, new), case
+            assert np.array_equal(whole[:offset], before[:offset]) and np.array_equal(
+                whole[offset + numel :], before[offset + numel :]
+            ), case
+            old[:] = before[offset : offset + numel]
+            assert fn(new.ctypes.data, old.ctypes.data, numel, at, None, None, 6, None) == len(where), case
+            assert np.array_equal(old, new), case
+            if numel == 70001 and share in (0.01, 0.3):
+                assert 0 < count < numel  # the shares reached: some changed, some not
+
+
+@needs_cc
+@pytest.mark.parametrize("build", list(DELTA_BUILDS))
+@pytest.mark.parametrize("share", [0.0, 0.01, 0.05, 0.3, 1.0])
+def test_each_delta_build_s_cast_compaction_is_torch_s_cast_then_numpy_s(delta_builds, build, share):
+    """float32 against bfloat16 last values: each element cast as torch casts it (NaNs among them), then compared
+    and compacted, over lengths past the cast's stage of 2048 and around the vectors, at unaligned offsets."""
+    fn = delta_builds[build].rlsync_delta_f32_bf16
+    g = torch.Generator().manual_seed(11)
+    for numel in (1, 33, 257, 2048, 2049, 4099, 70001):
+        for offset in (0, 1):
+            src = torch.randn(numel + offset, generator=g)[offset:]
+            src[torch.rand(numel, generator=g) < 0.01] = float("nan")
+            cast = src.to(BF16).view(torch.int16).numpy().view(np.uint16)
+            old_t = torch.empty(numel + 1, dtype=BF16)[1 - offset : 1 - offset + numel]
+            old = old_t.view(torch.int16).numpy().view(np.uint16)
+            old[:] = cast
+            flips = torch.rand(numel, generator=g).numpy() < share
+            old[flips] ^= 0x8000  # the last values differ where flipped: those elements changed
+            where, values, lines = reference(cast, old, 7)
+            pos = np.full(numel + GUARD, -7, dtype=np.int32)
+            val = np.full(numel + GUARD, 0x5A, dtype=np.uint16)
+            got_lines = (ctypes.c_int64 * 3)()
+            count = fn(src.data_ptr(), old.ctypes.data, numel, 7, pos.ctypes.data, val.ctypes.data, 6, got_lines)
+            case = (numel, offset)
+            assert count == len(where) and tuple(got_lines) == lines, case
+            assert np.array_equal(pos[:count], where) and np.array_equal(val[:count], values), case
+            assert (pos[numel:] == -7).all() and (val[numel:] == 0x5A).all(), case
+            assert np.array_equal(old, cast), case
