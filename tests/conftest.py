@@ -919,6 +919,37 @@ needs_cc = pytest.mark.skipif(
 )
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo): which of a C kernel's vector paths a native build holds."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo: this CPU's features are unknown")
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
+def build_variants(tmp_path_factory, library, check, prefixes: dict[str, str]) -> dict:
+    """`library`'s C source (a native.Library) built once per variant, `prefixes`: name -> what goes before the
+    source (a #define choosing its portable path, or nothing: this CPU's), through native.Library (its compiler,
+    flags and self-check `check`) into a kernel cache of the test's own; name -> the loaded ctypes library."""
+    from rlsync.update.payload import native
+
+    if not has_c_compiler():
+        pytest.skip("no C compiler")
+    root = tmp_path_factory.mktemp(f"{library.source.stem}_builds")
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(root / "cache"))
+        for i, (name, prefix) in enumerate(prefixes.items()):
+            source = root / str(i) / library.source.name
+            source.parent.mkdir()
+            source.write_text(prefix + library.source.read_text())
+            lib = native.Library(source, check=check)
+            assert lib.get() is not None, f"{name}: {lib.why_not()}"
+            out[name] = lib.lib
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # vLLM: installed, and its releases' wheels
 # ----------------------------------------------------------------------------------------------

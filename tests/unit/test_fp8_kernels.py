@@ -6,11 +6,10 @@ torch path runs and the reason says why."""
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import has_c_compiler, needs_cc
+from conftest import build_variants, cpu_flags, needs_cc
 
 from rlsync.update.payload import kernels, native
 from rlsync.update.payload.fp8 import dequantize_blocks, quantize_blocks
@@ -225,32 +224,10 @@ BUILDS = {
 }
 
 
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        pytest.skip("no /proc/cpuinfo: this CPU's features are unknown")
-    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
-
-
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory) -> dict[str, ctypes.CDLL]:
-    """fp8.c built as each of BUILDS says, through native.Library (its compiler, flags and self-check), into a
-    cache of the test's own."""
-    if not has_c_compiler():
-        pytest.skip("no C compiler")
-    root = tmp_path_factory.mktemp("fp8_builds")
-    out = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XDG_CACHE_HOME", str(root / "cache"))
-        for i, (name, prefix) in enumerate(BUILDS.items()):
-            source = root / str(i) / "fp8.c"
-            source.parent.mkdir()
-            source.write_text(prefix + native.FP8.source.read_text())
-            lib = native.Library(source, check=native.bind_fp8)
-            assert lib.get() is not None, f"{name}: {lib.why_not()}"
-            out[name] = lib.lib
-    return out
+    """fp8.c built as each of BUILDS says (conftest's build_variants)."""
+    return build_variants(tmp_path_factory, native.FP8, native.bind_fp8, BUILDS)
 
 
 @needs_cc

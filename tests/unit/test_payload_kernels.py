@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import has_c_compiler, needs_cc
+from conftest import build_variants, cpu_flags, needs_cc
 
 from rlsync.update.payload import kernels, native
 from rlsync.update.payload.base import SPARSE
@@ -384,34 +383,15 @@ GUARD = 8  # elements past n in pos[] and val[]: never written
 
 @pytest.fixture(scope="module")
 def delta_builds(tmp_path_factory) -> dict[str, ctypes.CDLL]:
-    """delta.c built as each of DELTA_BUILDS says, through native.Library (its compiler, flags and self-check), into
-    a cache of the test's own."""
-    if not has_c_compiler():
-        pytest.skip("no C compiler")
-    root = tmp_path_factory.mktemp("delta_builds")
-    out = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XDG_CACHE_HOME", str(root / "cache"))
-        for i, (name, prefix) in enumerate(DELTA_BUILDS.items()):
-            source = root / str(i) / "delta.c"
-            source.parent.mkdir()
-            source.write_text(prefix + native.DELTA.source.read_text())
-            lib = native.Library(source, check=native.bind_delta)
-            assert lib.get() is not None, f"{name}: {lib.why_not()}"
-            out[name] = lib.lib
-    return out
+    """delta.c built as each of DELTA_BUILDS says (conftest's build_variants)."""
+    return build_variants(tmp_path_factory, native.DELTA, native.bind_delta, DELTA_BUILDS)
 
 
 @needs_cc
 def test_this_cpu_s_delta_build_runs_the_avx512_compaction_where_it_has_it(delta_builds):
     """rlsync_delta_paths: 1 the AVX-512 compaction of widths 2 and 4; the portable build never, the cached build
     native.DELTA loads this CPU's."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        pytest.skip("no /proc/cpuinfo: this CPU's features are unknown")
-    flags = {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
-    expected = int(all(f in flags for f in AVX512_DELTA))
+    expected = int(all(f in cpu_flags() for f in AVX512_DELTA))
     assert {name: lib.rlsync_delta_paths() for name, lib in delta_builds.items()} == {
         "portable": 0,
         "native": expected,
