@@ -259,6 +259,16 @@ def lines_of(where: torch.Tensor, itemsize: int) -> tuple[int, int, int]:
     return tuple(int(v) for v in ends.tolist())
 
 
+def join_lines(spans) -> tuple[int, int, int]:
+    """Consecutive runs' lines (`lines_of`'s (how many, first, last), in the bucket's order) as one: a line where
+    one run ends and the next begins counted once."""
+    total, first, last = 0, -1, -1
+    for k, a, b in spans:
+        if k:
+            total, first, last = total + k - (a == last), a if first < 0 else first, b
+    return total, first, last
+
+
 def compact_chunk(
     new: torch.Tensor, old: torch.Tensor, scratch: Scratch, at: int
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
@@ -272,18 +282,7 @@ def compact_chunk(
     NUMPY_ON_CPU is off, its int64 positions then offset and narrowed here (by numpy on a CPU)."""
     fn = native_compaction(new, old)
     if fn is not None:
-        k = new.numel()
-        where = scratch.get("where", k, torch.int32, new.device)  # room for every element; `count` written
-        values = scratch.get("values", k, new.dtype, new.device)
-        lines = scratch.get("lines", 3, torch.int64, new.device)
-        shift = line_bytes(new.device).bit_length() - 1
-        count = fn(new.data_ptr(), old.data_ptr(), k, at, where.data_ptr(), values.data_ptr(), shift, lines.data_ptr())
-        # copied out (the scratch serves the next chunk) by numpy: torch's copy of over 32 Ki elements takes
-        # torch's threads, whose barrier a busy machine stalls for milliseconds (Workers' note)
-        bits = SAME_WIDTH_INT[new.element_size()]
-        kept = values.view(bits).numpy()[:count].copy()
-        spans = tuple(int(v) for v in lines.numpy())
-        return torch.from_numpy(where.numpy()[:count].copy()), torch.from_numpy(kept).view(new.dtype), spans
+        return compact_pieces([(0, new)], [fn], old, scratch, at)
     where, values = changed_in_chunk(new, old, scratch)
     if where.device.type == "cpu" and NUMPY_ON_CPU:  # numpy's add and narrowing: no torch threads (above)
         where = torch.from_numpy((where.numpy() + at).astype(np.int32))
@@ -319,9 +318,10 @@ def source_compaction(pieces: list, old: torch.Tensor):
 def compact_pieces(
     pieces: list, fns: list, old: torch.Tensor, scratch: Scratch, at: int, *, count_only: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]] | int:
-    """`compact_chunk` of a chunk whose pieces `source_compaction` compares straight from the trainer's tensors
-    (`fns`, one a piece, into one scratch); `count_only`: the count alone, `old` left holding the new values
-    (`count_chunk`'s)."""
+    """delta.c's compaction of a chunk given as pieces (offset in the chunk, contiguous elements), `fns` one a piece
+    (`source_compaction`'s straight from the trainer's tensors, or `compact_chunk`'s one over the cast chunk), into
+    one scratch: (int32 positions, values, `join_lines` of the pieces' lines); `count_only`: the count alone, `old`
+    left holding the new values (`count_chunk`'s)."""
     k, size = old.numel(), old.element_size()
     if count_only:
         return sum(
@@ -332,7 +332,7 @@ def compact_pieces(
     values = scratch.get("values", k, old.dtype, old.device)
     spans = scratch.get("lines", 3, torch.int64, old.device)
     shift, ends = line_bytes(old.device).bit_length() - 1, spans.numpy()
-    count, lines, previous = 0, 0, None
+    count, lines = 0, []
     for (offset, part), fn in zip(pieces, fns):
         found = fn(
             part.data_ptr(),
@@ -344,13 +344,13 @@ def compact_pieces(
             shift,
             spans.data_ptr(),
         )
-        if found:  # a line the piece before ended in counted once
-            lines, previous = lines + int(ends[0]) - (int(ends[1]) == previous), int(ends[2])
+        if found:
+            lines.append(tuple(int(v) for v in ends))
         count += found
-    first = -1 if not count else int(where.numpy()[0]) * size >> shift
-    last = -1 if not count else previous
-    kept = values.view(SAME_WIDTH_INT[size]).numpy()[:count].copy()  # out of the scratch: numpy (compact_chunk's)
-    return torch.from_numpy(where.numpy()[:count].copy()), torch.from_numpy(kept).view(old.dtype), (lines, first, last)
+    # copied out (the scratch serves the next chunk) by numpy: torch's copy of over 32 Ki elements takes torch's
+    # threads, whose barrier a busy machine stalls for milliseconds (Workers' note)
+    kept = values.view(SAME_WIDTH_INT[size]).numpy()[:count].copy()
+    return torch.from_numpy(where.numpy()[:count].copy()), torch.from_numpy(kept).view(old.dtype), join_lines(lines)
 
 
 def count_chunk(new: torch.Tensor, old: torch.Tensor, scratch: Scratch) -> int | torch.Tensor:
@@ -359,7 +359,7 @@ def count_chunk(new: torch.Tensor, old: torch.Tensor, scratch: Scratch) -> int |
     on the device: no sync per chunk)."""
     fn = native_compaction(new, old)
     if fn is not None:
-        return fn(new.data_ptr(), old.data_ptr(), new.numel(), 0, None, None, 0, None)
+        return compact_pieces([(0, new)], [fn], old, scratch, 0, count_only=True)
     mask = scratch.get("mask", new.numel(), torch.bool, new.device)
     bits = SAME_WIDTH_INT[new.element_size()]
     torch.ne(new.view(bits), old.view(bits), out=mask)
@@ -424,10 +424,7 @@ def delta_encode(bucket, weights, buffer: torch.Tensor, last: torch.Tensor, work
     if count > most:  # no smaller than the bucket: whole, from the last values (now the new ones)
         buffer[:n].copy_(last)
         return True, count, read, None
-    lines, previous = 0, None
-    for _, _, (k, first_line, last_line) in parts:  # the chunks in the bucket's order
-        lines += k - (first_line == previous)  # a line the chunk before ended in
-        previous = last_line
+    lines = join_lines(p[2] for p in parts)[0]  # the chunks in the bucket's order
     if count:
         raw = buffer.view(torch.uint8)
         torch.cat([p[0] for p in parts], out=raw[: count * INDEX_BYTES].view(torch.int32))
