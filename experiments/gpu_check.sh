@@ -180,7 +180,8 @@ step() {
 # tiny model it repeats a tiny_* step or another transport's bench step exactly, or a run the test
 # suite makes already: tiny_moe over ipc (tests/unit/test_models_from_config.py), released engine weights
 # (tests/unit/test_engine_memory.py), two-copy updates (tests/unit/test_transports.py), a direct bench
-# (tests/unit/test_bench.py).
+# (tests/unit/test_bench.py), the update from the offloaded host copy (tests/unit/test_offload.py: on a CPU
+# the host copy is the same memory, only a GPU's link makes it another path).
 on_gpu() {
   if (( smoke )); then
     record "$1" "skipped (smoke)" 0
@@ -295,7 +296,7 @@ over_ipc step tiny_ipc "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" upda
   "hydra.run.dir=$work/tiny_ipc/run"
 step tiny_broadcast "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" update.transport=broadcast update.verify=true \
   "hydra.run.dir=$work/tiny_broadcast/run"
-over_ipc step tiny_ipc_source_host "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" update.transport=ipc \
+over_ipc on_gpu tiny_ipc_source_host "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" update.transport=ipc \
   update.source=host update.verify=true "hydra.run.dir=$work/tiny_ipc_source_host/run"
 on_gpu tiny_sleep_level2 "$t_tiny" "$m_tiny" "${runner[@]}" "${tiny_runs[@]}" rollout.release_level=2 update.verify=true \
   "hydra.run.dir=$work/tiny_sleep_level2/run"
@@ -337,7 +338,7 @@ for transport in direct ipc broadcast; do
   $run_step "${small_step}_bench_$transport" "$t_small" "$m_small" "${benchmark[@]}" model=$small \
     update.transport=$transport update.verify=true "hydra.run.dir=$work/${small_step}_bench_$transport/run"
 done
-step "${small_step}_bench_source_host" "$t_small" "$m_small" "${benchmark[@]}" model=$small update.source=host update.verify=true \
+on_gpu "${small_step}_bench_source_host" "$t_small" "$m_small" "${benchmark[@]}" model=$small update.source=host update.verify=true \
   "hydra.run.dir=$work/${small_step}_bench_source_host/run"
 on_gpu "${small_step}_sleep_level2" "$t_small" "$m_small" "${runner[@]}" model=$small "${runs[@]}" rollout.release_level=2 \
   update.verify=true "hydra.run.dir=$work/${small_step}_sleep_level2/run"

@@ -23,6 +23,8 @@ SMOKE_SKIPS = {
     "small_tiny_sleep_level2",
     "small_tiny_two_copy",
     "tiny_moe_ipc",
+    "tiny_ipc_source_host",
+    "small_tiny_bench_source_host",
     "large_tiny_offload",  # small_tiny_offload exactly: both models are tiny under --smoke
     "large_tiny_bench_direct",
     "tiny_sleep_level2",
