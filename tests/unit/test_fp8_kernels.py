@@ -1,16 +1,20 @@
 """fp8.c (FP8's block quantize and dequantize on a CPU, built by native.py) is fp8.py's reference bit for bit: its
 e4m3 conversions are torch's, its blocks' scales and values and its bf16 and float32 dequantize the reference's on
-every kind of value, and an FP8 update through the payload runs it over the threads; without a C compiler the
-torch path runs and the reason says why."""
+every kind of value, on whole blocks and on tensors with partial edge blocks, and an FP8 update through the payload
+runs it over the threads; without a C compiler the torch path runs and the reason says why."""
 
 from __future__ import annotations
 
 import ctypes
+import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import build_variants, cpu_flags, needs_cc
 
+import rlsync
 from rlsync.update.payload import kernels, native
 from rlsync.update.payload.fp8 import dequantize_blocks, quantize_blocks
 
@@ -114,16 +118,50 @@ def test_the_quantize_and_dequantize_are_the_reference_bit_for_bit(shape):
 
 
 def test_what_fp8_c_does_not_take_goes_elsewhere(monkeypatch):
-    """Not whole blocks, not contiguous, not float32 at the source or an engine dtype it has no kernel for, and
-    NUMPY_ON_CPU off (tests/unit/test_payload_floors.py's torch ops): None, the torch path serves."""
+    """Not contiguous, shapes that are not the values' and their blocks' (it writes through pointers), not float32
+    at the source or an engine dtype it has no kernel for, and NUMPY_ON_CPU off (tests/unit/test_payload_floors.py's
+    torch ops): None, the torch path serves."""
     x, q, scale = torch.zeros(256, 256), torch.empty(256, 256, dtype=FP8), torch.empty(2, 2)
-    assert kernels.native_quantize(torch.zeros(256, 200), torch.empty(256, 200, dtype=FP8), scale) is None
     assert kernels.native_quantize(x.t().contiguous().t()[:, :128], q[:, :128], scale[:, :1]) is None
+    assert kernels.native_quantize(torch.zeros(256, 200), torch.empty(256, 200, dtype=FP8), torch.empty(2, 1)) is None
+    assert kernels.native_quantize(torch.zeros(256, 200), q, scale) is None
+    assert kernels.native_dequantize(q[:, :100].contiguous(), scale, torch.empty(256, 100, dtype=BF16)) is None
+    assert kernels.native_dequantize(q, scale, torch.empty(256, 200, dtype=BF16)) is None
     assert kernels.native_quantize(x.to(BF16), q, scale) is None
     assert kernels.native_dequantize(q, scale, torch.empty(256, 256, dtype=torch.float16)) is None
     monkeypatch.setattr(kernels, "NUMPY_ON_CPU", False)
     assert kernels.native_quantize(x, q, scale) is None
     assert kernels.native_dequantize(q, scale, torch.empty(256, 256, dtype=BF16)) is None
+
+
+def tiny_moe_expert_shapes() -> list[tuple[int, int]]:
+    """The tiny_moe model's expert projections (rlsync/conf/model/hf/tiny_moe.json): its 3,072 expert tensors,
+    each one partial 128x128 block."""
+    config = json.loads((Path(rlsync.__file__).parent / "conf" / "model" / "hf" / "tiny_moe.json").read_text())
+    inner, hidden = config["moe_intermediate_size"], config["hidden_size"]
+    return [(inner, hidden), (hidden, inner)]
+
+
+@needs_cc
+def test_tiny_moe_s_expert_tensors_of_one_partial_block_take_fp8_c():
+    """Each way through kernels' jobs (what the payload runs), bit for bit, not the eager chunks."""
+    library()
+    g = torch.Generator().manual_seed(5)
+    for shape in tiny_moe_expert_shapes():
+        assert not kernels.whole_blocks(torch.empty(shape)), shape
+        x = torch.randn(shape, generator=g) * 0.02
+        q, scale = torch.empty(shape, dtype=FP8), torch.empty(kernels.blocks_of(shape))
+        job = kernels.native_quantize(x, q, scale)
+        assert job is not None, shape
+        job(0, 1)
+        ref_q, ref_scale = quantize_blocks(x)
+        assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and bits_equal(scale, ref_scale), shape
+        for dtype in (BF16, torch.float32):
+            out = torch.empty(shape, dtype=dtype)
+            job = kernels.native_dequantize(q, scale, out)
+            assert job is not None, (shape, dtype)
+            job(0, 1)
+            assert bits_equal(out, dequantize_blocks(ref_q, ref_scale, dtype)), (shape, dtype)
 
 
 class Engine:
@@ -156,7 +194,15 @@ def fp8_update(weights: dict[str, torch.Tensor], dtype: torch.dtype, threads: in
     return engine.weights, {n: reference(slots[n], t, dtype) for n, t in weights.items()}
 
 
-SHAPES = {"q_proj": (512, 256), "down_proj": (256, 640), "odd_proj": (200, 130), "norm": (256,), "wide": (128, 1152)}
+SHAPES = {
+    "q_proj": (512, 256),
+    "down_proj": (256, 640),
+    "odd_proj": (200, 130),
+    "norm": (256,),
+    "wide": (128, 1152),
+    "experts.0.up_proj": (32, 64),  # tiny_moe's experts: one partial block each
+    "experts.0.down_proj": (64, 32),
+}
 
 
 @needs_cc
@@ -166,19 +212,27 @@ def test_an_fp8_update_through_the_payload_runs_fp8_c_on_the_threads_and_is_the_
 ):
     library()
     monkeypatch.setattr(kernels, "CPU_CHUNK", 128 * 128)  # a block row a chunk: several per tensor, split
-    ran = []
+    ran = []  # the calls fp8.c took (a job, not None)
+
+    def spy(real, name):
+        def call(*args):
+            job = real(*args)
+            if job is not None:
+                ran.append(name)
+            return job
+
+        return call
+
     for name in ("native_quantize", "native_dequantize"):
-        real = getattr(kernels, name)
-        monkeypatch.setattr(
-            f"rlsync.update.payload.fp8.{name}", lambda *a, real=real, name=name: ran.append(name) or real(*a)
-        )
+        monkeypatch.setattr(f"rlsync.update.payload.fp8.{name}", spy(getattr(kernels, name), name))
     g = torch.Generator().manual_seed(4)
     weights = {n: torch.randn(s, generator=g) * 0.02 for n, s in SHAPES.items()}
     weights["wide"][5, 7] = float("nan")
     got, expected = fp8_update(weights, dtype, threads=2)
     for name in SHAPES:
         assert bits_equal(got[name], expected[name]), name
-    assert ran.count("native_quantize") == ran.count("native_dequantize") == 4  # every 2-D tensor went to fp8.c
+    two_d = sum(len(s) == 2 for s in SHAPES.values())
+    assert ran.count("native_quantize") == ran.count("native_dequantize") == two_d  # partial blocks' too
 
 
 @needs_cc
@@ -300,3 +354,79 @@ def test_each_build_s_e4m3_conversions_are_torch_s(builds, build):
     q = torch.empty(x.numel(), dtype=torch.uint8)
     lib.rlsync_fp8_from_float(x.data_ptr(), x.numel(), q.data_ptr())
     assert torch.equal(q, x.to(FP8).view(torch.uint8))
+
+
+KINDS = ("spread", "zero", "nan", "inf", "ties")  # what ragged_values' blocks hold
+
+
+def ragged_values(rows: int, cols: int, offset: int) -> torch.Tensor:
+    """A tensor whose blocks, whole and partial, each hold one of KINDS, cycling from `offset`: hard_values' spread
+    of magnitudes (e4m3's subnormal results among them), all zero, a NaN, both infinities, exact ties between e4m3
+    values beside 448 (scale 1); the NaN and an infinity at the block's last row and column in the tensor, beside
+    the reference's padding."""
+    g = torch.Generator().manual_seed(9 + offset)
+    n = rows * cols
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-12, 3, n)[torch.randperm(n, generator=g)].view(
+        rows, cols
+    )
+    e4m3 = e4m3_values()
+    ties = (e4m3[1:] + e4m3[:-1]) / 2
+    ties = ties[ties.abs() < 448]
+    bc = kernels.blocks_of((rows, cols))[1]
+    for i in range(math.prod(kernels.blocks_of((rows, cols)))):
+        r, c = divmod(i, bc)
+        block = x[r * 128 : (r + 1) * 128, c * 128 : (c + 1) * 128]
+        kind = KINDS[(i + offset) % len(KINDS)]
+        if kind == "zero":
+            block.zero_()
+        elif kind == "nan":
+            block[-1, -1] = float("nan")
+        elif kind == "inf":
+            block[0, 0], block[-1, -1] = float("inf"), -float("inf")
+        elif kind == "ties":
+            block.copy_(ties[torch.randint(ties.numel(), block.shape, generator=g)])
+            block[0, 0] = -448.0
+    return x
+
+
+# rows or columns not multiples of 128: one partial block (tiny_moe's experts), a partial block row and column, a
+# partial column alone, a partial row alone, whole blocks beside a partial column of 64-byte rows (streaming stores)
+RAGGED = [(32, 64), (64, 32), (1, 1), (127, 129), (130, 257), (128, 300), (300, 128), (130, 192)]
+
+
+@needs_cc
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("shape", [*RAGGED, "edges"], ids=lambda s: s if isinstance(s, str) else "x".join(map(str, s)))
+def test_each_build_takes_partial_edge_blocks_bit_for_bit(builds, build, shape):
+    """Tensors with partial edge blocks: every kind of block at every position (ragged_values, each offset), and
+    edge_blocks' scales cut to 100 rows and 6 block columns and 77 values ("edges"). Each build over its block rows
+    in two calls, the first the later block rows (the partial last one among them), into outputs 64-byte aligned
+    and not; each call writes its block rows alone, and nothing is written either side of the tensor."""
+    lib = builds[build]
+    if shape == "edges":
+        tensors = [edge_blocks()[:100, : 6 * 128 + 77].contiguous()]
+    else:
+        tensors = [ragged_values(*shape, offset) for offset in range(len(KINDS))]
+    for x in tensors:
+        rows, cols = x.shape
+        nb, nc = kernels.blocks_of(x.shape)
+        half, n = nb // 2, x.numel()
+        ref_q, ref_scale = quantize_blocks(x)
+        for skew in (0, 1):
+            store = torch.full((n + 64,), 0xA5, dtype=torch.uint8)
+            q, scale = store[skew : skew + n], torch.full((nb, nc), -1.0)
+            lib.rlsync_fp8_quantize(x.data_ptr(), rows, cols, half, nb, q.data_ptr(), scale.data_ptr())
+            assert (q[: half * 128 * cols] == 0xA5).all() and (scale[:half] == -1).all(), skew  # its block rows alone
+            lib.rlsync_fp8_quantize(x.data_ptr(), rows, cols, 0, half, q.data_ptr(), scale.data_ptr())
+            assert torch.equal(q.view(rows, cols), ref_q.view(torch.uint8)), skew
+            assert bits_equal(scale, ref_scale), skew
+            assert (store[:skew] == 0xA5).all() and (store[skew + n :] == 0xA5).all(), skew
+            for dtype, name in ((BF16, "bf16"), (torch.float32, "f32")):
+                fill = torch.full((n + 64,), 3.0, dtype=dtype)
+                out = fill[skew : skew + n].view(rows, cols)
+                fn = getattr(lib, f"rlsync_fp8_dequantize_{name}")
+                fn(ref_q.data_ptr(), ref_scale.data_ptr(), rows, cols, half, nb, out.data_ptr())
+                assert (out[: half * 128] == 3).all(), (name, skew)
+                fn(ref_q.data_ptr(), ref_scale.data_ptr(), rows, cols, 0, half, out.data_ptr())
+                assert bits_equal(out, dequantize_blocks(ref_q, ref_scale, dtype)), (name, skew)
+                assert (fill[:skew] == 3).all() and (fill[skew + n :] == 3).all(), (name, skew)

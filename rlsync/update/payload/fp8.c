@@ -4,11 +4,15 @@
    fp8e4m3fn_to_fp32_value) and its float32 -> bfloat16 cast, each written without a branch (selects); the
    quotient a true IEEE divide (no reciprocal: never built with -ffast-math).
 
-   A tensor is (rows x cols) row-major, both multiples of 128, one float32 scale per 128x128 block (block rows x
-   block columns, row-major). Each exported function takes a range of block rows [b0, b1) of the whole tensor,
-   so that threads split a tensor by block rows. The quantize reads each 128-row band a group of block columns at
-   a time: first the group's block amaxes, then its divide and conversion from cache, so the source crosses from
-   memory once. Bits are read by memcpy (no type punning through pointers: strict aliasing holds).
+   A tensor is (rows x cols) row-major, any sizes, one float32 scale per 128x128 block (ceil(rows / 128) block rows
+   x ceil(cols / 128) block columns, row-major): the reference's blocks of the tensor zero-padded, the padding never
+   read or written (a zero adds nothing to an amax). The last block row's rows stop at the tensor's last row; a
+   partial last block column (cols % 128 values a row) runs in its own code after the whole ones (masked loads and
+   stores in AVX-512, their masks computed once), so whole blocks run the loops they ran before. Each exported
+   function takes a range of block rows [b0, b1) of the whole tensor, so that threads split a tensor by block rows.
+   The quantize reads each 128-row band a group of block columns at a time: first the group's block amaxes, then
+   its divide and conversion from cache, so the source crosses from memory once. Bits are read by memcpy (no type
+   punning through pointers: strict aliasing holds).
 
    Two implementations of each function: the portable C (gcc vectorises its loops), and where the build's -march
    has AVX-512 the same arithmetic written in its intrinsics (below), faster 1.5x (quantize) and 1.9x (bf16
@@ -40,6 +44,9 @@
 #ifndef GROUP
 #define GROUP 64
 #endif
+
+/* Rows of block row `br`: 128, fewer in a partial last one. */
+#define BAND_ROWS(rows, br) ((rows) - (br) * BLOCK < BLOCK ? (rows) - (br) * BLOCK : BLOCK)
 
 #if defined(__GNUC__) || defined(__clang__)
 #define INLINE static inline __attribute__((always_inline))
@@ -114,18 +121,33 @@ OUTLINE void quantize_run(const float *restrict p, uint8_t *restrict o, const fl
         o[k] = e4m3_of(p[k] / d);
 }
 
+/* A partial last block column (n < 128 values a row) of a band of h rows: its amax, scale and values. */
+OUTLINE void quantize_edge(const float *restrict p, uint8_t *restrict o, int64_t cols, int64_t h, int64_t n,
+                           float *s) {
+    uint32_t m = 0;
+    for (int64_t r = 0; r < h; r++)
+        for (int64_t k = 0; k < n; k++) {
+            uint32_t a = bits_of(p[r * cols + k]) & UINT32_C(0x7FFFFFFF);
+            m = a > m ? a : m;
+        }
+    const float d = *s = scale_of(m);
+    for (int64_t r = 0; r < h; r++)
+        for (int64_t k = 0; k < n; k++)
+            o[r * cols + k] = e4m3_of(p[r * cols + k] / d);
+}
+
 void rlsync_fp8_quantize(const float *x, int64_t rows, int64_t cols, int64_t b0, int64_t b1, uint8_t *q,
                          float *scale) {
-    const int64_t bcols = cols / BLOCK;
-    (void)rows;
+    const int64_t whole = cols / BLOCK, part = cols % BLOCK, bcols = whole + (part > 0);
     for (int64_t br = b0; br < b1; br++) {
         const float *band = x + br * BLOCK * cols;
         uint8_t *out = q + br * BLOCK * cols;
-        for (int64_t g0 = 0; g0 < bcols; g0 += GROUP) {
-            const int64_t g1 = g0 + GROUP < bcols ? g0 + GROUP : bcols;
+        const int64_t h = BAND_ROWS(rows, br);
+        for (int64_t g0 = 0; g0 < whole; g0 += GROUP) {
+            const int64_t g1 = g0 + GROUP < whole ? g0 + GROUP : whole;
             uint32_t amax[GROUP] = {0};
             float s[GROUP];
-            for (int64_t r = 0; r < BLOCK; r++)
+            for (int64_t r = 0; r < h; r++)
                 for (int64_t j = g0; j < g1; j++) {
                     const float *p = band + r * cols + j * BLOCK;
                     uint32_t m = amax[j - g0];
@@ -139,28 +161,39 @@ void rlsync_fp8_quantize(const float *x, int64_t rows, int64_t cols, int64_t b0,
                 s[j - g0] = scale_of(amax[j - g0]);
                 scale[br * bcols + j] = s[j - g0];
             }
-            for (int64_t r = 0; r < BLOCK; r++)
+            for (int64_t r = 0; r < h; r++)
                 for (int64_t j = g0; j < g1; j++)
                     quantize_run(band + r * cols + j * BLOCK, out + r * cols + j * BLOCK, s[j - g0]);
         }
+        if (part > 0)
+            quantize_edge(band + whole * BLOCK, out + whole * BLOCK, cols, h, part, scale + br * bcols + whole);
     }
 }
 
 #endif
 
+/* The rows' whole blocks, then where cols % 128 != 0 their partial last block's `part` values (the right edge) in a
+   loop of their own: no call inside the whole blocks' loop (one there made it 2 % slower, measured). */
 #define DEQUANTIZE(NAME, T, CONVERT)                                                                               \
     INLINE void NAME##_run(const uint8_t *restrict p, T *restrict o, const float d) {                              \
         for (int k = 0; k < BLOCK; k++)                                                                            \
             o[k] = CONVERT(float_of_e4m3(p[k]) * d);                                                               \
     }                                                                                                              \
+    OUTLINE void NAME##_part(const uint8_t *restrict p, T *restrict o, const float d, const int64_t n) {           \
+        for (int64_t k = 0; k < n; k++)                                                                            \
+            o[k] = CONVERT(float_of_e4m3(p[k]) * d);                                                               \
+    }                                                                                                              \
     void NAME(const uint8_t *q, const float *scale, int64_t rows, int64_t cols, int64_t b0, int64_t b1, T *out) { \
-        const int64_t bcols = cols / BLOCK;                                                                        \
-        (void)rows;                                                                                                \
-        for (int64_t r = b0 * BLOCK; r < b1 * BLOCK; r++) {                                                        \
+        const int64_t whole = cols / BLOCK, part = cols % BLOCK, bcols = whole + (part > 0);                      \
+        const int64_t end = b1 * BLOCK < rows ? b1 * BLOCK : rows;                                                 \
+        for (int64_t r = b0 * BLOCK; r < end; r++) {                                                               \
             const float *s = scale + (r / BLOCK) * bcols;                                                          \
-            for (int64_t j = 0; j < bcols; j++)                                                                    \
+            for (int64_t j = 0; j < whole; j++)                                                                    \
                 NAME##_run(q + r * cols + j * BLOCK, out + r * cols + j * BLOCK, s[j]);                            \
         }                                                                                                          \
+        for (int64_t r = b0 * BLOCK; r < end && part > 0; r++)                                                     \
+            NAME##_part(q + r * cols + whole * BLOCK, out + r * cols + whole * BLOCK,                              \
+                        scale[(r / BLOCK) * bcols + whole], part);                                                 \
     }
 
 #define AS_FLOAT(f) (f)
@@ -184,11 +217,23 @@ DEQUANTIZE(rlsync_fp8_dequantize_f32, float, AS_FLOAT)
    0.36 to 0.41 with 8, 0.42 to 0.47 prefetching into L1 (T0), 0.46 with no prefetch and 64 (the portable C's). */
 #define VGROUP 4
 
-/* Streaming (non-temporal) stores for the outputs where 64-byte aligned (every row of a block is then, its
-   tensor's rows being whole blocks): a regular store first reads the line it writes, so the bf16 dequantize's 3
-   bytes an element of traffic were 5. The quantize's e4m3 0.33 ns an element against 0.39 stored regularly, the
-   bf16 dequantize 0.16 against 0.31. An sfence before returning orders them before the caller's next access. */
-#define STREAM_OK(p) (((uintptr_t)(p) & 63) == 0)
+/* Streaming (non-temporal) stores for the whole blocks' outputs where every row of a block starts 64-byte aligned
+   (the output is, and a row's bytes are a multiple of 64: always where cols are whole blocks): a regular store
+   first reads the line it writes, so the bf16 dequantize's 3 bytes an element of traffic were 5. The quantize's
+   e4m3 0.33 ns an element against 0.39 stored regularly, the bf16 dequantize 0.16 against 0.31. A partial block
+   column's masked stores are regular ones. An sfence before returning orders them before the caller's next
+   access. */
+#define STREAM_OK(p, cols, size) (((uintptr_t)(p) & 63) == 0 && ((cols) * (size)) % 64 == 0)
+
+/* A partial block column's lanes, n < 128 values a row: 16 a vector, the vectors past n all off. Computed once a
+   call (not per row or element); returns the vectors that hold any lane, (n + 15) / 16. */
+INLINE int edge_masks(int64_t n, __mmask16 m[8]) {
+    for (int k = 0; k < 8; k++) {
+        const int64_t left = n - 16 * k;
+        m[k] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+    }
+    return (int)((n + 15) / 16);
+}
 
 INLINE void store64(void *p, __m512i v, int stream) {
     if (stream)
@@ -260,55 +305,93 @@ INLINE void quantize_run_bounded(const float *p, uint8_t *o, __m512 d, int strea
     }
 }
 
+/* A partial last block column of a band of h rows (masked loads and stores, the lanes `m`, `vectors` of them): its
+   amax (the masked-off lanes read as 0, as the reference's padding), scale and values, by the general conversion. */
+OUTLINE void quantize_edge(const float *p, uint8_t *o, int64_t cols, int64_t h, const __mmask16 m[8], int vectors,
+                           float *s) {
+    __m512i amax = _mm512_setzero_si512();
+    for (int64_t r = 0; r < h; r++)
+        for (int k = 0; k < vectors; k++)
+            amax = _mm512_max_epu32(
+                amax, _mm512_and_si512(_mm512_maskz_loadu_epi32(m[k], p + r * cols + 16 * k), SPLAT(0x7FFFFFFF)));
+    const float scale = *s = scale_of(_mm512_reduce_max_epu32(amax));
+    const __m512 d = _mm512_set1_ps(scale);
+    for (int64_t r = 0; r < h; r++)
+        for (int k = 0; k < vectors; k++) {
+            const __m512 y = _mm512_div_ps(_mm512_maskz_loadu_ps(m[k], p + r * cols + 16 * k), d);
+            _mm512_mask_cvtepi32_storeu_epi8(o + r * cols + 16 * k, m[k], e4m3_of_v(y));
+        }
+}
+
+/* A band's whole block columns, h of its rows (inlined twice: h the constant 128 for every band but a partial last
+   one, so that whole blocks run the loops they ran before), its scales into `s`; `after` the next band (NULL: none
+   to prefetch). */
+INLINE void quantize_band(const float *band, uint8_t *out, float *s, int64_t cols, int64_t whole, int64_t h,
+                          const float *after, int stream) {
+    for (int64_t g0 = 0; g0 < whole; g0 += VGROUP) {
+        const int64_t n = g0 + VGROUP < whole ? VGROUP : whole - g0;
+        __m512i amax[VGROUP];
+        __m512 d[VGROUP];
+        int bounded[VGROUP];
+        for (int64_t j = 0; j < n; j++)
+            amax[j] = _mm512_setzero_si512();
+        for (int64_t r = 0; r < h; r++)
+            for (int64_t j = 0; j < n; j++) {
+                const float *p = band + r * cols + (g0 + j) * BLOCK;
+                __m512i m = amax[j];
+                for (int k = 0; k < BLOCK; k += 16)
+                    m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_loadu_si512(p + k), SPLAT(0x7FFFFFFF)));
+                amax[j] = m;
+            }
+        for (int64_t j = 0; j < n; j++) {
+            const uint32_t bits = _mm512_reduce_max_epu32(amax[j]);
+            const float scale = scale_of(bits);
+            s[g0 + j] = scale;
+            d[j] = _mm512_set1_ps(scale);
+            bounded[j] = bits < UINT32_C(0x7F800000) && scale >= 0x1p-126f; /* finite amax, a normal scale */
+        }
+        /* the next group, this band's or the next band's first: its rows fetched as this group's convert, one
+           prefetch a line */
+        const int64_t g1 = g0 + n, at_next = g1 < whole ? g1 : 0;
+        const float *next = g1 < whole ? band + g1 * BLOCK : after;
+        const int64_t next_n = at_next + VGROUP < whole ? VGROUP : whole - at_next;
+        for (int64_t r = 0; r < h; r++) {
+            for (int64_t j = 0; j < n; j++) {
+                const int64_t at = r * cols + (g0 + j) * BLOCK;
+                if (bounded[j])
+                    quantize_run_bounded(band + at, out + at, d[j], stream);
+                else
+                    quantize_run_v(band + at, out + at, d[j], stream);
+            }
+            if (next != NULL)
+                for (int64_t k = 0; k < next_n * BLOCK; k += 16)
+                    _mm_prefetch((const char *)(next + r * cols + k), _MM_HINT_T2);
+        }
+    }
+}
+
 void rlsync_fp8_quantize(const float *x, int64_t rows, int64_t cols, int64_t b0, int64_t b1, uint8_t *q,
                          float *scale) {
-    const int64_t bcols = cols / BLOCK;
-    const int stream = STREAM_OK(q);
-    (void)rows;
+    const int64_t whole = cols / BLOCK, part = cols % BLOCK, bcols = whole + (part > 0);
+    const int stream = STREAM_OK(q, cols, 1);
+    __mmask16 edge[8];
+    const int vectors = edge_masks(part, edge);
     for (int64_t br = b0; br < b1; br++) {
         const float *band = x + br * BLOCK * cols;
         uint8_t *out = q + br * BLOCK * cols;
-        for (int64_t g0 = 0; g0 < bcols; g0 += VGROUP) {
-            const int64_t n = g0 + VGROUP < bcols ? VGROUP : bcols - g0;
-            __m512i amax[VGROUP];
-            __m512 d[VGROUP];
-            int bounded[VGROUP];
-            for (int64_t j = 0; j < n; j++)
-                amax[j] = _mm512_setzero_si512();
-            for (int64_t r = 0; r < BLOCK; r++)
-                for (int64_t j = 0; j < n; j++) {
-                    const float *p = band + r * cols + (g0 + j) * BLOCK;
-                    __m512i m = amax[j];
-                    for (int k = 0; k < BLOCK; k += 16)
-                        m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_loadu_si512(p + k), SPLAT(0x7FFFFFFF)));
-                    amax[j] = m;
-                }
-            for (int64_t j = 0; j < n; j++) {
-                const uint32_t bits = _mm512_reduce_max_epu32(amax[j]);
-                const float s = scale_of(bits);
-                scale[br * bcols + g0 + j] = s;
-                d[j] = _mm512_set1_ps(s);
-                bounded[j] = bits < UINT32_C(0x7F800000) && s >= 0x1p-126f; /* finite amax, a normal scale */
-            }
-            /* the next group, this band's or the next band's first (within [b0, b1)): its rows fetched as this
-               group's convert, one prefetch a line */
-            const int64_t g1 = g0 + n, at_next = g1 < bcols ? g1 : 0;
-            const float *next = g1 < bcols ? band + g1 * BLOCK : br + 1 < b1 ? band + BLOCK * cols : NULL;
-            const int64_t next_n = at_next + VGROUP < bcols ? VGROUP : bcols - at_next;
-            for (int64_t r = 0; r < BLOCK; r++) {
-                for (int64_t j = 0; j < n; j++) {
-                    const int64_t at = r * cols + (g0 + j) * BLOCK;
-                    if (bounded[j])
-                        quantize_run_bounded(band + at, out + at, d[j], stream);
-                    else
-                        quantize_run_v(band + at, out + at, d[j], stream);
-                }
-                if (next != NULL)
-                    for (int64_t k = 0; k < next_n * BLOCK; k += 16)
-                        _mm_prefetch((const char *)(next + r * cols + k), _MM_HINT_T2);
-            }
-        }
+        const int64_t h = BAND_ROWS(rows, br);
+        /* the next band within [b0, b1) to prefetch, where whole (a partial last one has fewer rows than this) */
+        const float *after = br + 1 < b1 && BAND_ROWS(rows, br + 1) == BLOCK ? band + BLOCK * cols : NULL;
+        if (h == BLOCK)
+            quantize_band(band, out, scale + br * bcols, cols, whole, BLOCK, after, stream);
+        else
+            quantize_band(band, out, scale + br * bcols, cols, whole, h, after, stream);
     }
+    /* the partial last block column after every band's whole ones: no call inside the whole blocks' loops (a call
+       there made them 1.5 to 3 % slower, measured: no zmm register survives a call) */
+    for (int64_t br = b0; br < b1 && part > 0; br++)
+        quantize_edge(x + br * BLOCK * cols + whole * BLOCK, q + br * BLOCK * cols + whole * BLOCK, cols,
+                      BAND_ROWS(rows, br), edge, vectors, scale + br * bcols + whole);
     if (stream)
         _mm_sfence();
 }
@@ -324,14 +407,32 @@ INLINE __m512 float_of_e4m3_v(__m512i b) {
     return _mm512_castsi512_ps(_mm512_or_si512(r, sign));
 }
 
+/* A partial last block column's rows [r0, r1) (n < 128 values a row from column `at`, block column at / 128),
+   its lanes loaded and stored under masks computed once; a function of its own, so that the whole blocks' loop
+   compiles as it did before partial blocks (the edge's loop inside the caller: it ran 2 to 4 % slower). */
+OUTLINE void dequantize_f32_edge(const uint8_t *q, const float *scale, int64_t cols, int64_t bcols, int64_t at,
+                                 int64_t n, int64_t r0, int64_t r1, float *out) {
+    __mmask16 edge[8];
+    const int vectors = edge_masks(n, edge);
+    for (int64_t r = r0; r < r1; r++) {
+        const __m512 d = _mm512_set1_ps(scale[(r / BLOCK) * bcols + at / BLOCK]);
+        const uint8_t *p = q + r * cols + at;
+        float *o = out + r * cols + at;
+        for (int k = 0; k < vectors; k++) {
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(edge[k], p + 16 * k));
+            _mm512_mask_storeu_ps(o + 16 * k, edge[k], _mm512_mul_ps(float_of_e4m3_v(b), d));
+        }
+    }
+}
+
 void rlsync_fp8_dequantize_f32(const uint8_t *q, const float *scale, int64_t rows, int64_t cols, int64_t b0,
                                int64_t b1, float *out) {
-    const int64_t bcols = cols / BLOCK;
-    const int stream = STREAM_OK(out);
-    (void)rows;
-    for (int64_t r = b0 * BLOCK; r < b1 * BLOCK; r++) {
+    const int64_t whole = cols / BLOCK, part = cols % BLOCK, bcols = whole + (part > 0);
+    const int64_t end = b1 * BLOCK < rows ? b1 * BLOCK : rows;
+    const int stream = STREAM_OK(out, cols, 4);
+    for (int64_t r = b0 * BLOCK; r < end; r++) {
         const float *s = scale + (r / BLOCK) * bcols;
-        for (int64_t j = 0; j < bcols; j++) {
+        for (int64_t j = 0; j < whole; j++) {
             const __m512 d = _mm512_set1_ps(s[j]);
             const uint8_t *p = q + r * cols + j * BLOCK;
             float *o = out + r * cols + j * BLOCK;
@@ -341,6 +442,8 @@ void rlsync_fp8_dequantize_f32(const uint8_t *q, const float *scale, int64_t row
             }
         }
     }
+    if (part > 0)
+        dequantize_f32_edge(q, scale, cols, bcols, whole * BLOCK, part, b0 * BLOCK, end, out);
     if (stream)
         _mm_sfence();
 }
@@ -378,40 +481,69 @@ INLINE void table_of(float d, table_t *t) {
     }
 }
 
-/* 64 e4m3 bytes as 64 bf16 (128 bytes) from a block's table. The bytes are first reordered (lane L: bytes 8L to
-   8L + 7, then 32 + 8L to 32 + 8L + 7) so that the in-lane interleave of the low and high bytes (unpacklo,
-   unpackhi) leaves the 64 results in order. */
-INLINE void lookup64(const uint8_t *p, uint16_t *o, const table_t *t, __m512i order, int stream) {
-    const __m512i idx = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(p));
+/* 64 e4m3 bytes as 64 bf16 (128 bytes) from a block's table, `r[0]` the first 32 and `r[1]` the rest. The bytes
+   are first reordered (lane L: bytes 8L to 8L + 7, then 32 + 8L to 32 + 8L + 7) so that the in-lane interleave of
+   the low and high bytes (unpacklo, unpackhi) leaves the 64 results in order. */
+INLINE void looked_up(__m512i bytes, const table_t *t, __m512i order, __m512i r[2]) {
+    const __m512i idx = _mm512_permutexvar_epi8(order, bytes);
     const __mmask64 top = _mm512_movepi8_mask(idx);
     const __m512i lo = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t->lo[0], idx, t->lo[1]),
                                               _mm512_permutex2var_epi8(t->lo[2], idx, t->lo[3]));
     const __m512i hi = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t->hi[0], idx, t->hi[1]),
                                               _mm512_permutex2var_epi8(t->hi[2], idx, t->hi[3]));
-    store64(o, _mm512_unpacklo_epi8(lo, hi), stream);
-    store64(o + 32, _mm512_unpackhi_epi8(lo, hi), stream);
+    r[0] = _mm512_unpacklo_epi8(lo, hi);
+    r[1] = _mm512_unpackhi_epi8(lo, hi);
 }
 
-/* A block column at a time down its 128 rows (the tables stay in registers). */
+INLINE void lookup64(const uint8_t *p, uint16_t *o, const table_t *t, __m512i order, int stream) {
+    __m512i r[2];
+    looked_up(_mm512_loadu_si512(p), t, order, r);
+    store64(o, r[0], stream);
+    store64(o + 32, r[1], stream);
+}
+
+/* lookup64 of a partial block column's first bytes of 64, those of mask `m`: loaded and stored under it. */
+INLINE void lookup_edge(const uint8_t *p, uint16_t *o, const table_t *t, __m512i order, __mmask64 m) {
+    __m512i r[2];
+    looked_up(_mm512_maskz_loadu_epi8(m, p), t, order, r);
+    _mm512_mask_storeu_epi16(o, (__mmask32)m, r[0]);
+    _mm512_mask_storeu_epi16(o + 32, (__mmask32)(m >> 32), r[1]);
+}
+
+/* A block column at a time down its 128 rows (the tables stay in registers), fewer in a partial last block row;
+   a partial last block column through lookup_edge, its two 64-byte halves' masks computed once. */
 void rlsync_fp8_dequantize_bf16(const uint8_t *q, const float *scale, int64_t rows, int64_t cols, int64_t b0,
                                 int64_t b1, uint16_t *out) {
-    const int64_t bcols = cols / BLOCK;
-    const int stream = STREAM_OK(out);
+    const int64_t whole = cols / BLOCK, part = cols % BLOCK, bcols = whole + (part > 0);
+    const int stream = STREAM_OK(out, cols, 2);
+    const __mmask64 first = part >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << part) - 1;
+    const __mmask64 second = part > 64 ? ((__mmask64)1 << (part - 64)) - 1 : 0;
     const __m512i order = _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 31, 30, 29, 28, 27, 26, 25, 24, 55, 54,
                                           53, 52, 51, 50, 49, 48, 23, 22, 21, 20, 19, 18, 17, 16, 47, 46, 45, 44, 43,
                                           42, 41, 40, 15, 14, 13, 12, 11, 10, 9, 8, 39, 38, 37, 36, 35, 34, 33, 32, 7,
                                           6, 5, 4, 3, 2, 1, 0);
-    (void)rows;
-    for (int64_t br = b0; br < b1; br++)
-        for (int64_t j = 0; j < bcols; j++) {
+    for (int64_t br = b0; br < b1; br++) {
+        const int64_t r1 = br * BLOCK + BAND_ROWS(rows, br);
+        for (int64_t j = 0; j < whole; j++) {
             table_t t;
             table_of(scale[br * bcols + j], &t);
-            for (int64_t r = br * BLOCK; r < (br + 1) * BLOCK; r++) {
+            for (int64_t r = br * BLOCK; r < r1; r++) {
                 const int64_t at = r * cols + j * BLOCK;
                 lookup64(q + at, out + at, &t, order, stream);
                 lookup64(q + at + 64, out + at + 64, &t, order, stream);
             }
         }
+        if (part > 0) {
+            table_t t;
+            table_of(scale[br * bcols + whole], &t);
+            for (int64_t r = br * BLOCK; r < r1; r++) {
+                const int64_t at = r * cols + whole * BLOCK;
+                lookup_edge(q + at, out + at, &t, order, first);
+                if (second)
+                    lookup_edge(q + at + 64, out + at + 64, &t, order, second);
+            }
+        }
+    }
     if (stream)
         _mm_sfence();
 }

@@ -16,9 +16,9 @@ torch.compile by measurement (experiments/payloads/kernels.py, docs/payloads.md)
   cast straight into the engine's weights. Bit for bit the reference block quantization
   (rlsync/update/payload/fp8.py). Which runs: on a CPU fp8.c (`native_quantize`, `native_dequantize`: one
   vectorised C pass, the block rows over the update's threads) where it built and the tensor is float32 (the
-  engine's bf16 or float32), contiguous, whole blocks; else torch.compile's kernels on whole tensors
-  (`quantize_whole`, `dequantize_whole`: on CUDA always); else the eager chunks (`quantize_rows`,
-  `dequantize_rows`).
+  engine's bf16 or float32), 2-D and contiguous, whole blocks or not (partial edge blocks too); else
+  torch.compile's kernels on whole tensors of whole blocks (`quantize_whole`, `dequantize_whole`: on CUDA always);
+  else the eager chunks (`quantize_rows`, `dequantize_rows`).
 """
 
 from __future__ import annotations
@@ -555,27 +555,33 @@ NATIVE_TARGETS = {torch.bfloat16: "bf16", torch.float32: "f32"}  # fp8.c's dequa
 
 
 def whole_blocks(t: torch.Tensor) -> bool:
+    """Whether a 2-D tensor is whole 128x128 blocks: what the compiled kernels' `block_view` needs."""
     return t.shape[0] % BLOCK == 0 and t.shape[1] % BLOCK == 0
 
 
-def native_fp8(*tensors: torch.Tensor):
-    """fp8.c's library (`native.fp8_kernels`) for these tensors, or None: off a CPU, with NUMPY_ON_CPU off (torch's
-    ops only: tests/unit/test_payload_floors.py watches them), on a tensor that is not contiguous (it reads
-    pointers) or not whole 128x128 blocks, or where it did not build (`native.FP8.why_not()`)."""
-    first = tensors[0]
-    if first.device.type != "cpu" or not NUMPY_ON_CPU or first.dim() != 2 or not whole_blocks(first):
+def native_fp8(q: torch.Tensor, scale: torch.Tensor, *tensors: torch.Tensor):
+    """fp8.c's library (`native.fp8_kernels`) for e4m3 values `q` (2-D, any shape: partial edge blocks too), their
+    float32 block `scale` and `tensors` of q's shape, or None: off a CPU, with NUMPY_ON_CPU off (torch's ops only:
+    tests/unit/test_payload_floors.py watches them), on a tensor that is not contiguous or whose shape is not q's
+    or its blocks' (it reads and writes through pointers), or where it did not build (`native.FP8.why_not()`)."""
+    if q.device.type != "cpu" or not NUMPY_ON_CPU or q.dim() != 2 or q.dtype != FP8:
         return None
-    if any(t.device != first.device or not t.is_contiguous() for t in tensors):
+    if scale.dtype != torch.float32 or tuple(scale.shape) != blocks_of(q.shape):
+        return None
+    if any(t.shape != q.shape for t in tensors):
+        return None
+    if any(t.device != q.device or not t.is_contiguous() for t in (q, scale, *tensors)):
         return None
     return native.fp8_kernels()
 
 
 def native_quantize(source: torch.Tensor, q: torch.Tensor, scale: torch.Tensor):
-    """fp8.c's quantize of `source` (float32, 2-D, whole blocks, contiguous) into `q` (e4m3, its shape) and `scale`
-    (its blocks) as `job(b0, b1)` over its block rows [b0, b1) (ctypes releases the GIL: the encoder's Workers run
-    the jobs of a bucket's block rows on its threads), or None where `native_fp8` says no or `source` is not
-    float32 (the caller runs `quantize_whole`, else `quantize_rows`)."""
-    lib = native_fp8(source, q, scale) if source.dtype == torch.float32 else None
+    """fp8.c's quantize of `source` (float32, 2-D, contiguous, any shape) into `q` (e4m3, its shape) and `scale`
+    (its blocks, a partial edge block's scale that of its values alone) as `job(b0, b1)` over its block rows
+    [b0, b1) (ctypes releases the GIL: the encoder's Workers run the jobs of a bucket's block rows on its threads;
+    the last block row may be partial), or None where `native_fp8` says no or `source` is not float32 (the caller
+    runs `quantize_whole`, else `quantize_rows`)."""
+    lib = native_fp8(q, scale, source) if source.dtype == torch.float32 else None
     if lib is None:
         return None
     rows, cols = source.shape
@@ -584,11 +590,11 @@ def native_quantize(source: torch.Tensor, q: torch.Tensor, scale: torch.Tensor):
 
 
 def native_dequantize(q: torch.Tensor, scale: torch.Tensor, target: torch.Tensor):
-    """fp8.c's dequantize of e4m3 `q` times its block `scale` into `target` (bf16 or float32, contiguous) as
-    `job(b0, b1)` over block rows, as `native_quantize`; None where it does not apply (the caller runs
-    `dequantize_whole`, else `dequantize_rows`)."""
+    """fp8.c's dequantize of e4m3 `q` times its block `scale` into `target` (bf16 or float32, contiguous, q's shape,
+    whole blocks or not) as `job(b0, b1)` over block rows, as `native_quantize`; None where it does not apply (the
+    caller runs `dequantize_whole`, else `dequantize_rows`)."""
     name = NATIVE_TARGETS.get(target.dtype)
-    lib = native_fp8(q, scale, target) if name is not None and target.shape == q.shape else None
+    lib = native_fp8(q, scale, target) if name is not None else None
     if lib is None:
         return None
     fn = getattr(lib, f"rlsync_fp8_dequantize_{name}")
