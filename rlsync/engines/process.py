@@ -40,6 +40,7 @@ import torch.multiprocessing as mp
 
 from rlsync.engines.base import Engine, EngineHandle, EngineSpec, Preloaded, engine_class
 from rlsync.measure.devices import select_device
+from rlsync.measure.timing import settled_heap
 
 POLL_S = 0.05  # liveness check interval while waiting on the engine
 SPIN_S = 5e-4  # how long a wait for the peer's next message polls without sleeping before it blocks
@@ -168,7 +169,8 @@ def engine_main(conn, spec: EngineSpec, receiver: Receiver, strategy: str) -> No
         except BaseException:
             conn.send(("error", "start", traceback.format_exc()))
             raise
-        serve_requests(conn, EngineServer(engine, receiver))
+        with settled_heap():  # the engine's objects out of the collector's way while it decodes timed updates
+            serve_requests(conn, EngineServer(engine, receiver))
     finally:
         receiver.close()
         close_engine = getattr(engine, "close", None)

@@ -34,7 +34,7 @@ from rlsync.measure.devices import (
 from rlsync.measure.floors import Floors, GatherFloor, LinkShare
 from rlsync.measure.memory import peak_rss_bytes
 from rlsync.measure.threads import RunCpu, machine_threads
-from rlsync.measure.timing import Stopwatch
+from rlsync.measure.timing import Stopwatch, settled_heap
 from rlsync.model.architecture import update_tensors
 from rlsync.model.build import build_model, build_tokenizer, named_weights, torch_dtype
 from rlsync.model.lora import adapted
@@ -132,12 +132,13 @@ class Experiment:
             release=self.close, summarize=self.summary, closing=print_closing, cause=self.dp.failed_rank
         ) as record:  # data parallel: stopped by another rank?
             engine, transport = self.setup()
-            for step in range(self.cfg.run.steps):
-                if step > 0 and self.cfg.run.limit_probe == "every_step":  # outside the step's timing
-                    probed = time.perf_counter()
-                    self.probe_floors()
-                    self.probe_time = time.perf_counter() - probed  # left out of the engine's idle time
-                record({"step": step, **self.step(step, engine, transport)})
+            with settled_heap():  # setup's objects out of the collector's way while the steps are timed
+                for step in range(self.cfg.run.steps):
+                    if step > 0 and self.cfg.run.limit_probe == "every_step":  # outside the step's timing
+                        probed = time.perf_counter()
+                        self.probe_floors()
+                        self.probe_time = time.perf_counter() - probed  # left out of the engine's idle time
+                    record({"step": step, **self.step(step, engine, transport)})
         return self.recorder.result
 
     def setup(self) -> Transport | None:

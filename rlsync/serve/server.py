@@ -56,6 +56,7 @@ from rlsync.config.validate import checked_config
 from rlsync.engines.base import engine_spec
 from rlsync.errors import ConfigError, RlsyncError, StopOnSignals
 from rlsync.measure.devices import resolve_device
+from rlsync.measure.timing import settled_heap
 from rlsync.model.build import build_tokenizer
 from rlsync.record.run_lock import RunLock
 from rlsync.serve.app import Control, log
@@ -166,7 +167,8 @@ def serve(cfg: EngineAppConfig, run_dir: Path, record: Optional[dict[str, str]] 
             f"{bound[0]}:{bound[1]}" + (" (token required)" if token else "")
         )
         try:
-            control.wait(cfg.serve.sessions)
+            with settled_heap():  # the engine's objects out of the collector's way while it serves timed updates
+                control.wait(cfg.serve.sessions)
         finally:
             # the session's work cancelled and the session ended first, so that no request is in flight
             # when the HTTP server closes; work that cannot be cancelled (a blocked rendezvous) leaves
