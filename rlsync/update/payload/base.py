@@ -16,6 +16,7 @@ from rlsync.fmt import fmt_seconds, fmt_sig
 from rlsync.measure.floors import crosses_host_link
 from rlsync.registry import Registry
 from rlsync.update.buckets import Bucket, TensorMeta, plan_buckets
+from rlsync.update.payload.kernels import LINE_BYTES
 
 FULL, SPARSE = 0, 1  # Encoded.mode: the bucket's every element, or (positions, values) of the changed ones
 KEY = "update.payload"  # the one key that chooses a payload (rlsync/config/schema.py)
@@ -248,7 +249,7 @@ class PlanContext:
     model_shapes: list = field(default_factory=list)  # (name, shape) of the model's weights (rlsync.model)
     lora: Any = None  # trainer.lora (a LoraConfig)
     bucket_bytes: int = 0  # update.bucket_mb in bytes (a payload that plans buckets of its own)
-    line_bytes: int = 64  # what the device's memory moves per access (kernels.LINE_BYTES: a scatter's floor)
+    line_bytes: int = LINE_BYTES["cpu"]  # what the device's memory moves per access (a scatter's floor)
 
     @property
     def elements(self) -> int:

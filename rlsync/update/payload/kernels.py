@@ -244,13 +244,18 @@ def line_bytes(device: torch.device) -> int:
     return LINE_BYTES.get(device.type, LINE_BYTES["cpu"])
 
 
+def line_shift(device: torch.device) -> int:
+    """log2 of `line_bytes`: a byte offset shifted right by it is its line's index (delta.c's `shift`)."""
+    return line_bytes(device).bit_length() - 1
+
+
 def lines_of(where: torch.Tensor, itemsize: int) -> tuple[int, int, int]:
     """The memory lines (`line_bytes`, counted from the bucket's start) that the ascending positions `where` fall
     in: (how many, the first one, the last one); (0, -1, -1) for none. delta.c counts them in its pass; this is
     its fallback's (numpy on a CPU, torch's ops and one sync elsewhere)."""
     if not where.numel():
         return 0, -1, -1
-    shift = line_bytes(where.device).bit_length() - 1
+    shift = line_shift(where.device)
     if where.device.type == "cpu":
         ids = (where.numpy().astype(np.int64) * itemsize) >> shift
         return 1 + int(np.count_nonzero(ids[1:] != ids[:-1])), int(ids[0]), int(ids[-1])
@@ -331,7 +336,7 @@ def compact_pieces(
     where = scratch.get("where", k, torch.int32, old.device)
     values = scratch.get("values", k, old.dtype, old.device)
     spans = scratch.get("lines", 3, torch.int64, old.device)
-    shift, ends = line_bytes(old.device).bit_length() - 1, spans.numpy()
+    shift, ends = line_shift(old.device), spans.numpy()
     count, lines = 0, []
     for (offset, part), fn in zip(pieces, fns):
         found = fn(

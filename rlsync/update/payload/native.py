@@ -2,7 +2,8 @@
 with ctypes, as inductor builds its CPU kernels.
 
 `DELTA` is delta.c (the delta's compaction, one pass per chunk: kernels.compact_chunk; its apply:
-kernels.scatter_changed); `FP8` is fp8.c (FP8's block quantize and dequantize of whole tensors by block rows: kernels.quantize_whole, kernels.dequantize_whole).
+kernels.scatter_changed); `FP8` is fp8.c (FP8's block quantize and dequantize of 2-D tensors of any shape by block
+rows: kernels.native_quantize, kernels.native_dequantize).
 Each one's first use in a process compiles it (once: a lock) with `$CC` (split as a shell would, no shell run), else the first of cc, gcc,
 clang on PATH, for this CPU (`-march=native`; without it where the compiler refuses it), into
 `$XDG_CACHE_HOME/rlsync/kernels` (else ~/.cache/rlsync/kernels), named by a hash of the source, the flags, the
@@ -254,14 +255,18 @@ def bind_delta(lib: ctypes.CDLL) -> None:
 DELTA = Library(Path(__file__).with_name("delta.c"), check=bind_delta)
 
 
-def compaction(width: int):
-    """The C compaction for elements of `width` bytes, `fn(new, old, n, base, pos, val, shift, lines) -> count`
-    (pointers as ints; pos None: count and copy only; lines None: no lines counted), or None where it is off,
-    failed or has no such width."""
+def by_width(name: str, width: int):
+    """delta.c's `rlsync_<name>_w<width>`, or None where it is off, failed or has no such width."""
     lib = DELTA.get()
     if lib is None or width not in WIDTHS:
         return None
-    return getattr(lib, f"rlsync_delta_w{width}")
+    return getattr(lib, f"rlsync_{name}_w{width}")
+
+
+def compaction(width: int):
+    """The C compaction for elements of `width` bytes, `fn(new, old, n, base, pos, val, shift, lines) -> count`
+    (pointers as ints; pos None: count and copy only; lines None: no lines counted), or None (`by_width`)."""
+    return by_width("delta", width)
 
 
 def cast_compaction():
@@ -272,11 +277,8 @@ def cast_compaction():
 
 
 def scatter(width: int):
-    """The C apply for elements of `width` bytes, `fn(dst, pos, val, n, origin)`, or None (as `compaction`)."""
-    lib = DELTA.get()
-    if lib is None or width not in WIDTHS:
-        return None
-    return getattr(lib, f"rlsync_scatter_w{width}")
+    """The C apply for elements of `width` bytes, `fn(dst, pos, val, n, origin)`, or None (`by_width`)."""
+    return by_width("scatter", width)
 
 
 BLOCK_CHECK = 128  # fp8.c's block, each way
